@@ -1,0 +1,357 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
+    NODE_STATE_STARTING: _ClassVar[NodeState]
+    NODE_STATE_READY: _ClassVar[NodeState]
+    NODE_STATE_DRAINING: _ClassVar[NodeState]
+    NODE_STATE_DOWN: _ClassVar[NodeState]
+
+class AbortOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ABORT_OUTCOME_UNSPECIFIED: _ClassVar[AbortOutcome]
+    ABORT_OUTCOME_ABORTED: _ClassVar[AbortOutcome]
+    ABORT_OUTCOME_ALREADY_FINISHED: _ClassVar[AbortOutcome]
+    ABORT_OUTCOME_NOT_FOUND: _ClassVar[AbortOutcome]
+
+class EngineFinish(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_FINISH_NONE: _ClassVar[EngineFinish]
+    ENGINE_FINISH_EOS: _ClassVar[EngineFinish]
+    ENGINE_FINISH_STOP_TOKEN: _ClassVar[EngineFinish]
+    ENGINE_FINISH_LENGTH: _ClassVar[EngineFinish]
+    ENGINE_FINISH_CANCELLED: _ClassVar[EngineFinish]
+    ENGINE_FINISH_ERROR: _ClassVar[EngineFinish]
+NODE_STATE_UNSPECIFIED: NodeState
+NODE_STATE_STARTING: NodeState
+NODE_STATE_READY: NodeState
+NODE_STATE_DRAINING: NodeState
+NODE_STATE_DOWN: NodeState
+ABORT_OUTCOME_UNSPECIFIED: AbortOutcome
+ABORT_OUTCOME_ABORTED: AbortOutcome
+ABORT_OUTCOME_ALREADY_FINISHED: AbortOutcome
+ABORT_OUTCOME_NOT_FOUND: AbortOutcome
+ENGINE_FINISH_NONE: EngineFinish
+ENGINE_FINISH_EOS: EngineFinish
+ENGINE_FINISH_STOP_TOKEN: EngineFinish
+ENGINE_FINISH_LENGTH: EngineFinish
+ENGINE_FINISH_CANCELLED: EngineFinish
+ENGINE_FINISH_ERROR: EngineFinish
+
+class NodeLoad(_message.Message):
+    __slots__ = ("running_requests", "queued_requests", "running_tokens", "waiting_tokens", "decode_batch_size", "max_running_requests", "max_queued_requests")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    queued_requests: int
+    running_tokens: int
+    waiting_tokens: int
+    decode_batch_size: int
+    max_running_requests: int
+    max_queued_requests: int
+    def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., decode_batch_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ...) -> None: ...
+
+class NodeEntry(_message.Message):
+    __slots__ = ("node_id", "address", "rank", "state", "load")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    rank: int
+    state: NodeState
+    load: NodeLoad
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeEntry
+    def __init__(self, node: _Optional[_Union[NodeEntry, _Mapping]] = ...) -> None: ...
+
+class NodeHeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "state", "load")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    state: NodeState
+    load: NodeLoad
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+
+class RegisterFrontendRequest(_message.Message):
+    __slots__ = ("frontend_id", "address")
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    frontend_id: str
+    address: str
+    def __init__(self, frontend_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class FrontendHeartbeatRequest(_message.Message):
+    __slots__ = ("frontend_id", "live_requests")
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    frontend_id: str
+    live_requests: int
+    def __init__(self, frontend_id: _Optional[str] = ..., live_requests: _Optional[int] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("heartbeat_interval_s", "nodes")
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known", "nodes")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
+    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
+    TARGET_RANK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    frontend_id: str
+    routing_key: str
+    target_rank: int
+    prompt_tokens: int
+    num_sequences: int
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., target_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeEntry
+    def __init__(self, node: _Optional[_Union[NodeEntry, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "frontend_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    frontend_id: str
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterAbortRequest(_message.Message):
+    __slots__ = ("request_id", "all_requests")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    all_requests: bool
+    def __init__(self, request_id: _Optional[str] = ..., all_requests: _Optional[bool] = ...) -> None: ...
+
+class ClusterAbortReply(_message.Message):
+    __slots__ = ("outcome", "aborted")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    outcome: AbortOutcome
+    aborted: int
+    def __init__(self, outcome: _Optional[_Union[AbortOutcome, str]] = ..., aborted: _Optional[int] = ...) -> None: ...
+
+class GetClusterLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterLoad(_message.Message):
+    __slots__ = ("nodes", "live_reservations")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
+    live_reservations: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., live_reservations: _Optional[int] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: EngineRequest
+    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id", "output_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    output_index: int
+    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ...) -> None: ...
+
+class CancelReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class ResultsRequest(_message.Message):
+    __slots__ = ("frontend_id",)
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    frontend_id: str
+    def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
+
+class GetNodeLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Candidates(_message.Message):
+    __slots__ = ("top_n", "token_ids", "all")
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    top_n: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    all: bool
+    def __init__(self, top_n: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class EngineRequest(_message.Message):
+    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "temperature", "top_p", "top_k", "seed", "has_seed", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_START_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    frontend_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_sequences: int
+    max_tokens: int
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    priority: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    has_seed: bool
+    output_logprobs: bool
+    output_candidates: Candidates
+    prompt_logprobs: bool
+    prompt_candidates: Candidates
+    prompt_logprob_start: int
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
+
+class LogProbEntry(_message.Message):
+    __slots__ = ("token_id", "logprob", "rank")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    rank: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class TokenRecord(_message.Message):
+    __slots__ = ("token_id", "has_logprob", "logprob", "rank", "candidates")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    has_logprob: bool
+    logprob: float
+    rank: int
+    candidates: _containers.RepeatedCompositeFieldContainer[LogProbEntry]
+    def __init__(self, token_id: _Optional[int] = ..., has_logprob: _Optional[bool] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[LogProbEntry, _Mapping]]] = ...) -> None: ...
+
+class OutputEvent(_message.Message):
+    __slots__ = ("request_id", "output_index", "tokens", "finish", "finish_token_id", "message", "retryable", "prompt_tokens", "lane")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    FINISH_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    output_index: int
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenRecord]
+    finish: EngineFinish
+    finish_token_id: int
+    message: str
+    retryable: bool
+    prompt_tokens: _containers.RepeatedCompositeFieldContainer[TokenRecord]
+    lane: str
+    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., finish: _Optional[_Union[EngineFinish, str]] = ..., finish_token_id: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., prompt_tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., lane: _Optional[str] = ...) -> None: ...
+
+class StepResults(_message.Message):
+    __slots__ = ("step", "events")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    events: _containers.RepeatedCompositeFieldContainer[OutputEvent]
+    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ...) -> None: ...
+
+class EngineCommand(_message.Message):
+    __slots__ = ("add", "cancel", "shutdown")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    add: EngineRequest
+    cancel: CancelRequest
+    shutdown: bool
+    def __init__(self, add: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., shutdown: _Optional[bool] = ...) -> None: ...
+
+class EngineStep(_message.Message):
+    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    events: _containers.RepeatedCompositeFieldContainer[OutputEvent]
+    running: int
+    queued: int
+    running_tokens: int
+    waiting_tokens: int
+    step_seconds: float
+    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...

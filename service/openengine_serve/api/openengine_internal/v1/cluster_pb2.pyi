@@ -339,7 +339,7 @@ class EngineCommand(_message.Message):
     def __init__(self, add: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., shutdown: _Optional[bool] = ...) -> None: ...
 
 class EngineStep(_message.Message):
-    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds")
+    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds", "worker_pids")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +347,7 @@ class EngineStep(_message.Message):
     RUNNING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     events: _containers.RepeatedCompositeFieldContainer[OutputEvent]
     running: int
@@ -354,4 +355,5 @@ class EngineStep(_message.Message):
     running_tokens: int
     waiting_tokens: int
     step_seconds: float
-    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    worker_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ...) -> None: ...

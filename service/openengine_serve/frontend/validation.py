@@ -1,0 +1,468 @@
+"""Everything checked before a Generate request is accepted.
+
+A rejected request raises `RequestRejected` carrying the gRPC status code and
+a message that names the offending field and what is allowed. The checks run
+in a fixed order, so a request with several problems always gets the same
+answer:
+
+1. ``request_id``: non-empty, at most 1024 bytes of UTF-8 (INVALID_ARGUMENT).
+2. input shape: exactly one of ``prompt`` / ``token_ids``, not empty
+   (INVALID_ARGUMENT).
+3. ``model``: the served name or an alias (NOT_FOUND).
+4. unsupported features: ``media``, ``guided``, ``kv``, ``lora_name``,
+   ``all`` candidates (UNIMPLEMENTED). They come after the model because what
+   is supported is a property of the model.
+5. ``sampling`` ranges and ``num_sequences`` (INVALID_ARGUMENT).
+6. ``stopping``: ``max_tokens``, ``min_tokens``, stop conditions (INVALID_ARGUMENT).
+7. ``response``: candidate selections (INVALID_ARGUMENT).
+8. the prompt's tokens, last because a text prompt must be tokenized first:
+   ids inside the vocabulary, prompt within the context, ``max_tokens`` fits
+   after the prompt (clamped when the client left it out), ``min_tokens``
+   still fits, ``prompt_logprob_start`` inside the prompt (INVALID_ARGUMENT).
+
+``extra`` is ignored. Checks that need deployment state (duplicate request
+ids, admission) are not made here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+
+from openengine_serve.api.openengine.v1 import generation_pb2
+from openengine_serve.common.vocab import VOCAB_SIZE
+
+MAX_REQUEST_ID_BYTES = 1024
+
+ROUTING_KEY_HEADER = "openengine-routing-key"
+TARGET_RANK_HEADER = "openengine-target-dp-rank"
+PRIORITY_HEADER = "openengine-priority"
+_OPENENGINE_HEADER_PREFIX = "openengine-"
+
+_UINT32_MAX = 2**32 - 1
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+# Leading zeros are allowed; the digit count bound keeps int() cheap.
+_UINT32_TEXT = re.compile(r"0*([0-9]{1,10})")
+_INT32_TEXT = re.compile(r"([+-]?)0*([0-9]{1,10})")
+# W3C Trace Context: version-trace_id-parent_id-flags; versions after 00 may append fields.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?")
+
+CandidateSelection = tuple[Literal["top_n"], int] | tuple[Literal["token_ids"], tuple[int, ...]]
+
+
+class RequestRejected(Exception):
+    """A request refused before acceptance; the caller ends the call with this status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestRejected:
+    return RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _unimplemented(message: str) -> RequestRejected:
+    return RequestRejected(grpc.StatusCode.UNIMPLEMENTED, message)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    served_model_name: str
+    aliases: tuple[str, ...]
+    max_context_length: int
+    max_output_tokens: int
+    max_num_sequences: int
+    max_top_n: int = 20
+    max_stop_conditions: int = 16
+    vocab_size: int = VOCAB_SIZE
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.aliases)
+
+
+@dataclass(frozen=True)
+class RequestMetadata:
+    routing_key: str = ""
+    target_rank: int | None = None
+    priority: int = 0
+    traceparent: str = ""
+    tracestate: str = ""
+
+
+@dataclass
+class GenerationPlan:
+    """A validated Generate request with every default applied."""
+
+    request_id: str
+    model: str  # the served model name, also when the request used an alias
+    prompt_token_ids: list[int]
+    num_sequences: int
+    max_tokens: int
+    min_tokens: int = 0
+    stop_strings: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_in_output: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    seed: int | None = None
+    output_logprobs: bool = False
+    output_candidates: CandidateSelection | None = None
+    prompt_logprobs: bool = False
+    prompt_candidates: CandidateSelection | None = None
+    prompt_logprob_start: int = 0
+    metadata: RequestMetadata = field(default_factory=RequestMetadata)
+    min_p: float = 0.0  # 0 = disabled
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = disabled
+
+
+# --- request metadata --------------------------------------------------------
+
+
+def parse_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> RequestMetadata:
+    """Reads the OpenEngine and W3C Trace Context keys from a call's metadata.
+
+    A key of the ``openengine-`` family sent twice, a malformed number, or an
+    empty or non-ASCII routing key is rejected. Trace context never rejects a
+    call: a malformed or repeated ``traceparent`` is dropped together with
+    ``tracestate`` (W3C: start a new trace), and repeated ``tracestate``
+    values are joined with commas.
+    """
+    seen: set[str] = set()
+    routing_key = ""
+    target_rank: int | None = None
+    priority = 0
+    traceparents: list[str] = []
+    tracestates: list[str] = []
+    for raw_key, value in pairs:
+        key = raw_key.lower()
+        if key.startswith(_OPENENGINE_HEADER_PREFIX):
+            if key in seen:
+                raise _invalid(f"metadata {key} was sent more than once; send it at most once")
+            seen.add(key)
+        if key == ROUTING_KEY_HEADER:
+            routing_key = _parse_routing_key(value)
+        elif key == TARGET_RANK_HEADER:
+            target_rank = _parse_uint32(key, value)
+        elif key == PRIORITY_HEADER:
+            priority = _parse_int32(key, value)
+        elif key == "traceparent":
+            traceparents.append(_ascii_or_empty(value))
+        elif key == "tracestate":
+            tracestates.append(_ascii_or_empty(value))
+    if len(traceparents) == 1 and _is_valid_traceparent(traceparents[0]):
+        traceparent, tracestate = traceparents[0], ",".join(s for s in tracestates if s)
+    else:
+        traceparent, tracestate = "", ""
+    return RequestMetadata(routing_key, target_rank, priority, traceparent, tracestate)
+
+
+def _ascii_or_empty(value: str | bytes) -> str:
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    return text if text.isascii() else ""
+
+
+def _shown(value: str | bytes) -> str:
+    """A client's value for an error message, cut short: the status travels in size-limited trailers."""
+    shown = repr(value[:64])
+    return shown if len(value) <= 64 else shown + "..."
+
+
+def _parse_routing_key(value: str | bytes) -> str:
+    if not value:
+        raise _invalid(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got an empty value")
+    text = _ascii_or_empty(value)
+    if not text:
+        raise _invalid(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got {_shown(value)}")
+    return text
+
+
+def _parse_uint32(key: str, value: str | bytes) -> int:
+    match = _UINT32_TEXT.fullmatch(_ascii_or_empty(value))
+    if match is None or int(match[1]) > _UINT32_MAX:
+        raise _invalid(f"metadata {key} must be a base-10 uint32 (0..{_UINT32_MAX}), got {_shown(value)}")
+    return int(match[1])
+
+
+def _parse_int32(key: str, value: str | bytes) -> int:
+    match = _INT32_TEXT.fullmatch(_ascii_or_empty(value))
+    number = None if match is None else int(match[1] + match[2])
+    if number is None or not _INT32_MIN <= number <= _INT32_MAX:
+        raise _invalid(
+            f"metadata {key} must be a base-10 int32 ({_INT32_MIN}..{_INT32_MAX}), got {_shown(value)}"
+        )
+    return number
+
+
+def _is_valid_traceparent(value: str) -> bool:
+    match = _TRACEPARENT.fullmatch(value)
+    if match is None:
+        return False
+    version, trace_id, parent_id, tail = match.groups()
+    return (
+        version != "ff"
+        and not (version == "00" and tail)
+        and trace_id != "0" * 32
+        and parent_id != "0" * 16
+    )
+
+
+# --- Generate ----------------------------------------------------------------
+
+
+def validate_generate(
+    request: generation_pb2.GenerateRequest,
+    metadata: RequestMetadata,
+    limits: ModelLimits,
+    encode: Callable[[str], list[int]],
+) -> GenerationPlan:
+    """Checks a Generate request in the order of the module docstring and normalizes it."""
+    _check_request_id(request.request_id)
+    input_kind = _check_input_shape(request)
+    model = _resolve_model(request.model, limits)
+    _check_supported_features(request)
+
+    sampling = request.sampling
+    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise _invalid(f"sampling.temperature must be a finite number >= 0, got {temperature!r}")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
+        raise _invalid(f"sampling.top_p must be in (0, 1], got {top_p!r}")
+    top_k = sampling.top_k
+    if top_k < -1:
+        raise _invalid(f"sampling.top_k must be >= -1 (-1 and 0 disable it), got {top_k}")
+    min_p = sampling.min_p
+    if not 0 <= min_p <= 1:
+        raise _invalid(f"sampling.min_p must be in [0, 1], got {min_p!r}")
+    for penalty_field in ("frequency_penalty", "presence_penalty"):
+        penalty = getattr(sampling, penalty_field)
+        if not -2 <= penalty <= 2:
+            raise _invalid(f"sampling.{penalty_field} must be in [-2, 2], got {penalty!r}")
+    repetition_penalty = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        raise _invalid(f"sampling.repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
+    num_sequences = sampling.num_sequences if sampling.HasField("num_sequences") else 1
+    if not 1 <= num_sequences <= limits.max_num_sequences:
+        raise _invalid(
+            f"sampling.num_sequences must be in [1, {limits.max_num_sequences}], got {num_sequences}"
+        )
+
+    stopping = request.stopping
+    requested_max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else None
+    if requested_max_tokens is not None and not 1 <= requested_max_tokens <= limits.max_output_tokens:
+        raise _invalid(
+            f"stopping.max_tokens must be in [1, {limits.max_output_tokens}], got {requested_max_tokens}"
+        )
+    min_tokens = stopping.min_tokens
+    if requested_max_tokens is not None and min_tokens > requested_max_tokens:
+        raise _invalid(
+            f"stopping.min_tokens must be <= stopping.max_tokens ({requested_max_tokens}), got {min_tokens}"
+        )
+    if requested_max_tokens is None and min_tokens > limits.max_output_tokens:
+        raise _invalid(
+            f"stopping.min_tokens must be <= max_output_tokens ({limits.max_output_tokens}) when "
+            f"stopping.max_tokens is unset, got {min_tokens}"
+        )
+    stop_strings, stop_token_ids = _stop_conditions(stopping.conditions, limits)
+
+    response = request.response
+    output_candidates = _candidates(response, "output_candidates", limits)
+    prompt_candidates = _candidates(response, "prompt_candidates", limits)
+
+    prompt_token_ids = _prompt_token_ids(request, input_kind, limits, encode)
+    max_tokens = _fit_max_tokens(input_kind, len(prompt_token_ids), requested_max_tokens, limits)
+    if min_tokens > max_tokens:  # only reachable when max_tokens was clamped to the context
+        raise _invalid(
+            f"stopping.min_tokens must be <= the {max_tokens} output tokens that fit in max_context_length "
+            f"{limits.max_context_length} after the prompt's {len(prompt_token_ids)} tokens, got {min_tokens}"
+        )
+    prompt_logprob_start = response.prompt_logprob_start
+    if prompt_logprob_start >= len(prompt_token_ids):
+        raise _invalid(
+            f"response.prompt_logprob_start must be < the prompt length ({len(prompt_token_ids)} tokens), "
+            f"got {prompt_logprob_start}"
+        )
+
+    return GenerationPlan(
+        request_id=request.request_id,
+        model=model,
+        prompt_token_ids=prompt_token_ids,
+        num_sequences=num_sequences,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop_strings=stop_strings,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=stopping.ignore_eos,
+        include_stop_in_output=stopping.include_stop_in_output,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        output_logprobs=response.return_output_logprobs,
+        output_candidates=output_candidates,
+        prompt_logprobs=response.return_prompt_logprobs,
+        prompt_candidates=prompt_candidates,
+        prompt_logprob_start=prompt_logprob_start,
+        metadata=metadata,
+        min_p=min_p,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
+        repetition_penalty=repetition_penalty,
+    )
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise _invalid("request_id must be non-empty")
+    size = len(request_id.encode("utf-8"))
+    if size > MAX_REQUEST_ID_BYTES:
+        raise _invalid(f"request_id must be at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {size} bytes")
+
+
+def _check_input_shape(request: generation_pb2.GenerateRequest) -> Literal["prompt", "token_ids"]:
+    input_kind = request.WhichOneof("input")
+    if input_kind is None:
+        raise _invalid("exactly one of prompt or token_ids must be set, got neither")
+    if input_kind == "prompt" and not request.prompt:
+        raise _invalid("prompt must not be empty")
+    if input_kind == "token_ids" and not request.token_ids.ids:
+        raise _invalid("token_ids.ids must not be empty")
+    return input_kind
+
+
+def _resolve_model(requested: str, limits: ModelLimits) -> str:
+    if requested in limits.served_names:
+        return limits.served_model_name
+    served = ", ".join(repr(name) for name in limits.served_names)
+    problem = "model must be set" if not requested else f"model {_shown(requested)} is not served here"
+    raise RequestRejected(grpc.StatusCode.NOT_FOUND, f"{problem}; served models: {served}")
+
+
+def _check_supported_features(request: generation_pb2.GenerateRequest) -> None:
+    if request.media:
+        raise _unimplemented("media input is not supported (media must be empty)")
+    guide = request.guided.WhichOneof("guide")
+    if guide is not None:
+        raise _unimplemented(f"guided decoding is not supported (guided.{guide} is set)")
+    kv = request.kv
+    if kv.HasField("session"):
+        raise _unimplemented("KV sessions are not supported (kv.session is set)")
+    if kv.bypass_prefix_cache:
+        raise _unimplemented("kv.bypass_prefix_cache is not supported; leave it unset or false")
+    if kv.HasField("cache_salt"):
+        raise _unimplemented("kv.cache_salt is not supported; leave it unset")
+    if request.lora_name:
+        raise _unimplemented(f"LoRA is not enabled (lora_name {_shown(request.lora_name)}); leave lora_name empty")
+    for candidates_field in ("prompt_candidates", "output_candidates"):
+        if getattr(request.response, candidates_field).WhichOneof("selection") == "all":
+            raise _unimplemented(
+                f"response.{candidates_field}.all is not supported; only top_n and token_ids are"
+            )
+
+
+def _stop_conditions(
+    conditions: Sequence[generation_pb2.StopCondition], limits: ModelLimits
+) -> tuple[list[str], list[int]]:
+    if len(conditions) > limits.max_stop_conditions:
+        raise _invalid(
+            f"stopping.conditions must have at most {limits.max_stop_conditions} entries, "
+            f"got {len(conditions)}"
+        )
+    stop_strings: list[str] = []
+    stop_token_ids: list[int] = []
+    for index, condition in enumerate(conditions):
+        kind = condition.WhichOneof("condition")
+        if kind is None:
+            raise _invalid(f"stopping.conditions[{index}] must set stop_text or stop_token_id")
+        if kind == "stop_text":
+            if not condition.stop_text:
+                raise _invalid(f"stopping.conditions[{index}].stop_text must not be empty")
+            stop_strings.append(condition.stop_text)
+        else:
+            if condition.stop_token_id >= limits.vocab_size:
+                raise _invalid(
+                    f"stopping.conditions[{index}].stop_token_id must be < {limits.vocab_size}, "
+                    f"got {condition.stop_token_id}"
+                )
+            stop_token_ids.append(condition.stop_token_id)
+    return list(dict.fromkeys(stop_strings)), list(dict.fromkeys(stop_token_ids))
+
+
+def _candidates(
+    response: generation_pb2.ResponseOptions, candidates_field: str, limits: ModelLimits
+) -> CandidateSelection | None:
+    """One candidate selection; an empty one (top_n 0, no ids) means none."""
+    selection = getattr(response, candidates_field)
+    kind = selection.WhichOneof("selection")
+    if kind == "top_n":
+        if selection.top_n > limits.max_top_n:
+            raise _invalid(
+                f"response.{candidates_field}.top_n must be in [0, {limits.max_top_n}], got {selection.top_n}"
+            )
+        return ("top_n", selection.top_n) if selection.top_n else None
+    if kind == "token_ids":
+        ids = tuple(selection.token_ids.ids)
+        for index, token_id in enumerate(ids):
+            if token_id >= limits.vocab_size:
+                raise _invalid(
+                    f"response.{candidates_field}.token_ids.ids[{index}] must be < {limits.vocab_size}, "
+                    f"got {token_id}"
+                )
+        return ("token_ids", ids) if ids else None
+    return None  # unset; `all` was rejected earlier
+
+
+def _prompt_token_ids(
+    request: generation_pb2.GenerateRequest,
+    input_kind: Literal["prompt", "token_ids"],
+    limits: ModelLimits,
+    encode: Callable[[str], list[int]],
+) -> list[int]:
+    if input_kind == "prompt":
+        token_ids = encode(request.prompt)
+    else:
+        token_ids = list(request.token_ids.ids)
+        if max(token_ids) >= limits.vocab_size:  # max() in C; find the position only on failure
+            index = next(i for i, token_id in enumerate(token_ids) if token_id >= limits.vocab_size)
+            raise _invalid(
+                f"token_ids.ids[{index}] must be < {limits.vocab_size} (the vocabulary size), "
+                f"got {token_ids[index]}"
+            )
+    if len(token_ids) > limits.max_context_length:
+        raise _invalid(
+            f"{input_kind} must fit max_context_length {limits.max_context_length}, "
+            f"got {len(token_ids)} tokens"
+        )
+    return token_ids
+
+
+def _fit_max_tokens(
+    input_kind: Literal["prompt", "token_ids"], prompt_length: int, requested: int | None, limits: ModelLimits
+) -> int:
+    """The output budget: as requested, or when absent as much as fits up to max_output_tokens."""
+    room = limits.max_context_length - prompt_length
+    if requested is None:
+        if room == 0:
+            raise _invalid(
+                f"{input_kind} must leave room for output within max_context_length "
+                f"{limits.max_context_length}, got {prompt_length} tokens"
+            )
+        return min(limits.max_output_tokens, room)
+    if requested > room:
+        raise _invalid(
+            f"stopping.max_tokens plus the prompt's {prompt_length} tokens must fit max_context_length "
+            f"{limits.max_context_length} (at most {room} output tokens), got {requested}"
+        )
+    return requested

@@ -1,0 +1,519 @@
+"""The coordinator's soft state: node table, frontends, request-id ownership, routing.
+
+Pure logic: no gRPC, no asyncio, no I/O. The gRPC service calls it from one
+event loop, so nothing here locks. Time comes from an injectable monotonic clock.
+
+Everything is rebuilt from re-registration after a coordinator restart: nodes
+and frontends register again when a heartbeat answers `known=False`.
+Limitation: the frontend heartbeat carries no request ids, so the reservations
+of requests already in flight across a restart are lost. Until those requests
+end, duplicate detection covers only ids reserved after the restart, an Abort
+of an older id answers NOT_FOUND, and its Release is a no-op.
+
+Reservations are dropped (and their ids remembered as finished) when:
+- their node goes DOWN: the frontends see the node's result lane break and fail
+  those requests themselves, so nothing on the coordinator would end them;
+- their frontend expires or registers again (a restart): the client streams are
+  gone and nobody is left to release them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+
+NodeState = cluster_pb2.NodeState
+READY = cluster_pb2.NODE_STATE_READY
+DOWN = cluster_pb2.NODE_STATE_DOWN
+STARTING = cluster_pb2.NODE_STATE_STARTING
+
+# A DOWN node or an expired frontend is forgotten after this many expiry periods
+# without a heartbeat; until then it keeps its rank / id and may come back.
+FORGET_AFTER_EXPIRIES = 10
+
+ROUTE_TARGET_RANK = "target_rank"
+ROUTE_AFFINITY = "affinity"
+ROUTE_LEAST_LOADED = "least_loaded"
+
+LookupResult = tuple[Literal["live", "finished", "unknown"], cluster_pb2.NodeEntry | None]
+
+
+class CoordinatorError(Exception):
+    """A refusal; the message says what was wrong and what is allowed."""
+
+
+class RankConflict(CoordinatorError):
+    """A node asked for a rank that a different live node holds."""
+
+
+class DuplicateRequest(CoordinatorError):
+    """The request id is live somewhere in the deployment."""
+
+
+class NoNodeAvailable(CoordinatorError):
+    """No node is READY."""
+
+
+class RankNotFound(CoordinatorError):
+    """target_rank was given and no READY node has that rank."""
+
+
+class DeploymentFull(CoordinatorError):
+    """Every eligible READY node is at capacity."""
+
+
+def state_label(state: int) -> str:
+    """`NODE_STATE_READY` -> `ready` (metric labels, messages)."""
+    return NodeState.Name(state).removeprefix("NODE_STATE_").lower()
+
+
+@dataclasses.dataclass(slots=True)
+class _Node:
+    entry: cluster_pb2.NodeEntry
+    last_heartbeat: float
+    # Bumped on every load report; a reservation made in the current epoch is
+    # not yet counted in entry.load, so it is counted in reserved_since_load.
+    load_epoch: int = 0
+    reserved_since_load: int = 0
+    request_ids: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def is_live(self) -> bool:
+        return self.entry.state != DOWN
+
+    def in_flight(self) -> int:
+        load = self.entry.load
+        return load.running_requests + load.queued_requests + self.reserved_since_load
+
+    def is_full(self) -> bool:
+        load = self.entry.load
+        capacity = load.max_running_requests + load.max_queued_requests
+        # A node that never reported its limits (capacity 0) is not refused.
+        return capacity > 0 and self.in_flight() >= capacity
+
+    def load_score(self) -> float:
+        return self.in_flight() / max(1, self.entry.load.max_running_requests)
+
+
+@dataclasses.dataclass(slots=True)
+class _Frontend:
+    address: str
+    last_heartbeat: float
+    # False for a frontend first seen through Reserve (after a coordinator
+    # restart, before its heartbeat told it to register): heartbeats answer
+    # known=False until it registers and tells its address.
+    registered: bool
+    expired: bool = False
+    reported_live_requests: int = 0
+    request_ids: set[str] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Reservation:
+    frontend_id: str
+    node_id: str
+    reserved_at: float
+    load_epoch: int
+
+
+class ClusterState:
+    """Node table, frontends, live request ids and the routing decision.
+
+    Returned NodeEntry messages are copies: callers may keep or mutate them.
+    """
+
+    def __init__(
+        self,
+        *,
+        now: Callable[[], float] = time.monotonic,
+        node_expiry_s: float = 3.0,
+        frontend_expiry_s: float = 3.0,
+        finished_memory: int = 100_000,
+        routing_affinity_ttl_s: float = 600.0,
+        routing_affinity_max_keys: int = 100_000,
+    ) -> None:
+        for name, value in (
+            ("node_expiry_s", node_expiry_s),
+            ("frontend_expiry_s", frontend_expiry_s),
+            ("finished_memory", finished_memory),
+            ("routing_affinity_ttl_s", routing_affinity_ttl_s),
+            ("routing_affinity_max_keys", routing_affinity_max_keys),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        self._now = now
+        self._node_expiry_s = node_expiry_s
+        self._frontend_expiry_s = frontend_expiry_s
+        self._finished_memory = finished_memory
+        self._affinity_ttl_s = routing_affinity_ttl_s
+        self._affinity_max_keys = routing_affinity_max_keys
+
+        self._nodes: dict[str, _Node] = {}
+        self._frontends: dict[str, _Frontend] = {}
+        self._live: dict[str, _Reservation] = {}  # insertion order = reservation order
+        # Ids in the order they finished; the oldest are forgotten first.
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # routing_key -> (node_id, last use); least recently used first.
+        self._affinity: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self._round_robin = 0
+        self._routing_decisions = {ROUTE_TARGET_RANK: 0, ROUTE_AFFINITY: 0, ROUTE_LEAST_LOADED: 0}
+        self._refusals = {"duplicate": 0, "no_node": 0, "rank_not_found": 0, "deployment_full": 0}
+
+    # ------------------------------------------------------------------ nodes
+
+    def register_node(self, entry: cluster_pb2.NodeEntry, rank_requested: int | None) -> cluster_pb2.NodeEntry:
+        """Adds or replaces a node; returns its entry with the rank it got.
+
+        `rank_requested=None` asks for the lowest rank no live node holds (a
+        node registering again keeps its previous rank when still free);
+        `entry.rank` is ignored. A node registering again while still in the
+        table has restarted: its reservations are dropped.
+        """
+        node_id = entry.node_id
+        if not node_id:
+            raise ValueError("node_id must be non-empty")
+        holders = {n.entry.rank: nid for nid, n in self._nodes.items() if n.is_live and nid != node_id}
+        if rank_requested is None:
+            previous = self._nodes.get(node_id)
+            if previous is not None and previous.entry.rank not in holders:
+                rank = previous.entry.rank
+            else:
+                rank = next(r for r in range(len(holders) + 1) if r not in holders)
+        else:
+            rank = rank_requested
+            if rank in holders:
+                holder = self._nodes[holders[rank]]
+                free = next(r for r in range(len(holders) + 1) if r not in holders)
+                raise RankConflict(
+                    f"rank {rank} is held by live node {holder.entry.node_id!r} "
+                    f"({state_label(holder.entry.state)}); ask for a free rank "
+                    f"(lowest free: {free}) or for automatic assignment"
+                )
+        # A DOWN node holding this rank is replaced: if it comes back, its
+        # heartbeat answers known=False and it registers for a rank again.
+        for stale_id in [nid for nid, n in self._nodes.items() if n.entry.rank == rank and nid != node_id]:
+            self._forget_node(stale_id)
+        if node_id in self._nodes:
+            self._forget_node(node_id)
+
+        stored = cluster_pb2.NodeEntry()
+        stored.CopyFrom(entry)
+        stored.rank = rank
+        if stored.state == cluster_pb2.NODE_STATE_UNSPECIFIED:
+            stored.state = STARTING
+        self._nodes[node_id] = _Node(entry=stored, last_heartbeat=self._now())
+        return _copy(stored)
+
+    def node_heartbeat(self, node_id: str, state: int, load: cluster_pb2.NodeLoad | None) -> bool:
+        """Records a node's state and load; False for an unknown node (it must register).
+
+        `state` UNSPECIFIED keeps the current state; `load=None` keeps the last load.
+        """
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        node.last_heartbeat = self._now()
+        if load is not None:
+            node.entry.load.CopyFrom(load)
+            node.load_epoch += 1
+            node.reserved_since_load = 0
+        if state != cluster_pb2.NODE_STATE_UNSPECIFIED:
+            self._set_node_state(node, state)
+        return True
+
+    def mark_node_down(self, node_id: str) -> bool:
+        """Marks a node DOWN now (e.g. it is unreachable); False when unknown."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        self._set_node_state(node, DOWN)
+        return True
+
+    def node_entries(self) -> list[cluster_pb2.NodeEntry]:
+        """The whole node table, DOWN nodes included, for the frontends' copy."""
+        return [_copy(node.entry) for node in self._nodes.values()]
+
+    # -------------------------------------------------------------- frontends
+
+    def register_frontend(self, frontend_id: str, address: str) -> None:
+        """Adds a frontend. One already registered has restarted: its reservations are dropped."""
+        if not frontend_id:
+            raise ValueError("frontend_id must be non-empty")
+        frontend = self._frontends.get(frontend_id)
+        if frontend is None:
+            self._frontends[frontend_id] = _Frontend(address=address, last_heartbeat=self._now(), registered=True)
+            return
+        if frontend.registered:
+            self._drop_reservations(frontend.request_ids)
+        # Adopted through Reserve (see _Frontend.registered): its reservations are its live requests.
+        frontend.address = address
+        frontend.registered = True
+        frontend.expired = False
+        frontend.last_heartbeat = self._now()
+
+    def frontend_heartbeat(self, frontend_id: str, live_requests: int) -> bool:
+        """Records a frontend heartbeat; False when it must register (again)."""
+        frontend = self._frontends.get(frontend_id)
+        if frontend is None:
+            return False
+        self._touch_frontend(frontend)
+        frontend.reported_live_requests = live_requests
+        return frontend.registered
+
+    # ----------------------------------------------------------------- expiry
+
+    def expire(self) -> None:
+        """Marks silent nodes DOWN and silent frontends expired; forgets long-silent ones.
+
+        Called periodically by the service; cost O(nodes + frontends + expired keys).
+        """
+        now = self._now()
+        for node_id, node in list(self._nodes.items()):
+            silent_s = now - node.last_heartbeat
+            if silent_s > FORGET_AFTER_EXPIRIES * self._node_expiry_s:
+                self._forget_node(node_id)
+            elif silent_s > self._node_expiry_s:
+                self._set_node_state(node, DOWN)
+        for frontend_id, frontend in list(self._frontends.items()):
+            silent_s = now - frontend.last_heartbeat
+            if silent_s > self._frontend_expiry_s and not frontend.expired:
+                frontend.expired = True
+                self._drop_reservations(frontend.request_ids)
+            if silent_s > FORGET_AFTER_EXPIRIES * self._frontend_expiry_s:
+                del self._frontends[frontend_id]
+        while self._affinity:
+            _, (_, last_used) = next(iter(self._affinity.items()))
+            if now - last_used <= self._affinity_ttl_s:
+                break
+            self._affinity.popitem(last=False)
+
+    # ------------------------------------------------------- request ownership
+
+    def reserve(self, request: cluster_pb2.ReserveRequest) -> cluster_pb2.NodeEntry:
+        """Picks a node for the request and makes its id live deployment-wide.
+
+        Raises DuplicateRequest, NoNodeAvailable, RankNotFound or DeploymentFull.
+        Cost O(nodes).
+        """
+        request_id = request.request_id
+        owner = self._live.get(request_id)
+        if owner is not None:
+            self._refusals["duplicate"] += 1
+            raise DuplicateRequest(
+                f"request id {request_id!r} is already in flight (owned by frontend "
+                f"{owner.frontend_id!r}); use an id that is not in flight"
+            )
+        ready = [node for node in self._nodes.values() if node.entry.state == READY]
+        if not ready:
+            self._refusals["no_node"] += 1
+            raise NoNodeAvailable(f"no node is ready to take requests: {self._describe_nodes()}")
+
+        if request.HasField("target_rank"):
+            node = self._pick_target_rank(ready, request.target_rank)
+            reason = ROUTE_TARGET_RANK
+        else:
+            node = self._pick_by_affinity(request.routing_key)
+            reason = ROUTE_AFFINITY
+            if node is None:
+                node = self._pick_least_loaded(ready)
+                reason = ROUTE_LEAST_LOADED
+                # Still present here only when its node is full: keep it (overflow).
+                if request.routing_key and request.routing_key not in self._affinity:
+                    self._remember_affinity(request.routing_key, node.entry.node_id)
+
+        now = self._now()
+        frontend = self._frontends.get(request.frontend_id)
+        if frontend is None:
+            # Reserve before registration: the coordinator restarted and the
+            # frontend has not heard known=False yet. Adopt it rather than fail.
+            frontend = _Frontend(address="", last_heartbeat=now, registered=False)
+            self._frontends[request.frontend_id] = frontend
+        else:
+            self._touch_frontend(frontend)
+
+        node_id = node.entry.node_id
+        self._live[request_id] = _Reservation(request.frontend_id, node_id, now, node.load_epoch)
+        self._finished.pop(request_id, None)  # an id may be reused once finished
+        node.request_ids.add(request_id)
+        node.reserved_since_load += 1
+        frontend.request_ids.add(request_id)
+        self._routing_decisions[reason] += 1
+        return _copy(node.entry)
+
+    def release(self, request_id: str, frontend_id: str) -> bool:
+        """Ends a reservation (finished, failed or cancelled) and remembers the id as finished.
+
+        An unknown id, or one owned by another frontend, is left alone (False).
+        """
+        reservation = self._live.get(request_id)
+        if reservation is None or reservation.frontend_id != frontend_id:
+            return False
+        self._end_reservation(request_id)
+        return True
+
+    def lookup(self, request_id: str) -> LookupResult:
+        """For Abort: ("live", node entry), ("finished", None) or ("unknown", None)."""
+        reservation = self._live.get(request_id)
+        if reservation is not None:
+            return "live", _copy(self._nodes[reservation.node_id].entry)
+        if request_id in self._finished:
+            return "finished", None
+        return "unknown", None
+
+    def live_requests(self) -> list[tuple[str, cluster_pb2.NodeEntry]]:
+        """Every live request id with its node entry, for abort-all."""
+        entries = {node_id: _copy(node.entry) for node_id, node in self._nodes.items() if node.request_ids}
+        return [(request_id, entries[r.node_id]) for request_id, r in self._live.items()]
+
+    # ---------------------------------------------------------------- reports
+
+    def cluster_load(self) -> cluster_pb2.ClusterLoad:
+        return cluster_pb2.ClusterLoad(
+            nodes=[node.entry for node in self._nodes.values()],  # the constructor copies
+            live_reservations=len(self._live),
+        )
+
+    def snapshot(self) -> dict[str, object]:
+        """Plain counters and gauges for metrics."""
+        nodes_by_state = {state_label(s): 0 for s in NodeState.values() if s != cluster_pb2.NODE_STATE_UNSPECIFIED}
+        for node in self._nodes.values():
+            nodes_by_state[state_label(node.entry.state)] += 1
+        frontends_by_state = {"live": 0, "expired": 0}
+        for frontend in self._frontends.values():
+            frontends_by_state["expired" if frontend.expired else "live"] += 1
+        oldest = next(iter(self._live.values()), None)
+        return {
+            "routing_decisions": dict(self._routing_decisions),
+            "refusals": dict(self._refusals),
+            "live_reservations": len(self._live),
+            # Grows without bound when a frontend leaks reservations (never releases).
+            "oldest_reservation_age_s": self._now() - oldest.reserved_at if oldest else 0.0,
+            "nodes_by_state": nodes_by_state,
+            "frontends_by_state": frontends_by_state,
+            "frontend_reported_live_requests": sum(f.reported_live_requests for f in self._frontends.values()),
+            "finished_remembered": len(self._finished),
+            "affinity_keys": len(self._affinity),
+        }
+
+    # ---------------------------------------------------------------- routing
+
+    def _pick_target_rank(self, ready: list[_Node], rank: int) -> _Node:
+        node = next((n for n in ready if n.entry.rank == rank), None)
+        if node is None:
+            self._refusals["rank_not_found"] += 1
+            not_ready = next((n for n in self._nodes.values() if n.entry.rank == rank), None)
+            detail = f" (rank {rank} is {state_label(not_ready.entry.state)})" if not_ready else ""
+            raise RankNotFound(
+                f"no ready node has rank {rank}{detail}; ready ranks: {sorted(n.entry.rank for n in ready)}"
+            )
+        if node.is_full():
+            self._refusals["deployment_full"] += 1
+            raise DeploymentFull(f"node rank {rank} is at capacity ({self._describe_capacity(node)}); retry later")
+        return node
+
+    def _pick_by_affinity(self, routing_key: str) -> _Node | None:
+        """The node remembered for the key while it is READY and has room, else None.
+
+        A full node keeps the key (this request overflows to the least loaded
+        node) so the key's requests return to it once it has room; a node that
+        is no longer READY loses the key, which moves to the next node chosen.
+        """
+        remembered = self._affinity.get(routing_key) if routing_key else None
+        if remembered is None:
+            return None
+        node_id, last_used = remembered
+        now = self._now()
+        node = self._nodes.get(node_id)
+        if now - last_used > self._affinity_ttl_s or node is None or node.entry.state != READY:
+            del self._affinity[routing_key]
+            return None
+        if node.is_full():
+            return None
+        self._affinity[routing_key] = (node_id, now)
+        self._affinity.move_to_end(routing_key)
+        return node
+
+    def _remember_affinity(self, routing_key: str, node_id: str) -> None:
+        self._affinity[routing_key] = (node_id, self._now())
+        self._affinity.move_to_end(routing_key)
+        if len(self._affinity) > self._affinity_max_keys:
+            self._affinity.popitem(last=False)
+
+    def _pick_least_loaded(self, ready: list[_Node]) -> _Node:
+        # Scanning from a rotating start and keeping the first strict minimum
+        # breaks ties round-robin, so equally idle nodes all get traffic.
+        start = self._round_robin % len(ready)
+        self._round_robin += 1
+        best: _Node | None = None
+        best_score = 0.0
+        for i in range(len(ready)):
+            node = ready[(start + i) % len(ready)]
+            if node.is_full():
+                continue
+            score = node.load_score()
+            if best is None or score < best_score:
+                best, best_score = node, score
+        if best is None:
+            self._refusals["deployment_full"] += 1
+            raise DeploymentFull(
+                "every ready node is at capacity: "
+                + ", ".join(f"rank {n.entry.rank} {self._describe_capacity(n)}" for n in ready)
+                + "; retry later"
+            )
+        return best
+
+    # -------------------------------------------------------------- internals
+
+    def _set_node_state(self, node: _Node, state: int) -> None:
+        if state == DOWN and node.entry.state != DOWN:
+            self._drop_reservations(node.request_ids)
+        node.entry.state = state
+
+    def _forget_node(self, node_id: str) -> None:
+        node = self._nodes.pop(node_id)
+        self._drop_reservations(node.request_ids)
+
+    def _touch_frontend(self, frontend: _Frontend) -> None:
+        frontend.last_heartbeat = self._now()
+        frontend.expired = False
+
+    def _drop_reservations(self, request_ids: set[str]) -> None:
+        # Copy: _end_reservation removes each id from the very set being iterated.
+        for request_id in list(request_ids):
+            self._end_reservation(request_id)
+
+    def _end_reservation(self, request_id: str) -> None:
+        reservation = self._live.pop(request_id)
+        node = self._nodes.get(reservation.node_id)
+        if node is not None:
+            node.request_ids.discard(request_id)
+            if reservation.load_epoch == node.load_epoch:
+                node.reserved_since_load -= 1
+        frontend = self._frontends.get(reservation.frontend_id)
+        if frontend is not None:
+            frontend.request_ids.discard(request_id)
+        self._finished[request_id] = None
+        if len(self._finished) > self._finished_memory:
+            self._finished.popitem(last=False)
+
+    def _describe_nodes(self) -> str:
+        if not self._nodes:
+            return "no node is registered"
+        counts = collections.Counter(state_label(n.entry.state) for n in self._nodes.values())
+        return f"{len(self._nodes)} known (" + ", ".join(f"{c} {s}" for s, c in sorted(counts.items())) + ")"
+
+    @staticmethod
+    def _describe_capacity(node: _Node) -> str:
+        load = node.entry.load
+        return f"{node.in_flight()}/{load.max_running_requests + load.max_queued_requests} in flight"
+
+
+def _copy(entry: cluster_pb2.NodeEntry) -> cluster_pb2.NodeEntry:
+    copy = cluster_pb2.NodeEntry()
+    copy.CopyFrom(entry)
+    return copy

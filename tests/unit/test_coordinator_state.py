@@ -1,0 +1,391 @@
+"""ClusterState: routing, request-id ownership, expiry; driven by a fake clock."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.coordinator.state import (
+    ClusterState,
+    DeploymentFull,
+    DuplicateRequest,
+    NoNodeAvailable,
+    RankConflict,
+    RankNotFound,
+)
+
+READY = cluster_pb2.NODE_STATE_READY
+DOWN = cluster_pb2.NODE_STATE_DOWN
+DRAINING = cluster_pb2.NODE_STATE_DRAINING
+STARTING = cluster_pb2.NODE_STATE_STARTING
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def state(clock: FakeClock) -> ClusterState:
+    return ClusterState(now=clock, node_expiry_s=3.0, frontend_expiry_s=3.0, finished_memory=4)
+
+
+def load(running: int = 0, queued: int = 0, max_running: int = 8, max_queued: int = 8) -> cluster_pb2.NodeLoad:
+    return cluster_pb2.NodeLoad(
+        running_requests=running, queued_requests=queued,
+        max_running_requests=max_running, max_queued_requests=max_queued,
+    )
+
+
+def add_node(state: ClusterState, node_id: str, rank: int | None = None, *, ready: bool = True, **limits) -> int:
+    entry = cluster_pb2.NodeEntry(node_id=node_id, address=f"{node_id}:50051", load=load(**limits))
+    rank = state.register_node(entry, rank).rank
+    if ready:
+        assert state.node_heartbeat(node_id, READY, None)
+    return rank
+
+
+def reserve(state: ClusterState, request_id: str, frontend: str = "fe-1", **fields) -> str:
+    return state.reserve(cluster_pb2.ReserveRequest(request_id=request_id, frontend_id=frontend, **fields)).node_id
+
+
+# ------------------------------------------------------------------ routing
+
+
+def test_least_loaded_spreads_over_two_idle_nodes(state: ClusterState) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    placed = collections.Counter(reserve(state, f"r{i}") for i in range(10))
+    assert placed == {"a": 5, "b": 5}
+    assert state.snapshot()["routing_decisions"]["least_loaded"] == 10
+
+
+def test_ties_after_a_load_report_are_broken_round_robin(state: ClusterState) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    placed = []
+    for i in range(4):
+        placed.append(reserve(state, f"r{i}"))
+        state.release(f"r{i}", "fe-1")
+        # Each heartbeat resets the pending counts: both nodes look idle again.
+        state.node_heartbeat("a", READY, load())
+        state.node_heartbeat("b", READY, load())
+    assert set(placed) == {"a", "b"}
+
+
+def test_least_loaded_prefers_lower_normalized_load(state: ClusterState) -> None:
+    add_node(state, "small", running=2, max_running=4)  # 50% busy
+    add_node(state, "big", running=6, max_running=16)  # 37.5% busy
+    assert reserve(state, "r1") == "big"
+
+
+def test_affinity_sticks_then_moves_when_the_node_goes_down(state: ClusterState) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    first = reserve(state, "r0", routing_key="user-7")
+    for i in range(1, 6):
+        assert reserve(state, f"r{i}", routing_key="user-7") == first
+    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 5, "least_loaded": 1}
+
+    state.mark_node_down(first)
+    other = reserve(state, "r6", routing_key="user-7")
+    assert other != first
+    state.node_heartbeat(first, READY, load())  # back, but the key has moved
+    assert reserve(state, "r7", routing_key="user-7") == other
+
+
+def test_affinity_key_leaves_a_draining_node(state: ClusterState) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    first = reserve(state, "r0", routing_key="k")
+    state.node_heartbeat(first, DRAINING, None)
+    assert reserve(state, "r1", routing_key="k") != first
+
+
+def test_affinity_overflows_from_a_full_node_and_keeps_the_key(state: ClusterState) -> None:
+    add_node(state, "a", max_running=1, max_queued=0)
+    add_node(state, "b", running=1, max_running=10, max_queued=0)  # busier in score, has room
+    assert reserve(state, "r0", routing_key="k") == "a"
+    assert reserve(state, "r1", routing_key="k") == "b"  # a is full: overflow
+    state.release("r0", "fe-1")
+    assert reserve(state, "r2", routing_key="k") == "a"
+
+
+def test_affinity_expires_after_its_ttl(clock: FakeClock) -> None:
+    state = ClusterState(now=clock, routing_affinity_ttl_s=10.0)
+    add_node(state, "a")
+    add_node(state, "b")
+    first = reserve(state, "r0", routing_key="k")
+    clock.advance(11.0)
+    state.node_heartbeat("a", READY, load())
+    state.node_heartbeat("b", READY, load(running=1))
+    state.expire()
+    assert state.snapshot()["affinity_keys"] == 0
+    assert reserve(state, "r1", routing_key="k") == "a"
+    assert first in ("a", "b")
+
+
+def test_affinity_map_is_bounded(clock: FakeClock) -> None:
+    state = ClusterState(now=clock, routing_affinity_max_keys=3)
+    add_node(state, "a")
+    for i in range(10):
+        reserve(state, f"r{i}", routing_key=f"k{i}")
+    assert state.snapshot()["affinity_keys"] == 3
+
+
+@pytest.mark.parametrize(
+    ("target_rank", "expected"),
+    [(0, "n0"), (1, "n1"), (2, "n2")],
+)
+def test_target_rank_picks_that_node(state: ClusterState, target_rank: int, expected: str) -> None:
+    for i in range(3):
+        add_node(state, f"n{i}", i)
+    # Load on the target does not matter, affinity neither.
+    state.node_heartbeat(expected, READY, load(running=7))
+    assert reserve(state, "r", target_rank=target_rank, routing_key="k") == expected
+    assert state.snapshot()["routing_decisions"]["target_rank"] == 1
+
+
+def test_target_rank_not_ready_lists_ready_ranks(state: ClusterState) -> None:
+    add_node(state, "n0", 0)
+    add_node(state, "n1", 1)
+    add_node(state, "n5", 5, ready=False)
+    with pytest.raises(RankNotFound, match=r"rank 5 is starting.*ready ranks: \[0, 1\]"):
+        reserve(state, "r", target_rank=5)
+    with pytest.raises(RankNotFound, match=r"no ready node has rank 9; ready ranks: \[0, 1\]"):
+        reserve(state, "r", target_rank=9)
+
+
+# -------------------------------------------------------------------- ranks
+
+
+def test_rank_auto_assignment_takes_the_lowest_free_rank(state: ClusterState) -> None:
+    assert add_node(state, "a") == 0
+    assert add_node(state, "b", 2) == 2
+    assert add_node(state, "c") == 1
+    assert add_node(state, "d") == 3
+    # A node registering again keeps its rank.
+    assert add_node(state, "b") == 2
+
+
+def test_rank_of_a_down_node_is_reused(state: ClusterState) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    state.mark_node_down("a")
+    assert add_node(state, "c") == 0
+    # The replaced node is forgotten: its next heartbeat asks it to register again.
+    assert state.node_heartbeat("a", READY, load()) is False
+
+
+def test_requested_rank_held_by_another_live_node_conflicts(state: ClusterState) -> None:
+    add_node(state, "a", 0)
+    add_node(state, "b", 1)
+    with pytest.raises(RankConflict, match=r"rank 1 is held by live node 'b' \(ready\).*lowest free: 2"):
+        add_node(state, "c", 1)
+    # The same node asking for its own rank again is not a conflict.
+    assert add_node(state, "b", 1) == 1
+
+
+# ------------------------------------------------------- request ownership
+
+
+@pytest.mark.parametrize("second_frontend", ["fe-1", "fe-2"])
+def test_duplicate_live_id_is_refused(state: ClusterState, second_frontend: str) -> None:
+    add_node(state, "a")
+    reserve(state, "dup", frontend="fe-1")
+    with pytest.raises(DuplicateRequest, match=r"'dup' is already in flight \(owned by frontend 'fe-1'\)"):
+        reserve(state, "dup", frontend=second_frontend)
+    assert state.snapshot()["refusals"]["duplicate"] == 1
+
+
+def test_release_then_lookup_says_finished_and_the_id_may_be_reused(state: ClusterState) -> None:
+    add_node(state, "a")
+    reserve(state, "r1")
+    status, entry = state.lookup("r1")
+    assert (status, entry.node_id, entry.address) == ("live", "a", "a:50051")
+
+    assert state.release("r1", "fe-1") is True
+    assert state.lookup("r1") == ("finished", None)
+    assert state.lookup("never") == ("unknown", None)
+    assert state.release("never", "fe-1") is False
+
+    reserve(state, "r1")
+    assert state.lookup("r1")[0] == "live"
+
+
+def test_release_by_another_frontend_is_ignored(state: ClusterState) -> None:
+    add_node(state, "a")
+    reserve(state, "r1", frontend="fe-1")
+    assert state.release("r1", "fe-2") is False
+    assert state.lookup("r1")[0] == "live"
+
+
+def test_finished_memory_is_bounded(state: ClusterState) -> None:
+    add_node(state, "a")
+    for i in range(6):
+        reserve(state, f"r{i}")
+        state.release(f"r{i}", "fe-1")
+    assert [state.lookup(f"r{i}")[0] for i in range(6)] == ["unknown"] * 2 + ["finished"] * 4
+
+
+def test_live_requests_lists_every_reservation_with_its_node(state: ClusterState) -> None:
+    add_node(state, "a", 0)
+    add_node(state, "b", 1)
+    reserve(state, "x", target_rank=0)
+    reserve(state, "y", target_rank=1, frontend="fe-2")
+    assert sorted((rid, e.node_id) for rid, e in state.live_requests()) == [("x", "a"), ("y", "b")]
+    assert state.cluster_load().live_reservations == 2
+
+
+# ---------------------------------------------------------- availability
+
+
+def test_no_node_available_describes_the_table(state: ClusterState) -> None:
+    with pytest.raises(NoNodeAvailable, match="no node is registered"):
+        reserve(state, "r")
+    add_node(state, "a", ready=False)
+    add_node(state, "b")
+    add_node(state, "c")
+    state.node_heartbeat("b", DRAINING, None)
+    state.mark_node_down("c")
+    with pytest.raises(NoNodeAvailable, match=r"3 known \(1 down, 1 draining, 1 starting\)"):
+        reserve(state, "r")
+
+
+def test_deployment_full_counts_reservations_since_the_last_load_report(state: ClusterState) -> None:
+    add_node(state, "a", running=1, max_running=2, max_queued=1)
+    add_node(state, "b", running=2, max_running=2, max_queued=1)
+    placed = [reserve(state, f"r{i}") for i in range(3)]
+    assert sorted(placed) == ["a", "a", "b"]
+    with pytest.raises(DeploymentFull, match=r"every ready node is at capacity: .*3/3 in flight"):
+        reserve(state, "r3")
+    with pytest.raises(DeploymentFull, match="node rank 0 is at capacity"):
+        reserve(state, "r3", target_rank=0)
+
+    # Releasing a reservation the node has not reported yet frees its slot.
+    state.release("r2", "fe-1")
+    assert reserve(state, "r3") in ("a", "b")
+    # A load report replaces the pending count.
+    state.node_heartbeat("a", READY, load(running=0, max_running=2, max_queued=1))
+    assert reserve(state, "r4") == "a"
+
+
+# --------------------------------------------------------------- liveness
+
+
+def test_heartbeat_from_unknown_node_or_frontend_is_not_known(state: ClusterState) -> None:
+    assert state.node_heartbeat("ghost", READY, load()) is False
+    assert state.frontend_heartbeat("ghost", 0) is False
+    assert state.mark_node_down("ghost") is False
+
+
+def test_expiry_marks_a_silent_node_down_and_drops_its_reservations(state: ClusterState, clock: FakeClock) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    reserve(state, "on-a", target_rank=0)
+    reserve(state, "on-b", target_rank=1)
+    clock.advance(2.0)
+    state.node_heartbeat("b", READY, None)
+    state.frontend_heartbeat("fe-1", 2)
+    clock.advance(1.5)
+    state.expire()
+    entries = {e.node_id: e.state for e in state.node_entries()}
+    assert entries == {"a": DOWN, "b": READY}
+    assert state.lookup("on-a") == ("finished", None)
+    assert state.lookup("on-b")[0] == "live"
+    assert state.snapshot()["live_reservations"] == 1
+
+    # Still in the table (keeps its rank) until ten expiry periods of silence.
+    assert state.node_heartbeat("a", READY, None) is True
+    clock.advance(31.0)
+    state.node_heartbeat("b", READY, None)
+    state.expire()
+    assert [e.node_id for e in state.node_entries()] == ["b"]
+
+
+def test_node_reporting_down_drops_its_reservations(state: ClusterState) -> None:
+    add_node(state, "a")
+    reserve(state, "r")
+    state.node_heartbeat("a", DOWN, None)
+    assert state.lookup("r") == ("finished", None)
+
+
+def test_frontend_expiry_drops_its_reservations_and_forgets_it(state: ClusterState, clock: FakeClock) -> None:
+    add_node(state, "a")
+    state.register_frontend("fe-1", "fe-1:8000")
+    state.register_frontend("fe-2", "fe-2:8000")
+    reserve(state, "r1", frontend="fe-1")
+    reserve(state, "r2", frontend="fe-2")
+    clock.advance(2.0)
+    assert state.frontend_heartbeat("fe-2", 1) is True
+    state.node_heartbeat("a", READY, None)
+    clock.advance(1.5)
+    state.expire()
+    assert state.snapshot()["frontends_by_state"] == {"live": 1, "expired": 1}
+    assert state.lookup("r1") == ("finished", None)
+    assert state.lookup("r2")[0] == "live"
+
+    clock.advance(30.0)
+    state.expire()
+    assert state.frontend_heartbeat("fe-1", 0) is False
+
+
+def test_reserve_before_registration_adopts_the_frontend(state: ClusterState) -> None:
+    """After a coordinator restart a frontend may reserve before it learns to register."""
+    add_node(state, "a")
+    reserve(state, "r1", frontend="fe-1")
+    assert state.frontend_heartbeat("fe-1", 1) is False  # asked to register ...
+    state.register_frontend("fe-1", "fe-1:8000")
+    assert state.lookup("r1")[0] == "live"  # ... which keeps its reservations
+    assert state.frontend_heartbeat("fe-1", 1) is True
+
+
+def test_frontend_registering_again_has_restarted(state: ClusterState) -> None:
+    add_node(state, "a")
+    state.register_frontend("fe-1", "fe-1:8000")
+    reserve(state, "r1", frontend="fe-1")
+    state.register_frontend("fe-1", "fe-1:8000")
+    assert state.lookup("r1") == ("finished", None)
+
+
+def test_snapshot_and_cluster_load(state: ClusterState, clock: FakeClock) -> None:
+    add_node(state, "a")
+    add_node(state, "b", ready=False)
+    state.register_frontend("fe-1", "fe-1:8000")
+    state.frontend_heartbeat("fe-1", 1)
+    reserve(state, "r1")
+    clock.advance(2.0)
+    snap = state.snapshot()
+    assert snap["nodes_by_state"] == {"starting": 1, "ready": 1, "draining": 0, "down": 0}
+    assert snap["frontends_by_state"] == {"live": 1, "expired": 0}
+    assert snap["live_reservations"] == 1
+    assert snap["oldest_reservation_age_s"] == 2.0
+    assert snap["frontend_reported_live_requests"] == 1
+    cluster_load = state.cluster_load()
+    assert [(n.node_id, n.state) for n in cluster_load.nodes] == [("a", READY), ("b", STARTING)]
+    assert cluster_load.live_reservations == 1
+
+
+def test_returned_entries_are_copies(state: ClusterState) -> None:
+    add_node(state, "a")
+    state.node_entries()[0].state = DOWN
+    state.cluster_load().nodes[0].state = DOWN
+    assert reserve(state, "r") == "a"
+
+
+def test_invalid_parameters_are_refused(clock: FakeClock) -> None:
+    with pytest.raises(ValueError, match="finished_memory must be > 0"):
+        ClusterState(now=clock, finished_memory=0)

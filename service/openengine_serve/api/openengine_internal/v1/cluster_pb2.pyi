@@ -79,10 +79,12 @@ class NodeEntry(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node",)
+    __slots__ = ("node", "auto_rank")
     NODE_FIELD_NUMBER: _ClassVar[int]
+    AUTO_RANK_FIELD_NUMBER: _ClassVar[int]
     node: NodeEntry
-    def __init__(self, node: _Optional[_Union[NodeEntry, _Mapping]] = ...) -> None: ...
+    auto_rank: bool
+    def __init__(self, node: _Optional[_Union[NodeEntry, _Mapping]] = ..., auto_rank: _Optional[bool] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "state", "load")
@@ -111,12 +113,14 @@ class FrontendHeartbeatRequest(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ..., live_requests: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "nodes")
+    __slots__ = ("heartbeat_interval_s", "nodes", "assigned_rank")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_RANK_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ...) -> None: ...
+    assigned_rank: int
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., assigned_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "nodes")

@@ -1,0 +1,167 @@
+"""`openengine-serve`: start the stack or one component, and talk to a running frontend."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+
+from .common import config as cfg
+from .common.grpc_server import DependencyError
+
+
+def _component(name: str):
+    def run(args: argparse.Namespace) -> int:
+        config_cls = cfg.COMPONENT_CONFIGS[name]
+        config = cfg.load(config_cls, args)
+        if name == "frontend":
+            from .frontend.supervisor import run_frontend
+
+            return run_frontend(config)
+        from .common.lifecycle import run_component
+
+        if name == "coordinator":
+            from .coordinator.server import serve
+        else:
+            from .node.server import serve
+        return run_component(config, lambda stop: serve(config, stop))
+
+    return run
+
+
+def _up(args: argparse.Namespace) -> int:
+    from .local import run_stack
+
+    return run_stack(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .api.openengine.v1 import generation_pb2
+    from .client import Client
+
+    request = generation_pb2.GenerateRequest(
+        request_id=args.request_id or f"cli-{uuid.uuid4()}", model=args.model, prompt=args.prompt)
+    if args.max_tokens is not None:
+        request.stopping.max_tokens = args.max_tokens
+    if args.ignore_eos:
+        request.stopping.ignore_eos = True
+    if args.seed is not None:
+        request.sampling.seed = args.seed
+    for stop in args.stop:
+        request.stopping.conditions.add(stop_text=stop)
+    import grpc
+
+    with Client(args.target) as client:
+        try:
+            for response in client.inference.Generate(request, timeout=args.timeout):
+                event = response.WhichOneof("event")
+                if event == "token":
+                    sys.stdout.write(response.token.text)
+                    sys.stdout.flush()
+                elif event == "finished":
+                    reason = generation_pb2.FinishReason.Name(response.finished.reason)
+                    print(f"\n[finished output={response.finished.output_index} reason={reason}]", file=sys.stderr)
+                elif event == "error":
+                    print(f"\n[error code={response.error.code} retryable={response.error.retryable}] "
+                          f"{response.error.message}", file=sys.stderr)
+                    return 1
+                if response.HasField("usage"):
+                    u = response.usage
+                    print(f"[usage prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+                          f"total_tokens={u.total_tokens}]", file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import text_format
+
+    from .api.openengine.v1 import model_pb2, server_pb2
+    from .client import Client
+
+    with Client(args.target) as client:
+        try:
+            server = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=args.timeout)
+            model = client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model=server.supported_models[0]),
+                                                timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    print("# ServerInfo\n" + text_format.MessageToString(server))
+    print("# ModelInfo\n" + text_format.MessageToString(model))
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.service}: UNREACHABLE ({exc.code().name}: {exc.details()})")
+            return 1
+    state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.service}: {state}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openengine-serve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run coordinator, nodes and frontend on this machine (Ctrl-C stops all)")
+    up.add_argument("--port", type=int, default=50051, help="public frontend port (default 50051)")
+    up.add_argument("--host", default="127.0.0.1", help="address every component binds (default 127.0.0.1)")
+    up.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    up.add_argument("--grpc-server", choices=cfg.GRPC_SERVERS, default=None,
+                    help="frontend gRPC server [OPENENGINE_GRPC_SERVER, default grpcio]")
+    up.add_argument("--workers", type=int, default=None, help="frontend worker processes [OPENENGINE_FRONTEND_WORKERS]")
+    up.add_argument("--coordinator-port", type=int, default=0, help="default: a free port")
+    up.add_argument("--node-port", type=int, default=0, help="first node's port, further nodes count up "
+                                                             "(default: free ports)")
+    up.add_argument("--metrics", action="store_true", help="serve metrics on 9091/9092/9093+ instead of off")
+    up.set_defaults(func=_up)
+
+    for name, config_cls in cfg.COMPONENT_CONFIGS.items():
+        p = sub.add_parser(name, help=f"run the {name} (what its container image runs)")
+        cfg.add_arguments(p, config_cls)
+        p.set_defaults(func=_component(name))
+
+    gen = sub.add_parser("generate", help="stream one generation to stdout; usage and finish reason to stderr")
+    gen.add_argument("--target", default="127.0.0.1:50051")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--request-id", default=None)
+    gen.add_argument("--timeout", type=float, default=300.0)
+    gen.set_defaults(func=_generate)
+
+    info = sub.add_parser("info", help="print ServerInfo and ModelInfo")
+    info.add_argument("--target", default="127.0.0.1:50051")
+    info.add_argument("--timeout", type=float, default=10.0)
+    info.set_defaults(func=_info)
+
+    health = sub.add_parser("health", help="grpc.health.v1 check: exit 0 when SERVING, 1 otherwise")
+    health.add_argument("--target", default="127.0.0.1:50051")
+    health.add_argument("--service", default="readiness", help="liveness | readiness | a service name")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=_health)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (cfg.ConfigError, DependencyError) as exc:
+        print(f"openengine-serve: error: {exc}", file=sys.stderr)
+        return 2

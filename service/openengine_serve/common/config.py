@@ -1,0 +1,186 @@
+"""One typed configuration object per component.
+
+Every knob is a dataclass field; its CLI flag (`--max-batch`) and environment
+variable (`OPENENGINE_MAX_BATCH`) are derived from the field name, so the three
+sources can never disagree. Precedence: CLI flag > environment > default.
+Invalid values fail at start with a message naming the variable and what is
+allowed (`ConfigError`). `python -m openengine_serve.common.config` prints the
+README's configuration table from these definitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ENV_PREFIX = "OPENENGINE_"
+GRPC_SERVERS = ("grpcio", "pygrpc-native")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable and the allowed values."""
+
+
+def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None, minimum: float | None = None,
+         maximum: float | None = None, env: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum,
+                                            "maximum": maximum, "env": env})
+
+
+def env_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("env") or ENV_PREFIX + f.name.upper()
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class CommonConfig:
+    host: str = knob("0.0.0.0", "address the gRPC server binds to")
+    log_level: str = knob("info", "log level", choices=LOG_LEVELS)
+    drain_timeout_s: float = knob(30.0, "on SIGTERM: readiness turns NOT_SERVING, then in-flight work gets this "
+                                        "long to finish", minimum=0)
+
+    @classmethod
+    def component(cls) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig(CommonConfig):
+    port: int = knob(50052, "coordinator gRPC port (internal protocol)", minimum=1, maximum=65535)
+    metrics_port: int = knob(9092, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
+    heartbeat_s: float = knob(1.0, "heartbeat interval the coordinator asks nodes and frontends for",
+                              minimum=0.05)
+    node_expiry_s: float = knob(3.0, "a node or frontend silent this long is marked down", minimum=0.1)
+
+    @classmethod
+    def component(cls) -> str:
+        return "coordinator"
+
+
+@dataclass(frozen=True)
+class NodeConfig(CommonConfig):
+    port: int = knob(50053, "node gRPC port (internal protocol)", minimum=1, maximum=65535)
+    metrics_port: int = knob(9093, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
+    coordinator_address: str = knob("127.0.0.1:50052", "host:port of the coordinator")
+    advertise_address: str = knob("", "host:port frontends dial for this node (default: this host's name, "
+                                      "or --host when it is not a wildcard, and --port)")
+    node_rank: int = knob(-1, "this node's rank, the `openengine-target-dp-rank` routing target "
+                              "(-1: the coordinator assigns the lowest free one)", minimum=-1)
+    step_ms: float = knob(2.0, "simulated engine step: every running sequence gets one token per step",
+                          minimum=0.1)
+    max_batch: int = knob(256, "sequences running at once in the engine", minimum=1)
+    max_queue: int = knob(1024, "sequences waiting for a batch slot; beyond it requests are refused "
+                                "(RESOURCE_EXHAUSTED)", minimum=0)
+    engine_ranks: int = knob(1, "MPI processes of the engine worker (they step together)", minimum=1, maximum=64)
+
+    @classmethod
+    def component(cls) -> str:
+        return "node"
+
+    def resolved_advertise_address(self) -> str:
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.host if self.host not in ("0.0.0.0", "::", "[::]", "") else socket.gethostname()
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class FrontendConfig(CommonConfig):
+    port: int = knob(50051, "public OpenEngine gRPC port", minimum=1, maximum=65535)
+    metrics_port: int = knob(9091, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
+    coordinator_address: str = knob("127.0.0.1:50052", "host:port of the coordinator")
+    grpc_server: str = knob("grpcio", "gRPC server of the public frontend", choices=GRPC_SERVERS)
+    workers: int = knob(1, "frontend processes sharing the public port (SO_REUSEPORT)", minimum=1, maximum=64,
+                        env="OPENENGINE_FRONTEND_WORKERS")
+    model: str = knob("Qwen/Qwen3-0.6B", "served model name")
+    model_aliases: str = knob("qwen3", "comma-separated aliases accepted as `model`")
+    max_context_length: int = knob(40960, "prompt plus output tokens per request", minimum=2)
+    max_output_tokens: int = knob(8192, "output tokens per sequence (the default `max_tokens`)", minimum=1)
+    max_num_sequences: int = knob(8, "largest `num_sequences` accepted", minimum=1)
+    heartbeat_s: float = knob(1.0, "how often the frontend heartbeats the coordinator", minimum=0.05)
+    frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
+
+    @classmethod
+    def component(cls) -> str:
+        return "frontend"
+
+    def aliases(self) -> tuple[str, ...]:
+        return tuple(a.strip() for a in self.model_aliases.split(",") if a.strip())
+
+
+COMPONENT_CONFIGS: dict[str, type[CommonConfig]] = {
+    c.component(): c for c in (FrontendConfig, CoordinatorConfig, NodeConfig)
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser, config_cls: type[CommonConfig]) -> None:
+    """Adds one flag per knob; defaults stay None so the environment can fill the gaps."""
+    for f in dataclasses.fields(config_cls):
+        extra = {"choices": f.metadata["choices"]} if f.metadata["choices"] else {}
+        parser.add_argument(flag_name(f), dest=f.name, default=None, metavar=f.name.upper(),
+                            help=f"{f.metadata['help']} [{env_name(f)}, default {f.default!r}]", **extra)
+
+
+def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
+    ftype = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+    meta = f.metadata
+    try:
+        value = ftype(raw)
+    except ValueError:
+        raise ConfigError(f"{source} must be {'an integer' if ftype is int else 'a number'}, got {raw!r}") from None
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"{source} must be one of {', '.join(meta['choices'])}; got {raw!r}")
+    if ftype is float and value != value:
+        raise ConfigError(f"{source} must be a number, got {raw!r}")
+    lo, hi = meta["minimum"], meta["maximum"]
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ConfigError(f"{source} must be {bounds}, got {raw!r}")
+    return value
+
+
+def load(config_cls: type[CommonConfig], args: argparse.Namespace | None = None,
+         environ: Mapping[str, str] | None = None) -> CommonConfig:
+    environ = os.environ if environ is None else environ
+    values = {}
+    for f in dataclasses.fields(config_cls):
+        cli = getattr(args, f.name, None) if args is not None else None
+        if cli is not None:
+            values[f.name] = _convert(f, str(cli), flag_name(f))
+        elif env_name(f) in environ:
+            values[f.name] = _convert(f, environ[env_name(f)], env_name(f))
+    return config_cls(**values)
+
+
+def markdown_table() -> str:
+    """The README's configuration table, one row per knob and component."""
+    rows = ["| variable | flag | component | default | meaning |", "|---|---|---|---|---|"]
+    seen: dict[str, list[str]] = {}
+    for component, cls in COMPONENT_CONFIGS.items():
+        for f in dataclasses.fields(cls):
+            key = (env_name(f), repr(f.default))
+            seen.setdefault(key, []).append(component)
+    done = set()
+    for component, cls in COMPONENT_CONFIGS.items():
+        for f in dataclasses.fields(cls):
+            key = (env_name(f), repr(f.default))
+            if key in done:
+                continue
+            done.add(key)
+            allowed = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
+            default = f"`{f.default}`" if f.default != "" else "(derived)"
+            rows.append(f"| `{env_name(f)}` | `{flag_name(f)}` | {', '.join(seen[key])} | {default} | "
+                        f"{f.metadata['help']}{allowed} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

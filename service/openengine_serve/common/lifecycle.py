@@ -1,0 +1,41 @@
+"""Process lifecycle shared by the components: logging, signals, the metrics port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Awaitable, Callable
+
+from prometheus_client import start_http_server
+
+from .config import CommonConfig
+from .logging_setup import log_event, setup_logging
+
+logger = logging.getLogger("openengine_serve")
+
+
+def run_component(config: CommonConfig, main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
+    """Runs `main(stop)` on a fresh event loop; SIGTERM/SIGINT set `stop` (the component then drains)."""
+    setup_logging(config.component(), config.log_level)
+
+    async def runner() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await main(stop) or 0
+
+    return asyncio.run(runner())
+
+
+def start_metrics(port: int, registry=None) -> None:
+    """Serves Prometheus text on its own HTTP port (0 disables)."""
+    if port:
+        kwargs = {"registry": registry} if registry is not None else {}
+        start_http_server(port, **kwargs)
+        log_event(logger, "metrics listening", port=port)
+
+
+def bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -1,0 +1,41 @@
+"""One line per event, key=value, with the component name: `ts=... level=... component=... event=... k=v`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+
+class KeyValueFormatter(logging.Formatter):
+    def __init__(self, component: str) -> None:
+        super().__init__()
+        self.component = component
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        fields = getattr(record, "kv", None) or {}
+        parts = [f"ts={ts}", f"level={record.levelname.lower()}", f"component={self.component}",
+                 f"event={_quote(record.getMessage())}"]
+        parts += [f"{k}={_quote(str(v))}" for k, v in fields.items()]
+        if record.exc_info:
+            parts.append(f"error={_quote(self.formatException(record.exc_info))}")
+        return " ".join(parts)
+
+
+def _quote(value: str) -> str:
+    if value and not any(c in value for c in ' "=\n'):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def setup_logging(component: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(KeyValueFormatter(component))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields) -> None:
+    logger.log(level, event, extra={"kv": fields})

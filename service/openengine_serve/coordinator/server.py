@@ -1,0 +1,132 @@
+"""The coordinator: soft-state control plane (grpc.aio only), never on the per-token path.
+
+Nodes and frontends register and heartbeat; it picks a node per request and
+owns request ids deployment-wide; Abort from any frontend reaches the node
+that runs the request. Everything it knows is rebuilt from re-registration
+after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from ..common.config import CoordinatorConfig
+from ..common.grpc_server import create_internal_server
+from ..common.health import Health
+from ..common.lifecycle import bind_address, start_metrics
+from ..common.logging_setup import log_event
+from . import metrics
+from .state import (ClusterState, DeploymentFull, DuplicateRequest, NoNodeAvailable, RankConflict, RankNotFound)
+
+logger = logging.getLogger("openengine_serve.coordinator")
+
+REFUSAL_CODES = {
+    DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
+    NoNodeAvailable: grpc.StatusCode.UNAVAILABLE,
+    RankNotFound: grpc.StatusCode.NOT_FOUND,
+    DeploymentFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RankConflict: grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.state = ClusterState(node_expiry_s=config.node_expiry_s, frontend_expiry_s=config.node_expiry_s)
+        self.node_channels: dict[str, grpc.aio.Channel] = {}
+
+    async def RegisterNode(self, request, context) -> cluster_pb2.RegisterReply:
+        try:
+            entry = self.state.register_node(request.node, None if request.auto_rank else request.node.rank)
+        except RankConflict as exc:
+            await context.abort(REFUSAL_CODES[RankConflict], str(exc))
+        log_event(logger, "node registered", node_id=entry.node_id, address=entry.address, rank=entry.rank)
+        return cluster_pb2.RegisterReply(heartbeat_interval_s=self.config.heartbeat_s,
+                                         nodes=self.state.node_entries(), assigned_rank=entry.rank)
+
+    async def NodeHeartbeat(self, request, context) -> cluster_pb2.HeartbeatReply:
+        known = self.state.node_heartbeat(request.node_id, request.state,
+                                          request.load if request.HasField("load") else None)
+        return cluster_pb2.HeartbeatReply(known=known)
+
+    async def RegisterFrontend(self, request, context) -> cluster_pb2.RegisterReply:
+        self.state.register_frontend(request.frontend_id, request.address)
+        log_event(logger, "frontend registered", frontend_id=request.frontend_id, address=request.address)
+        return cluster_pb2.RegisterReply(heartbeat_interval_s=self.config.heartbeat_s, nodes=self.state.node_entries())
+
+    async def FrontendHeartbeat(self, request, context) -> cluster_pb2.HeartbeatReply:
+        known = self.state.frontend_heartbeat(request.frontend_id, request.live_requests)
+        return cluster_pb2.HeartbeatReply(known=known, nodes=self.state.node_entries())
+
+    async def Reserve(self, request, context) -> cluster_pb2.ReserveReply:
+        try:
+            node = self.state.reserve(request)
+        except tuple(REFUSAL_CODES) as exc:
+            await context.abort(REFUSAL_CODES[type(exc)], str(exc))
+        return cluster_pb2.ReserveReply(node=node)
+
+    async def Release(self, request, context) -> cluster_pb2.ReleaseReply:
+        self.state.release(request.request_id, request.frontend_id)
+        return cluster_pb2.ReleaseReply()
+
+    async def Abort(self, request, context) -> cluster_pb2.ClusterAbortReply:
+        if request.WhichOneof("target") == "all_requests":
+            targets = self.state.live_requests()
+        else:
+            where, node = self.state.lookup(request.request_id)
+            if where == "finished":
+                return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED)
+            if where == "unknown":
+                return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_NOT_FOUND)
+            targets = [(request.request_id, node)]
+        results = await asyncio.gather(*(self._cancel_on_node(rid, node) for rid, node in targets))
+        return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=sum(results))
+
+    async def _cancel_on_node(self, request_id: str, node: cluster_pb2.NodeEntry) -> bool:
+        channel = self.node_channels.get(node.address)
+        if channel is None:
+            channel = self.node_channels[node.address] = grpc.aio.insecure_channel(node.address)
+        try:
+            reply = await cluster_pb2_grpc.NodeStub(channel).Cancel(
+                cluster_pb2.CancelRequest(request_id=request_id), timeout=5.0)
+            return reply.found
+        except grpc.aio.AioRpcError as exc:
+            log_event(logger, "abort could not reach node", logging.WARNING, node_id=node.node_id,
+                      request_id=request_id, code=exc.code().name)
+            return False
+
+    async def GetClusterLoad(self, request, context) -> cluster_pb2.ClusterLoad:
+        return self.state.cluster_load()
+
+    async def housekeeping(self) -> None:
+        while True:
+            self.state.expire()
+            metrics.publish(self.state.snapshot())
+            await asyncio.sleep(min(0.5, self.config.node_expiry_s / 4))
+
+
+async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
+    service = CoordinatorService(config)
+    health = Health()
+    server = create_internal_server()
+    cluster_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
+    health.register(server)
+    server.add_insecure_port(bind_address(config.host, config.port))
+    await server.start()
+    start_metrics(config.metrics_port)
+    await health.start()
+    await health.set_ready(True)  # accepting registrations
+    log_event(logger, "coordinator listening", port=config.port, grpc_server="grpcio")
+    housekeeping = asyncio.create_task(service.housekeeping())
+    await stop.wait()
+    await health.start_drain()
+    housekeeping.cancel()
+    await server.stop(grace=1.0)
+    for channel in service.node_channels.values():
+        await channel.close()
+    log_event(logger, "coordinator stopped")
+    return 0

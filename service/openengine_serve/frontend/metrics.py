@@ -1,0 +1,25 @@
+"""Frontend metrics (Prometheus, prefix openengine_frontend_).
+
+With several worker processes the supervisor points PROMETHEUS_MULTIPROC_DIR
+at a shared directory before the workers start, and serves one scrape that
+aggregates all of them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_DURATION = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+REQUESTS = Counter("openengine_frontend_requests", "Generate calls by final status and gRPC code",
+                   ["status", "code"])
+TTFT = Histogram("openengine_frontend_time_to_first_token_seconds", "time to first token", buckets=_LATENCY)
+ITL = Histogram("openengine_frontend_inter_token_latency_seconds", "time between token deltas of a stream",
+                buckets=_LATENCY)
+E2E = Histogram("openengine_frontend_request_duration_seconds", "Generate call duration", buckets=_DURATION)
+PROMPT_TOKENS = Counter("openengine_frontend_prompt_tokens", "prompt tokens of accepted requests")
+GENERATED_TOKENS = Counter("openengine_frontend_generated_tokens", "tokens streamed to clients")
+IN_FLIGHT = Gauge("openengine_frontend_in_flight_requests", "Generate streams open", multiprocess_mode="livesum")
+SERVER_INFO = Gauge("openengine_frontend_grpc_server_info", "the public gRPC server implementation",
+                    ["implementation", "version"], multiprocess_mode="max")

@@ -1,0 +1,76 @@
+"""One frontend worker process: the public OpenEngine gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+from grpc_reflection.v1alpha import reflection
+
+from ..api.openengine.v1 import openengine_pb2, openengine_pb2_grpc
+from ..common.config import FrontendConfig
+from ..common.grpc_server import ServerImplementation, create_server
+from ..common.health import Health
+from ..common.lifecycle import bind_address
+from ..common.logging_setup import log_event
+from ..common.vocab import load_encoding
+from . import metrics
+from .cluster import Cluster, LaneFailure
+from .service import Frontend
+
+logger = logging.getLogger("openengine_serve.frontend")
+
+PUBLIC_SERVICES = tuple(s.full_name for s in openengine_pb2.DESCRIPTOR.services_by_name.values())
+
+
+async def serve(config: FrontendConfig, implementation: ServerImplementation, stop: asyncio.Event) -> int:
+    frontend_id = config.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}"
+    encoding = load_encoding()
+    cluster = Cluster(frontend_id, config.coordinator_address, f"{socket.gethostname()}:{config.port}",
+                      config.heartbeat_s)
+    health = Health(readiness_aliases=PUBLIC_SERVICES)
+    frontend = Frontend(config, frontend_id, implementation, encoding, cluster, health)
+
+    server = create_server(implementation)
+    openengine_pb2_grpc.add_InferenceServicer_to_server(frontend, server)
+    openengine_pb2_grpc.add_ControlServicer_to_server(frontend, server)
+    health.register(server)
+    reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+    server.add_insecure_port(bind_address(config.host, config.port))
+    await server.start()
+    await health.start()
+    metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
+    log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port,
+              grpc_server=implementation.name, grpc_server_version=implementation.version, model=config.model)
+
+    heartbeat = asyncio.create_task(cluster.heartbeat_loop())
+    readiness = asyncio.create_task(_follow_readiness(cluster, health))
+    await stop.wait()
+
+    # Drain: readiness drops first, new Generate calls get UNAVAILABLE, open streams get the grace period.
+    await health.start_drain()
+    log_event(logger, "draining", open_streams=len(cluster.sinks), timeout_s=config.drain_timeout_s)
+    deadline = time.monotonic() + config.drain_timeout_s
+    while cluster.sinks and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if cluster.sinks:
+        log_event(logger, "drain deadline reached", logging.WARNING, open_streams=len(cluster.sinks))
+        cluster.fail_all(LaneFailure("frontend is shutting down: drain deadline reached; retry the request",
+                                     retryable=True, draining=True))
+    await server.stop(grace=2.0)
+    for task in (heartbeat, readiness):
+        task.cancel()
+    await cluster.close()
+    log_event(logger, "frontend stopped", frontend_id=frontend_id)
+    return 0
+
+
+async def _follow_readiness(cluster: Cluster, health: Health) -> None:
+    """SERVING while at least one node is ready. A coordinator outage alone keeps it SERVING (Control.Health
+    says DEGRADED): the last known node table still routes, and dropping every frontend would stop all traffic."""
+    while True:
+        await health.set_ready(bool(cluster.ready_nodes()))
+        await asyncio.sleep(0.2)

@@ -1,0 +1,123 @@
+"""Turns a request's engine events into OpenEngine GenerateResponse messages.
+
+One `OutputStream` per output (num_sequences): incremental detokenization,
+stop strings across token boundaries, exactly one `finished`. The engine sends
+the token that ended an output (EOS or a stop token) as its last record.
+"""
+
+from __future__ import annotations
+
+from ..api.openengine.v1 import error_pb2, generation_pb2
+from ..api.openengine_internal.v1 import cluster_pb2
+from .text import IncrementalDetokenizer, StopStringMatcher
+from .validation import GenerationPlan
+
+FINISH_STOP = generation_pb2.FINISH_REASON_STOP
+FINISH_LENGTH = generation_pb2.FINISH_REASON_LENGTH
+FINISH_CANCELLED = generation_pb2.FINISH_REASON_CANCELLED
+
+ENGINE_NONE = cluster_pb2.ENGINE_FINISH_NONE
+ENGINE_EOS = cluster_pb2.ENGINE_FINISH_EOS
+ENGINE_STOP_TOKEN = cluster_pb2.ENGINE_FINISH_STOP_TOKEN
+ENGINE_LENGTH = cluster_pb2.ENGINE_FINISH_LENGTH
+ENGINE_CANCELLED = cluster_pb2.ENGINE_FINISH_CANCELLED
+ENGINE_ERROR = cluster_pb2.ENGINE_FINISH_ERROR
+
+
+class TokenStrings:
+    """token id -> its own text (bytes decoded with replacement), cached: one dict lookup per token."""
+
+    def __init__(self, encoding) -> None:
+        self._encoding = encoding
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._encoding.decode_single_token_bytes(token_id).decode("utf-8", "replace")
+            self._cache[token_id] = text
+        return text
+
+
+def token_info(record: cluster_pb2.TokenRecord, strings: TokenStrings, with_logprobs: bool) -> generation_pb2.TokenInfo:
+    info = generation_pb2.TokenInfo(token_id=record.token_id, token=strings(record.token_id))
+    if with_logprobs and record.has_logprob:
+        info.logprob = record.logprob
+        info.rank = record.rank
+        for c in record.candidates:
+            info.candidates.add(token_id=c.token_id, logprob=c.logprob, token=strings(c.token_id), rank=c.rank)
+    return info
+
+
+class OutputStream:
+    __slots__ = ("index", "plan", "strings", "detokenizer", "stops", "finished", "generated")
+
+    def __init__(self, index: int, plan: GenerationPlan, encoding, strings: TokenStrings) -> None:
+        self.index = index
+        self.plan = plan
+        self.strings = strings
+        self.detokenizer = IncrementalDetokenizer(encoding)
+        self.stops = StopStringMatcher(plan.stop_strings, plan.include_stop_in_output) if plan.stop_strings else None
+        self.finished = False
+        self.generated = 0  # tokens the engine produced for this output (usage)
+
+    def on_event(self, event: cluster_pb2.OutputEvent) -> tuple[list[generation_pb2.GenerateResponse], bool]:
+        """Responses for one engine event, and whether the node must be told to stop this output."""
+        out: list[generation_pb2.GenerateResponse] = []
+        plan = self.plan
+        records = list(event.tokens)
+        self.generated += len(records)
+        finish = event.finish
+        # The EOS/stop token ends the output; its record and text are kept only with include_stop_in_output.
+        stop_record = None
+        if finish in (ENGINE_EOS, ENGINE_STOP_TOKEN) and records:
+            stop_record = records.pop()
+        ids = [r.token_id for r in records]
+        text = self.detokenizer.push(ids) if ids else ""
+        if stop_record is not None and plan.include_stop_in_output and finish == ENGINE_STOP_TOKEN:
+            text += self.detokenizer.push([stop_record.token_id])
+        if finish != ENGINE_NONE:
+            text += self.detokenizer.flush()
+        matched = None
+        if self.stops is not None:
+            text, matched = self.stops.feed(text)
+            if finish != ENGINE_NONE and matched is None:
+                text += self.stops.flush()
+        # After a stop-string match the event's records are all kept: the text alone is cut at the match.
+        if matched is None and stop_record is not None and plan.include_stop_in_output:
+            records.append(stop_record)
+        if records or text:
+            out.append(generation_pb2.GenerateResponse(request_id=plan.request_id, token=generation_pb2.TokenOutput(
+                output_index=self.index, text=text,
+                tokens=[token_info(r, self.strings, plan.output_logprobs) for r in records])))
+        if matched is not None:
+            out.append(self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_text=matched)))
+            return out, True
+        if finish == ENGINE_EOS:
+            out.append(self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(eos_token_id=event.finish_token_id)))
+        elif finish == ENGINE_STOP_TOKEN:
+            out.append(self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_token_id=event.finish_token_id)))
+        elif finish == ENGINE_LENGTH:
+            out.append(self.finish(FINISH_LENGTH))
+        elif finish == ENGINE_CANCELLED:
+            out.append(self.finish(FINISH_CANCELLED, message=event.message or "request was aborted"))
+        return out, False
+
+    def finish(self, reason: int, *, stop_match: generation_pb2.StopMatch | None = None,
+               message: str = "") -> generation_pb2.GenerateResponse:
+        self.finished = True
+        finished = generation_pb2.GenerationFinished(output_index=self.index, reason=reason, message=message)
+        if stop_match is not None:
+            finished.stop_match.CopyFrom(stop_match)
+        return generation_pb2.GenerateResponse(request_id=self.plan.request_id, finished=finished)
+
+
+def prompt_output(plan: GenerationPlan, event: cluster_pb2.OutputEvent,
+                  strings: TokenStrings) -> generation_pb2.GenerateResponse:
+    return generation_pb2.GenerateResponse(request_id=plan.request_id, prompt=generation_pb2.PromptOutput(
+        tokens=[token_info(r, strings, True) for r in event.prompt_tokens]))
+
+
+def engine_error(request_id: str, code: int, message: str, retryable: bool) -> generation_pb2.GenerateResponse:
+    return generation_pb2.GenerateResponse(request_id=request_id, error=error_pb2.EngineError(
+        code=code, message=message, retryable=retryable))

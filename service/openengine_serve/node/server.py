@@ -1,0 +1,208 @@
+"""The node: hosts the engine worker and serves the internal Node service (grpc.aio only).
+
+Frontends submit requests here and hold one result lane each (`Results`): every
+engine step that produced something for a frontend becomes exactly one
+StepResults message on its lane. The node registers with the coordinator and
+heartbeats its load; on SIGTERM it stops taking work, lets running requests
+finish within the drain timeout, then stops its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+
+import grpc
+
+from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from ..common.config import NodeConfig
+from ..common.grpc_server import create_internal_server
+from ..common.health import Health
+from ..common.lifecycle import bind_address, start_metrics
+from ..common.logging_setup import log_event
+from . import metrics
+from .engine_link import EngineFull, EngineLink, EngineUnavailable
+
+logger = logging.getLogger("openengine_serve.node")
+
+_LANE_OPENED = cluster_pb2.StepResults(step=0)  # first message of every lane: "you are subscribed"
+
+
+class NodeService(cluster_pb2_grpc.NodeServicer):
+    def __init__(self, config: NodeConfig, node_id: str) -> None:
+        self.config = config
+        self.node_id = node_id
+        self.rank = config.node_rank
+        self.lanes: dict[str, asyncio.Queue[cluster_pb2.StepResults]] = {}
+        self.link = EngineLink(step_ms=config.step_ms, max_batch=config.max_batch, max_queue=config.max_queue,
+                               ranks=config.engine_ranks, on_step=self._on_step)
+        self.health = Health()
+        self.draining = False
+        self.last_step = cluster_pb2.EngineStep()
+        self.wake = asyncio.Event()  # set: heartbeat the coordinator now
+
+    # ---------------------------------------------------------------- engine -> lanes
+
+    def _on_step(self, step: cluster_pb2.EngineStep) -> None:
+        self.last_step = step
+        metrics.observe_step(step)
+        if not step.events:
+            return
+        by_lane: dict[str, list[cluster_pb2.OutputEvent]] = {}
+        for event in step.events:
+            by_lane.setdefault(event.lane, []).append(event)
+        for lane, events in by_lane.items():
+            queue = self.lanes.get(lane)
+            if queue is None:
+                # The frontend is gone: its requests can never be delivered.
+                for event in events:
+                    if event.finish == cluster_pb2.ENGINE_FINISH_NONE:
+                        self.link.cancel(event.request_id)
+                continue
+            queue.put_nowait(cluster_pb2.StepResults(step=step.step, events=events))
+
+    # ---------------------------------------------------------------- RPCs
+
+    async def Submit(self, request: cluster_pb2.SubmitRequest, context) -> cluster_pb2.SubmitReply:
+        engine_request = request.request
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is draining")
+        if engine_request.frontend_id not in self.lanes:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"frontend {engine_request.frontend_id!r} has no open result lane on this node")
+        try:
+            self.link.submit(engine_request)
+        except EngineFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return cluster_pb2.SubmitReply()
+
+    async def Cancel(self, request: cluster_pb2.CancelRequest, context) -> cluster_pb2.CancelReply:
+        output_index = request.output_index if request.HasField("output_index") else None
+        return cluster_pb2.CancelReply(found=self.link.cancel(request.request_id, output_index))
+
+    async def Results(self, request: cluster_pb2.ResultsRequest, context):
+        frontend_id = request.frontend_id
+        queue: asyncio.Queue[cluster_pb2.StepResults] = asyncio.Queue()
+        self.lanes[frontend_id] = queue  # a reconnecting frontend replaces its old lane
+        log_event(logger, "result lane opened", frontend_id=frontend_id)
+        try:
+            yield _LANE_OPENED
+            while True:
+                yield await queue.get()
+        finally:
+            if self.lanes.get(frontend_id) is queue:
+                del self.lanes[frontend_id]
+                cancelled = self._cancel_lane(frontend_id)
+                log_event(logger, "result lane closed", frontend_id=frontend_id, cancelled_requests=cancelled)
+
+    def _cancel_lane(self, frontend_id: str) -> int:
+        """A frontend that lost its lane cannot receive results: free the engine slots of its requests."""
+        request_ids = [rid for rid, lane in self.link.lanes_of_outstanding().items() if lane == frontend_id]
+        for request_id in request_ids:
+            self.link.cancel(request_id)
+        return len(request_ids)
+
+    async def GetNodeLoad(self, request, context) -> cluster_pb2.NodeEntry:
+        return self.entry()
+
+    # ---------------------------------------------------------------- state
+
+    def state(self) -> int:
+        if self.draining:
+            return cluster_pb2.NODE_STATE_DRAINING
+        return cluster_pb2.NODE_STATE_READY if self.link.ready else cluster_pb2.NODE_STATE_STARTING
+
+    def load(self) -> cluster_pb2.NodeLoad:
+        step = self.last_step
+        return cluster_pb2.NodeLoad(
+            running_requests=step.running, queued_requests=step.queued, running_tokens=step.running_tokens,
+            waiting_tokens=step.waiting_tokens, decode_batch_size=step.running,
+            max_running_requests=self.config.max_batch, max_queued_requests=self.config.max_queue)
+
+    def entry(self) -> cluster_pb2.NodeEntry:
+        return cluster_pb2.NodeEntry(node_id=self.node_id, address=self.config.resolved_advertise_address(),
+                                     rank=max(self.rank, 0), state=self.state(), load=self.load())
+
+    # ---------------------------------------------------------------- coordinator
+
+    async def coordinator_loop(self) -> None:
+        """Registers, then heartbeats load; registers again whenever the coordinator forgot us."""
+        async with grpc.aio.insecure_channel(self.config.coordinator_address) as channel:
+            stub = cluster_pb2_grpc.CoordinatorStub(channel)
+            registered = False
+            interval = 1.0
+            while True:
+                try:
+                    if not registered:
+                        request = cluster_pb2.RegisterNodeRequest(node=self.entry(), auto_rank=self.rank < 0)
+                        reply = await stub.RegisterNode(request, timeout=5)
+                        self.rank = reply.assigned_rank
+                        interval = reply.heartbeat_interval_s or interval
+                        registered = True
+                        log_event(logger, "registered with coordinator", node_id=self.node_id, rank=self.rank,
+                                  coordinator=self.config.coordinator_address)
+                    reply = await stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
+                        node_id=self.node_id, state=self.state(), load=self.load()), timeout=5)
+                    if not reply.known:
+                        registered = False
+                        continue
+                except grpc.aio.AioRpcError as exc:
+                    log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name,
+                              detail=exc.details(), coordinator=self.config.coordinator_address)
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), interval)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def health_loop(self) -> None:
+        """Readiness follows the engine worker: NOT_SERVING while it is (re)spawning."""
+        while True:
+            await self.health.set_ready(self.link.ready and not self.draining)
+            metrics.WORKER_RESTARTS.set(self.link.restarts)
+            await asyncio.sleep(0.2)
+
+    async def drain(self, timeout: float) -> None:
+        self.draining = True
+        await self.health.start_drain()
+        self.wake.set()  # tell the coordinator now, not at the next heartbeat
+        deadline = time.monotonic() + timeout
+        while self.link.outstanding and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.link.outstanding:
+            log_event(logger, "drain deadline reached", logging.WARNING, open_requests=len(self.link.outstanding))
+            self.link.fail_all("node is shutting down (drain deadline reached)", retryable=True)
+
+
+async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
+    node_id = f"node-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    service = NodeService(config, node_id)
+    server = create_internal_server()
+    cluster_pb2_grpc.add_NodeServicer_to_server(service, server)
+    service.health.register(server)
+    server.add_insecure_port(bind_address(config.host, config.port))
+    await server.start()
+    await service.health.start()
+    start_metrics(config.metrics_port)
+    log_event(logger, "node listening", node_id=node_id, port=config.port,
+              advertise=config.resolved_advertise_address(), grpc_server="grpcio")
+    await service.link.start()
+    log_event(logger, "engine worker ready", pids=list(service.link.worker_pids), step_ms=config.step_ms)
+    tasks = [asyncio.create_task(service.health_loop()),
+             asyncio.create_task(service.coordinator_loop())]
+    await stop.wait()
+    log_event(logger, "draining", timeout_s=config.drain_timeout_s)
+    await service.drain(config.drain_timeout_s)
+    await asyncio.sleep(0.1)  # let the last lane messages go out
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await server.stop(grace=1.0)
+    await service.link.stop(timeout=5.0)
+    log_event(logger, "node stopped", node_id=node_id)
+    return 0

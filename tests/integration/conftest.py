@@ -1,0 +1,71 @@
+"""One deployment per session: a coordinator, two nodes, and two frontends per gRPC server.
+
+Every integration test that takes `stack` runs once per server implementation
+(grpcio, pygrpc-native): the fixture parameter is the only difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from openengine_serve.client import AsyncClient, Client
+
+from . import processes
+
+SERVERS = ("grpcio", "pygrpc-native")
+
+
+@dataclass
+class Stack:
+    server: str
+    coordinator: processes.Component
+    nodes: list[processes.Component]
+    frontend: processes.Component
+    second_frontend: processes.Component
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.frontend.target, **kwargs)
+
+    def async_client(self, second: bool = False, **kwargs) -> AsyncClient:
+        return AsyncClient((self.second_frontend if second else self.frontend).target, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    coord = processes.coordinator().start()
+    nodes = []
+    try:
+        coord.wait_ready()
+        nodes = [processes.node(coord.target, rank).start() for rank in (0, 1)]
+        for n in nodes:
+            n.wait_ready(90)
+        yield coord, nodes
+    finally:
+        for n in nodes:
+            n.stop()
+        coord.stop()
+
+
+@pytest.fixture(scope="session", params=SERVERS)
+def stack(request, cluster):
+    coord, nodes = cluster
+    frontends = [processes.frontend(coord.target, request.param).start() for _ in range(2)]
+    try:
+        for f in frontends:
+            f.wait_ready(60)
+        # both nodes known and ready before tests spread load over them
+        processes.wait_for(lambda: _ready_ranks(frontends[0].target) == 2, 20, "both nodes ready on the frontend")
+        yield Stack(request.param, coord, nodes, *frontends)
+    finally:
+        for f in frontends:
+            f.stop()
+
+
+def _ready_ranks(target: str) -> int:
+    from openengine_serve.api.openengine.v1 import server_pb2
+
+    with Client(target) as client:
+        info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=2)
+    return info.parallelism.data_parallel_size

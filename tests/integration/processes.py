@@ -1,0 +1,98 @@
+"""Real component processes on loopback for the integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_status(target: str, service: str = "readiness", timeout: float = 1.0) -> int | None:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass
+class Component:
+    name: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "Component":
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        log = open(LOG_DIR / f"{self.name}-{self.port}.log", "ab")
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "openengine_serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> "Component":
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}; see {LOG_DIR}")
+            return health_status(self.target) == health_pb2.HealthCheckResponse.SERVING
+        wait_for(ready, timeout, f"{self.name} readiness")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def coordinator(**env) -> Component:
+    return Component("coordinator", ["coordinator", "--metrics-port", "0", "--heartbeat-s", "0.3",
+                                     "--node-expiry-s", "1.5"], env)
+
+
+def node(coordinator_target: str, rank: int, *extra: str, **env) -> Component:
+    return Component(f"node{rank}", ["node", "--metrics-port", "0", "--coordinator-address", coordinator_target,
+                                     "--node-rank", str(rank), *extra], env)
+
+
+def frontend(coordinator_target: str, server: str, *extra: str, **env) -> Component:
+    return Component(f"frontend-{server}", ["frontend", "--metrics-port", "0", "--grpc-server", server,
+                                            "--coordinator-address", coordinator_target, "--heartbeat-s", "0.3",
+                                            *extra], env)

@@ -1,0 +1,265 @@
+"""Generate end to end over real processes: frontend -> coordinator -> node -> MPI engine worker -> back."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+
+from openengine_serve.api.openengine.v1 import generation_pb2, lifecycle_pb2, server_pb2
+from openengine_serve.common.vocab import load_encoding
+
+MODEL = "Qwen/Qwen3-0.6B"
+G = generation_pb2
+
+
+def request(prompt="The quick brown fox", *, max_tokens=24, seed=7, ignore_eos=True, **stopping) -> G.GenerateRequest:
+    req = G.GenerateRequest(request_id=f"t-{uuid.uuid4()}", model=MODEL, prompt=prompt,
+                            stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, **stopping))
+    req.sampling.seed = seed
+    return req
+
+
+async def read_rest(stream) -> list[G.GenerateResponse]:
+    """Reads an aio stream to its end with read() (grpc.aio forbids mixing read() and iteration)."""
+    out = []
+    while (r := await stream.read()) is not grpc.aio.EOF:
+        out.append(r)
+    return out
+
+
+def collect(client, req, metadata=()) -> list[G.GenerateResponse]:
+    return list(client.inference.Generate(req, timeout=60, metadata=metadata))
+
+
+def by_output(responses):
+    outputs: dict[int, dict] = {}
+    for r in responses:
+        event = r.WhichOneof("event")
+        if event == "token":
+            o = outputs.setdefault(r.token.output_index, {"ids": [], "text": "", "finished": []})
+            o["ids"] += [t.token_id for t in r.token.tokens]
+            o["text"] += r.token.text
+        elif event == "finished":
+            outputs.setdefault(r.finished.output_index, {"ids": [], "text": "", "finished": []})["finished"].append(
+                r.finished)
+    return outputs
+
+
+def test_full_stream_contract(stack):
+    with stack.client() as client:
+        responses = collect(client, request(max_tokens=40))
+    tokens = [r for r in responses if r.WhichOneof("event") == "token"]
+    assert len(tokens) >= 2
+    for r in tokens:
+        assert r.token.HasField("output_index"), "output_index is always set, 0 included"
+        assert len(r.token.tokens) == 1, "one new token record per delta: never cumulative"
+    outputs = by_output(responses)
+    assert list(outputs) == [0]
+    out = outputs[0]
+    assert len(out["finished"]) == 1 and out["finished"][0].reason == G.FINISH_REASON_LENGTH
+    assert responses[-1].WhichOneof("event") == "finished"
+    assert [r.HasField("usage") for r in responses] == [False] * (len(responses) - 1) + [True]
+    usage = responses[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 40)
+    assert usage.total_tokens == 44
+    assert len(out["ids"]) == 40
+    assert out["text"] == load_encoding().decode(out["ids"]), "concatenated deltas equal the full decode"
+
+
+def test_token_ids_input_and_eos_finishes_with_stop_match(stack):
+    req = G.GenerateRequest(request_id=f"t-{uuid.uuid4()}", model="qwen3", token_ids=G.TokenIds(ids=[9707, 11, 1879]),
+                            stopping=G.StoppingOptions(max_tokens=2000))
+    with stack.client() as client:
+        responses = collect(client, req)
+    finished = [r.finished for r in responses if r.WhichOneof("event") == "finished"]
+    assert len(finished) == 1
+    assert finished[0].reason == G.FINISH_REASON_STOP
+    assert finished[0].stop_match.eos_token_id == 151645
+    assert responses[-1].usage.prompt_tokens == 3
+
+
+def test_three_sequences_each_finish_once(stack):
+    req = request(max_tokens=12)
+    req.sampling.num_sequences = 3
+    with stack.client() as client:
+        responses = collect(client, req)
+    outputs = by_output(responses)
+    assert sorted(outputs) == [0, 1, 2]
+    for out in outputs.values():
+        assert len(out["finished"]) == 1 and len(out["ids"]) == 12
+    assert len({tuple(o["ids"]) for o in outputs.values()}) == 3, "sequences differ"
+    assert responses[-1].usage.completion_tokens == 36
+    assert sum(r.HasField("usage") for r in responses) == 1
+
+
+def test_same_seed_same_tokens_different_seed_differs(stack):
+    with stack.client() as client:
+        a = by_output(collect(client, request(seed=1)))[0]["ids"]
+        b = by_output(collect(client, request(seed=1)))[0]["ids"]
+        c = by_output(collect(client, request(seed=2)))[0]["ids"]
+    assert a == b and a != c
+
+
+def _stop_across_boundary(client):
+    """A stop string made of the end of one token and the start of the next."""
+    enc = load_encoding()
+    base = by_output(collect(client, request(max_tokens=40, seed=11)))[0]
+    pieces = [enc.decode([i]) for i in base["ids"]]
+    for k in range(3, len(pieces) - 1):
+        left, right = pieces[k], pieces[k + 1]
+        if len(left) >= 2 and len(right) >= 2 and left.isascii() and right.isascii():
+            stop = left[-2:] + right[:2]
+            prefix = "".join(pieces[:k + 1])[:-2]
+            if stop not in prefix + left[-2:] + right[:1]:
+                return base, stop, prefix
+    pytest.fail("no ASCII token pair to build a stop string from")
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["stop-removed", "stop-kept"])
+def test_stop_text_across_token_boundary(stack, include):
+    with stack.client() as client:
+        base, stop, prefix = _stop_across_boundary(client)
+        req = request(max_tokens=40, seed=11, include_stop_in_output=include)
+        req.stopping.conditions.add(stop_text=stop)
+        responses = collect(client, req)
+    out = by_output(responses)[0]
+    assert out["finished"][0].reason == G.FINISH_REASON_STOP
+    assert out["finished"][0].stop_match.stop_text == stop
+    assert out["text"] == (prefix + stop if include else prefix)
+    assert base["text"].startswith(out["text"])
+
+
+def test_first_token_reaches_client_while_engine_still_generating(stack):
+    """A server that buffered the stream would show the first token only after the request ended: then the
+    abort below would find it finished and the stream would end with LENGTH."""
+    async def run():
+        async with stack.async_client() as client:
+            req = request(max_tokens=3000)
+            stream = client.inference.Generate(req, timeout=60)
+            first = await stream.read()
+            assert first.WhichOneof("event") == "token"
+            reply = await client.control.Abort(lifecycle_pb2.AbortRequest(request_id=req.request_id), timeout=10)
+            assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
+            rest = await read_rest(stream)
+            return [first, *rest]
+    responses = asyncio.run(run())
+    out = by_output(responses)[0]
+    assert out["finished"][0].reason == G.FINISH_REASON_CANCELLED
+    assert len(out["ids"]) < 3000
+    assert responses[-1].HasField("usage")
+
+
+def test_abort_from_second_frontend(stack):
+    async def run():
+        async with stack.async_client() as owner, stack.async_client(second=True) as other:
+            req = request(max_tokens=3000)
+            req.sampling.num_sequences = 2
+            stream = owner.inference.Generate(req, timeout=60)
+            await stream.read()
+            reply = await other.control.Abort(lifecycle_pb2.AbortRequest(request_id=req.request_id), timeout=10)
+            rest = await read_rest(stream)
+            again = await other.control.Abort(lifecycle_pb2.AbortRequest(request_id=req.request_id), timeout=10)
+            return reply, rest, again
+    reply, rest, again = asyncio.run(run())
+    assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
+    finished = [r.finished for r in rest if r.WhichOneof("event") == "finished"]
+    assert sorted(f.output_index for f in finished) == [0, 1]
+    assert all(f.reason == G.FINISH_REASON_CANCELLED for f in finished)
+    assert rest[-1].HasField("usage")
+    assert again.status == lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED
+
+
+def test_abort_unknown_and_without_target(stack):
+    with stack.client() as client:
+        with pytest.raises(grpc.RpcError) as unknown:
+            client.control.Abort(lifecycle_pb2.AbortRequest(request_id="never-seen"), timeout=10)
+        with pytest.raises(grpc.RpcError) as empty:
+            client.control.Abort(lifecycle_pb2.AbortRequest(), timeout=10)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_duplicate_live_id_refused_from_second_frontend(stack):
+    async def run():
+        async with stack.async_client() as owner, stack.async_client(second=True) as other:
+            req = request(max_tokens=3000)
+            stream = owner.inference.Generate(req, timeout=60)
+            await stream.read()
+            with pytest.raises(grpc.aio.AioRpcError) as dup:
+                async for _ in other.inference.Generate(req, timeout=10):
+                    pass
+            stream.cancel()
+            return dup.value
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "request_id" in err.details() or "already" in err.details()
+
+
+def _running(client) -> int:
+    return client.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5).running_requests
+
+
+def test_client_cancel_frees_the_engine_slot(stack):
+    async def run():
+        async with stack.async_client() as client:
+            stream = client.inference.Generate(request(max_tokens=5000), timeout=60)
+            await stream.read()
+            stream.cancel()
+    with stack.client() as client:
+        from .processes import wait_for
+
+        asyncio.run(run())
+        wait_for(lambda: _running(client) == 0, 10, "the cancelled request to leave the engine")
+
+
+def test_requests_spread_over_both_nodes(stack):
+    async def run():
+        async with stack.async_client() as client:
+            streams = [client.inference.Generate(request(max_tokens=3000), timeout=60) for _ in range(6)]
+            for s in streams:
+                await s.read()
+            await asyncio.sleep(1.2)  # one node heartbeat
+            load = await client.control.GetLoad(server_pb2.GetLoadRequest(include_per_rank=True), timeout=5)
+            for s in streams:
+                s.cancel()
+            return load
+    load = asyncio.run(run())
+    busy = {r.data_parallel_rank for r in load.ranks if r.running_requests > 0}
+    assert busy == {0, 1}
+
+
+def test_target_rank_and_routing_key_metadata(stack):
+    with stack.client() as client:
+        for rank in (0, 1):
+            responses = collect(client, request(max_tokens=3), metadata=(("openengine-target-dp-rank", str(rank)),))
+            assert responses[-1].HasField("usage")
+        with pytest.raises(grpc.RpcError) as bad:
+            collect(client, request(max_tokens=3), metadata=(("openengine-target-dp-rank", "7"),))
+        assert bad.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as malformed:
+            collect(client, request(max_tokens=3), metadata=(("openengine-target-dp-rank", "x1"),))
+        assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("mutate,code,needle", [
+    (lambda r: setattr(r, "request_id", ""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    (lambda r: setattr(r, "model", "gpt-x"), grpc.StatusCode.NOT_FOUND, "model"),
+    (lambda r: r.token_ids.ids.extend([999999]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+    (lambda r: setattr(r.sampling, "top_p", 1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (lambda r: setattr(r.sampling, "num_sequences", 0), grpc.StatusCode.INVALID_ARGUMENT, "num_sequences"),
+    (lambda r: r.media.add(url="http://x"), grpc.StatusCode.UNIMPLEMENTED, "media"),
+    (lambda r: setattr(r, "lora_name", "a"), grpc.StatusCode.UNIMPLEMENTED, "LoRA"),
+], ids=["empty-id", "unknown-model", "token-out-of-vocab", "top_p", "num_sequences-0", "media", "lora"])
+def test_validation_reaches_the_client(stack, mutate, code, needle):
+    req = request()
+    if needle == "token_ids":
+        req.ClearField("prompt")
+    mutate(req)
+    with stack.client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            collect(client, req)
+    assert err.value.code() == code
+    assert needle.lower() in err.value.details().lower()

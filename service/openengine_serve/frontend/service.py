@@ -13,7 +13,7 @@ from ..api.openengine.v1 import (error_pb2, generation_pb2, kv_pb2, lifecycle_pb
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
 from ..common.grpc_server import ServerImplementation
-from ..common.health import Health
+from ..common import health as component_health
 from ..common.logging_setup import log_event
 from . import metrics
 from .cluster import Cluster, LaneFailure, NodeConnection, RoutingRefused
@@ -54,7 +54,7 @@ def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.Engine
 
 class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.ControlServicer):
     def __init__(self, config: FrontendConfig, frontend_id: str, implementation: ServerImplementation,
-                 encoding, cluster: Cluster, health: Health) -> None:
+                 encoding, cluster: Cluster, health: component_health.Health) -> None:
         self.config = config
         self.frontend_id = frontend_id
         self.implementation = implementation

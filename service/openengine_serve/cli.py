@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import uuid
 
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `openengine-serve info | head` ends quietly
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,53 @@
+"""Configuration: CLI flag over environment over default; invalid values name the variable and the allowed values."""
+
+import argparse
+
+import pytest
+
+from openengine_serve.common import config as cfg
+
+from ..conftest import REPO
+
+
+def parse(config_cls, argv):
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser, config_cls)
+    return parser.parse_args(argv)
+
+
+def test_flag_over_environment_over_default():
+    env = {"OPENENGINE_PORT": "6000", "OPENENGINE_MAX_BATCH": "8"}
+    node = cfg.load(cfg.NodeConfig, parse(cfg.NodeConfig, ["--max-batch", "4"]), env)
+    assert (node.port, node.max_batch, node.step_ms) == (6000, 4, 2.0)
+
+
+def test_frontend_workers_variable_name():
+    assert cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_FRONTEND_WORKERS": "3"}).workers == 3
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"OPENENGINE_GRPC_SERVER": "tornado"}, "OPENENGINE_GRPC_SERVER must be one of grpcio, pygrpc-native"),
+    ({"OPENENGINE_PORT": "abc"}, "OPENENGINE_PORT must be an integer"),
+    ({"OPENENGINE_PORT": "70000"}, "OPENENGINE_PORT must be between 1 and 65535"),
+    ({"OPENENGINE_DRAIN_TIMEOUT_S": "-1"}, "OPENENGINE_DRAIN_TIMEOUT_S must be >= 0"),
+    ({"OPENENGINE_DRAIN_TIMEOUT_S": "nan"}, "OPENENGINE_DRAIN_TIMEOUT_S must be a number"),
+    ({"OPENENGINE_FRONTEND_WORKERS": "0"}, "OPENENGINE_FRONTEND_WORKERS must be between 1 and 64"),
+])
+def test_invalid_values_name_the_variable(env, needle):
+    with pytest.raises(cfg.ConfigError, match=needle.replace("(", r"\(")):
+        cfg.load(cfg.FrontendConfig, None, env)
+
+
+def test_invalid_flag_names_the_flag():
+    with pytest.raises(cfg.ConfigError, match="--max-batch must be >= 1"):
+        cfg.load(cfg.NodeConfig, parse(cfg.NodeConfig, ["--max-batch", "0"]), {})
+
+
+def test_readme_documents_every_knob():
+    readme = (REPO / "README.md").read_text()
+    assert cfg.markdown_table() in readme, "regenerate the table: python -m openengine_serve.common.config"
+
+
+def test_advertise_address_defaults():
+    assert cfg.NodeConfig(host="127.0.0.1", port=7000).resolved_advertise_address() == "127.0.0.1:7000"
+    assert cfg.NodeConfig(advertise_address="n1:1").resolved_advertise_address() == "n1:1"

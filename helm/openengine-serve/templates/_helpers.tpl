@@ -1,0 +1,372 @@
+{{/*
+Chart name, truncated so that "<name>-<component>-metrics" stays a DNS label.
+*/}}
+{{- define "oes.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 42 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified release name; component objects append "-<component>" (at
+most 21 more characters), so it is truncated to 42.
+*/}}
+{{- define "oes.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 42 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 42 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 42 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "oes.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels of the release (all components).
+*/}}
+{{- define "oes.releaseSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "oes.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Common labels. Usage: include "oes.labels" .
+*/}}
+{{- define "oes.labels" -}}
+helm.sh/chart: {{ include "oes.chart" . }}
+{{ include "oes.releaseSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: openengine-serve
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Component selector labels. Usage: include "oes.selectorLabels" (dict "root" $ "component" "frontend")
+*/}}
+{{- define "oes.selectorLabels" -}}
+{{ include "oes.releaseSelectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Component labels (common + component). Same arguments as oes.selectorLabels.
+*/}}
+{{- define "oes.componentLabels" -}}
+{{ include "oes.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Object name of a component. Usage: include "oes.componentName" (dict "root" $ "component" "node")
+*/}}
+{{- define "oes.componentName" -}}
+{{- printf "%s-%s" (include "oes.fullname" .root) .component }}
+{{- end }}
+
+{{- define "oes.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "oes.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+Image reference of a component; the tag defaults to the chart's appVersion.
+Usage: include "oes.image" (dict "root" $ "component" "frontend")
+*/}}
+{{- define "oes.image" -}}
+{{- $image := (index .root.Values .component).image }}
+{{- printf "%s:%s" $image.repository (default .root.Chart.AppVersion $image.tag) }}
+{{- end }}
+
+{{/*
+host:port of the coordinator Service, the address frontends and nodes dial.
+*/}}
+{{- define "oes.coordinatorAddress" -}}
+{{- printf "%s.%s.svc:%d" (include "oes.componentName" (dict "root" . "component" "coordinator")) .Release.Namespace (int .Values.coordinator.port) }}
+{{- end }}
+
+{{/*
+terminationGracePeriodSeconds = preStop sleep + drain timeout + margin, so the
+drain can use its whole budget before the kubelet sends SIGKILL.
+Usage: include "oes.terminationGracePeriodSeconds" (dict "root" $ "component" "node")
+*/}}
+{{- define "oes.terminationGracePeriodSeconds" -}}
+{{- $lc := .root.Values.lifecycle }}
+{{- $c := index .root.Values .component }}
+{{- add (int $lc.preStopSleepSeconds) (int $c.drainTimeoutSeconds) (int $lc.terminationMarginSeconds) }}
+{{- end }}
+
+{{/*
+True (non-empty) when no Prometheus Operator monitor is rendered and the
+prometheus.io/* annotations are wanted.
+*/}}
+{{- define "oes.prometheusAnnotations" -}}
+{{- $m := .Values.metrics }}
+{{- if and $m.prometheusAnnotations (not $m.serviceMonitor.enabled) (not $m.podMonitor.enabled) }}true{{ end }}
+{{- end }}
+
+{{/*
+Chart-level consistency checks the JSON schema cannot express readably.
+*/}}
+{{- define "oes.validate" -}}
+{{- if and .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled }}
+{{- fail "metrics.serviceMonitor.enabled and metrics.podMonitor.enabled are both true: enable at most one (each would scrape every pod)" }}
+{{- end }}
+{{- range $component := list "frontend" "node" }}
+{{- $hpa := (index $.Values $component).autoscaling }}
+{{- if and $hpa.enabled (gt (int $hpa.minReplicas) (int $hpa.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is greater than %s.autoscaling.maxReplicas (%d)" $component (int $hpa.minReplicas) $component (int $hpa.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Deployment of one component. Usage:
+  include "oes.deployment" (dict "root" $ "component" "frontend" "env" (include "oes.frontendEnv" $))
+"env" is a YAML list of component-specific environment variables.
+*/}}
+{{- define "oes.deployment" -}}
+{{- $root := .root }}
+{{- $component := .component }}
+{{- $c := index $root.Values $component }}
+{{- $args := dict "root" $root "component" $component }}
+{{- $autoscaled := and (hasKey $c "autoscaling") $c.autoscaling.enabled }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "oes.componentName" $args }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "oes.componentLabels" $args | nindent 4 }}
+spec:
+  {{- if eq $component "coordinator" }}
+  replicas: 1
+  {{- else if not $autoscaled }}
+  replicas: {{ $c.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 10
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: {{ $c.updateStrategy.maxSurge }}
+      maxUnavailable: 0
+  selector:
+    matchLabels:
+      {{- include "oes.selectorLabels" $args | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "oes.componentLabels" $args | nindent 8 }}
+        {{- with $c.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- $prom := include "oes.prometheusAnnotations" $root }}
+      {{- if or $prom $c.podAnnotations }}
+      annotations:
+        {{- if $prom }}
+        prometheus.io/scrape: "true"
+        prometheus.io/port: {{ $c.metricsPort | int | quote }}
+        prometheus.io/path: /metrics
+        {{- end }}
+        {{- with $c.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "oes.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      # Service links would inject <SERVICE>_PORT=tcp://... variables, which can
+      # collide with OPENENGINE_* configuration for a release named "openengine".
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: {{ include "oes.terminationGracePeriodSeconds" $args }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $c.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      containers:
+        - name: {{ $component }}
+          image: {{ include "oes.image" $args | quote }}
+          imagePullPolicy: {{ $c.image.pullPolicy }}
+          securityContext:
+            {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
+          ports:
+            - name: grpc
+              containerPort: {{ $c.port }}
+              protocol: TCP
+            - name: metrics
+              containerPort: {{ $c.metricsPort }}
+              protocol: TCP
+          env:
+            - name: HOME
+              value: /tmp
+            - name: OPENENGINE_HOST
+              value: 0.0.0.0
+            - name: OPENENGINE_PORT
+              value: {{ $c.port | int | quote }}
+            - name: OPENENGINE_METRICS_PORT
+              value: {{ $c.metricsPort | int | quote }}
+            - name: OPENENGINE_LOG_LEVEL
+              value: {{ $c.logLevel | quote }}
+            - name: OPENENGINE_DRAIN_TIMEOUT_S
+              value: {{ $c.drainTimeoutSeconds | int | quote }}
+            {{- with .env | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
+            {{- with $c.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          startupProbe:
+            grpc:
+              port: {{ $c.port }}
+              service: liveness
+            periodSeconds: {{ $root.Values.probes.startup.periodSeconds }}
+            timeoutSeconds: {{ $root.Values.probes.startup.timeoutSeconds }}
+            failureThreshold: {{ divf $c.startupTimeoutSeconds $root.Values.probes.startup.periodSeconds | ceil | int }}
+          livenessProbe:
+            grpc:
+              port: {{ $c.port }}
+              service: liveness
+            periodSeconds: {{ $root.Values.probes.liveness.periodSeconds }}
+            timeoutSeconds: {{ $root.Values.probes.liveness.timeoutSeconds }}
+            failureThreshold: {{ $root.Values.probes.liveness.failureThreshold }}
+          readinessProbe:
+            grpc:
+              port: {{ $c.port }}
+              service: readiness
+            periodSeconds: {{ $root.Values.probes.readiness.periodSeconds }}
+            timeoutSeconds: {{ $root.Values.probes.readiness.timeoutSeconds }}
+            failureThreshold: {{ $root.Values.probes.readiness.failureThreshold }}
+          lifecycle:
+            preStop:
+              # Keep serving while the endpoint removal propagates; SIGTERM
+              # (readiness NOT_SERVING, then the drain) follows the sleep.
+              sleep:
+                seconds: {{ $root.Values.lifecycle.preStopSleepSeconds }}
+          {{- with $c.resources }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+      volumes:
+        - name: tmp
+          emptyDir:
+            {{- with $c.tmpSizeLimit }}
+            sizeLimit: {{ . }}
+            {{- end }}
+      {{- with $c.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $c.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $c.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $c.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}
+
+{{/*
+PodDisruptionBudget of a component. Usage: include "oes.pdb" (dict "root" $ "component" "frontend")
+*/}}
+{{- define "oes.pdb" -}}
+{{- $c := index .root.Values .component }}
+{{- if $c.podDisruptionBudget.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "oes.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "oes.componentLabels" . | nindent 4 }}
+spec:
+  maxUnavailable: {{ $c.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "oes.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/*
+HorizontalPodAutoscaler of a component. Usage: include "oes.hpa" (dict "root" $ "component" "node")
+*/}}
+{{- define "oes.hpa" -}}
+{{- $hpa := (index .root.Values .component).autoscaling }}
+{{- if $hpa.enabled }}
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ include "oes.componentName" . }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "oes.componentLabels" . | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ include "oes.componentName" . }}
+  minReplicas: {{ $hpa.minReplicas }}
+  maxReplicas: {{ $hpa.maxReplicas }}
+  metrics:
+    {{- if $hpa.metrics }}
+    {{- toYaml $hpa.metrics | nindent 4 }}
+    {{- else }}
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ $hpa.targetCPUUtilizationPercentage }}
+    {{- end }}
+  {{- with $hpa.behavior }}
+  behavior:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+NetworkPolicy ingress rules shared by all components: every port from pods of
+this release, the metrics port from the monitoring namespaces.
+Usage: include "oes.networkPolicyCommonRules" (dict "root" $ "component" "node")
+*/}}
+{{- define "oes.networkPolicyCommonRules" -}}
+{{- $np := .root.Values.networkPolicy }}
+{{- $c := index .root.Values .component }}
+- from:
+    - podSelector:
+        matchLabels:
+          {{- include "oes.releaseSelectorLabels" .root | nindent 10 }}
+- from:
+    - namespaceSelector:
+        {{- toYaml $np.metrics.namespaceSelector | nindent 8 }}
+      {{- with $np.metrics.podSelector }}
+      podSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+  ports:
+    - port: metrics
+      protocol: TCP
+{{- end }}

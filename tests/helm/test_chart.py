@@ -1,0 +1,587 @@
+"""The Helm chart helm/openengine-serve: lint, render, validate, dry-run install.
+
+Rendering uses the Helm v4 library (helm-python-sdk); every rendered document
+is validated with kubernetes-validate --strict against the oldest and newest
+supported Kubernetes versions; the rendered output passes yamllint --strict.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from .chart_helpers import (
+    CHART_DIR,
+    K8S_OLDEST,
+    K8S_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    VARIANTS,
+    YAMLLINT_CONFIG,
+    chart_kube_version_floor,
+    name,
+    require,
+)
+
+pytestmark = pytest.mark.helm
+
+COMPONENTS = ("frontend", "coordinator", "node")
+PORTS = {"frontend": (50051, 9091), "coordinator": (50052, 9092), "node": (50053, 9093)}
+# Prometheus Operator CRDs: kubernetes-validate ships no schema for them, so
+# they are checked structurally in test_service_monitor / test_pod_monitor.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor")}
+VARIANT_IDS = list(VARIANTS)
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else doc["spec"]
+
+
+def pod_labels(doc: dict[str, Any]) -> dict[str, str]:
+    meta = doc["spec"]["template"]["metadata"] if doc["kind"] == "Deployment" else doc["metadata"]
+    return meta["labels"]
+
+
+def pods(rendered) -> list[dict[str, Any]]:
+    return rendered.of_kind("Deployment") + rendered.of_kind("Pod")
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """LabelSelector semantics (matchLabels + In/NotIn/Exists/DoesNotExist)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and labels.get(key) in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------
+# Tooling: lint, kubernetes-validate, yamllint, dry-run install
+# --------------------------------------------------------------------------
+
+
+def test_supported_versions_match_chart_floor() -> None:
+    assert chart_kube_version_floor() == K8S_OLDEST, (
+        "the oldest Kubernetes version validated must be the chart's kubeVersion floor"
+    )
+    # Native gRPC probes (>=1.24) and the preStop sleep action (beta, on by default, >=1.30).
+    assert tuple(map(int, K8S_OLDEST.split(".")[:2])) >= (1, 30)
+
+
+@pytest.mark.parametrize("kube_version", K8S_VERSIONS)
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_lint_strict(helm, variant: str, kube_version: str) -> None:
+    report = helm.lint(
+        str(CHART_DIR), VARIANTS[variant], strict=True, namespace=NAMESPACE, kube_version=f"v{kube_version}"
+    )
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    # "icon is recommended" is informational (severity 1) and allowed.
+    assert not problems and not report["errors"], report
+
+
+@pytest.mark.parametrize("kube_version", K8S_VERSIONS)
+def test_kubernetes_validate_strict(rendered_dir, render, kube_version: str) -> None:
+    """The kubernetes-validate CLI, --strict, over every document of every variant."""
+    require("kubernetes_validate")
+    files = sorted(rendered_dir.glob("*.yaml"))
+    assert len(files) == len(VARIANTS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", kube_version, *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "ERROR" not in out and "FATAL" not in out, out
+    expected_pass = 0
+    expected_warn = 0
+    for variant in VARIANTS:
+        for doc in render(VARIANTS[variant]).docs:
+            if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+                expected_warn += 1
+            else:
+                expected_pass += 1
+    major_minor = ".".join(kube_version.split(".")[:2])
+    passed = re.findall(rf"^INFO .* passed for resource .* against version {re.escape(major_minor)}$", out, re.M)
+    warned = re.findall(r"^WARN .*Couldn't find schema for kind (ServiceMonitor|PodMonitor) ", out, re.M)
+    assert len(passed) == expected_pass, out
+    assert len(warned) == expected_warn, out
+
+
+def test_yamllint_rendered_output(rendered_dir) -> None:
+    require("yamllint")
+    files = sorted(map(str, rendered_dir.glob("*.yaml")))
+    proc = subprocess.run(
+        [sys.executable, "-m", "yamllint", "--strict", "-f", "parsable", "-c", str(YAMLLINT_CONFIG), *files],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_yamllint_chart_sources() -> None:
+    require("yamllint")
+    proc = subprocess.run(
+        [sys.executable, "-m", "yamllint", "--strict", "-f", "parsable", "-c", str(YAMLLINT_CONFIG),
+         str(CHART_DIR / "values.yaml"), str(CHART_DIR / "Chart.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("variant", ["default", "everything"])
+def test_client_dry_run_install(helm, yaml, variant: str) -> None:
+    with helm.Config(namespace=NAMESPACE) as cfg:
+        release = cfg.install(str(CHART_DIR), RELEASE, VARIANTS[variant], namespace=NAMESPACE, dry_run="client")
+    assert release["status"] == "pending-install"
+    assert release["chart_name"] == "openengine-serve"
+    assert release["app_version"] == "0.1.0"
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(release["manifest"]) if d}
+    for component in COMPONENTS:
+        assert ("Deployment", name(component)) in kinds
+        assert ("Service", name(component)) in kinds
+    assert "openengine-serve generate --target" in release["notes"]
+    assert f"helm test {RELEASE} -n {NAMESPACE}" in release["notes"]
+
+
+# --------------------------------------------------------------------------
+# Values schema
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"frontend": {"grpcServer": "grpc"}}, "/frontend/grpcServer"),
+        ({"frontend": {"grpcServer": "PYGRPC-NATIVE"}}, "/frontend/grpcServer"),
+        ({"frontend": {"replicas": -1}}, "/frontend/replicas"),
+        ({"node": {"replicas": -3}}, "/node/replicas"),
+        ({"frontend": {"workers": 0}}, "/frontend/workers"),
+        ({"frontend": {"replicaCount": 2}}, "'replicaCount' not allowed"),
+        ({"coordinator": {"replicas": 2}}, "'replicas' not allowed"),
+        ({"node": {"image": {"repo": "x"}}}, "'repo' not allowed"),
+        ({"metrics": {"serviceMonitor": {"enable": True}}}, "'enable' not allowed"),
+        ({"networkPolicy": {"enable": True}}, "'enable' not allowed"),
+        ({"frontnd": {}}, "'frontnd' not allowed"),
+        ({"frontend": {"service": {"type": "Ingress"}}}, "/frontend/service/type"),
+        ({"frontend": {"port": 70000}}, "/frontend/port"),
+        ({"lifecycle": {"preStopSleepSeconds": 0}}, "/lifecycle/preStopSleepSeconds"),
+    ],
+)
+def test_schema_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as info:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert complaint in str(info.value)
+    # An install refuses the same values before anything is sent.
+    with helm.Config(namespace=NAMESPACE) as cfg, pytest.raises(helm.HelmError) as info:
+        cfg.install(chart, RELEASE, values, namespace=NAMESPACE, dry_run="client")
+    assert complaint in str(info.value)
+
+
+def test_schema_accepts_both_servers(chart) -> None:
+    for server in ("grpcio", "pygrpc-native"):
+        chart.validate_schema({"frontend": {"grpcServer": server}})
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        (
+            {"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
+            "enable at most one",
+        ),
+        (
+            {"node": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+            "node.autoscaling.minReplicas (5) is greater than node.autoscaling.maxReplicas (2)",
+        ),
+    ],
+)
+def test_template_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
+    with pytest.raises(helm.HelmError) as info:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert complaint in str(info.value)
+
+
+# --------------------------------------------------------------------------
+# The rendered objects
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_grpc_server_env_only_on_frontend(render, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    expected = VARIANTS[variant].get("frontend", {}).get("grpcServer", "grpcio")
+    assert r.env("frontend")["OPENENGINE_GRPC_SERVER"] == expected
+    for doc in pods(r):
+        spec = pod_spec(doc)
+        for container in spec["containers"] + spec.get("initContainers", []):
+            names = [e["name"] for e in container.get("env", [])]
+            if doc["kind"] == "Deployment" and doc["metadata"]["name"] == name("frontend"):
+                assert names.count("OPENENGINE_GRPC_SERVER") == 1
+            else:
+                assert "OPENENGINE_GRPC_SERVER" not in names, doc["metadata"]["name"]
+
+
+def test_component_environment(render) -> None:
+    r = render()
+    coordinator = f"{name('coordinator')}.{NAMESPACE}.svc:50052"
+    fe, co, no = r.env("frontend"), r.env("coordinator"), r.env("node")
+    for component, env in (("frontend", fe), ("coordinator", co), ("node", no)):
+        grpc, metrics = PORTS[component]
+        assert env["OPENENGINE_HOST"] == "0.0.0.0"
+        assert env["OPENENGINE_PORT"] == str(grpc)
+        assert env["OPENENGINE_METRICS_PORT"] == str(metrics)
+        assert env["OPENENGINE_DRAIN_TIMEOUT_S"] == "30"
+        assert env["OPENENGINE_LOG_LEVEL"]
+        assert env["HOME"] == "/tmp"
+        assert all(isinstance(v, (str, dict)) for v in env.values()), env
+    assert fe["OPENENGINE_COORDINATOR_ADDRESS"] == coordinator
+    assert no["OPENENGINE_COORDINATOR_ADDRESS"] == coordinator
+    assert "OPENENGINE_COORDINATOR_ADDRESS" not in co
+    assert fe["OPENENGINE_FRONTEND_WORKERS"] == "2"
+    assert fe["OPENENGINE_MODEL"] == "Qwen/Qwen3-0.6B"
+    assert {"OPENENGINE_FRONTEND_WORKERS", "OPENENGINE_MODEL"}.isdisjoint(co.keys() | no.keys())
+    # The node advertises its pod IP; POD_IP must be defined before it is referenced.
+    names = [e["name"] for e in r.container("node")["env"]]
+    assert names.index("POD_IP") < names.index("OPENENGINE_ADVERTISE_ADDRESS")
+    assert no["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert no["OPENENGINE_ADVERTISE_ADDRESS"] == "$(POD_IP):50053"
+    assert (no["OPENENGINE_STEP_MS"], no["OPENENGINE_MAX_BATCH"], no["OPENENGINE_MAX_QUEUE"]) == ("2", "256", "1024")
+    assert "OPENENGINE_ADVERTISE_ADDRESS" not in fe
+    assert "OPENENGINE_NODE_EXPIRY_S" not in co  # null keeps the component's default
+    # The coordinator Service really serves that address.
+    svc = r.get("Service", name("coordinator"))
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["grpc"] == 50052
+
+
+def test_everything_environment(render) -> None:
+    r = render(VARIANTS["everything"])
+    assert r.env("coordinator")["OPENENGINE_NODE_EXPIRY_S"] == "15"
+    no = r.env("node")
+    assert (no["OPENENGINE_STEP_MS"], no["OPENENGINE_MAX_BATCH"], no["OPENENGINE_MAX_QUEUE"]) == ("5", "64", "4096")
+    assert r.env("frontend")["EXTRA"] == "1"
+    assert r.env("frontend")["OPENENGINE_GRPC_SERVER"] == "pygrpc-native"
+    assert r.env("frontend")["OPENENGINE_DRAIN_TIMEOUT_S"] == "120"
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_grpc_probes(render, chart, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    values = chart.merge_values(VARIANTS[variant])
+    for component in COMPONENTS:
+        container = r.container(component)
+        grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+        assert grpc_port == PORTS[component][0]
+        services = {"startupProbe": "liveness", "livenessProbe": "liveness", "readinessProbe": "readiness"}
+        for probe, service in services.items():
+            spec = container[probe]
+            assert spec["grpc"] == {"port": grpc_port, "service": service}, (component, probe)
+            assert "initialDelaySeconds" not in spec, (component, probe)
+            assert not {"httpGet", "tcpSocket", "exec"} & spec.keys()
+        startup = container["startupProbe"]
+        budget = values[component]["startupTimeoutSeconds"]
+        assert startup["failureThreshold"] == math.ceil(budget / startup["periodSeconds"])
+        assert startup["failureThreshold"] * startup["periodSeconds"] >= budget
+    # The node spawns an MPI worker (~30 s): its start-up budget covers that with room.
+    node_startup = r.container("node")["startupProbe"]
+    assert node_startup["failureThreshold"] * node_startup["periodSeconds"] >= 30
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_rollout_and_grace_period(render, chart, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    values = chart.merge_values(VARIANTS[variant])
+    pre_stop = values["lifecycle"]["preStopSleepSeconds"]
+    margin = values["lifecycle"]["terminationMarginSeconds"]
+    for component in COMPONENTS:
+        deployment = r.deployment(component)
+        strategy = deployment["spec"]["strategy"]
+        assert strategy["type"] == "RollingUpdate"
+        assert strategy["rollingUpdate"]["maxUnavailable"] == 0
+        spec = deployment["spec"]["template"]["spec"]
+        drain = values[component]["drainTimeoutSeconds"]
+        assert spec["terminationGracePeriodSeconds"] == pre_stop + drain + margin
+        assert r.env(component)["OPENENGINE_DRAIN_TIMEOUT_S"] == str(drain)
+        (container,) = spec["containers"]
+        assert container["lifecycle"]["preStop"] == {"sleep": {"seconds": pre_stop}}
+        assert spec["terminationGracePeriodSeconds"] > pre_stop + drain
+    assert r.deployment("coordinator")["spec"]["replicas"] == 1
+
+
+def test_grace_period_arithmetic_custom(render) -> None:
+    r = render(VARIANTS["everything"])
+    grace = {c: r.deployment(c)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for c in COMPONENTS}
+    assert grace == {"frontend": 10 + 120 + 7, "coordinator": 10 + 5 + 7, "node": 10 + 30 + 7}
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_security_context(render, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    assert len(pods(r)) == 4  # three Deployments and the test Pod
+    for doc in pods(r):
+        spec = pod_spec(doc)
+        what = doc["metadata"]["name"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, what
+        assert spec["securityContext"]["runAsUser"] != 0, what
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, what
+        assert spec["automountServiceAccountToken"] is False, what
+        assert spec["enableServiceLinks"] is False, what
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "emptyDir" in volumes["tmp"], what
+        for container in spec["containers"] + spec.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, what
+            assert sc["allowPrivilegeEscalation"] is False, what
+            assert sc["capabilities"] == {"drop": ["ALL"]}, what
+            assert sc["runAsNonRoot"] is True, what
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, what
+            assert "privileged" not in sc, what
+            assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"], what
+            assert {"name": "HOME", "value": "/tmp"} in container["env"], what
+            assert container["resources"]["requests"], what
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_images(render, chart, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    for component in COMPONENTS:
+        assert r.container(component)["image"] == f"openengine-serve-{component}:0.1.0"
+        assert r.container(component)["imagePullPolicy"] == "IfNotPresent"
+    custom = render({"node": {"image": {"repository": "reg.example/oes-node", "tag": "abc", "pullPolicy": "Always"}}})
+    assert custom.container("node")["image"] == "reg.example/oes-node:abc"
+    assert custom.container("node")["imagePullPolicy"] == "Always"
+    assert custom.container("frontend")["image"] == "openengine-serve-frontend:0.1.0"
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_services(render, chart, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    values = chart.merge_values(VARIANTS[variant])
+    public = r.get("Service", name("frontend"))
+    assert public["spec"]["type"] == values["frontend"]["service"]["type"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in public["spec"]["ports"]] == [("grpc", 50051, "grpc")]
+    assert r.get("Service", name("coordinator"))["spec"]["type"] == "ClusterIP"
+    assert r.get("Service", name("node"))["spec"]["clusterIP"] == "None"
+    assert r.get("Service", name("frontend-metrics"))["spec"]["clusterIP"] == "None"
+    metrics_services = {name("frontend-metrics"): "frontend", name("coordinator"): "coordinator", name("node"): "node"}
+    for svc in r.of_kind("Service"):
+        component = svc["spec"]["selector"]["app.kubernetes.io/component"]
+        deployment = r.deployment(component)
+        assert selects({"matchLabels": svc["spec"]["selector"]}, pod_labels(deployment)), svc["metadata"]["name"]
+        container_ports = {p["name"]: p["containerPort"] for p in r.container(component)["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in container_ports, (svc["metadata"]["name"], port)
+        if svc["metadata"]["name"] in metrics_services:
+            metrics = [p for p in svc["spec"]["ports"] if p["name"] == "metrics"]
+            assert metrics and metrics[0]["port"] == PORTS[component][1]
+        else:
+            assert svc["metadata"]["name"] == name("frontend")  # the only Service without metrics
+    assert len(r.of_kind("Service")) == 4
+    for component in COMPONENTS:
+        assert {p["name"] for p in r.container(component)["ports"]} == {"grpc", "metrics"}
+
+
+def test_public_service_types(render) -> None:
+    lb = render(VARIANTS["loadbalancer"]).get("Service", name("frontend"))["spec"]
+    assert lb["type"] == "LoadBalancer"
+    assert lb["externalTrafficPolicy"] == "Local"
+    assert lb["loadBalancerSourceRanges"] == ["10.0.0.0/8"]
+    np = render(VARIANTS["nodeport"]).get("Service", name("frontend"))["spec"]
+    assert np["type"] == "NodePort" and np["ports"][0]["nodePort"] == 30051
+    assert "nodePort" not in render().get("Service", name("frontend"))["spec"]["ports"][0]
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_replicas_hpa_and_pdb(render, chart, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    values = chart.merge_values(VARIANTS[variant])
+    hpas = {h["metadata"]["name"]: h for h in r.of_kind("HorizontalPodAutoscaler")}
+    for component in ("frontend", "node"):
+        spec = r.deployment(component)["spec"]
+        autoscaling = values[component]["autoscaling"]
+        if autoscaling["enabled"]:
+            assert "replicas" not in spec, "the HPA owns the replica count"
+            hpa = hpas[name(component)]
+            assert hpa["apiVersion"] == "autoscaling/v2"
+            target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": name(component)}
+            assert hpa["spec"]["scaleTargetRef"] == target
+            assert hpa["spec"]["minReplicas"] == autoscaling["minReplicas"]
+            assert hpa["spec"]["maxReplicas"] == autoscaling["maxReplicas"]
+            if autoscaling["metrics"]:
+                assert hpa["spec"]["metrics"] == autoscaling["metrics"]
+            else:
+                assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+        else:
+            assert spec["replicas"] == values[component]["replicas"]
+            assert name(component) not in hpas
+    assert name("coordinator") not in hpas
+    pdbs = {p["metadata"]["name"]: p for p in r.of_kind("PodDisruptionBudget")}
+    assert set(pdbs) == {name("frontend"), name("node")}  # none for the single coordinator
+    for component in ("frontend", "node"):
+        pdb = pdbs[name(component)]
+        assert pdb["spec"]["maxUnavailable"] == values[component]["podDisruptionBudget"]["maxUnavailable"]
+        assert selects(pdb["spec"]["selector"], pod_labels(r.deployment(component)))
+        assert not selects(pdb["spec"]["selector"], pod_labels(r.deployment("coordinator")))
+
+
+def test_three_nodes(render) -> None:
+    assert render(VARIANTS["nodes3"]).deployment("node")["spec"]["replicas"] == 3
+    assert render(VARIANTS["nodes3"]).deployment("frontend")["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("variant", VARIANT_IDS)
+def test_prometheus_annotations_only_without_monitors(render, chart, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    m = chart.merge_values(VARIANTS[variant])["metrics"]
+    monitors = m["serviceMonitor"]["enabled"] or m["podMonitor"]["enabled"]
+    for component in COMPONENTS:
+        annotations = r.deployment(component)["spec"]["template"]["metadata"].get("annotations", {})
+        if monitors:
+            assert not any(k.startswith("prometheus.io/") for k in annotations), component
+        else:
+            assert annotations["prometheus.io/scrape"] == "true"
+            assert annotations["prometheus.io/port"] == str(PORTS[component][1])
+            assert annotations["prometheus.io/path"] == "/metrics"
+    assert len(r.of_kind("ServiceMonitor")) == int(m["serviceMonitor"]["enabled"])
+    assert len(r.of_kind("PodMonitor")) == int(m["podMonitor"]["enabled"])
+
+
+@pytest.mark.parametrize("variant", ["servicemonitor", "everything"])
+def test_service_monitor(render, chart, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    sm_values = chart.merge_values(VARIANTS[variant])["metrics"]["serviceMonitor"]
+    (sm,) = r.of_kind("ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    for k, v in sm_values["labels"].items():
+        assert sm["metadata"]["labels"][k] == v
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint == {
+        "port": "metrics",
+        "path": "/metrics",
+        "interval": sm_values["interval"],
+        "scrapeTimeout": sm_values["scrapeTimeout"],
+    }
+    selected = [s for s in r.of_kind("Service") if selects(sm["spec"]["selector"], s["metadata"]["labels"])]
+    assert sorted(s["metadata"]["name"] for s in selected) == sorted(
+        [name("frontend-metrics"), name("coordinator"), name("node")]
+    )
+    for svc in selected:
+        assert "metrics" in {p["name"] for p in svc["spec"]["ports"]}
+
+
+def test_pod_monitor(render) -> None:
+    r = render(VARIANTS["podmonitor"])
+    (pm,) = r.of_kind("PodMonitor")
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pm["metadata"]["labels"]["release"] == "kps"
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    selected = [d["metadata"]["name"] for d in pods(r) if selects(pm["spec"]["selector"], pod_labels(d))]
+    assert sorted(selected) == sorted(name(c) for c in COMPONENTS)  # not the test pod
+
+
+@pytest.mark.parametrize("variant", ["networkpolicy", "everything"])
+def test_network_policy(render, chart, variant: str) -> None:
+    r = render(VARIANTS[variant])
+    np_values = chart.merge_values(VARIANTS[variant])["networkPolicy"]
+    policies = {p["metadata"]["name"]: p for p in r.of_kind("NetworkPolicy")}
+    assert set(policies) == {name(c) for c in COMPONENTS}
+    release_pods = [pod_labels(d) for d in pods(r)]
+    for component in COMPONENTS:
+        spec = policies[name(component)]["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        targets = [d["metadata"]["name"] for d in pods(r) if selects(spec["podSelector"], pod_labels(d))]
+        assert targets == [name(component)]
+        open_rules = []
+        for rule in spec["ingress"]:
+            ports = [p["port"] for p in rule.get("ports", [])]
+            peers = rule.get("from")
+            if ports == ["metrics"]:
+                (peer,) = peers
+                assert peer["namespaceSelector"] == np_values["metrics"]["namespaceSelector"]
+                assert peer.get("podSelector", {}) == np_values["metrics"]["podSelector"]
+            elif ports == ["grpc"]:
+                open_rules.append(rule)
+            else:
+                # Any port, only from pods of this release (same namespace, no namespaceSelector).
+                assert not ports
+                (peer,) = peers
+                assert set(peer) == {"podSelector"}
+                assert all(selects(peer["podSelector"], labels) for labels in release_pods)
+                assert not selects(peer["podSelector"], {"app.kubernetes.io/instance": "other"})
+        if component == "frontend":
+            (rule,) = open_rules
+            if np_values["frontendFrom"]:
+                assert rule["from"] == np_values["frontendFrom"]
+            else:
+                assert "from" not in rule, "the frontend's gRPC port is public"
+        else:
+            assert not open_rules, f"{component} must not be reachable from outside the release"
+    assert not render().of_kind("NetworkPolicy")
+
+
+def test_helm_test_hook(render) -> None:
+    r = render()
+    (pod,) = r.of_kind("Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    target = f"{name('frontend')}:50051"
+    (health,) = pod["spec"]["initContainers"]
+    (generate,) = pod["spec"]["containers"]
+    for container in (health, generate):
+        assert container["image"] == "openengine-serve-frontend:0.1.0"
+        assert container["command"] == ["openengine-serve"]
+    assert health["args"] == ["health", "--target", target, "--service", "readiness"]
+    assert generate["args"][:3] == ["generate", "--target", target]
+    assert generate["args"][generate["args"].index("--max-tokens") + 1] == "8"
+    assert "--prompt" in generate["args"]
+    assert not render({"tests": {"enabled": False}}).of_kind("Pod")
+
+
+@pytest.mark.parametrize("variant", ["default", "loadbalancer", "nodeport"])
+def test_notes(render, variant: str) -> None:
+    notes = render(VARIANTS[variant]).notes
+    assert "openengine-serve generate --target" in notes
+    assert "openengine-serve health --target" in notes
+    assert f"helm test {RELEASE}" in notes
+    if variant == "default":
+        assert f"port-forward service/{name('frontend')} 50051:50051" in notes
+        assert f"{name('frontend')}.{NAMESPACE}.svc:50051" in notes
+    elif variant == "loadbalancer":
+        assert "status.loadBalancer.ingress" in notes
+    else:
+        assert "nodePort" in notes
+
+
+def test_labels_and_names(render) -> None:
+    r = render(VARIANTS["everything"])
+    for doc in r.docs:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/name"] == "openengine-serve"
+        assert labels["team"] == "inference"
+        assert doc["metadata"]["namespace"] == NAMESPACE
+    # A long release name still yields DNS-label object names (<= 63 characters).
+    long_release = "a-very-long-release-name-for-openengine-serve-xx"
+    long = render({}, release=long_release)
+    for doc in long.docs:
+        assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
+

@@ -36,7 +36,14 @@ def _up(args: argparse.Namespace) -> int:
     return run_stack(args)
 
 
+def _quiet_broken_pipe() -> None:
+    """`openengine-serve info | head` ends quietly. Only for printing commands: servers must keep SIGPIPE
+    ignored (Python's default), or a peer closing a socket would kill them."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+
 def _generate(args: argparse.Namespace) -> int:
+    _quiet_broken_pipe()
     from .api.openengine.v1 import generation_pb2
     from .client import Client
 
@@ -77,6 +84,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    _quiet_broken_pipe()
     import grpc
     from google.protobuf import text_format
 
@@ -160,7 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `openengine-serve info | head` ends quietly
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -96,3 +96,52 @@ def frontend(coordinator_target: str, server: str, *extra: str, **env) -> Compon
     return Component(f"frontend-{server}", ["frontend", "--metrics-port", "0", "--grpc-server", server,
                                             "--coordinator-address", coordinator_target, "--heartbeat-s", "0.3",
                                             *extra], env)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of a process (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, frontier = [], [pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        out += kids
+        frontier += kids
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def engine_worker_pids(node_pid: int) -> list[int]:
+    return [p for p in descendants(node_pid) if "openengine_serve.engine.worker" in cmdline(p)]
+
+
+class Deployment:
+    """A private deployment for tests that kill or restart its parts; stops everything it started."""
+
+    def __init__(self) -> None:
+        self.components: list[Component] = []
+
+    def add(self, component: Component, ready_timeout: float = 90.0) -> Component:
+        self.components.append(component)
+        component.start().wait_ready(ready_timeout)
+        return component
+
+    def close(self) -> None:
+        for component in reversed(self.components):
+            component.stop(timeout=15)
+            if component.proc is not None and component.proc.poll() is None:
+                component.proc.kill()

@@ -20,9 +20,11 @@ from ..common.vocab import load_encoding
 from . import metrics
 from .cluster import Cluster, LaneFailure
 from .service import Frontend
+from .supervisor import READY_FILE_VARIABLE
 
 logger = logging.getLogger("openengine_serve.frontend")
 
+DRAIN_ERROR_GRACE_S = 1.0  # time for the terminal DRAINING errors to reach clients before the server stops
 PUBLIC_SERVICES = tuple(s.full_name for s in openengine_pb2.DESCRIPTOR.services_by_name.values())
 
 
@@ -42,6 +44,8 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     server.add_insecure_port(bind_address(config.host, config.port))
     await server.start()
     await health.start()
+    if ready_file := os.environ.get(READY_FILE_VARIABLE):  # tells a supervisor this worker is serving
+        open(ready_file, "w").close()
     metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
     log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port,
               grpc_server=implementation.name, grpc_server_version=implementation.version, model=config.model)
@@ -50,9 +54,13 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     readiness = asyncio.create_task(_follow_readiness(cluster, health))
     await stop.wait()
 
-    # Drain: readiness drops first, new Generate calls get UNAVAILABLE, open streams get the grace period.
+    # Drain: readiness drops first and new Generate calls get UNAVAILABLE (retry-safe). stop(grace) makes
+    # grpc.aio close its listener and send GOAWAY at once, so clients move to another process; pygrpc-native
+    # keeps its listener until stop() returns (see README). Open streams get the drain timeout; any stream
+    # still open then ends with a terminal DRAINING error before the server's grace runs out.
     await health.start_drain()
     log_event(logger, "draining", open_streams=len(cluster.sinks), timeout_s=config.drain_timeout_s)
+    stopping = asyncio.create_task(server.stop(grace=config.drain_timeout_s + DRAIN_ERROR_GRACE_S))
     deadline = time.monotonic() + config.drain_timeout_s
     while cluster.sinks and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -60,7 +68,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         log_event(logger, "drain deadline reached", logging.WARNING, open_streams=len(cluster.sinks))
         cluster.fail_all(LaneFailure("frontend is shutting down: drain deadline reached; retry the request",
                                      retryable=True, draining=True))
-    await server.stop(grace=2.0)
+    await stopping
     for task in (heartbeat, readiness):
         task.cancel()
     await cluster.close()

@@ -24,8 +24,10 @@ from ..common.grpc_server import resolve_implementation
 from ..common.lifecycle import logger, run_component, start_metrics
 from ..common.logging_setup import log_event, setup_logging
 
-START_GRACE_S = 20.0     # a worker that dies sooner than this after its first start "cannot start"
 RESTART_BACKOFF_S = 1.0
+# A worker writes this file once it serves; one that dies before that "cannot start" and the supervisor
+# gives up (exit 1) instead of restarting it forever.
+READY_FILE_VARIABLE = "OPENENGINE_WORKER_READY_FILE"
 
 
 def run_frontend(config: FrontendConfig) -> int:
@@ -48,21 +50,27 @@ class Supervisor:
         self.base_id = config.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}"
         self.stopping = False
         self.procs: dict[int, subprocess.Popen] = {}
-        self.started_at: dict[int, float] = {}
-        self.ever_ready: set[int] = set()
+        self.state_dir = ""
 
     def worker_command(self, index: int) -> list[str]:
         return [sys.executable, "-m", "openengine_serve", "frontend", "--workers", "1", "--metrics-port", "0",
                 "--frontend-id", f"{self.base_id}-w{index}"]
 
+    def ready_file(self, index: int) -> str:
+        return os.path.join(self.state_dir, f"worker-{index}.ready")
+
     def start_worker(self, index: int, env: dict[str, str]) -> None:
-        self.procs[index] = subprocess.Popen(self.worker_command(index), env=env)
-        self.started_at[index] = time.monotonic()
+        if os.path.exists(self.ready_file(index)):
+            os.remove(self.ready_file(index))
+        self.procs[index] = subprocess.Popen(self.worker_command(index),
+                                             env={**env, READY_FILE_VARIABLE: self.ready_file(index)})
         log_event(logger, "frontend worker started", worker=index, pid=self.procs[index].pid)
 
     def run(self) -> int:
         setup_logging("frontend-supervisor", self.config.log_level)
-        metrics_dir = tempfile.mkdtemp(prefix="openengine-frontend-metrics-")
+        self.state_dir = tempfile.mkdtemp(prefix="openengine-frontend-")
+        metrics_dir = os.path.join(self.state_dir, "metrics")
+        os.mkdir(metrics_dir)
         env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
         # Workers take every other setting from the same flags and environment as the supervisor.
         for f in dataclasses.fields(self.config):
@@ -96,10 +104,8 @@ class Supervisor:
                     continue
                 for index, proc in list(self.procs.items()):
                     if proc.poll() is None:
-                        if time.monotonic() - self.started_at[index] > START_GRACE_S:
-                            self.ever_ready.add(index)
                         continue
-                    if index not in self.ever_ready and time.monotonic() - self.started_at[index] < START_GRACE_S:
+                    if not os.path.exists(self.ready_file(index)):
                         log_event(logger, "frontend worker could not start", worker=index, code=proc.returncode)
                         exit_code = 1
                         on_signal(signal.SIGTERM, None)
@@ -109,5 +115,5 @@ class Supervisor:
                     time.sleep(RESTART_BACKOFF_S)
                     self.start_worker(index, env)
         finally:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+            shutil.rmtree(self.state_dir, ignore_errors=True)
         return exit_code

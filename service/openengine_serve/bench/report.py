@@ -1,0 +1,456 @@
+"""Statistics and the report of `openengine-serve bench`: pure functions over plain dicts.
+
+A *round record* is one measured window of one server on one scenario (see
+`cli.measure`): a flat dict with `mode` ("stack" or "baseline"), `scenario`,
+`workload` ("fixed" or "saturation"), `connections`, `server`, `round` and the
+metrics named in `METRICS`. Everything here takes and returns plain data so it
+can be unit-tested and round-tripped through JSON; only `write_chart` touches
+matplotlib (Agg backend, imported lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+GRPCIO = "grpcio"
+NATIVE = "pygrpc-native"
+SERVERS = (GRPCIO, NATIVE)
+
+# metric key -> (column title, unit, decimals hint: None = automatic)
+METRICS: dict[str, tuple[str, str]] = {
+    "cpu_us_per_token": ("frontend CPU/token", "µs"),
+    "tokens_per_s": ("tokens/s", "1/s"),
+    "ttft_p50_ms": ("TTFT p50", "ms"),
+    "ttft_p99_ms": ("TTFT p99", "ms"),
+    "itl_p50_ms": ("ITL p50", "ms"),
+    "itl_p99_ms": ("ITL p99", "ms"),
+    "frontend_util": ("frontend core busy", "fraction"),
+    "other_util": ("other cores busy", "fraction"),
+    "errors": ("errors", "count"),
+}
+STACK_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                 "frontend_util", "other_util", "errors")
+BASELINE_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "frontend_util", "other_util", "errors")
+
+# Thresholds the report compares against (never asserted).
+TARGET_CPU_RATIO = 0.70          # native/grpcio CPU per token at fixed load, <=
+TARGET_SATURATION_RATIO = 1.6    # native/grpcio tokens/s at saturation, >=
+TARGET_FLOOR_MULTIPLE = 2.0      # native CPU/token / native bare CPU/message, <=
+TARGET_TTFT_RATIO = 1.0          # native/grpcio TTFT p99 at fixed load, <= (no worse)
+
+BUSY = 0.90  # a core this busy over the window counts as saturated
+
+
+# ---------------------------------------------------------------- statistics
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default).
+
+    None for no values. The input need not be sorted.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be between 0 and 100, got {q}")
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    fraction = position - low
+    return ordered[low] + (ordered[high] - ordered[low]) * fraction
+
+
+def median(values: Sequence[float]) -> float | None:
+    return percentile(values, 50)
+
+
+def summarize(values: Iterable[float | None]) -> dict[str, Any]:
+    """Median with its [min, max] range over rounds; None values (a metric a round could not measure) are skipped."""
+    present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not present:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": median(present), "min": min(present), "max": max(present), "n": len(present)}
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def verdict(value: float | None, op: str, threshold: float) -> str:
+    """PASS / MISS for `value op threshold` (op one of <=, >=, <, >, ==); N/A when there is no value."""
+    if value is None:
+        return "N/A"
+    ok = {"<=": value <= threshold, ">=": value >= threshold, "<": value < threshold,
+          ">": value > threshold, "==": value == threshold}[op]
+    return "PASS" if ok else "MISS"
+
+
+def latency_stats(samples_s: Sequence[float]) -> dict[str, float | None]:
+    """p50/p99 in milliseconds of samples in seconds."""
+    p50, p99 = percentile(samples_s, 50), percentile(samples_s, 99)
+    return {"p50_ms": None if p50 is None else p50 * 1e3, "p99_ms": None if p99 is None else p99 * 1e3,
+            "n": len(samples_s)}
+
+
+def bottleneck(frontend_util: float | None, other_util: float | None, workload: str) -> str:
+    """Which side limited a round, from how busy the frontend's core and the other cores were."""
+    if frontend_util is None or other_util is None:
+        return "unknown"
+    if frontend_util >= BUSY and frontend_util >= other_util:
+        return "frontend"
+    if other_util >= BUSY:
+        return "other cores (node/engine/load generator)"
+    if workload == "fixed":
+        return "none (open-loop arrivals; nothing saturated)"
+    return "none saturated (latency-bound: engine step pacing / queueing)"
+
+
+# ---------------------------------------------------------------- aggregation
+
+def summarize_rounds(rounds: Sequence[Mapping[str, Any]],
+                     metrics: Iterable[str] = METRICS) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+    """{mode: {scenario: {server: {metric: summary}}}} over every round record."""
+    metrics = tuple(metrics)
+    grouped: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
+    for record in rounds:
+        grouped.setdefault((record["mode"], record["scenario"], record["server"]), []).append(record)
+    out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for (mode, scenario, server), records in grouped.items():
+        out.setdefault(mode, {}).setdefault(scenario, {})[server] = {
+            m: summarize(r.get(m) for r in records) for m in metrics}
+    return out
+
+
+def paired_ratios(rounds: Sequence[Mapping[str, Any]], mode: str, scenario: str, metric: str,
+                  numerator: str = NATIVE, denominator: str = GRPCIO) -> dict[str, Any]:
+    """numerator/denominator of `metric` per round pair (round r of one server against round r of the other).
+
+    Consecutive rounds alternate the servers, so a pair saw the same machine drift; the result summarizes the
+    per-pair ratios (median [min, max]).
+    """
+    by_round: dict[int, dict[str, float | None]] = {}
+    for r in rounds:
+        if r["mode"] == mode and r["scenario"] == scenario and r["server"] in (numerator, denominator):
+            by_round.setdefault(r["round"], {})[r["server"]] = r.get(metric)
+    values = [ratio(pair.get(numerator), pair.get(denominator)) for _, pair in sorted(by_round.items())]
+    return summarize(values)
+
+
+def median_ratio(summary: Mapping[str, Any], mode: str, scenario: str, metric: str,
+                 numerator: str = NATIVE, denominator: str = GRPCIO) -> float | None:
+    """Ratio of the two servers' medians of `metric` (None when either is missing)."""
+    try:
+        servers = summary[mode][scenario]
+        return ratio(servers[numerator][metric]["median"], servers[denominator][metric]["median"])
+    except KeyError:
+        return None
+
+
+def compare_tokens(hashes: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
+    """hashes: {server: {request_id: digest of its token ids}}. Compares the requests both servers completed."""
+    servers = [s for s in SERVERS if s in hashes] or sorted(hashes)
+    if len(servers) < 2:
+        return {"compared": 0, "mismatched": 0, "mismatched_ids": [], "only_one_server": 0}
+    a, b = hashes[servers[0]], hashes[servers[1]]
+    common = a.keys() & b.keys()
+    mismatched = sorted(rid for rid in common if a[rid] != b[rid])
+    return {"compared": len(common), "mismatched": len(mismatched), "mismatched_ids": mismatched[:20],
+            "only_one_server": len(a.keys() ^ b.keys())}
+
+
+def scenario_name(workload: str, connections: int) -> str:
+    return f"{workload}-c{connections}"
+
+
+def evaluate_targets(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
+                     identical: Mapping[str, Mapping[str, Any]], connections: Sequence[int]) -> list[dict[str, Any]]:
+    """The report's targets, each {name, value, op, threshold, verdict, detail}."""
+    targets: list[dict[str, Any]] = []
+
+    def add(name: str, value: float | None, op: str, threshold: float, detail: str = "") -> None:
+        targets.append({"name": name, "value": value, "op": op, "threshold": threshold,
+                        "verdict": verdict(value, op, threshold), "detail": detail})
+
+    for c in connections:
+        fixed = scenario_name("fixed", c)
+        add(f"CPU/token native/grpcio at fixed load, {c} conn", median_ratio(summary, "stack", fixed,
+                                                                             "cpu_us_per_token"),
+            "<=", TARGET_CPU_RATIO)
+    for c in connections:
+        sat = scenario_name("saturation", c)
+        add(f"saturation tokens/s native/grpcio, {c} conn", median_ratio(summary, "stack", sat, "tokens_per_s"),
+            ">=", TARGET_SATURATION_RATIO)
+    for c in connections:
+        fixed = scenario_name("fixed", c)
+        try:
+            stack_cpu = summary["stack"][fixed][NATIVE]["cpu_us_per_token"]["median"]
+            floor = summary["baseline"][fixed][NATIVE]["cpu_us_per_token"]["median"]
+        except KeyError:
+            stack_cpu = floor = None
+        value = ratio(stack_cpu, floor)
+        detail = "" if value is None else f"{stack_cpu:.1f} µs vs bare {floor:.1f} µs/message"
+        add(f"native CPU/token / bare per-message floor, fixed load, {c} conn", value, "<=",
+            TARGET_FLOOR_MULTIPLE, detail)
+    for c in connections:
+        fixed = scenario_name("fixed", c)
+        add(f"TTFT p99 native/grpcio at fixed load, {c} conn (no worse)",
+            median_ratio(summary, "stack", fixed, "ttft_p99_ms"), "<=", TARGET_TTFT_RATIO)
+    total_errors = sum(int(r.get("errors") or 0) for r in rounds)
+    add("errors (all rounds, both servers, both modes)", float(total_errors), "==", 0.0)
+    compared = sum(v["compared"] for v in identical.values())
+    mismatched = sum(v["mismatched"] for v in identical.values())
+    add("requests with different tokens on the two servers", float(mismatched) if compared else None, "==", 0.0,
+        f"{compared} requests compared")
+    return targets
+
+
+# ---------------------------------------------------------------- formatting
+
+def fmt_number(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float) and math.isnan(value):
+        return "–"
+    magnitude = abs(value)
+    if magnitude >= 1000:
+        return f"{value:,.0f}"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def fmt_range(summary: Mapping[str, Any] | None) -> str:
+    """'median [min–max]'; only the median when the range is a single value."""
+    if not summary or summary.get("median") is None:
+        return "–"
+    med, lo, hi = summary["median"], summary["min"], summary["max"]
+    if summary.get("n", 0) <= 1 or lo == hi:
+        return fmt_number(med)
+    return f"{fmt_number(med)} [{fmt_number(lo)}–{fmt_number(hi)}]"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown pipe table with padded columns (reads well in a terminal too)."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "| " + " | ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)) + " |"
+
+    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), separator, *(line(row) for row in cells[1:])])
+
+
+def metric_title(metric: str) -> str:
+    title, unit = METRICS[metric]
+    return f"{title} ({unit})" if unit not in ("count", "fraction", "1/s") else title
+
+
+def scenario_table(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], mode: str,
+                   columns: Sequence[str]) -> str:
+    """One row per scenario and server (median [min–max]) plus a native/grpcio row of per-pair ratios."""
+    headers = ["scenario", "server", "rounds", *(metric_title(m) for m in columns)]
+    rows: list[list[str]] = []
+    for scenario in sorted(summary.get(mode, {}), key=_scenario_order):
+        servers = summary[mode][scenario]
+        for server in [s for s in SERVERS if s in servers]:
+            n = max((servers[server][m]["n"] for m in columns), default=0)
+            rows.append([scenario, server, str(n), *(fmt_range(servers[server][m]) for m in columns)])
+        if all(s in servers for s in SERVERS):
+            ratio_cells = []
+            for m in columns:
+                if m == "errors":
+                    ratio_cells.append("")
+                    continue
+                pair = paired_ratios(rounds, mode, scenario, m)
+                ratio_cells.append(_fmt_ratio_range(pair))
+            rows.append([scenario, "native/grpcio", "", *ratio_cells])
+    return format_table(headers, rows)
+
+
+def _fmt_ratio_range(pair: Mapping[str, Any]) -> str:
+    if pair.get("median") is None:
+        return "–"
+    if pair["n"] <= 1 or pair["min"] == pair["max"]:
+        return f"{pair['median']:.2f}×"
+    return f"{pair['median']:.2f}× [{pair['min']:.2f}–{pair['max']:.2f}]"
+
+
+def _scenario_order(name: str) -> tuple[int, int]:
+    workload, _, conns = name.partition("-c")
+    return (0 if workload == "fixed" else 1, -int(conns) if conns.isdigit() else 0)
+
+
+def process_table(rounds: Sequence[Mapping[str, Any]], mode: str = "stack") -> str:
+    """Median CPU utilisation (cores) per process group and scenario/server, and what limited the round."""
+    groups: list[str] = []
+    by_key: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in rounds:
+        if r["mode"] != mode:
+            continue
+        by_key.setdefault((r["scenario"], r["server"]), []).append(r)
+        for g in r.get("process_util", {}):
+            if g not in groups:
+                groups.append(g)
+    headers = ["scenario", "server", *(f"{g} (cores)" for g in groups), "limited by"]
+    rows = []
+    for (scenario, server) in sorted(by_key, key=lambda k: (_scenario_order(k[0]), SERVERS.index(k[1])
+                                                            if k[1] in SERVERS else 9)):
+        records = by_key[(scenario, server)]
+        cells = [fmt_number(summarize(r.get("process_util", {}).get(g) for r in records)["median"]) for g in groups]
+        limits = sorted({r.get("bottleneck", "unknown") for r in records})
+        rows.append([scenario, server, *cells, "; ".join(limits)])
+    return format_table(headers, rows)
+
+
+def targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for t in targets:
+        value = t["value"]
+        if value is None:
+            shown = "–"
+        elif t["op"] == "==":
+            shown = f"{value:.0f}"
+        else:
+            shown = f"{value:.2f}"
+        threshold = f"{t['threshold']:.0f}" if t["op"] == "==" else f"{t['threshold']:.2f}"
+        rows.append([t["verdict"], t["name"], shown, f"{t['op']} {threshold}", t.get("detail", "")])
+    return format_table(["verdict", "target", "value", "wanted", "detail"], rows)
+
+
+def render(result: Mapping[str, Any]) -> str:
+    """The whole text report of a result dict (see `build_result`)."""
+    rounds = result["rounds"]
+    summary = result["summary"]
+    parts = [f"# openengine-serve bench ({'quick' if result['meta'].get('quick') else 'full'} run)", ""]
+    meta = result["meta"]
+    parts.append(f"machine: {meta.get('nproc')} cores, {meta.get('cpu_model')}, Python {meta.get('python')}; "
+                 f"frontend on CPUs {meta.get('frontend_cpus')}, everything else on {meta.get('other_cpus')}")
+    parts.append(f"workload: {meta.get('prompt_tokens')} prompt tokens, {meta.get('output_tokens')} output tokens "
+                 f"per request, engine step {meta.get('step_ms')} ms; fixed load {meta.get('rate')} req/s, "
+                 f"saturation {meta.get('inflight')} in flight; windows: fixed {meta.get('fixed_window_s')} s, "
+                 f"saturation {meta.get('saturation_window_s')} s, baseline {meta.get('baseline_window_s')} s")
+    parts.append("")
+    parts.append("## Full stack (load generator -> frontend -> node -> engine); median [min–max] over rounds")
+    parts.append(scenario_table(summary, rounds, "stack", STACK_COLUMNS))
+    if "baseline" in summary:
+        parts.append("")
+        parts.append("## Baseline: trivial streaming servicer (same server options, same client); "
+                     "'CPU/token' = CPU per streamed message")
+        parts.append(scenario_table(summary, rounds, "baseline", BASELINE_COLUMNS))
+    parts.append("")
+    parts.append("## CPU by process (cores busy over the window, median) and what limited each scenario")
+    parts.append(process_table(rounds, "stack"))
+    if "baseline" in summary:
+        parts.append("")
+        parts.append(process_table(rounds, "baseline"))
+    parts.append("")
+    parts.append("## Identical tokens on both servers (same request ids and seeds)")
+    parts.append(format_table(["scenario", "compared", "mismatched", "completed on one server only"],
+                              [[s, v["compared"], v["mismatched"], v["only_one_server"]]
+                               for s, v in sorted(result["identical"].items(), key=lambda kv: _scenario_order(kv[0]))]))
+    parts.append("")
+    parts.append("## Targets (compared, not asserted)")
+    parts.append(targets_table(result["targets"]))
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- result assembly and files
+
+def build_result(meta: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
+                 hashes: Mapping[str, Mapping[str, Mapping[str, str]]], connections: Sequence[int]) -> dict[str, Any]:
+    """hashes: {scenario: {server: {request_id: digest}}}. Returns the JSON-able result."""
+    summary = summarize_rounds(rounds)
+    identical = {scenario: compare_tokens(per_server) for scenario, per_server in hashes.items()}
+    ratios = {}
+    for mode, scenarios in summary.items():
+        for scenario in scenarios:
+            ratios.setdefault(mode, {})[scenario] = {
+                m: {"of_medians": median_ratio(summary, mode, scenario, m),
+                    "per_round_pair": paired_ratios(rounds, mode, scenario, m)}
+                for m in METRICS if m != "errors"}
+    targets = evaluate_targets(summary, rounds, identical, connections)
+    return {"meta": dict(meta), "rounds": [dict(r) for r in rounds], "summary": summary, "ratios": ratios,
+            "identical": identical, "targets": targets}
+
+
+def write_json(result: Mapping[str, Any], path: Path | str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, sort_keys=False, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def read_json(path: Path | str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def write_chart(result: Mapping[str, Any], path: Path | str) -> Path:
+    """Two panels: frontend CPU per token (with the bare per-message floor) and tokens/s, both servers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summary = result["summary"]
+    stack = summary.get("stack", {})
+    baseline = summary.get("baseline", {})
+    scenarios = sorted(stack, key=_scenario_order)
+    colors = {GRPCIO: "#4C72B0", NATIVE: "#DD8452"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.2
+    for panel, (ax, metric, title) in enumerate(
+            zip(axes, ("cpu_us_per_token", "tokens_per_s"),
+                ("frontend CPU per token (µs), lower is better", "tokens/s, higher is better"))):
+        for i, server in enumerate(SERVERS):
+            for j, source in enumerate((stack, baseline)):
+                if panel == 1 and source is baseline:
+                    continue  # the bare server's messages/s dwarf the stack's tokens/s; kept in the tables
+                xs, meds, lows, highs = [], [], [], []
+                for k, scenario in enumerate(scenarios):
+                    s = source.get(scenario, {}).get(server, {}).get(metric)
+                    if not s or s["median"] is None:
+                        continue
+                    offset = (i * 2 + j - 1.5) * width if panel == 0 else (i - 0.5) * width * 2
+                    xs.append(k + offset)
+                    meds.append(s["median"])
+                    lows.append(s["median"] - s["min"])
+                    highs.append(s["max"] - s["median"])
+                if not xs:
+                    continue
+                label = server + (" (bare server floor)" if source is baseline else "")
+                ax.bar(xs, meds, width if panel == 0 else width * 2, yerr=[lows, highs], capsize=3,
+                       color=colors[server], alpha=0.45 if source is baseline else 1.0,
+                       hatch="//" if source is baseline else None, label=label, edgecolor="black", linewidth=0.4)
+        ax.set_xticks(range(len(scenarios)))
+        ax.set_xticklabels([_scenario_label(s, result["meta"]) for s in scenarios], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("openengine-serve frontend: grpcio vs pygrpc-native (median, whiskers = min–max over rounds)",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _scenario_label(scenario: str, meta: Mapping[str, Any]) -> str:
+    workload, _, conns = scenario.partition("-c")
+    if workload == "fixed":
+        return f"{meta.get('rate', '?')} req/s\n{conns} conn"
+    return f"saturation ({meta.get('inflight', '?')} in flight)\n{conns} conn"

@@ -1,0 +1,332 @@
+"""The processes under test: start, pin to cores, stop, and account their CPU time from /proc.
+
+Components run exactly as `openengine-serve up` runs them (`python -m
+openengine_serve coordinator|node|frontend ...`), each in its own session so a
+stop never reaches anything but the component and its children. The frontend
+(or the bare baseline server) is pinned to the frontend CPUs; the coordinator,
+the node and everything the node spawns (launcher, mpiexec, hydra, engine
+worker) to the other CPUs. Pinning happens at exec (`taskset`) and again on
+every thread of the whole process tree once it is up (MPI's launcher may set
+its own affinity).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+HOST = "127.0.0.1"
+STOP_TIMEOUT_S = 40.0
+
+
+# ---------------------------------------------------------------- CPUs
+
+def parse_cpus(spec: str) -> list[int]:
+    """'0', '0,2', '1-3' or '0-1,4' -> sorted CPU numbers."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = (int(x) for x in part.split("-", 1))
+            if hi < lo:
+                raise ValueError(f"bad CPU range {part!r}")
+            cpus.update(range(lo, hi + 1))
+        else:
+            cpus.add(int(part))
+    if not cpus:
+        raise ValueError(f"no CPUs in {spec!r}")
+    return sorted(cpus)
+
+
+def format_cpus(cpus: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def split_cpus(frontend_spec: str) -> tuple[list[int], list[int]]:
+    """(frontend CPUs, other CPUs) within this process's allowed CPUs. With one CPU both share it."""
+    allowed = sorted(os.sched_getaffinity(0))
+    frontend = parse_cpus(frontend_spec)
+    missing = [c for c in frontend if c not in allowed]
+    if missing:
+        raise ValueError(f"--frontend-cpus {frontend_spec!r}: CPUs {missing} are not available "
+                         f"(allowed: {format_cpus(allowed)})")
+    other = [c for c in allowed if c not in frontend] or frontend
+    return frontend, other
+
+
+# ---------------------------------------------------------------- /proc
+
+def read_stat(pid: int) -> tuple[int, float] | None:
+    """(ppid, utime+stime in seconds) of a process, all its threads included; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    # fields[0] is field 3 (state): ppid = field 4, utime = field 14, stime = field 15
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_seconds(pid: int) -> float | None:
+    stat = read_stat(pid)
+    return None if stat is None else stat[1]
+
+
+def descendants(root: int) -> list[int]:
+    """root and every process below it (from the ppid of every process in /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        stat = read_stat(int(entry))
+        if stat is not None:
+            children.setdefault(stat[0], []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def pin_tree(root: int, cpus: Sequence[int]) -> list[int]:
+    """Sets the affinity of every thread of root and its descendants; returns the pids pinned."""
+    pids = descendants(root)
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+                    os.sched_setaffinity(int(tid), cpus)
+    return pids
+
+
+def affinity(pid: int) -> list[int] | None:
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        return sorted(os.sched_getaffinity(pid))
+    return None
+
+
+class CpuSampler:
+    """CPU seconds of named groups of processes: snapshot at window start and end, then `delta`."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, list[int]] = {}
+
+    def set_group(self, name: str, pids: Iterable[int]) -> None:
+        self.groups[name] = list(pids)
+
+    def snapshot(self) -> dict[str, dict[int, float]]:
+        snap: dict[str, dict[int, float]] = {}
+        for name, pids in self.groups.items():
+            snap[name] = {}
+            for pid in pids:
+                seconds = cpu_seconds(pid)
+                if seconds is not None:
+                    snap[name][pid] = seconds
+        return snap
+
+    @staticmethod
+    def delta(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]) -> dict[str, float]:
+        """Per group, CPU seconds spent between the snapshots by processes alive at both."""
+        out: dict[str, float] = {}
+        for name, end in after.items():
+            start = before.get(name, {})
+            out[name] = sum(end[pid] - start[pid] for pid in end if pid in start)
+        return out
+
+
+# ---------------------------------------------------------------- processes
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def health_serving(target: str, service: str = "readiness", timeout: float = 1.0) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def established_connections(port: int) -> int | None:
+    """TCP connections established to 127.0.0.1:port (from `ss`), None without ss."""
+    if shutil.which("ss") is None:
+        return None
+    out = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+                         capture_output=True, text=True, timeout=10).stdout
+    return sum(1 for line in out.splitlines() if line.strip())
+
+
+@dataclass
+class Process:
+    """One component process, started in its own session and pinned to `cpus`."""
+
+    name: str
+    command: list[str]
+    cpus: list[int]
+    log_path: Path
+    port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def target(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def start(self) -> "Process":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = list(self.command)
+        if shutil.which("taskset"):
+            # taskset execs the command: the pid stays the component's, and every thread inherits the mask.
+            command = ["taskset", "-c", format_cpus(self.cpus), *command]
+        env = {**os.environ, **self.env}
+        # mpiexec lives next to the interpreter in a venv; MPI Spawn looks it up on PATH.
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        if not shutil.which("taskset"):
+            pin_tree(self.proc.pid, self.cpus)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pin(self) -> list[int]:
+        return pin_tree(self.pid, self.cpus)
+
+    def wait_ready(self, timeout: float, check) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}; see {self.log_path}")
+            if check():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} was not ready within {timeout:.0f}s; see {self.log_path}")
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM (the component drains), then SIGKILL to its own process group after `timeout`."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class Stack:
+    """Coordinator + one node (with its MPI engine worker) that stay up, and a frontend restarted per round."""
+
+    def __init__(self, out_dir: Path, frontend_cpus: Sequence[int], other_cpus: Sequence[int], *,
+                 step_ms: float, max_batch: int, max_queue: int, log_level: str = "info") -> None:
+        self.log_dir = out_dir / "logs"
+        self.frontend_cpus = list(frontend_cpus)
+        self.other_cpus = list(other_cpus)
+        self.step_ms = step_ms
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.log_level = log_level
+        self.coordinator: Process | None = None
+        self.node: Process | None = None
+        self.frontend: Process | None = None
+        self.baseline: Process | None = None
+        self._frontend_starts = 0
+
+    @staticmethod
+    def _python(*args: str) -> list[str]:
+        return [sys.executable, "-m", "openengine_serve", *args]
+
+    def start_cluster(self, timeout: float = 120.0) -> None:
+        port = free_port()
+        self.coordinator = Process("coordinator", self._python(
+            "coordinator", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level),
+            self.other_cpus, self.log_dir / "coordinator.log", port).start()
+        self.coordinator.wait_ready(60, lambda: health_serving(self.coordinator.target))
+        port = free_port()
+        self.node = Process("node", self._python(
+            "node", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level,
+            "--coordinator-address", self.coordinator.target, "--node-rank", "0",
+            "--step-ms", str(self.step_ms), "--max-batch", str(self.max_batch), "--max-queue", str(self.max_queue)),
+            self.other_cpus, self.log_dir / "node.log", port).start()
+        self.node.wait_ready(timeout, lambda: health_serving(self.node.target))
+        self.node.pin()  # the engine worker exists now (node readiness follows it)
+
+    def node_tree(self) -> list[int]:
+        """The node and everything below it: launcher, mpiexec, hydra proxy, engine worker."""
+        return descendants(self.node.pid) if self.node and self.node.alive() else []
+
+    def start_frontend(self, server: str, timeout: float = 90.0) -> Process:
+        self._frontend_starts += 1
+        port = free_port()
+        self.frontend = Process(f"frontend-{server}", self._python(
+            "frontend", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level,
+            "--coordinator-address", self.coordinator.target, "--grpc-server", server, "--workers", "1",
+            "--frontend-id", f"bench-{server}-{self._frontend_starts}-{os.getpid()}"),
+            self.frontend_cpus, self.log_dir / f"frontend-{self._frontend_starts:02d}-{server}.log", port).start()
+        self.frontend.wait_ready(timeout, lambda: health_serving(self.frontend.target))
+        self.frontend.pin()
+        return self.frontend
+
+    def stop_frontend(self) -> None:
+        if self.frontend is not None:
+            self.frontend.stop()
+            self.frontend = None
+
+    def start_baseline(self, server: str, timeout: float = 60.0) -> Process:
+        from .baseline import wait_baseline_ready
+
+        port = free_port()
+        self.baseline = Process(f"baseline-{server}", [
+            sys.executable, "-m", "openengine_serve.bench.baseline", "--server", server, "--host", HOST,
+            "--port", str(port), "--step-ms", str(self.step_ms)],
+            self.frontend_cpus, self.log_dir / f"baseline-{server}.log", port).start()
+        self.baseline.wait_ready(timeout, lambda: wait_baseline_ready(self.baseline.target))
+        self.baseline.pin()
+        return self.baseline
+
+    def stop_baseline(self) -> None:
+        if self.baseline is not None:
+            self.baseline.stop()
+            self.baseline = None
+
+    def stop_all(self) -> None:
+        """Frontend first (drains), then the node, then the coordinator."""
+        for stop in (self.stop_baseline, self.stop_frontend):
+            with contextlib.suppress(Exception):
+                stop()
+        for proc in (self.node, self.coordinator):
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    proc.stop()

@@ -1,0 +1,461 @@
+"""The node's asyncio view of its engine worker: ZMQ in and out, liveness, restarts.
+
+The link binds two ZMQ sockets on loopback (commands out, steps in), starts
+`openengine_serve.engine.launcher` (which MPI-spawns the worker ranks) and
+hands every EngineStep to `on_step`. It keeps its own book of outstanding
+requests and their open outputs, so admission does not lag behind the last
+step and so that, when the worker is lost (launcher exit, or no step for
+`stall_timeout_s`), every open output can be failed with a retryable error
+before a new worker is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+
+log = logging.getLogger(__name__)
+
+_WORKER_MODULE = "openengine_serve.engine.worker"
+_MAX_RESTART_DELAY_S = 5.0
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine worker is not stepping (starting, restarting or stopped)."""
+
+
+class EngineFull(RuntimeError):
+    """Running plus queued sequences would exceed max_batch + max_queue."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Load numbers of the last EngineStep; `running` and `queued` count sequences."""
+
+    running: int = 0
+    queued: int = 0
+    running_tokens: int = 0
+    waiting_tokens: int = 0
+    step_seconds: float = 0.0
+
+
+class _Outstanding:
+    __slots__ = ("lane", "open_outputs")
+
+    def __init__(self, lane: str, open_outputs: set[int]) -> None:
+        self.lane = lane
+        self.open_outputs = open_outputs
+
+
+class _Incarnation:
+    """One launcher process and the sockets its workers talk to."""
+
+    def __init__(self, launcher: asyncio.subprocess.Process, commands: zmq.asyncio.Socket,
+                 steps: zmq.asyncio.Socket) -> None:
+        self.launcher = launcher
+        self.commands = commands
+        self.steps = steps
+        self.exited = asyncio.ensure_future(launcher.wait())
+        self.receiver: asyncio.Task | None = None
+        self.worker_pids: tuple[int, ...] = ()
+
+
+class EngineLink:
+    def __init__(self, *, step_ms: float, max_batch: int, max_queue: int, ranks: int,
+                 stall_timeout_s: float = 3.0,
+                 on_step: Callable[[cluster_pb2.EngineStep], None],
+                 start_timeout_s: float = 60.0) -> None:
+        if max_batch < 1 or max_queue < 0 or ranks < 1 or step_ms <= 0:
+            raise ValueError("need max_batch >= 1, max_queue >= 0, ranks >= 1 and step_ms > 0")
+        self._step_ms = step_ms
+        self._max_batch = max_batch
+        self._capacity = max_batch + max_queue
+        self._ranks = ranks
+        self._stall_timeout_s = stall_timeout_s
+        self._start_timeout_s = start_timeout_s
+        self._on_step = on_step
+        self._zmq: zmq.asyncio.Context | None = None
+        self._incarnation: _Incarnation | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self._restarts = 0
+        self._requests: dict[str, _Outstanding] = {}
+        self._open_sequences = 0
+        # Failed by fail_all() while the worker still runs them: their events are
+        # dropped until the worker confirms each output's cancellation.
+        self._failed_in_worker: dict[str, set[int]] = {}
+        self._last_step_at = 0.0
+        self._last_step = 0
+        self._load = EngineLoad()
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def restarts(self) -> int:
+        return self._restarts
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        return self._incarnation.worker_pids if self._incarnation else ()
+
+    @property
+    def launcher_pid(self) -> int | None:
+        return self._incarnation.launcher.pid if self._incarnation else None
+
+    @property
+    def outstanding(self) -> dict[str, frozenset[int]]:
+        """request_id -> output indices not finished yet."""
+        return {request_id: frozenset(entry.open_outputs) for request_id, entry in self._requests.items()}
+
+    @property
+    def open_sequences(self) -> int:
+        return self._open_sequences
+
+    @property
+    def load(self) -> EngineLoad:
+        return self._load
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """True once the worker steps; False if it did not within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # ------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        """Starts the worker and returns once its first step arrived.
+
+        Raises EngineUnavailable when it does not step within `start_timeout_s`.
+        """
+        self._zmq = zmq.asyncio.Context()
+        failure = await self._spawn()
+        if failure:
+            await self._discard_incarnation()
+            self._zmq.destroy(linger=0)
+            self._zmq = None
+            raise EngineUnavailable(f"engine worker did not start: {failure}")
+        self._supervisor = asyncio.create_task(self._supervise(), name="engine-link-supervisor")
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Asks the worker to shut down, waits up to `timeout`, then kills what is left.
+
+        Outputs still open are finished with a retryable error.
+        """
+        self._stopping = True
+        if self._supervisor:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        incarnation = self._incarnation
+        if incarnation:
+            if self.ready:
+                await self._shut_down_gracefully(incarnation, timeout)
+            await self._discard_incarnation()
+        self._fail_outstanding("the engine worker was stopped")
+        if self._zmq:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
+
+    async def _shut_down_gracefully(self, incarnation: _Incarnation, timeout: float) -> None:
+        """Sends `shutdown` and waits until the launcher and every rank exited, or `timeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        with contextlib.suppress(zmq.Again):
+            self._send(cluster_pb2.EngineCommand(shutdown=True))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(incarnation.exited), timeout)
+        # The ranks leave a moment after the launcher; killing them mid-exit makes hydra shout.
+        while any(map(_is_engine_worker, incarnation.worker_pids)) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
+    # ------------------------------------------------------------ requests
+
+    def submit(self, request: cluster_pb2.EngineRequest) -> None:
+        if not self.ready:
+            raise EngineUnavailable("the engine worker is not ready (starting or restarting)")
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already running on this engine")
+        sequences = max(1, request.num_sequences)
+        if sequences > self._max_batch:
+            raise ValueError(f"num_sequences={sequences} exceeds the engine batch of {self._max_batch}")
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self._open_sequences + sequences > self._capacity:
+            raise EngineFull(
+                f"engine holds {self._open_sequences} sequences; {sequences} more would exceed "
+                f"max_batch + max_queue = {self._capacity}")
+        try:
+            self._send(cluster_pb2.EngineCommand(add=request))
+        except zmq.Again as error:
+            raise EngineUnavailable("the engine worker is not connected") from error
+        self._requests[request.request_id] = _Outstanding(request.frontend_id, set(range(sequences)))
+        self._open_sequences += sequences
+
+    def cancel(self, request_id: str, output_index: int | None = None) -> bool:
+        """Asks the worker to cancel a request (or one output); False when it is not open here.
+
+        The worker answers with `finished CANCELLED` events through `on_step`.
+        """
+        entry = self._requests.get(request_id)
+        if entry is None or (output_index is not None and output_index not in entry.open_outputs):
+            return False
+        cancel = cluster_pb2.CancelRequest(request_id=request_id)
+        if output_index is not None:
+            cancel.output_index = output_index
+        with contextlib.suppress(zmq.Again):
+            # Not connected means the worker is lost: the error events are on their way.
+            self._send(cluster_pb2.EngineCommand(cancel=cancel))
+        return True
+
+    def lanes_of_outstanding(self) -> dict[str, str]:
+        """request_id -> the lane (frontend id) its events go to."""
+        return {request_id: entry.lane for request_id, entry in self._requests.items()}
+
+    def fail_all(self, message: str, retryable: bool = True) -> None:
+        """Finishes every open output now with ERROR (through `on_step`) and cancels them.
+
+        Nothing the worker still produces for those requests reaches `on_step`.
+        """
+        for request_id, entry in self._requests.items():
+            with contextlib.suppress(zmq.Again):
+                self._send(cluster_pb2.EngineCommand(cancel=cluster_pb2.CancelRequest(request_id=request_id)))
+            self._failed_in_worker[request_id] = set(entry.open_outputs)
+        self._fail_outstanding(message, retryable)
+
+    def _send(self, command: cluster_pb2.EngineCommand) -> None:
+        if self._incarnation is None:
+            raise zmq.Again()
+        # Non-blocking: the future is already resolved, result() raises zmq.Again if unsent.
+        self._incarnation.commands.send(command.SerializeToString(), zmq.NOBLOCK).result()
+
+    # ------------------------------------------------------------ steps
+
+    async def _receive_steps(self, incarnation: _Incarnation) -> None:
+        steps = incarnation.steps
+        while True:
+            step = cluster_pb2.EngineStep.FromString(await steps.recv())
+            if self._failed_in_worker:
+                step = self._without_failed_requests(step)
+            self._last_step_at = time.monotonic()
+            if not self._ready.is_set():
+                incarnation.worker_pids = tuple(step.worker_pids)
+                self._ready.set()
+            self._last_step = step.step
+            self._load = EngineLoad(step.running, step.queued, step.running_tokens,
+                                    step.waiting_tokens, step.step_seconds)
+            for event in step.events:
+                if event.finish:
+                    self._close_output(event.request_id, event.output_index)
+            self._deliver(step)
+
+    def _close_output(self, request_id: str, output_index: int) -> None:
+        entry = self._requests.get(request_id)
+        if entry is None or output_index not in entry.open_outputs:
+            return
+        entry.open_outputs.discard(output_index)
+        self._open_sequences -= 1
+        if not entry.open_outputs:
+            del self._requests[request_id]
+
+    def _without_failed_requests(self, step: cluster_pb2.EngineStep) -> cluster_pb2.EngineStep:
+        kept = []
+        for event in step.events:
+            failed_outputs = self._failed_in_worker.get(event.request_id)
+            if failed_outputs is None:
+                kept.append(event)
+            elif event.finish:
+                failed_outputs.discard(event.output_index)
+                if not failed_outputs:
+                    del self._failed_in_worker[event.request_id]
+        if len(kept) == len(step.events):
+            return step
+        filtered = cluster_pb2.EngineStep()
+        filtered.CopyFrom(step)
+        del filtered.events[:]
+        filtered.events.extend(kept)
+        return filtered
+
+    def _deliver(self, step: cluster_pb2.EngineStep) -> None:
+        try:
+            self._on_step(step)
+        except Exception:
+            log.exception("event=engine_on_step_failed step=%d", step.step)
+
+    def _fail_outstanding(self, message: str, retryable: bool = True) -> None:
+        """Finishes every open output with ERROR, delivered as one synthetic step."""
+        if not self._requests:
+            return
+        step = cluster_pb2.EngineStep(step=self._last_step)
+        for request_id, entry in self._requests.items():
+            for output_index in sorted(entry.open_outputs):
+                step.events.add(request_id=request_id, output_index=output_index, lane=entry.lane,
+                                finish=cluster_pb2.ENGINE_FINISH_ERROR, message=message,
+                                retryable=retryable)
+        self._requests.clear()
+        self._open_sequences = 0
+        self._deliver(step)
+
+    # ------------------------------------------------------------ worker processes
+
+    async def _spawn(self) -> str | None:
+        """Starts a launcher with fresh sockets; None once it stepped, else why it did not."""
+        try:
+            launcher, commands, steps = await self._start_launcher()
+        except (OSError, zmq.ZMQError) as error:
+            return f"could not start the launcher: {error!r}"
+        incarnation = _Incarnation(launcher, commands, steps)
+        self._incarnation = incarnation
+        self._last_step_at = time.monotonic()
+        incarnation.receiver = asyncio.create_task(self._receive_steps(incarnation),
+                                                   name="engine-link-steps")
+        ready = asyncio.ensure_future(self._ready.wait())
+        done, _ = await asyncio.wait({ready, incarnation.exited, incarnation.receiver},
+                                     timeout=self._start_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if ready in done:
+            log.info("event=engine_ready launcher_pid=%d worker_pids=%s", launcher.pid,
+                     ",".join(map(str, incarnation.worker_pids)))
+            return None
+        ready.cancel()
+        if incarnation.exited in done:
+            return f"the launcher exited with status {launcher.returncode}"
+        if incarnation.receiver in done:
+            return f"reading its steps failed: {incarnation.receiver.exception()!r}"
+        return f"no step within {self._start_timeout_s:g}s"
+
+    async def _start_launcher(self) -> tuple[asyncio.subprocess.Process, zmq.asyncio.Socket,
+                                             zmq.asyncio.Socket]:
+        assert self._zmq is not None
+        commands = self._zmq.socket(zmq.PUSH)
+        commands.setsockopt(zmq.SNDHWM, 0)  # admission already bounds what is queued
+        steps = self._zmq.socket(zmq.PULL)
+        for sock in (commands, steps):
+            sock.setsockopt(zmq.LINGER, 0)
+        # Fresh ports per worker: nothing a lost worker sent can reach its successor.
+        command_port = commands.bind_to_random_port("tcp://127.0.0.1")
+        step_port = steps.bind_to_random_port("tcp://127.0.0.1")
+        config = {
+            "command_address": f"tcp://127.0.0.1:{command_port}",
+            "step_address": f"tcp://127.0.0.1:{step_port}",
+            "step_ms": self._step_ms,
+            "max_batch": self._max_batch,
+            "ranks": self._ranks,
+        }
+        env = dict(os.environ)
+        # MPI Spawn runs `mpiexec`, which lives next to the interpreter in a venv.
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+        starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            sys.executable, "-m", "openengine_serve.engine.launcher", "--config", json.dumps(config),
+            env=env,
+            # Own session: hydra answers a lost rank by SIGKILLing the launcher's process group.
+            start_new_session=True,
+        ))
+        try:
+            launcher = await asyncio.shield(starting)
+        except BaseException:
+            # Failed, or cancelled by stop() mid-start: then kill the launcher once it exists.
+            starting.add_done_callback(_kill_started_launcher)
+            commands.close()
+            steps.close()
+            raise
+        return launcher, commands, steps
+
+    async def _supervise(self) -> None:
+        """Watches the running worker; when it is lost, fails its outputs and starts another."""
+        while True:
+            reason = await self._wait_until_lost()
+            log.error("event=engine_worker_lost reason=%r open_sequences=%d", reason,
+                      self._open_sequences)
+            await self._discard_incarnation()
+            self._fail_outstanding(f"the engine worker was lost ({reason}); the request may be retried")
+            attempt = 0
+            while True:
+                if attempt:
+                    await asyncio.sleep(min(_MAX_RESTART_DELAY_S, 0.25 * 2 ** attempt))
+                attempt += 1
+                self._restarts += 1
+                failure = await self._spawn()
+                if failure is None:
+                    break
+                log.error("event=engine_restart_failed attempt=%d reason=%r", attempt, failure)
+                await self._discard_incarnation()
+
+    async def _wait_until_lost(self) -> str:
+        incarnation = self._incarnation
+        assert incarnation is not None and incarnation.receiver is not None
+        check_every = min(0.5, self._stall_timeout_s / 4)
+        while True:
+            done, _ = await asyncio.wait({incarnation.exited, incarnation.receiver},
+                                         timeout=check_every, return_when=asyncio.FIRST_COMPLETED)
+            if incarnation.exited in done:
+                return f"launcher exited with status {incarnation.launcher.returncode}"
+            if incarnation.receiver in done:
+                return f"reading engine steps failed: {incarnation.receiver.exception()!r}"
+            silent_for = time.monotonic() - self._last_step_at
+            # Steps already waiting in the socket mean our own loop was slow, not the worker.
+            if silent_for > self._stall_timeout_s and not incarnation.steps.get(zmq.EVENTS) & zmq.POLLIN:
+                return f"no engine step for {silent_for:.1f}s"
+
+    async def _discard_incarnation(self) -> None:
+        """Kills the launcher and the worker ranks (if still alive) and closes the sockets."""
+        incarnation = self._incarnation
+        if incarnation is None:
+            return
+        self._incarnation = None
+        self._ready.clear()
+        self._failed_in_worker.clear()  # the next worker never heard of them
+        self._load = EngineLoad()
+        if incarnation.receiver:
+            incarnation.receiver.cancel()
+        if incarnation.launcher.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(incarnation.launcher.pid, signal.SIGKILL)
+        # The ranks run in sessions of their own (hydra's); hydra ends them when the
+        # launcher dies, but do not count on it.
+        for pid in incarnation.worker_pids:
+            _kill_engine_worker(pid)
+        await incarnation.exited
+        incarnation.commands.close()
+        incarnation.steps.close()
+
+
+def _kill_started_launcher(starting: asyncio.Future) -> None:
+    if not starting.cancelled() and starting.exception() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(starting.result().pid, signal.SIGKILL)
+
+
+def _is_engine_worker(pid: int) -> bool:
+    """Whether `pid` is a live engine worker (the pid may have been reused or be a zombie)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return _WORKER_MODULE.encode() in cmdline.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _kill_engine_worker(pid: int) -> None:
+    if _is_engine_worker(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,23 +1,38 @@
-"""Coordinator metrics (Prometheus, prefix openengine_coordinator_), published from the state's snapshot."""
+"""Coordinator metrics (Prometheus, prefix openengine_coordinator_), read from the state at scrape time."""
 
 from __future__ import annotations
 
-from prometheus_client import Gauge
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-NODES = Gauge("openengine_coordinator_nodes", "nodes by state", ["state"])
-FRONTENDS = Gauge("openengine_coordinator_frontends", "frontends by state", ["state"])
-ROUTING = Gauge("openengine_coordinator_routing_decisions", "requests routed since start, by reason", ["reason"])
-REFUSALS = Gauge("openengine_coordinator_refusals", "reservations refused since start, by reason", ["reason"])
-LIVE_RESERVATIONS = Gauge("openengine_coordinator_live_reservations", "request ids currently owned")
+from .state import ClusterState
 
 
-def publish(snapshot: dict) -> None:
-    for state, count in snapshot["nodes_by_state"].items():
-        NODES.labels(state=state).set(count)
-    for state, count in snapshot["frontends_by_state"].items():
-        FRONTENDS.labels(state=state).set(count)
-    for reason, count in snapshot["routing_decisions"].items():
-        ROUTING.labels(reason=reason).set(count)
-    for reason, count in snapshot["refusals"].items():
-        REFUSALS.labels(reason=reason).set(count)
-    LIVE_RESERVATIONS.set(snapshot["live_reservations"])
+class CoordinatorCollector(Collector):
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+
+    def collect(self):
+        snapshot = self.state.snapshot()
+        nodes = GaugeMetricFamily("openengine_coordinator_nodes", "nodes by state", labels=["state"])
+        for state, count in snapshot["nodes_by_state"].items():
+            nodes.add_metric([state], count)
+        frontends = GaugeMetricFamily("openengine_coordinator_frontends", "frontends by state", labels=["state"])
+        for state, count in snapshot["frontends_by_state"].items():
+            frontends.add_metric([state], count)
+        routing = CounterMetricFamily("openengine_coordinator_routing_decisions",
+                                      "requests routed, by reason", labels=["reason"])
+        for reason, count in snapshot["routing_decisions"].items():
+            routing.add_metric([reason], count)
+        refusals = CounterMetricFamily("openengine_coordinator_refusals", "reservations refused, by reason",
+                                       labels=["reason"])
+        for reason, count in snapshot["refusals"].items():
+            refusals.add_metric([reason], count)
+        yield from (nodes, frontends, routing, refusals)
+        yield GaugeMetricFamily("openengine_coordinator_live_reservations", "request ids currently owned",
+                                value=snapshot["live_reservations"])
+
+
+def register(state: ClusterState) -> None:
+    REGISTRY.register(CoordinatorCollector(state))

@@ -105,12 +105,12 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
     async def housekeeping(self) -> None:
         while True:
             self.state.expire()
-            metrics.publish(self.state.snapshot())
             await asyncio.sleep(min(0.5, self.config.node_expiry_s / 4))
 
 
 async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     service = CoordinatorService(config)
+    metrics.register(service.state)
     health = Health()
     server = create_internal_server()
     cluster_pb2_grpc.add_CoordinatorServicer_to_server(service, server)

@@ -1,0 +1,53 @@
+"""`openengine-serve up`: the embedded default for a newcomer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from openengine_serve.client import Client
+
+from . import processes
+from .test_generate import request
+
+
+@pytest.mark.parametrize("server", ["grpcio", "pygrpc-native"])
+def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
+    port = processes.free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--nodes", "2",
+                             "--grpc-server", server], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"ready on 127.0.0.1:{port}" in line, line
+        children = processes.descendants(proc.pid)
+        assert len([p for p in children if "openengine_serve" in processes.cmdline(p)]) >= 4
+        with Client(f"127.0.0.1:{port}") as client:
+            assert list(client.generate(request(max_tokens=8), timeout=30))[-1].HasField("usage")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        processes.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and processes.cmdline(p)
+                                           for p in children), 10, "every child of `up` to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_two_stacks_side_by_side():
+    ports = [processes.free_port(), processes.free_port()]
+    procs = [subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(p)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for p in ports]
+    try:
+        for proc, port in zip(procs, ports):
+            assert f"ready on 127.0.0.1:{port}" in proc.stdout.readline()
+        for port in ports:
+            with Client(f"127.0.0.1:{port}") as client:
+                assert list(client.generate(request(max_tokens=4), timeout=30))[-1].HasField("usage")
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            assert proc.wait(timeout=60) == 0

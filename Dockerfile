@@ -1,0 +1,110 @@
+# openengine-serve: one multi-stage file, three images.
+#
+#   docker build --target frontend    -t openengine-serve-frontend:0.1.0 .
+#   docker build --target coordinator -t openengine-serve-coordinator:0.1.0 .
+#   docker build --target node        -t openengine-serve-node:0.1.0 .
+#
+# BASE_IMAGE must provide python3 (>= 3.11) with the venv module; the builder
+# and the runtime stages use the same base so the virtualenv's interpreter
+# symlink resolves. Behind a TLS-inspecting proxy, hand pip the CA bundle as an
+# optional BuildKit secret:  --secret id=pip_cert,src=/etc/ssl/certs/ca-certificates.crt
+# (BuildKit is required for the secret mounts: DOCKER_BUILDKIT=1 or docker buildx).
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------- builders ---
+# Dependencies first, from pyproject.toml alone, so that editing the code does not
+# re-download them: the requirement lists are read with tomllib (Python >= 3.11).
+FROM ${BASE_IMAGE} AS deps
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_ROOT_USER_ACTION=ignore
+WORKDIR /src
+COPY pyproject.toml ./
+RUN python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+print("\n".join(p["dependencies"]), file=open("/src/requirements-core.txt", "w")); \
+print("\n".join(p["optional-dependencies"]["native"]), file=open("/src/requirements-native.txt", "w"))'
+RUN --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && python3 -m venv /opt/openengine \
+    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-core.txt
+
+# The project itself as a wheel (build tools stay in a throw-away venv).
+FROM ${BASE_IMAGE} AS wheel
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_ROOT_USER_ACTION=ignore
+WORKDIR /src
+# README.m[d]: copied when present (pyproject's `readme`), no error when absent.
+COPY pyproject.toml README.m[d] ./
+COPY service ./service
+RUN --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && python3 -m venv /tmp/build-venv \
+    && /tmp/build-venv/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+    && rm -rf /tmp/build-venv
+
+# coordinator and node: core dependencies only (no pygrpc-native); no pip or
+# setuptools left in the runtime venv.
+FROM deps AS venv-core
+COPY --from=wheel /wheels /wheels
+RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
+    && /opt/openengine/bin/pip check \
+    && /opt/openengine/bin/pip uninstall --yes pip setuptools
+
+# frontend: the same plus the `native` extra (pygrpc-native).
+FROM deps AS venv-native
+RUN --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-native.txt
+COPY --from=wheel /wheels /wheels
+RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
+    && /opt/openengine/bin/pip check \
+    && /opt/openengine/bin/pip uninstall --yes pip setuptools
+
+# ----------------------------------------------------------------- runtime ---
+FROM ${BASE_IMAGE} AS runtime
+# A fixed non-root user; HOME and /tmp are writable (MPI and pygrpc-native use them).
+RUN groupadd --gid 10001 openengine \
+    && useradd --uid 10001 --gid openengine --home-dir /home/openengine --create-home \
+       --shell /usr/sbin/nologin openengine
+ENV PATH=/opt/openengine/bin:${PATH} \
+    HOME=/home/openengine \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    OPENENGINE_HOST=0.0.0.0
+WORKDIR /home/openengine
+STOPSIGNAL SIGTERM
+
+FROM runtime AS coordinator
+COPY --from=venv-core /opt/openengine /opt/openengine
+ENV OPENENGINE_PORT=50052 \
+    OPENENGINE_METRICS_PORT=9092
+EXPOSE 50052 9092
+USER 10001:10001
+HEALTHCHECK --interval=5s --timeout=4s --start-period=30s --retries=3 \
+    CMD ["openengine-serve", "health", "--target", "127.0.0.1:50052", "--service", "readiness"]
+ENTRYPOINT ["openengine-serve", "coordinator"]
+
+FROM runtime AS node
+COPY --from=venv-core /opt/openengine /opt/openengine
+ENV OPENENGINE_PORT=50053 \
+    OPENENGINE_METRICS_PORT=9093 \
+    OPENENGINE_COORDINATOR_ADDRESS=coordinator:50052
+EXPOSE 50053 9093
+USER 10001:10001
+HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=3 \
+    CMD ["openengine-serve", "health", "--target", "127.0.0.1:50053", "--service", "readiness"]
+ENTRYPOINT ["openengine-serve", "node"]
+
+# Last, so that a plain `docker build .` yields the public frontend.
+FROM runtime AS frontend
+COPY --from=venv-native /opt/openengine /opt/openengine
+ENV OPENENGINE_PORT=50051 \
+    OPENENGINE_METRICS_PORT=9091 \
+    OPENENGINE_COORDINATOR_ADDRESS=coordinator:50052 \
+    OPENENGINE_GRPC_SERVER=grpcio
+EXPOSE 50051 9091
+USER 10001:10001
+HEALTHCHECK --interval=5s --timeout=4s --start-period=30s --retries=3 \
+    CMD ["openengine-serve", "health", "--target", "127.0.0.1:50051", "--service", "readiness"]
+ENTRYPOINT ["openengine-serve", "frontend"]

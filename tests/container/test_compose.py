@@ -1,0 +1,246 @@
+"""The three images and docker-compose.yml, end to end (issue 5).
+
+One Compose project for the whole module (see conftest.py); the tests run in
+file order and each leaves the stack healthy for the next: grpcio frontend,
+one node -> pygrpc-native frontend and back -> two nodes -> frontend stop
+(drain) and start -> node killed mid-stream -> `down -v` leaves nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from .conftest import Stack, cli, cli_popen, compose_ps
+
+pytestmark = [pytest.mark.container, pytest.mark.timeout(1500)]
+
+PROMPT = "Write a short story about a lighthouse keeper."
+USAGE_RE = re.compile(r"\[usage prompt_tokens=(\d+) completion_tokens=(\d+) total_tokens=(\d+)\]")
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        assert reply.status == 200
+        return reply.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of every sample of `name` (any labels)."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"metric {name} not in scrape"
+    return total
+
+
+def server_info(target: str) -> dict[str, str]:
+    from openengine_serve.api.openengine.v1 import server_pb2
+    from openengine_serve.client import Client
+
+    with Client(target) as client:
+        info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10)
+    return {"grpc_server": info.extra["grpc_server"], "grpc_server_version": info.extra["grpc_server_version"],
+            "instance_id": info.instance_id, "data_parallel_size": info.parallelism.data_parallel_size}
+
+
+def per_rank_running(target: str) -> dict[int, int]:
+    from openengine_serve.api.openengine.v1 import server_pb2
+    from openengine_serve.client import Client
+
+    with Client(target) as client:
+        load = client.control.GetLoad(server_pb2.GetLoadRequest(include_per_rank=True), timeout=5)
+    return {r.data_parallel_rank: r.running_requests for r in load.ranks}
+
+
+def generate_ok(stack: Stack, max_tokens: int, prompt: str = PROMPT) -> str:
+    proc = cli("generate", "--target", stack.target, "--prompt", prompt, "--max-tokens", str(max_tokens),
+               "--ignore-eos", timeout=120)
+    assert proc.returncode == 0, f"generate exited {proc.returncode}: {proc.stderr}\n{stack.logs()}"
+    usage = USAGE_RE.search(proc.stderr)
+    assert usage, proc.stderr
+    assert int(usage.group(2)) == max_tokens, proc.stderr
+    assert "reason=FINISH_REASON_LENGTH" in proc.stderr, proc.stderr
+    assert proc.stdout.strip(), "no text streamed"
+    return proc.stdout
+
+
+def node_metrics_ports(stack: Stack) -> dict[str, int]:
+    return {cid: stack.published_port(cid, 9093) for cid in stack.container_ids("node")}
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_first_chunk(proc, timeout: float = 30) -> str:
+    """Blocks until the streaming CLI has written its first text (the stream is in flight)."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.read(1)), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert box and box[0], f"no streamed text within {timeout}s (exit {proc.poll()})"
+    return box[0]
+
+
+# ------------------------------------------------------------------ images ---
+
+@pytest.mark.parametrize("service,native", [("frontend", True), ("coordinator", False), ("node", False)])
+def test_images_contain_only_what_they_need(stack: Stack, service: str, native: bool):
+    image = f"openengine-serve-{service}:0.1.0"
+    probe = ("import importlib.util as u, os; "
+             "print(os.getuid(), u.find_spec('pygrpc_native') is not None, u.find_spec('grpc') is not None)")
+    out = stack.docker_cmd("run", "--rm", "--entrypoint", "python3", image, "-c", probe).stdout.split()
+    uid, has_native, has_grpc = int(out[0]), out[1] == "True", out[2] == "True"
+    assert uid != 0, f"{image} runs as root"
+    assert has_grpc
+    assert has_native is native, f"{image}: pygrpc-native installed={has_native}, expected {native}"
+    config = stack.docker_cmd("image", "inspect", "--format",
+                              "{{json .Config.Entrypoint}} {{.Config.StopSignal}} {{.Config.User}}", image).stdout
+    assert f'["openengine-serve","{service}"]' in config, config
+    assert "SIGTERM" in config, config
+
+
+# ------------------------------------------------------------------ stream ---
+
+def test_generate_streams_through_published_port(stack: Stack):
+    text = generate_ok(stack, 48)
+    assert len(text) > 20
+
+
+def test_metrics_answer_on_published_ports(stack: Stack):
+    (frontend,) = stack.container_ids("frontend")
+    (coordinator,) = stack.container_ids("coordinator")
+    front = scrape(stack.published_port(frontend, 9091))
+    assert metric(front, "openengine_frontend_requests_total") >= 1
+    assert metric(front, "openengine_frontend_generated_tokens_total") >= 48
+    coord = scrape(stack.published_port(coordinator, 9092))
+    assert 'openengine_coordinator_nodes{state="ready"} 1.0' in coord, coord[:2000]
+    for port in node_metrics_ports(stack).values():
+        assert metric(scrape(port), "openengine_node_step_duration_seconds_count") >= 48
+
+
+# ------------------------------------------------------------- gRPC switch ---
+
+def test_server_switch_recreates_only_the_frontend(stack: Stack):
+    info = server_info(stack.target)
+    assert info["grpc_server"] == "grpcio", info
+    others = stack.container_ids("coordinator") + stack.container_ids("node")
+    (old_frontend,) = stack.container_ids("frontend")
+
+    stack.up("--no-deps", "frontend", env={"OPENENGINE_GRPC_SERVER": "pygrpc-native"})
+    (new_frontend,) = stack.container_ids("frontend")
+    assert new_frontend != old_frontend, "the frontend was not recreated"
+    assert stack.container_ids("coordinator") + stack.container_ids("node") == others, \
+        "coordinator or node was recreated by a frontend-only change"
+    info = server_info(stack.target)
+    assert info["grpc_server"] == "pygrpc-native", info
+    assert info["grpc_server_version"].startswith("0."), info
+    generate_ok(stack, 16)
+
+    stack.up("--no-deps", "frontend")  # back to grpcio for the following tests
+    assert server_info(stack.target)["grpc_server"] == "grpcio"
+
+
+# ------------------------------------------------------------------- scale ---
+
+def test_scale_to_two_nodes_uses_both(stack: Stack):
+    stack.up("--no-recreate", "--scale", "node=2")
+    ports = node_metrics_ports(stack)
+    assert len(ports) == 2, ports
+    wait_for(lambda: server_info(stack.target)["data_parallel_size"] == 2, 30, "ServerInfo data_parallel_size 2")
+    before = {cid: metric(scrape(port), "openengine_node_step_duration_seconds_count") for cid, port in ports.items()}
+
+    procs = [cli_popen("generate", "--target", stack.target, "--prompt", f"{PROMPT} #{i}",
+                       "--max-tokens", "120", "--ignore-eos") for i in range(4)]
+    busy_ranks: set[int] = set()
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            busy_ranks |= {rank for rank, running in per_rank_running(stack.target).items() if running}
+            time.sleep(0.2)
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            assert "completion_tokens=120" in err, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    after = {cid: metric(scrape(port), "openengine_node_step_duration_seconds_count") for cid, port in ports.items()}
+    stepped = [cid for cid in ports if after[cid] > before[cid]]
+    assert len(stepped) == 2, f"steps before {before} after {after}; GetLoad saw ranks {busy_ranks} running"
+    assert busy_ranks == {0, 1}, f"GetLoad include_per_rank saw only ranks {busy_ranks} running"
+
+
+# ------------------------------------------------------------------- drain ---
+
+def test_stopping_the_frontend_drains_the_stream_in_flight(stack: Stack):
+    proc = cli_popen("generate", "--target", stack.target, "--prompt", PROMPT, "--max-tokens", "200",
+                     "--ignore-eos")
+    try:
+        first = read_first_chunk(proc)
+        started = time.monotonic()
+        stack.compose("stop", "frontend", timeout=90)
+        stopped_after = time.monotonic() - started
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"stream did not complete across `compose stop frontend`: {err}\n{stack.logs()}"
+    assert "completion_tokens=200" in err and "FINISH_REASON_LENGTH" in err, err
+    assert len(first + out) > 50
+    assert stopped_after < 40, f"stop took {stopped_after:.1f}s (drain should end when the stream ends)"
+    state = compose_ps(stack, "frontend")
+    assert not state or all(c.get("State") != "running" for c in state), state
+
+    stack.up("--no-deps", "frontend")
+    generate_ok(stack, 8)
+
+
+# -------------------------------------------------------------- node death ---
+
+def test_killed_node_fails_the_stream_retryably_and_the_next_request_succeeds(stack: Stack):
+    ports = node_metrics_ports(stack)
+    assert len(ports) == 2, "expects the two nodes of the scale test"
+    proc = cli_popen("generate", "--target", stack.target, "--prompt", PROMPT, "--max-tokens", "400",
+                     "--ignore-eos")
+    try:
+        read_first_chunk(proc)
+        victim = wait_for(lambda: next((cid for cid, port in ports.items()
+                                        if metric(scrape(port), "openengine_node_running_requests") >= 1), None),
+                          10, "the node running the stream")
+        (survivor,) = [cid for cid in ports if cid != victim]
+        stack.docker_cmd("kill", victim)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, f"expected a terminal EngineError (exit 1), got {proc.returncode}: {err}"
+    assert re.search(r"\[error code=\S+ retryable=True\]", err), err
+
+    survivor_port = ports[survivor]
+    before = metric(scrape(survivor_port), "openengine_node_step_duration_seconds_count")
+    generate_ok(stack, 16)
+    after = metric(scrape(survivor_port), "openengine_node_step_duration_seconds_count")
+    assert after >= before + 16, f"the next request did not run on the surviving node ({before} -> {after})"
+
+
+# ---------------------------------------------------------------- teardown ---
+
+def test_down_leaves_nothing(stack: Stack):
+    stack.down()
+    left = stack.leftovers()
+    assert left == {"containers": [], "networks": [], "volumes": []}, left

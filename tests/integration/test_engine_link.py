@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.engine import model
 from openengine_serve.node.engine_link import EngineFull, EngineLink, EngineUnavailable
 
 START_TIMEOUT_S = 60.0  # MPI spawn plus vocabulary load, on a busy machine
@@ -71,7 +72,27 @@ async def test_streams_exactly_max_tokens_one_token_per_step(engine):
     assert steps == list(range(steps[0], steps[0] + 40))
     assert events[-1][1].finish == cluster_pb2.ENGINE_FINISH_LENGTH
     assert {event.lane for _, event in events} == {"fe-1"}
+    # What crossed the wire is exactly what the model produces for this request.
+    state = model.RequestState(long_request("elsewhere", max_tokens=40))
+    expected = [state.next_token(state.outputs[0])[0] for _ in range(40)]
+    assert [event.tokens[0].token_id for _, event in events] == expected
     assert "stream" not in link.outstanding
+
+
+async def test_logprobs_and_prompt_logprobs_cross_the_wire(engine):
+    link, log = engine
+    async with asyncio.timeout(20):
+        link.submit(long_request("logprobs", num_sequences=2, max_tokens=6, output_logprobs=True,
+                                 output_candidates=cluster_pb2.Candidates(top_n=2), prompt_logprobs=True))
+        await log.until(lambda: len(log.finishes("logprobs")) == 2)
+    events = [event for _, event in log.events("logprobs")]
+    with_prompt = [event for event in events if event.prompt_tokens]
+    assert len(with_prompt) == 1 and with_prompt[0] == next(e for e in events if e.output_index == 0)
+    assert [record.token_id for record in with_prompt[0].prompt_tokens] == [9707, 11, 1879]
+    assert not with_prompt[0].prompt_tokens[0].has_logprob
+    records = [record for event in events for record in event.tokens]
+    assert len(records) == 12
+    assert all(record.has_logprob and len(record.candidates) == 2 for record in records)
 
 
 async def test_three_sequences_stream_side_by_side(engine):

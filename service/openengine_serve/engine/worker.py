@@ -248,8 +248,7 @@ class _Scheduler:
                         self._running_sequences -= 1
                         continue
                 else:
-                    payload = headers[sequence.output_index] + token_fields[token_id]
-                    append(_EVENTS_TAG + _varint(len(payload)) + payload)
+                    append(_event_field(headers[sequence.output_index] + token_fields[token_id]))
                 running_tokens += sequence.position
             running_tokens += state.prompt_length * len(state.outputs)
             if not state.outputs:

@@ -53,6 +53,8 @@ class EngineLoad:
 
 
 class _Outstanding:
+    """A submitted request: its result lane and the outputs not finished yet."""
+
     __slots__ = ("lane", "open_outputs")
 
     def __init__(self, lane: str, open_outputs: set[int]) -> None:
@@ -74,6 +76,12 @@ class _Incarnation:
 
 
 class EngineLink:
+    """Runs the engine worker for the node; see the module docstring.
+
+    `on_step` gets every EngineStep (heartbeats included) after the link's
+    bookkeeping took its finished outputs out; it must not block.
+    """
+
     def __init__(self, *, step_ms: float, max_batch: int, max_queue: int, ranks: int,
                  stall_timeout_s: float = 3.0,
                  on_step: Callable[[cluster_pb2.EngineStep], None],
@@ -91,7 +99,6 @@ class EngineLink:
         self._incarnation: _Incarnation | None = None
         self._supervisor: asyncio.Task | None = None
         self._ready = asyncio.Event()
-        self._stopping = False
         self._restarts = 0
         self._requests: dict[str, _Outstanding] = {}
         self._open_sequences = 0
@@ -162,7 +169,6 @@ class EngineLink:
 
         Outputs still open are finished with a retryable error.
         """
-        self._stopping = True
         if self._supervisor:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):

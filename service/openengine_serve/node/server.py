@@ -79,6 +79,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except EngineUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:  # a request this engine cannot take (duplicate id, too many sequences)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return cluster_pb2.SubmitReply()
 
     async def Cancel(self, request: cluster_pb2.CancelRequest, context) -> cluster_pb2.CancelReply:

@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ..api.openengine.v1 import openengine_pb2, openengine_pb2_grpc
 from ..common.config import FrontendConfig
-from ..common.grpc_server import ServerImplementation, create_server
+from ..common.grpc_server import GRPCIO, ServerImplementation, create_server
 from ..common.health import Health
 from ..common.lifecycle import bind_address
 from ..common.logging_setup import log_event
@@ -54,13 +54,16 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     readiness = asyncio.create_task(_follow_readiness(cluster, health))
     await stop.wait()
 
-    # Drain: readiness drops first and new Generate calls get UNAVAILABLE (retry-safe). stop(grace) makes
-    # grpc.aio close its listener and send GOAWAY at once, so clients move to another process; pygrpc-native
-    # keeps its listener until stop() returns (see README). Open streams get the drain timeout; any stream
-    # still open then ends with a terminal DRAINING error before the server's grace runs out.
+    # Drain: readiness drops first and new Generate calls get UNAVAILABLE (retry-safe). grpc.aio closes its
+    # listener and sends GOAWAY as soon as stop() begins, so it is stopped at once with the whole drain as
+    # grace: clients move to another process. pygrpc-native keeps its listener until stop() returns and does
+    # not shorten a grace already given, so it is stopped only once the streams are done. Any stream still
+    # open at the deadline ends with a terminal DRAINING error, which gets DRAIN_ERROR_GRACE_S to go out.
     await health.start_drain()
     log_event(logger, "draining", open_streams=len(cluster.sinks), timeout_s=config.drain_timeout_s)
-    stopping = asyncio.create_task(server.stop(grace=config.drain_timeout_s + DRAIN_ERROR_GRACE_S))
+    early_stop = None
+    if implementation.name == GRPCIO:
+        early_stop = asyncio.create_task(server.stop(grace=config.drain_timeout_s + DRAIN_ERROR_GRACE_S))
     deadline = time.monotonic() + config.drain_timeout_s
     while cluster.sinks and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -68,7 +71,10 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         log_event(logger, "drain deadline reached", logging.WARNING, open_streams=len(cluster.sinks))
         cluster.fail_all(LaneFailure("frontend is shutting down: drain deadline reached; retry the request",
                                      retryable=True, draining=True))
-    await stopping
+    # Ends what is left (e.g. health Watch streams) after a short grace; shortens grpc.aio's first stop.
+    await server.stop(grace=DRAIN_ERROR_GRACE_S)
+    if early_stop is not None:
+        await early_stop
     for task in (heartbeat, readiness):
         task.cancel()
     await cluster.close()

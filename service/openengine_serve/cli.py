@@ -164,6 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="readiness", help="liveness | readiness | a service name")
     health.add_argument("--timeout", type=float, default=3.0)
     health.set_defaults(func=_health)
+
+    # `bench` parses its own flags (prefix "+" here, so every "--flag" reaches it); imported only when run.
+    bench = sub.add_parser("bench", add_help=False, prefix_chars="+",
+                           help="benchmark the frontend on grpcio vs pygrpc-native (`bench --help`)")
+    bench.add_argument("argv", nargs="*")
+
+    def _bench(args: argparse.Namespace) -> int:
+        from .bench.cli import main as bench_main
+
+        return bench_main(args.argv)
+
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -28,13 +28,17 @@ METRICS: dict[str, tuple[str, str]] = {
     "ttft_p99_ms": ("TTFT p99", "ms"),
     "itl_p50_ms": ("ITL p50", "ms"),
     "itl_p99_ms": ("ITL p99", "ms"),
-    "frontend_util": ("frontend core busy", "fraction"),
-    "other_util": ("other cores busy", "fraction"),
+    "frontend_util": ("frontend process (cores)", "fraction"),
+    "other_util": ("rest of stack (cores/core)", "fraction"),
+    "frontend_core_busy": ("frontend core busy", "fraction"),
+    "other_core_busy": ("other cores busy", "fraction"),
+    "foreign_frontend_core": ("foreign load on frontend core", "fraction"),
     "errors": ("errors", "count"),
 }
 STACK_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                 "frontend_util", "other_util", "errors")
-BASELINE_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "frontend_util", "other_util", "errors")
+                 "frontend_util", "frontend_core_busy", "foreign_frontend_core", "other_core_busy", "errors")
+BASELINE_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "frontend_util", "frontend_core_busy", "other_core_busy",
+                    "errors")
 
 # Thresholds the report compares against (never asserted).
 TARGET_CPU_RATIO = 0.70          # native/grpcio CPU per token at fixed load, <=
@@ -98,14 +102,22 @@ def latency_stats(samples_s: Sequence[float]) -> dict[str, float | None]:
             "n": len(samples_s)}
 
 
-def bottleneck(frontend_util: float | None, other_util: float | None, workload: str) -> str:
-    """Which side limited a round, from how busy the frontend's core and the other cores were."""
-    if frontend_util is None or other_util is None:
+def bottleneck(frontend_util: float | None, frontend_core_busy: float | None, other_core_busy: float | None,
+               workload: str) -> str:
+    """Which side limited a round.
+
+    frontend_util: the frontend process's CPU over the window (cores); *_core_busy: how busy the cores were in
+    total (every process, interrupts, steal; per core). A saturated frontend core that the frontend itself did
+    not fill means another user's processes took it.
+    """
+    if frontend_core_busy is None or other_core_busy is None or frontend_util is None:
         return "unknown"
-    if frontend_util >= BUSY and frontend_util >= other_util:
-        return "frontend"
-    if other_util >= BUSY:
-        return "other cores (node/engine/load generator)"
+    if frontend_core_busy >= BUSY and frontend_core_busy >= other_core_busy:
+        if frontend_util >= BUSY - 0.1:
+            return "frontend"
+        return f"frontend core, shared with foreign load ({frontend_core_busy - frontend_util:.2f} core)"
+    if other_core_busy >= BUSY:
+        return "other core(s): node/engine/load generator"
     if workload == "fixed":
         return "none (open-loop arrivals; nothing saturated)"
     return "none saturated (latency-bound: engine step pacing / queueing)"
@@ -315,6 +327,25 @@ def process_table(rounds: Sequence[Mapping[str, Any]], mode: str = "stack") -> s
     return format_table(headers, rows)
 
 
+def thread_table(rounds: Sequence[Mapping[str, Any]], mode: str = "stack") -> str:
+    """Median cores per frontend thread name, per scenario and server (where the frontend's CPU goes)."""
+    names: list[str] = []
+    by_key: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in rounds:
+        if r["mode"] != mode:
+            continue
+        by_key.setdefault((r["scenario"], r["server"]), []).append(r)
+        for name, value in r.get("frontend_threads_util", {}).items():
+            if name not in names and value >= 0.005:
+                names.append(name)
+    rows = []
+    for (scenario, server) in sorted(by_key, key=lambda k: (_scenario_order(k[0]), k[1])):
+        records = by_key[(scenario, server)]
+        rows.append([scenario, server, *(fmt_number(summarize(
+            r.get("frontend_threads_util", {}).get(n) for r in records)["median"]) for n in names)])
+    return format_table(["scenario", "server", *(f"{n} (cores)" for n in names)], rows)
+
+
 def targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for t in targets:
@@ -357,6 +388,10 @@ def render(result: Mapping[str, Any]) -> str:
         parts.append("")
         parts.append(process_table(rounds, "baseline"))
     parts.append("")
+    parts.append("## Frontend CPU by thread name (cores, median); event_engine: grpcio's internal channels to "
+                 "node and coordinator; grpc-native-io: pygrpc-native's Rust I/O threads")
+    parts.append(thread_table(rounds, "stack"))
+    parts.append("")
     parts.append("## Identical tokens on both servers (same request ids and seeds)")
     parts.append(format_table(["scenario", "compared", "mismatched", "completed on one server only"],
                               [[s, v["compared"], v["mismatched"], v["only_one_server"]]
@@ -364,13 +399,82 @@ def render(result: Mapping[str, Any]) -> str:
     parts.append("")
     parts.append("## Targets (compared, not asserted)")
     parts.append(targets_table(result["targets"]))
+    for server, scenarios in result.get("profiles", {}).items():
+        for scenario, prof in scenarios.items():
+            parts.append("")
+            parts.append(f"## Profile: frontend on {server}, {scenario}: asyncio loop thread, "
+                         f"{prof['samples']} busy samples (py-spy; flame graph {prof.get('file', '')})")
+            parts.append(profile_table(prof, "self"))
+            parts.append("")
+            parts.append(profile_table(prof, "inclusive", 25))
     return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- profiles (py-spy raw / collapsed stacks)
+
+def _function_of(frame: str) -> str:
+    """'Handle._run (asyncio/events.py:80)' -> 'Handle._run (asyncio/events.py)'; line numbers merged."""
+    name, sep, location = frame.partition(" (")
+    if not sep:
+        return frame.strip() or "<native/unknown>"
+    file = location.rstrip(")").rsplit(":", 1)[0]
+    return f"{name} ({file})"
+
+
+def profile_summary(collapsed: str, top: int = 20, skip_idle: bool = True,
+                    main_thread_only: bool = True) -> dict[str, Any]:
+    """Self and inclusive sample shares per function from py-spy's raw (collapsed stack) output.
+
+    Each line is 'frame;frame;...;leaf COUNT' with the root first. Samples whose leaf is an idle wait (the
+    event loop's epoll/select) are counted as `idle_samples` and left out of the shares when skip_idle is set.
+    With main_thread_only, stacks of other threads (rooted in threading's `_bootstrap`) are counted as
+    `other_thread_samples` and left out too: py-spy cannot tell that a thread blocked inside native code
+    (grpc's poller, pygrpc-native's dispatch thread, idle executor workers) is idle, so their samples are
+    mostly waiting, not work; their real CPU is in the per-thread /proc accounting. The shares are then of
+    the samples in which the asyncio loop thread was busy.
+    """
+    self_counts: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = idle = other_threads = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = [_function_of(f) for f in stack.split(";") if f]
+        if not frames:
+            continue
+        if main_thread_only and frames[0].split(" (")[0].endswith("_bootstrap") and "threading" in frames[0]:
+            other_threads += n
+            continue
+        leaf = frames[-1]
+        if skip_idle and (leaf.startswith("EpollSelector.select") or leaf.startswith("select ")
+                          or leaf.startswith("_run_once") and "select" in leaf):
+            idle += n
+            continue
+        total += n
+        self_counts[leaf] = self_counts.get(leaf, 0) + n
+        for f in set(frames):
+            inclusive[f] = inclusive.get(f, 0) + n
+
+    def ranked(counts: dict[str, int]) -> list[dict[str, Any]]:
+        return [{"function": f, "share": c / total} for f, c in
+                sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]] if total else []
+
+    return {"samples": total, "idle_samples": idle, "other_thread_samples": other_threads,
+            "self": ranked(self_counts), "inclusive": ranked(inclusive)}
+
+
+def profile_table(summary: Mapping[str, Any], kind: str = "self", top: int = 15) -> str:
+    rows = [[f"{e['share'] * 100:.1f}%", e["function"]] for e in summary.get(kind, [])[:top]]
+    return format_table([f"{kind} share", "function (file)"], rows)
 
 
 # ---------------------------------------------------------------- result assembly and files
 
 def build_result(meta: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
-                 hashes: Mapping[str, Mapping[str, Mapping[str, str]]], connections: Sequence[int]) -> dict[str, Any]:
+                 hashes: Mapping[str, Mapping[str, Mapping[str, str]]], connections: Sequence[int],
+                 profiles: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """hashes: {scenario: {server: {request_id: digest}}}. Returns the JSON-able result."""
     summary = summarize_rounds(rounds)
     identical = {scenario: compare_tokens(per_server) for scenario, per_server in hashes.items()}
@@ -383,7 +487,7 @@ def build_result(meta: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
                 for m in METRICS if m != "errors"}
     targets = evaluate_targets(summary, rounds, identical, connections)
     return {"meta": dict(meta), "rounds": [dict(r) for r in rounds], "summary": summary, "ratios": ratios,
-            "identical": identical, "targets": targets}
+            "identical": identical, "targets": targets, "profiles": dict(profiles or {})}
 
 
 def write_json(result: Mapping[str, Any], path: Path | str) -> Path:
@@ -411,7 +515,7 @@ def write_chart(result: Mapping[str, Any], path: Path | str) -> Path:
     baseline = summary.get("baseline", {})
     scenarios = sorted(stack, key=_scenario_order)
     colors = {GRPCIO: "#4C72B0", NATIVE: "#DD8452"}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.4))
     width = 0.2
     for panel, (ax, metric, title) in enumerate(
             zip(axes, ("cpu_us_per_token", "tokens_per_s"),
@@ -440,7 +544,7 @@ def write_chart(result: Mapping[str, Any], path: Path | str) -> Path:
         ax.set_xticklabels([_scenario_label(s, result["meta"]) for s in scenarios], fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.suptitle("openengine-serve frontend: grpcio vs pygrpc-native (median, whiskers = min–max over rounds)",
                  fontsize=11)
     fig.tight_layout()
@@ -452,5 +556,5 @@ def write_chart(result: Mapping[str, Any], path: Path | str) -> Path:
 def _scenario_label(scenario: str, meta: Mapping[str, Any]) -> str:
     workload, _, conns = scenario.partition("-c")
     if workload == "fixed":
-        return f"{meta.get('rate', '?')} req/s\n{conns} conn"
-    return f"saturation ({meta.get('inflight', '?')} in flight)\n{conns} conn"
+        return f"{meta.get('rate', '?'):g} req/s\n{conns} conn"
+    return f"saturation, {meta.get('inflight', '?')}\nin flight, {conns} conn"

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 40.0
+FRONTEND_DRAIN_S = 2.0
 
 
 # ---------------------------------------------------------------- CPUs
@@ -86,6 +87,30 @@ def read_stat(pid: int) -> tuple[int, float] | None:
 def cpu_seconds(pid: int) -> float | None:
     stat = read_stat(pid)
     return None if stat is None else stat[1]
+
+
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (/proc/<pid>/task/*/comm; threads of one name summed)."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                data = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(tid) == pid:
+            name = "main (asyncio loop)"
+        elif name.startswith("python"):
+            name = "other Python threads"  # grpc.aio poller, pygrpc-native dispatch, executor workers
+        fields = data[data.rindex(b")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
 
 
 def descendants(root: int) -> list[int]:
@@ -293,6 +318,9 @@ class Stack:
         self.frontend = Process(f"frontend-{server}", self._python(
             "frontend", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level,
             "--coordinator-address", self.coordinator.target, "--grpc-server", server, "--workers", "1",
+            # Short drain: streams the client cancelled at the end of a saturation window may linger (see
+            # docs/benchmarks.md); shutdown is not what is measured.
+            "--drain-timeout-s", str(FRONTEND_DRAIN_S),
             "--frontend-id", f"bench-{server}-{self._frontend_starts}-{os.getpid()}"),
             self.frontend_cpus, self.log_dir / f"frontend-{self._frontend_starts:02d}-{server}.log", port).start()
         self.frontend.wait_ready(timeout, lambda: health_serving(self.frontend.target))

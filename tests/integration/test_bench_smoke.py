@@ -1,0 +1,41 @@
+"""`openengine-serve bench --quick` end to end: both servers measured, tokens flow, outputs identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_bench_quick(tmp_path):
+    out = tmp_path / "bench"
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # mpiexec for the node
+    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--quick", "--output", str(out)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+    result = json.loads((out / "bench.json").read_text())
+    stack = [r for r in result["rounds"] if r["mode"] == "stack"]
+    assert {r["server"] for r in stack} == {"grpcio", "pygrpc-native"}
+    assert {r["scenario"] for r in stack} == {"fixed-c32", "fixed-c1", "saturation-c32", "saturation-c1"}
+    for r in stack:
+        assert r["tokens"] > 0, r
+        assert r["cpu_us_per_token"] and r["cpu_us_per_token"] > 0, r
+        assert r["errors"] == 0, (r["scenario"], r["server"], r["error_kinds"])
+    assert all(r["errors"] == 0 for r in result["rounds"])
+    assert {r["server"] for r in result["rounds"] if r["mode"] == "baseline"} == {"grpcio", "pygrpc-native"}
+
+    compared = sum(v["compared"] for v in result["identical"].values())
+    assert compared > 0
+    assert all(v["mismatched"] == 0 for v in result["identical"].values()), result["identical"]
+    assert {t["verdict"] for t in result["targets"]} <= {"PASS", "MISS", "N/A"}
+
+    png = out / "bench.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "## Targets" in (out / "report.md").read_text()

@@ -1,0 +1,250 @@
+"""The benchmark's statistics and report: pure functions over plain data."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from openengine_serve.bench import report
+from openengine_serve.bench.load import digest, make_jobs, merge_results, poisson_arrivals, prompt_ids
+from openengine_serve.bench.stack import parse_cpus
+
+G, N = report.GRPCIO, report.NATIVE
+
+
+# ---------------------------------------------------------------- statistics
+
+@pytest.mark.parametrize("q, expected", [(0, 1.0), (50, 2.5), (100, 4.0), (25, 1.75), (99, 3.97)])
+def test_percentile_interpolates_linearly(q, expected):
+    assert report.percentile([4.0, 1.0, 3.0, 2.0], q) == pytest.approx(expected)
+
+
+def test_percentile_edge_cases():
+    assert report.percentile([], 50) is None
+    assert report.percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        report.percentile([1.0], 101)
+
+
+def test_percentile_matches_numpy_default():
+    numpy = pytest.importorskip("numpy")
+    values = [((i * 7919) % 1000) / 7.0 for i in range(1001)]
+    for q in (1, 50, 90, 99, 99.9):
+        assert report.percentile(values, q) == pytest.approx(float(numpy.percentile(values, q)))
+
+
+def test_summarize_gives_median_and_range_and_skips_missing():
+    assert report.summarize([3.0, 1.0, 2.0, None, float("nan")]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert report.summarize([1.0, 2.0]) == {"median": 1.5, "min": 1.0, "max": 2.0, "n": 2}
+    assert report.summarize([None]) == {"median": None, "min": None, "max": None, "n": 0}
+
+
+def test_ratio_and_verdict():
+    assert report.ratio(1.0, 4.0) == 0.25
+    assert report.ratio(1.0, 0.0) is None
+    assert report.ratio(None, 1.0) is None
+    assert report.verdict(0.69, "<=", 0.70) == "PASS"
+    assert report.verdict(0.71, "<=", 0.70) == "MISS"
+    assert report.verdict(1.6, ">=", 1.6) == "PASS"
+    assert report.verdict(0.0, "==", 0.0) == "PASS"
+    assert report.verdict(None, ">=", 1.6) == "N/A"
+
+
+def test_latency_stats_in_milliseconds():
+    stats = report.latency_stats([0.001, 0.002, 0.003])
+    assert stats["p50_ms"] == pytest.approx(2.0)
+    assert stats["n"] == 3
+    assert report.latency_stats([]) == {"p50_ms": None, "p99_ms": None, "n": 0}
+
+
+def test_bottleneck_names_the_saturated_side():
+    assert report.bottleneck(0.97, 0.99, 0.5, "saturation") == "frontend"
+    assert report.bottleneck(0.4, 0.99, 0.5, "fixed").startswith("frontend core, shared with foreign load")
+    assert report.bottleneck(0.5, 0.5, 0.95, "saturation").startswith("other core")
+    assert report.bottleneck(0.3, 0.3, 0.3, "fixed").startswith("none")
+    assert report.bottleneck(None, 0.3, 0.3, "fixed") == "unknown"
+
+
+# ---------------------------------------------------------------- aggregation and targets
+
+def _round(server, r, scenario="fixed-c32", mode="stack", **metrics):
+    workload, _, conns = scenario.partition("-c")
+    base = {"mode": mode, "scenario": scenario, "workload": workload, "connections": int(conns), "server": server,
+            "round": r, "errors": 0}
+    base.update(metrics)
+    return base
+
+
+def _rounds():
+    rounds = []
+    for c in (32, 1):
+        for r, (g, n) in enumerate([(100.0, 60.0), (110.0, 66.0), (90.0, 63.0)], start=1):
+            rounds.append(_round(G, r, f"fixed-c{c}", cpu_us_per_token=g, tokens_per_s=5000.0, ttft_p99_ms=20.0))
+            rounds.append(_round(N, r, f"fixed-c{c}", cpu_us_per_token=n, tokens_per_s=5000.0, ttft_p99_ms=18.0))
+            rounds.append(_round(G, r, f"saturation-c{c}", cpu_us_per_token=g, tokens_per_s=8000.0))
+            rounds.append(_round(N, r, f"saturation-c{c}", cpu_us_per_token=n, tokens_per_s=14000.0))
+        rounds.append(_round(G, 1, f"fixed-c{c}", mode="baseline", cpu_us_per_token=50.0, tokens_per_s=5100.0))
+        rounds.append(_round(N, 1, f"fixed-c{c}", mode="baseline", cpu_us_per_token=30.0, tokens_per_s=5100.0))
+    return rounds
+
+
+def test_summarize_rounds_groups_by_mode_scenario_server():
+    summary = report.summarize_rounds(_rounds())
+    cpu = summary["stack"]["fixed-c32"][G]["cpu_us_per_token"]
+    assert cpu == {"median": 100.0, "min": 90.0, "max": 110.0, "n": 3}
+    assert summary["baseline"]["fixed-c1"][N]["cpu_us_per_token"]["median"] == 30.0
+    assert summary["stack"]["saturation-c32"][G]["ttft_p99_ms"]["n"] == 0
+
+
+def test_ratios_of_medians_and_per_round_pairs():
+    rounds = _rounds()
+    summary = report.summarize_rounds(rounds)
+    assert report.median_ratio(summary, "stack", "fixed-c32", "cpu_us_per_token") == pytest.approx(0.63)
+    pairs = report.paired_ratios(rounds, "stack", "fixed-c32", "cpu_us_per_token")
+    assert pairs["n"] == 3
+    assert pairs["min"] == pytest.approx(0.6)
+    assert pairs["max"] == pytest.approx(0.7)
+    assert report.median_ratio(summary, "stack", "nope", "cpu_us_per_token") is None
+
+
+def test_compare_tokens():
+    same = report.compare_tokens({G: {"a": "1", "b": "2", "c": "3"}, N: {"a": "1", "b": "2", "d": "4"}})
+    assert same == {"compared": 2, "mismatched": 0, "mismatched_ids": [], "only_one_server": 2}
+    differ = report.compare_tokens({G: {"a": "1"}, N: {"a": "9"}})
+    assert differ["mismatched"] == 1 and differ["mismatched_ids"] == ["a"]
+    assert report.compare_tokens({G: {"a": "1"}})["compared"] == 0
+
+
+def test_targets_pass_and_miss():
+    rounds = _rounds()
+    summary = report.summarize_rounds(rounds)
+    identical = {"fixed-c32": {"compared": 10, "mismatched": 0}}
+    targets = {t["name"]: t for t in report.evaluate_targets(summary, rounds, identical, [32, 1])}
+    assert targets["CPU/token native/grpcio at fixed load, 32 conn"]["verdict"] == "PASS"       # 0.63
+    assert targets["saturation tokens/s native/grpcio, 1 conn"]["verdict"] == "PASS"            # 1.75
+    floor = targets["native CPU/token / bare per-message floor, fixed load, 32 conn"]
+    assert floor["value"] == pytest.approx(63.0 / 30.0) and floor["verdict"] == "MISS"
+    assert targets["TTFT p99 native/grpcio at fixed load, 1 conn (no worse)"]["verdict"] == "PASS"
+    assert targets["errors (all rounds, both servers, both modes)"]["verdict"] == "PASS"
+    assert targets["requests with different tokens on the two servers"]["verdict"] == "PASS"
+    rounds.append(_round(N, 9, "fixed-c32", errors=2))
+    targets = {t["name"]: t for t in report.evaluate_targets(summary, rounds, {}, [32])}
+    assert targets["errors (all rounds, both servers, both modes)"]["verdict"] == "MISS"
+    assert targets["requests with different tokens on the two servers"]["verdict"] == "N/A"
+
+
+# ---------------------------------------------------------------- formatting
+
+def test_number_and_range_formatting():
+    assert report.fmt_number(None) == "–"
+    assert report.fmt_number(math.nan) == "–"
+    assert report.fmt_number(12345.6) == "12,346"
+    assert report.fmt_number(123.4) == "123"
+    assert report.fmt_number(12.34) == "12.3"
+    assert report.fmt_number(1.234) == "1.23"
+    assert report.fmt_range({"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}) == "2.00 [1.00–3.00]"
+    assert report.fmt_range({"median": 2.0, "min": 2.0, "max": 2.0, "n": 1}) == "2.00"
+    assert report.fmt_range({"median": None}) == "–"
+    assert report.fmt_ratio(0.5) == "0.50×"
+
+
+def test_format_table_pads_columns():
+    table = report.format_table(["a", "long header"], [["xyz", 1], ["q", None]])
+    lines = table.splitlines()
+    assert lines[0] == "| a   | long header |"
+    assert lines[1] == "|-----|-------------|"
+    assert lines[2] == "| xyz | 1           |"
+    assert lines[3] == "| q   |             |"
+
+
+def test_scenario_table_has_ratio_rows():
+    rounds = _rounds()
+    table = report.scenario_table(report.summarize_rounds(rounds), rounds, "stack", ("cpu_us_per_token", "errors"))
+    assert "| fixed-c32      | grpcio        | 3      | 100 [90.0–110]" in table
+    assert "| fixed-c32      | native/grpcio |        | 0.60× [0.60–0.70]" in table
+    assert table.index("fixed-c32") < table.index("fixed-c1") < table.index("saturation-c32")
+
+
+def test_render_and_json_round_trip(tmp_path):
+    rounds = _rounds()
+    hashes = {"fixed-c32": {G: {"r1": "aa"}, N: {"r1": "aa"}}}
+    profile = report.profile_summary("main;loop;Handle._run (asyncio/events.py:80) 6\n"
+                                     "main;loop;on_event (stream.py:10) 3\nmain;loop;EpollSelector.select "
+                                     "(selectors.py:468) 9\n")
+    result = report.build_result({"quick": True, "nproc": 2, "rate": 40, "inflight": 512}, rounds, hashes, [32, 1],
+                                 {G: {"fixed-c32": profile}})
+    text = report.render(result)
+    assert "## Targets" in text and "PASS" in text and "Profile: frontend on grpcio" in text
+    path = report.write_json(result, tmp_path / "out" / "bench.json")
+    back = report.read_json(path)
+    assert back == result
+    assert back["identical"]["fixed-c32"]["compared"] == 1
+    assert back["ratios"]["stack"]["fixed-c32"]["cpu_us_per_token"]["of_medians"] == pytest.approx(0.63)
+
+
+def test_profile_summary_shares_exclude_idle():
+    summary = report.profile_summary("a (x.py:1);b (y.py:2) 3\na (x.py:1);b (y.py:5) 1\na (x.py:1) 4\n"
+                                     "a (x.py:1);EpollSelector.select (selectors.py:468) 10\n")
+    assert summary["samples"] == 8 and summary["idle_samples"] == 10
+    assert summary["self"][0] == {"function": "a (x.py)", "share": 0.5}
+    assert summary["self"][1] == {"function": "b (y.py)", "share": 0.5}
+    assert summary["inclusive"][0] == {"function": "a (x.py)", "share": 1.0}
+    threads = report.profile_summary("main (m.py:1);work (w.py:2) 3\n"
+                                     "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982) 5\n")
+    assert threads["samples"] == 3 and threads["other_thread_samples"] == 5
+    assert threads["self"] == [{"function": "work (w.py)", "share": 1.0}]
+    every = report.profile_summary("Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982) 5\n",
+                                   main_thread_only=False)
+    assert every["samples"] == 5
+
+
+def test_chart_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    rounds = _rounds()
+    result = report.build_result({"rate": 40, "inflight": 512}, rounds, {}, [32, 1])
+    path = report.write_chart(result, tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- load plan (deterministic across servers)
+
+def test_requests_are_deterministic():
+    assert prompt_ids(7, 32) == prompt_ids(7, 32)
+    assert prompt_ids(7, 32) != prompt_ids(8, 32)
+    assert len(prompt_ids(1, 32)) == 32 and all(1000 <= t < 101_000 for t in prompt_ids(1, 32))
+    assert poisson_arrivals(40, 10, "x") == poisson_arrivals(40, 10, "x")
+    arrivals = poisson_arrivals(40, 100, "y")
+    assert 3400 < len(arrivals) < 4600 and arrivals == sorted(arrivals) and arrivals[-1] < 100
+    assert digest([1, 2, 3]) == digest([1, 2, 3]) != digest([1, 2, 4])
+
+
+def test_jobs_split_connections_and_requests_over_processes():
+    common = dict(target="t", start_at=0, t0=1, t1=2, stop_at=2, drain_timeout_s=1, id_prefix="p", key_base=0,
+                  prompt_tokens=32, output_tokens=128)
+    jobs = make_jobs(kind="fixed", connections=32, procs=2, arrivals=[0.1 * k for k in range(10)], **common)
+    assert [j["index"] for j in jobs] == [0, 1]
+    assert sorted(k for j in jobs for k, _ in j["arrivals"]) == list(range(10))
+    assert all((k % 32) % 2 == j["index"] for j in jobs for k, _ in j["arrivals"])
+    one = make_jobs(kind="saturation", connections=1, procs=4, inflight=512, **common)
+    assert len(one) == 1 and len(one[0]["slots"]) == 512
+
+
+def test_merge_results_sums_and_unions():
+    import array
+
+    part = {"window_tokens": 5, "window_messages": 5, "tokens": 10, "started": 1, "completed": 1,
+            "cancelled_at_end": 0, "errors": {"X": 1}, "ttft": array.array("d", [0.1]).tobytes(),
+            "itl": array.array("d", [0.002, 0.003]).tobytes(), "hashes": {"a": "1"}, "lag_max_s": 0.01}
+    other = dict(part, errors={"X": 2, "Y": 1}, hashes={"b": "2"}, lag_max_s=0.02)
+    merged = merge_results([part, other])
+    assert merged["window_tokens"] == 10 and merged["errors"] == {"X": 3, "Y": 1}
+    assert merged["itl"] == [0.002, 0.003, 0.002, 0.003] and merged["hashes"] == {"a": "1", "b": "2"}
+    assert merged["lag_max_s"] == 0.02
+
+
+def test_parse_cpus():
+    assert parse_cpus("0") == [0]
+    assert parse_cpus("0-2,5") == [0, 1, 2, 5]
+    with pytest.raises(ValueError):
+        parse_cpus("")

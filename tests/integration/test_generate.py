@@ -55,7 +55,8 @@ def test_full_stream_contract(stack):
     assert len(tokens) >= 2
     for r in tokens:
         assert r.token.HasField("output_index"), "output_index is always set, 0 included"
-        assert len(r.token.tokens) == 1, "one new token record per delta: never cumulative"
+        assert r.token.tokens, "every delta carries its new token records"
+    assert sum(len(r.token.tokens) for r in tokens) == 40, "each record is sent once: deltas are never cumulative"
     outputs = by_output(responses)
     assert list(outputs) == [0]
     out = outputs[0]

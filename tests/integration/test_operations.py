@@ -136,7 +136,7 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
                 except grpc.RpcError as exc:
                     results["failed"].append(f"{exc.code().name}: {exc.details()}")
 
-    threads = [threading.Thread(target=load) for _ in range(4)]
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
     try:
@@ -149,6 +149,7 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
         stop.set()
         for t in threads:
             t.join(60)
+    assert not any(t.is_alive() for t in threads), "a request hung"
     assert results["failed"] == []
     assert results["ok"] > 20
 

@@ -4,8 +4,8 @@ Every knob is a dataclass field; its CLI flag (`--max-batch`) and environment
 variable (`OPENENGINE_MAX_BATCH`) are derived from the field name, so the three
 sources can never disagree. Precedence: CLI flag > environment > default.
 Invalid values fail at start with a message naming the variable and what is
-allowed (`ConfigError`). `python -m openengine_serve.common.config` prints the
-README's configuration table from these definitions.
+allowed (`ConfigError`). `python -m openengine_serve.common.config --write-readme`
+regenerates the README's configuration table from these definitions.
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ class FrontendConfig(CommonConfig):
     max_output_tokens: int = knob(8192, "output tokens per sequence (the default `max_tokens`)", minimum=1)
     max_num_sequences: int = knob(8, "largest `num_sequences` accepted", minimum=1)
     heartbeat_s: float = knob(1.0, "how often the frontend heartbeats the coordinator", minimum=0.05)
+    stall_timeout_s: float = knob(120.0, "a request that hears nothing from its node this long (queued or "
+                                         "running) ends with a retryable EngineError", minimum=1)
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
 
     @classmethod
@@ -182,5 +184,22 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+def write_readme_table(readme: str) -> None:
+    """Replaces the table between the README's config-table markers."""
+    import re
+
+    with open(readme) as f:
+        text = f.read()
+    text = re.sub(r"(<!-- config-table:[^\n]*-->\n).*?(\n<!-- /config-table -->)",
+                  lambda m: m.group(1) + markdown_table() + m.group(2), text, flags=re.S)
+    with open(readme, "w") as f:
+        f.write(text)
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    import sys
+
+    if sys.argv[1:] == ["--write-readme"]:
+        write_readme_table("README.md")
+    else:
+        print(markdown_table())

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,12 +37,48 @@ class RoutingRefused(Exception):
         self.message = message
 
 
-# Lane items: a list of OutputEvents of one request, or a LaneFailure.
 @dataclass(frozen=True)
 class LaneFailure:
+    """Ends a request's stream with one terminal EngineError (node lost, stall, drain deadline)."""
     message: str
     retryable: bool
     draining: bool = False
+
+
+class RequestSink:
+    """One request's inbox: the lane reader appends OutputEvents (or a LaneFailure); the stream takes
+    everything queued at once, so a stream that fell behind catches up in one message, not one per token."""
+
+    __slots__ = ("items", "waiter", "last_event_at", "failed")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+        self.last_event_at = time.monotonic()
+        self.failed = False
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        self.last_event_at = time.monotonic()
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def fail(self, failure: LaneFailure) -> None:
+        if not self.failed:
+            self.failed = True
+            self.put(failure)
+
+    async def take(self) -> list:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items = list(self.items)
+        self.items.clear()
+        return items
 
 
 @dataclass
@@ -55,8 +93,9 @@ class NodeConnection:
 
 class Cluster:
     def __init__(self, frontend_id: str, coordinator_address: str, advertised_address: str,
-                 heartbeat_s: float) -> None:
+                 heartbeat_s: float, stall_timeout_s: float) -> None:
         self.frontend_id = frontend_id
+        self.stall_timeout_s = stall_timeout_s
         self.advertised_address = advertised_address
         self.heartbeat_s = heartbeat_s
         self._coordinator_channel = grpc.aio.insecure_channel(coordinator_address)
@@ -65,7 +104,7 @@ class Cluster:
         self.coordinator_reachable = False
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}   # last known table
         self.connections: dict[str, NodeConnection] = {}
-        self.sinks: dict[str, asyncio.Queue] = {}           # request_id -> lane items
+        self.sinks: dict[str, RequestSink] = {}
         self._round_robin = itertools.count()
         self._background: set[asyncio.Task] = set()
 
@@ -186,7 +225,7 @@ class Cluster:
                 for event in results.events:
                     sink = sinks.get(event.request_id)
                     if sink is not None:
-                        sink.put_nowait(event)
+                        sink.put(event)
         except grpc.aio.AioRpcError as exc:
             reason = f"node {conn.entry.node_id} at {conn.entry.address} was lost ({exc.code().name})"
         except asyncio.CancelledError:
@@ -200,7 +239,7 @@ class Cluster:
         for request_id in list(conn.requests):
             sink = self.sinks.get(request_id)
             if sink is not None:
-                sink.put_nowait(LaneFailure(reason, retryable=True))
+                sink.fail(LaneFailure(reason, retryable=True))
         conn.requests.clear()
 
     def _drop_connection(self, node_id: str, reason: str) -> None:
@@ -210,9 +249,8 @@ class Cluster:
         self._fail_requests(conn, reason)
         self.spawn(conn.channel.close())
 
-    def open_sink(self, request_id: str) -> asyncio.Queue:
-        sink: asyncio.Queue = asyncio.Queue()
-        self.sinks[request_id] = sink
+    def open_sink(self, request_id: str) -> RequestSink:
+        sink = self.sinks[request_id] = RequestSink()
         return sink
 
     def close_sink(self, request_id: str, conn: NodeConnection | None) -> None:
@@ -232,7 +270,20 @@ class Cluster:
 
     def fail_all(self, failure: LaneFailure) -> None:
         for sink in self.sinks.values():
-            sink.put_nowait(failure)
+            sink.fail(failure)
+
+    async def stall_watchdog(self) -> None:
+        """A request that hears nothing from its node for stall_timeout_s ends with a retryable error:
+        no stream may hang, whatever went wrong below."""
+        while True:
+            await asyncio.sleep(min(1.0, self.stall_timeout_s / 4))
+            silent_since = time.monotonic() - self.stall_timeout_s
+            for request_id, sink in list(self.sinks.items()):
+                if sink.last_event_at < silent_since:
+                    log_event(logger, "request stalled", logging.WARNING, request_id=request_id,
+                              silent_s=self.stall_timeout_s)
+                    sink.fail(LaneFailure(f"no progress from the engine for {self.stall_timeout_s:g} s; "
+                                          "retry the request", retryable=True))
 
     def spawn(self, coro) -> None:
         """Fire-and-forget an internal call; its failure is logged, never raised into a stream."""

@@ -32,7 +32,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     frontend_id = config.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}"
     encoding = load_encoding()
     cluster = Cluster(frontend_id, config.coordinator_address, f"{socket.gethostname()}:{config.port}",
-                      config.heartbeat_s)
+                      config.heartbeat_s, config.stall_timeout_s)
     health = Health(readiness_aliases=PUBLIC_SERVICES)
     frontend = Frontend(config, frontend_id, implementation, encoding, cluster, health)
 
@@ -52,6 +52,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
 
     heartbeat = asyncio.create_task(cluster.heartbeat_loop())
     readiness = asyncio.create_task(_follow_readiness(cluster, health))
+    watchdog = asyncio.create_task(cluster.stall_watchdog())
     await stop.wait()
 
     # Drain: readiness drops first and new Generate calls get UNAVAILABLE (retry-safe). grpc.aio closes its
@@ -75,7 +76,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     await server.stop(grace=DRAIN_ERROR_GRACE_S)
     if early_stop is not None:
         await early_stop
-    for task in (heartbeat, readiness):
+    for task in (heartbeat, readiness, watchdog):
         task.cancel()
     await cluster.close()
     log_event(logger, "frontend stopped", frontend_id=frontend_id)

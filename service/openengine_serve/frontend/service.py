@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -16,7 +17,7 @@ from ..common.grpc_server import ServerImplementation
 from ..common import health as component_health
 from ..common.logging_setup import log_event
 from . import metrics
-from .cluster import Cluster, LaneFailure, NodeConnection, RoutingRefused
+from .cluster import Cluster, LaneFailure, NodeConnection, RequestSink, RoutingRefused
 from .stream import ENGINE_ERROR, OutputStream, TokenStrings, engine_error, prompt_output
 from .text import encode_prompt
 from .validation import GenerationPlan, ModelLimits, RequestRejected, parse_metadata, validate_generate
@@ -74,7 +75,10 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
 
     # ================================================================ Inference
 
-    async def Generate(self, request: generation_pb2.GenerateRequest, context):
+    async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:
+        # A coroutine writing with context.write, not an async generator: when the client cancels, the
+        # cancellation lands here and `aclosing` runs the stream's cleanup (free the engine slot, release the
+        # id) at once, instead of whenever the garbage collector finalizes an abandoned generator.
         started = time.perf_counter()
         try:
             if self.health.draining:
@@ -86,10 +90,11 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         except (RequestRejected, RoutingRefused) as exc:
             metrics.REQUESTS.labels(status="rejected", code=exc.code.name).inc()
             await context.abort(exc.code, exc.message)
-        async for response in self._stream(plan, conn, sink, started):
-            yield response
+        async with contextlib.aclosing(self._stream(plan, conn, sink, started)) as responses:
+            async for response in responses:
+                await context.write(response)
 
-    async def _accept(self, plan: GenerationPlan) -> tuple[NodeConnection, asyncio.Queue]:
+    async def _accept(self, plan: GenerationPlan) -> tuple[NodeConnection, RequestSink]:
         """Reserves the id, picks the node and submits; any failure here is a gRPC status, not a stream event."""
         cluster = self.cluster
         node = await cluster.reserve(plan.request_id, plan.metadata.routing_key, plan.metadata.target_rank,
@@ -104,7 +109,7 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
             raise RoutingRefused(*_submit_failure(exc, node)) from None
         return conn, sink
 
-    async def _stream(self, plan: GenerationPlan, conn: NodeConnection, sink: asyncio.Queue, started: float):
+    async def _stream(self, plan: GenerationPlan, conn: NodeConnection, sink: RequestSink, started: float):
         cluster = self.cluster
         request_id = plan.request_id
         outputs = [OutputStream(i, plan, self.encoding, self.strings) for i in range(plan.num_sequences)]
@@ -116,26 +121,37 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         first_token_at = last_token_at = None
         try:
             while open_outputs:
-                item = await sink.get()
-                if isinstance(item, LaneFailure):
+                items = await sink.take()
+                failure = next((i for i in items if isinstance(i, LaneFailure) or i.finish == ENGINE_ERROR), None)
+                if failure is not None:
                     status, code = "failed", "OK"
-                    yield engine_error(request_id, error_pb2.ERROR_CODE_DRAINING if item.draining
-                                       else error_pb2.ERROR_CODE_INTERNAL, item.message, item.retryable)
+                    draining = isinstance(failure, LaneFailure) and failure.draining
+                    yield engine_error(request_id, error_pb2.ERROR_CODE_DRAINING if draining
+                                       else error_pb2.ERROR_CODE_INTERNAL, failure.message, failure.retryable)
                     return
-                if item.finish == ENGINE_ERROR:
-                    status, code = "failed", "OK"
-                    yield engine_error(request_id, error_pb2.ERROR_CODE_INTERNAL, item.message, item.retryable)
-                    return
-                if not prompt_sent and item.prompt_tokens:
+                if not prompt_sent and items[0].prompt_tokens:
                     prompt_sent = True
-                    yield prompt_output(plan, item, self.strings)
-                output = outputs[item.output_index]
-                if output.finished:
-                    continue  # the node may still report an output this frontend already ended (stop string)
-                responses, stop_output = output.on_event(item)
-                if stop_output:
-                    cluster.cancel(conn, request_id, output.index)
-                if item.tokens:
+                    yield prompt_output(plan, items[0], self.strings)
+                by_output: dict[int, list] = {}
+                for event in items:
+                    by_output.setdefault(event.output_index, []).append(event)
+                new_tokens = 0
+                for index, events in by_output.items():
+                    output = outputs[index]
+                    if output.finished:
+                        continue  # the node may still report an output this frontend already ended (stop string)
+                    responses, stop_output = output.on_events(events)
+                    if stop_output:
+                        cluster.cancel(conn, request_id, index)
+                    for response in responses:
+                        if response.HasField("finished"):
+                            open_outputs -= 1
+                            if not open_outputs:
+                                response.usage.CopyFrom(_usage(plan, outputs))
+                        else:
+                            new_tokens += len(response.token.tokens)
+                        yield response
+                if new_tokens:
                     now = time.perf_counter()
                     if first_token_at is None:
                         first_token_at = now
@@ -143,15 +159,9 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
                     else:
                         metrics.ITL.observe(now - last_token_at)
                     last_token_at = now
-                    metrics.GENERATED_TOKENS.inc(len(item.tokens))
-                for response in responses:
-                    if response.HasField("finished"):
-                        open_outputs -= 1
-                        if not open_outputs:
-                            response.usage.CopyFrom(_usage(plan, outputs))
-                    yield response
+                    metrics.GENERATED_TOKENS.inc(new_tokens)
             status, code = "finished", "OK"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             status, code = "cancelled", "CANCELLED"
             raise
         finally:

@@ -61,11 +61,16 @@ class OutputStream:
         self.finished = False
         self.generated = 0  # tokens the engine produced for this output (usage)
 
-    def on_event(self, event: cluster_pb2.OutputEvent) -> tuple[list[generation_pb2.GenerateResponse], bool]:
-        """Responses for one engine event, and whether the node must be told to stop this output."""
+    def on_events(self, events: list[cluster_pb2.OutputEvent]) -> tuple[list[generation_pb2.GenerateResponse], bool]:
+        """Responses for this output's queued engine events (one delta for all of them), and whether the
+        node must be told to stop this output."""
         out: list[generation_pb2.GenerateResponse] = []
         plan = self.plan
-        records = list(event.tokens)
+        if len(events) == 1:
+            records = list(events[0].tokens)
+        else:
+            records = [record for event in events for record in event.tokens]
+        event = events[-1]  # only an output's last event can finish it
         self.generated += len(records)
         finish = event.finish
         # The EOS/stop token ends the output; its record and text are kept only with include_stop_in_output.

@@ -264,3 +264,13 @@ def test_validation_reaches_the_client(stack, mutate, code, needle):
             collect(client, req)
     assert err.value.code() == code
     assert needle.lower() in err.value.details().lower()
+
+
+def test_trace_context_reaches_the_logs(stack):
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with stack.client() as client:
+        collect(client, request(max_tokens=2), metadata=(("traceparent", f"00-{trace}-00f067aa0ba902b7-01"),))
+    from .processes import LOG_DIR, wait_for
+
+    log = LOG_DIR / f"{stack.frontend.name}-{stack.frontend.port}.log"
+    wait_for(lambda: f"trace_id={trace}" in log.read_text(), 5, "the request's log line with its trace id")

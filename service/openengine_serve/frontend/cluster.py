@@ -147,14 +147,14 @@ class Cluster:
                 self._drop_connection(node_id, "node left the deployment")
 
     async def reserve(self, request_id: str, routing_key: str, target_rank: int | None, prompt_tokens: int,
-                      num_sequences: int) -> cluster_pb2.NodeEntry:
+                      num_sequences: int, trace: tuple[tuple[str, str], ...] = ()) -> cluster_pb2.NodeEntry:
         request = cluster_pb2.ReserveRequest(request_id=request_id, frontend_id=self.frontend_id,
                                              routing_key=routing_key, prompt_tokens=prompt_tokens,
                                              num_sequences=num_sequences)
         if target_rank is not None:
             request.target_rank = target_rank
         try:
-            reply = await self.coordinator.Reserve(request, timeout=COORDINATOR_TIMEOUT_S)
+            reply = await self.coordinator.Reserve(request, timeout=COORDINATOR_TIMEOUT_S, metadata=trace)
             self._set_reachable(True)
             return reply.node
         except grpc.aio.AioRpcError as exc:
@@ -258,9 +258,10 @@ class Cluster:
         if conn is not None:
             conn.requests.discard(request_id)
 
-    async def submit(self, conn: NodeConnection, engine_request: cluster_pb2.EngineRequest) -> None:
+    async def submit(self, conn: NodeConnection, engine_request: cluster_pb2.EngineRequest,
+                     trace: tuple[tuple[str, str], ...] = ()) -> None:
         conn.requests.add(engine_request.request_id)
-        await conn.stub.Submit(cluster_pb2.SubmitRequest(request=engine_request), timeout=5.0)
+        await conn.stub.Submit(cluster_pb2.SubmitRequest(request=engine_request), timeout=5.0, metadata=trace)
 
     def cancel(self, conn: NodeConnection, request_id: str, output_index: int | None = None) -> None:
         request = cluster_pb2.CancelRequest(request_id=request_id)

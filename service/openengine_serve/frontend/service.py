@@ -53,6 +53,20 @@ def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.Engine
     return req
 
 
+def trace_metadata(metadata) -> tuple[tuple[str, str], ...]:
+    """W3C trace context passed on to the internal calls of the request."""
+    if not metadata.traceparent:
+        return ()
+    pairs = (("traceparent", metadata.traceparent),)
+    return pairs + ((("tracestate", metadata.tracestate),) if metadata.tracestate else ())
+
+
+def trace_id(metadata) -> str:
+    """The trace id of a W3C traceparent (version-traceid-parentid-flags), or "-"."""
+    parts = metadata.traceparent.split("-")
+    return parts[1] if len(parts) == 4 else "-"
+
+
 class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.ControlServicer):
     def __init__(self, config: FrontendConfig, frontend_id: str, implementation: ServerImplementation,
                  encoding, cluster: Cluster, health: component_health.Health) -> None:
@@ -97,12 +111,13 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
     async def _accept(self, plan: GenerationPlan) -> tuple[NodeConnection, RequestSink]:
         """Reserves the id, picks the node and submits; any failure here is a gRPC status, not a stream event."""
         cluster = self.cluster
+        trace = trace_metadata(plan.metadata)
         node = await cluster.reserve(plan.request_id, plan.metadata.routing_key, plan.metadata.target_rank,
-                                     len(plan.prompt_token_ids), plan.num_sequences)
+                                     len(plan.prompt_token_ids), plan.num_sequences, trace)
         sink = cluster.open_sink(plan.request_id)  # before Submit: the first step may come back at once
         try:
             conn = await cluster.connect(node)
-            await cluster.submit(conn, engine_request(plan, self.frontend_id))
+            await cluster.submit(conn, engine_request(plan, self.frontend_id), trace)
         except (grpc.aio.AioRpcError, ConnectionError, asyncio.TimeoutError) as exc:
             cluster.close_sink(plan.request_id, cluster.connections.get(node.node_id))
             cluster.release(plan.request_id)
@@ -169,9 +184,13 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
                 cluster.cancel(conn, request_id)  # client went away or the stream failed: free the engine slot
             cluster.close_sink(request_id, conn)
             cluster.release(request_id)
+            duration = time.perf_counter() - started
             metrics.IN_FLIGHT.dec()
             metrics.REQUESTS.labels(status=status, code=code).inc()
-            metrics.E2E.observe(time.perf_counter() - started)
+            metrics.E2E.observe(duration)
+            log_event(logger, "request ended", request_id=request_id, trace_id=trace_id(plan.metadata),
+                      node_id=conn.entry.node_id, status=status, completion_tokens=sum(o.generated for o in outputs),
+                      duration_s=f"{duration:.3f}")
 
     # ================================================================ Control
 

@@ -73,6 +73,9 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         if engine_request.frontend_id not in self.lanes:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"frontend {engine_request.frontend_id!r} has no open result lane on this node")
+        if logger.isEnabledFor(logging.DEBUG):
+            log_event(logger, "request submitted", logging.DEBUG, request_id=engine_request.request_id,
+                      traceparent=dict(context.invocation_metadata() or ()).get("traceparent", "-"))
         try:
             self.link.submit(engine_request)
         except EngineFull as exc:

@@ -8,9 +8,10 @@ import os
 import socket
 import time
 
+import grpc
 from grpc_reflection.v1alpha import reflection
 
-from ..api.openengine.v1 import openengine_pb2, openengine_pb2_grpc
+from ..api.openengine.v1 import generation_pb2, openengine_pb2, openengine_pb2_grpc
 from ..common.config import FrontendConfig
 from ..common.grpc_server import GRPCIO, ServerImplementation, create_server
 from ..common.health import Health
@@ -20,6 +21,7 @@ from ..common.vocab import load_encoding
 from . import metrics
 from .cluster import Cluster, LaneFailure
 from .service import Frontend
+from .stream import serialize_response
 from .supervisor import READY_FILE_VARIABLE
 
 logger = logging.getLogger("openengine_serve.frontend")
@@ -37,7 +39,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     frontend = Frontend(config, frontend_id, implementation, encoding, cluster, health)
 
     server = create_server(implementation)
-    openengine_pb2_grpc.add_InferenceServicer_to_server(frontend, server)
+    add_inference_service(frontend, server)
     openengine_pb2_grpc.add_ControlServicer_to_server(frontend, server)
     health.register(server)
     reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
@@ -81,6 +83,16 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     await cluster.close()
     log_event(logger, "frontend stopped", frontend_id=frontend_id)
     return 0
+
+
+def add_inference_service(frontend: Frontend, server) -> None:
+    """openengine.v1.Inference as generated, except that Generate's responses go through
+    `serialize_response`, which passes the hand-serialized token deltas through unchanged."""
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        frontend.Generate, request_deserializer=generation_pb2.GenerateRequest.FromString,
+        response_serializer=serialize_response)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("openengine.v1.Inference", handlers),))
+    server.add_registered_method_handlers("openengine.v1.Inference", handlers)
 
 
 async def _follow_readiness(cluster: Cluster, health: Health) -> None:

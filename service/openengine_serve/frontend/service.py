@@ -155,17 +155,17 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
                     output = outputs[index]
                     if output.finished:
                         continue  # the node may still report an output this frontend already ended (stop string)
-                    responses, stop_output = output.on_events(events)
+                    delta, delta_tokens, finished, stop_output = output.on_events(events)
                     if stop_output:
                         cluster.cancel(conn, request_id, index)
-                    for response in responses:
-                        if response.HasField("finished"):
-                            open_outputs -= 1
-                            if not open_outputs:
-                                response.usage.CopyFrom(_usage(plan, outputs))
-                        else:
-                            new_tokens += len(response.token.tokens)
-                        yield response
+                    if delta is not None:
+                        new_tokens += delta_tokens
+                        yield delta
+                    if finished is not None:
+                        open_outputs -= 1
+                        if not open_outputs:
+                            finished.usage.CopyFrom(_usage(plan, outputs))
+                        yield finished
                 if new_tokens:
                     now = time.perf_counter()
                     if first_token_at is None:
@@ -298,7 +298,7 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
             async with asyncio.timeout(5.0):
                 conn, sink = await self._accept(plan)
                 async for response in self._stream(plan, conn, sink, time.perf_counter()):
-                    if response.HasField("error"):
+                    if type(response) is not bytes and response.HasField("error"):
                         raise RuntimeError(response.error.message)
             return lifecycle_pb2.HealthCheck(name="inference_probe", state=HS.HEALTH_STATE_READY,
                                              message=f"one token generated on node {conn.entry.node_id}")

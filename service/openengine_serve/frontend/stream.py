@@ -25,11 +25,13 @@ ENGINE_ERROR = cluster_pb2.ENGINE_FINISH_ERROR
 
 
 class TokenStrings:
-    """token id -> its own text (bytes decoded with replacement), cached: one dict lookup per token."""
+    """token id -> its own text (bytes decoded with replacement), and its serialized TokenInfo; cached, so a
+    token costs one dict lookup."""
 
     def __init__(self, encoding) -> None:
         self._encoding = encoding
         self._cache: dict[int, str] = {}
+        self._info_bytes: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -37,6 +39,53 @@ class TokenStrings:
             text = self._encoding.decode_single_token_bytes(token_id).decode("utf-8", "replace")
             self._cache[token_id] = text
         return text
+
+    def info_field(self, token_id: int) -> bytes:
+        """`TokenOutput.tokens` entry (field 2) holding TokenInfo{token_id, token}, serialized once per id."""
+        field = self._info_bytes.get(token_id)
+        if field is None:
+            info = generation_pb2.TokenInfo(token_id=token_id, token=self(token_id)).SerializeToString()
+            field = self._info_bytes[token_id] = _TOKENS_FIELD + _varint(len(info)) + info
+        return field
+
+
+# Token deltas without logprobs — the bulk of all traffic — are serialized by hand from cached pieces:
+# building a GenerateResponse, a TokenOutput and a TokenInfo per token costs more than the gRPC write.
+# GenerateResponse{request_id = 1, token = 3}; TokenOutput{output_index = 1 (always present), tokens = 2,
+# text = 3}. tests/unit/test_stream.py checks the bytes parse to the message protobuf would build.
+_REQUEST_ID_FIELD = b"\x0a"
+_TOKEN_FIELD = b"\x1a"
+_OUTPUT_INDEX_FIELD = b"\x08"
+_TOKENS_FIELD = b"\x12"
+_TEXT_FIELD = b"\x1a"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def request_id_field(request_id: str) -> bytes:
+    raw = request_id.encode()
+    return _REQUEST_ID_FIELD + _varint(len(raw)) + raw
+
+
+def token_delta_bytes(request_id_prefix: bytes, output_index: int, token_fields: list[bytes], text: str) -> bytes:
+    """A serialized GenerateResponse carrying one TokenOutput delta."""
+    body = _OUTPUT_INDEX_FIELD + _varint(output_index) + b"".join(token_fields)
+    if text:
+        raw = text.encode()
+        body += _TEXT_FIELD + _varint(len(raw)) + raw
+    return request_id_prefix + _TOKEN_FIELD + _varint(len(body)) + body
+
+
+def serialize_response(response: bytes | generation_pb2.GenerateResponse) -> bytes:
+    """The Generate response serializer: hand-built token deltas pass through as they are."""
+    return response if type(response) is bytes else response.SerializeToString()
 
 
 def token_info(record: cluster_pb2.TokenRecord, strings: TokenStrings, with_logprobs: bool) -> generation_pb2.TokenInfo:
@@ -50,7 +99,7 @@ def token_info(record: cluster_pb2.TokenRecord, strings: TokenStrings, with_logp
 
 
 class OutputStream:
-    __slots__ = ("index", "plan", "strings", "detokenizer", "stops", "finished", "generated")
+    __slots__ = ("index", "plan", "strings", "detokenizer", "stops", "finished", "generated", "request_id_prefix")
 
     def __init__(self, index: int, plan: GenerationPlan, encoding, strings: TokenStrings) -> None:
         self.index = index
@@ -60,11 +109,14 @@ class OutputStream:
         self.stops = StopStringMatcher(plan.stop_strings, plan.include_stop_in_output) if plan.stop_strings else None
         self.finished = False
         self.generated = 0  # tokens the engine produced for this output (usage)
+        self.request_id_prefix = request_id_field(plan.request_id)
 
-    def on_events(self, events: list[cluster_pb2.OutputEvent]) -> tuple[list[generation_pb2.GenerateResponse], bool]:
-        """Responses for this output's queued engine events (one delta for all of them), and whether the
-        node must be told to stop this output."""
-        out: list[generation_pb2.GenerateResponse] = []
+    def on_events(self, events: list[cluster_pb2.OutputEvent]):
+        """This output's queued engine events as at most one token delta plus its `finished`.
+
+        Returns (delta, delta_tokens, finished, stop_output): the delta is serialized bytes (or a
+        GenerateResponse when logprobs were asked) or None; `finished` is a GenerateResponse or None;
+        stop_output says the node must be told to stop this output (a stop string matched here)."""
         plan = self.plan
         if len(events) == 1:
             records = list(events[0].tokens)
@@ -91,22 +143,28 @@ class OutputStream:
         # After a stop-string match the event's records are all kept: the text alone is cut at the match.
         if matched is None and stop_record is not None and plan.include_stop_in_output:
             records.append(stop_record)
+        delta = None
         if records or text:
-            out.append(generation_pb2.GenerateResponse(request_id=plan.request_id, token=generation_pb2.TokenOutput(
-                output_index=self.index, text=text,
-                tokens=[token_info(r, self.strings, plan.output_logprobs) for r in records])))
+            if plan.output_logprobs:
+                delta = generation_pb2.GenerateResponse(request_id=plan.request_id, token=generation_pb2.TokenOutput(
+                    output_index=self.index, text=text, tokens=[token_info(r, self.strings, True) for r in records]))
+            else:
+                info_field = self.strings.info_field
+                delta = token_delta_bytes(self.request_id_prefix, self.index,
+                                          [info_field(r.token_id) for r in records], text)
+        finished = None
         if matched is not None:
-            out.append(self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_text=matched)))
-            return out, True
-        if finish == ENGINE_EOS:
-            out.append(self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(eos_token_id=event.finish_token_id)))
+            finished = self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_text=matched))
+        elif finish == ENGINE_EOS:
+            finished = self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(eos_token_id=event.finish_token_id))
         elif finish == ENGINE_STOP_TOKEN:
-            out.append(self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_token_id=event.finish_token_id)))
+            finished = self.finish(FINISH_STOP,
+                                   stop_match=generation_pb2.StopMatch(stop_token_id=event.finish_token_id))
         elif finish == ENGINE_LENGTH:
-            out.append(self.finish(FINISH_LENGTH))
+            finished = self.finish(FINISH_LENGTH)
         elif finish == ENGINE_CANCELLED:
-            out.append(self.finish(FINISH_CANCELLED, message=event.message or "request was aborted"))
-        return out, False
+            finished = self.finish(FINISH_CANCELLED, message=event.message or "request was aborted")
+        return delta, len(records), finished, matched is not None
 
     def finish(self, reason: int, *, stop_match: generation_pb2.StopMatch | None = None,
                message: str = "") -> generation_pb2.GenerateResponse:

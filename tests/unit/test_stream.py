@@ -1,0 +1,91 @@
+"""The frontend's per-output stream: hand-serialized deltas equal protobuf's, stops, finishes, coalescing."""
+
+import random
+
+import pytest
+
+from openengine_serve.api.openengine.v1 import generation_pb2 as G
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2 as C
+from openengine_serve.common.vocab import EOS_TOKEN_ID, load_encoding
+from openengine_serve.frontend.stream import OutputStream, TokenStrings, serialize_response, token_delta_bytes
+from openengine_serve.frontend.validation import GenerationPlan, RequestMetadata
+
+ENC = load_encoding()
+STRINGS = TokenStrings(ENC)
+
+
+def plan(**overrides) -> GenerationPlan:
+    values = dict(request_id="req-1", model="m", prompt_token_ids=[1, 2], num_sequences=1, max_tokens=50,
+                  min_tokens=0, stop_strings=[], stop_token_ids=[], ignore_eos=False, include_stop_in_output=False,
+                  metadata=RequestMetadata())
+    values.update(overrides)
+    return GenerationPlan(**values)
+
+
+def event(ids, finish=C.ENGINE_FINISH_NONE, finish_token_id=0, index=0):
+    return C.OutputEvent(request_id="req-1", output_index=index, finish=finish, finish_token_id=finish_token_id,
+                         tokens=[C.TokenRecord(token_id=i) for i in ids])
+
+
+@pytest.mark.parametrize("request_id", ["r", "x" * 300, "ünïcödé-id"])
+@pytest.mark.parametrize("output_index", [0, 1, 300])
+def test_hand_serialized_delta_equals_protobuf(request_id, output_index):
+    rng = random.Random(output_index)
+    for _ in range(50):
+        ids = [rng.randrange(ENC.n_vocab) for _ in range(rng.randrange(0, 5))]
+        text = ENC.decode(ids)
+        prefix = G.GenerateResponse(request_id=request_id).SerializeToString()
+        raw = token_delta_bytes(prefix, output_index, [STRINGS.info_field(i) for i in ids], text)
+        expected = G.GenerateResponse(request_id=request_id, token=G.TokenOutput(
+            output_index=output_index, text=text, tokens=[G.TokenInfo(token_id=i, token=STRINGS(i)) for i in ids]))
+        parsed = G.GenerateResponse.FromString(raw)
+        assert parsed == expected
+        assert parsed.token.HasField("output_index"), "output_index 0 is present on the wire"
+
+
+def test_serializer_passes_bytes_and_serializes_messages():
+    msg = G.GenerateResponse(request_id="a")
+    assert serialize_response(b"raw") == b"raw"
+    assert serialize_response(msg) == msg.SerializeToString()
+
+
+def test_coalesced_events_make_one_delta_with_the_full_text():
+    out = OutputStream(0, plan(), ENC, STRINGS)
+    ids = ENC.encode("Hello there, 你好 world")
+    delta, count, finished, stop = out.on_events([event(ids[:2]), event(ids[2:])])
+    msg = G.GenerateResponse.FromString(delta)
+    assert count == len(ids) and [t.token_id for t in msg.token.tokens] == ids
+    assert msg.token.text == "Hello there, 你好 world" and finished is None and not stop
+
+
+def test_eos_finishes_with_stop_match_and_no_eos_text():
+    out = OutputStream(0, plan(), ENC, STRINGS)
+    delta, count, finished, _ = out.on_events([event([9707, EOS_TOKEN_ID], C.ENGINE_FINISH_EOS, EOS_TOKEN_ID)])
+    assert G.GenerateResponse.FromString(delta).token.text == "Hello" and count == 1
+    assert finished.finished.reason == G.FINISH_REASON_STOP
+    assert finished.finished.stop_match.eos_token_id == EOS_TOKEN_ID
+    assert out.generated == 2 and out.finished
+
+
+def test_stop_string_cuts_text_and_asks_the_node_to_stop():
+    out = OutputStream(0, plan(stop_strings=["lo th"]), ENC, STRINGS)
+    delta, _, finished, stop = out.on_events([event(ENC.encode("Hello there"))])
+    assert G.GenerateResponse.FromString(delta).token.text == "Hel"
+    assert finished.finished.stop_match.stop_text == "lo th" and stop
+
+
+def test_logprobs_take_the_protobuf_path():
+    out = OutputStream(0, plan(output_logprobs=True), ENC, STRINGS)
+    ev = C.OutputEvent(output_index=0, tokens=[C.TokenRecord(token_id=9707, has_logprob=True, logprob=-0.5, rank=1)])
+    delta, _, _, _ = out.on_events([ev])
+    assert isinstance(delta, G.GenerateResponse)
+    assert delta.token.tokens[0].logprob == -0.5 and delta.token.tokens[0].rank == 1
+
+
+def test_length_and_cancel_finishes():
+    out = OutputStream(2, plan(), ENC, STRINGS)
+    _, _, finished, _ = out.on_events([event([], C.ENGINE_FINISH_CANCELLED, index=2)])
+    assert finished.finished.reason == G.FINISH_REASON_CANCELLED and finished.finished.output_index == 2
+    out = OutputStream(0, plan(), ENC, STRINGS)
+    _, _, finished, _ = out.on_events([event([11], C.ENGINE_FINISH_LENGTH)])
+    assert finished.finished.reason == G.FINISH_REASON_LENGTH

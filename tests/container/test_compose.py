@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from ..integration.processes import wait_for
 from .conftest import Stack, cli, cli_popen, compose_ps
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1500)]
@@ -73,16 +74,6 @@ def generate_ok(stack: Stack, max_tokens: int, prompt: str = PROMPT) -> str:
 
 def node_metrics_ports(stack: Stack) -> dict[str, int]:
     return {cid: stack.published_port(cid, 9093) for cid in stack.container_ids("node")}
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def read_first_chunk(proc, timeout: float = 30) -> str:

@@ -274,3 +274,48 @@ def test_trace_context_reaches_the_logs(stack):
 
     log = LOG_DIR / f"{stack.frontend.name}-{stack.frontend.port}.log"
     wait_for(lambda: f"trace_id={trace}" in log.read_text(), 5, "the request's log line with its trace id")
+
+
+def test_prompt_and_output_logprobs(stack):
+    req = request(max_tokens=5)
+    req.response.return_prompt_logprobs = True
+    req.response.return_output_logprobs = True
+    req.response.output_candidates.top_n = 3
+    with stack.client() as client:
+        responses = collect(client, req)
+    assert responses[0].WhichOneof("event") == "prompt"
+    prompt = responses[0].prompt.tokens
+    assert [t.token_id for t in prompt] == load_encoding().encode("The quick brown fox")
+    assert not prompt[0].HasField("logprob") and not prompt[0].HasField("rank"), "first prompt token: no logprob"
+    assert all(t.HasField("logprob") for t in prompt[1:])
+    assert sum(r.WhichOneof("event") == "prompt" for r in responses) == 1
+    for r in responses:
+        if r.WhichOneof("event") == "token":
+            for t in r.token.tokens:
+                assert t.HasField("logprob") and t.logprob <= 0 and t.HasField("rank")
+                assert [c.rank for c in t.candidates] == [1, 2, 3]
+
+
+def test_abort_all_requests(stack):
+    async def run():
+        async with stack.async_client() as client:
+            streams = [client.inference.Generate(request(max_tokens=5000), timeout=60) for _ in range(3)]
+            for s in streams:
+                await s.read()
+            reply = await client.control.Abort(lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()),
+                                               timeout=10)
+            return reply, [await read_rest(s) for s in streams]
+    reply, rests = asyncio.run(run())
+    assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
+    for rest in rests:
+        assert rest[-1].finished.reason == G.FINISH_REASON_CANCELLED and rest[-1].HasField("usage")
+
+
+def test_deadline_frees_the_engine_slot(stack):
+    with stack.client() as client:
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.inference.Generate(request(max_tokens=5000), timeout=0.5))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        from .processes import wait_for
+
+        wait_for(lambda: _running(client) == 0, 10, "the expired request to leave the engine")

@@ -243,3 +243,17 @@ def test_frontend_worker_killed_is_restarted(cluster, deployment):
     with Client(fe.target) as client:
         assert list(client.generate(request(max_tokens=3), timeout=10))[-1].HasField("usage")
     assert fe.proc.poll() is None
+
+
+def test_full_deployment_refuses_with_resource_exhausted(deployment):
+    coord = deployment.add(processes.coordinator())
+    deployment.add(processes.node(coord.target, 0, "--max-batch", "1", "--max-queue", "0"))
+    fe = deployment.add(processes.frontend(coord.target, "grpcio"))
+    with Client(fe.target, retries=False) as client:
+        stream = client.inference.Generate(request(max_tokens=5000), timeout=60)
+        first_token_then(stream)
+        with pytest.raises(grpc.RpcError) as full:
+            list(client.inference.Generate(request(max_tokens=5), timeout=10))
+        stream.cancel()
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "capacity" in full.value.details() or "full" in full.value.details()

@@ -41,13 +41,11 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                                ranks=config.engine_ranks, on_step=self._on_step)
         self.health = Health()
         self.draining = False
-        self.last_step = cluster_pb2.EngineStep()
         self.wake = asyncio.Event()  # set: heartbeat the coordinator now
 
     # ---------------------------------------------------------------- engine -> lanes
 
     def _on_step(self, step: cluster_pb2.EngineStep) -> None:
-        self.last_step = step
         metrics.observe_step(step)
         if not step.events:
             return
@@ -123,10 +121,11 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         return cluster_pb2.NODE_STATE_READY if self.link.ready else cluster_pb2.NODE_STATE_STARTING
 
     def load(self) -> cluster_pb2.NodeLoad:
-        step = self.last_step
+        """The engine's last reported load; running and queued count sequences, the unit max_batch limits."""
+        load = self.link.load
         return cluster_pb2.NodeLoad(
-            running_requests=step.running, queued_requests=step.queued, running_tokens=step.running_tokens,
-            waiting_tokens=step.waiting_tokens, decode_batch_size=step.running,
+            running_requests=load.running, queued_requests=load.queued, running_tokens=load.running_tokens,
+            waiting_tokens=load.waiting_tokens, decode_batch_size=load.running,
             max_running_requests=self.config.max_batch, max_queued_requests=self.config.max_queue)
 
     def entry(self) -> cluster_pb2.NodeEntry:

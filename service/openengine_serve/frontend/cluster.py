@@ -178,10 +178,9 @@ class Cluster:
                                  "no ready node is known and the coordinator is unreachable")
         if routing_key:
             return ready[zlib.crc32(routing_key.encode()) % len(ready)]
-        least = min(len(self.connections.get(n.node_id).requests) if n.node_id in self.connections else 0
-                    for n in ready)
-        candidates = [n for n in ready if (len(self.connections[n.node_id].requests)
-                                           if n.node_id in self.connections else 0) == least]
+        in_flight = {n.node_id: len(c.requests) if (c := self.connections.get(n.node_id)) else 0 for n in ready}
+        least = min(in_flight.values())
+        candidates = [n for n in ready if in_flight[n.node_id] == least]
         return candidates[next(self._round_robin) % len(candidates)]
 
     def release(self, request_id: str) -> None:

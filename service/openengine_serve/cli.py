@@ -67,8 +67,9 @@ def _generate(args: argparse.Namespace) -> int:
                     sys.stdout.write(response.token.text)
                     sys.stdout.flush()
                 elif event == "finished":
+                    sys.stdout.write("\n")
                     reason = generation_pb2.FinishReason.Name(response.finished.reason)
-                    print(f"\n[finished output={response.finished.output_index} reason={reason}]", file=sys.stderr)
+                    print(f"[finished output={response.finished.output_index} reason={reason}]", file=sys.stderr)
                 elif event == "error":
                     print(f"\n[error code={response.error.code} retryable={response.error.retryable}] "
                           f"{response.error.message}", file=sys.stderr)

@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.logging_setup import log_event
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ class EngineLink:
         try:
             self._on_step(step)
         except Exception:
-            log.exception("event=engine_on_step_failed step=%d", step.step)
+            log.exception("engine step delivery failed", extra={"kv": {"step": step.step}})
 
     def _fail_outstanding(self, message: str, retryable: bool = True) -> None:
         """Finishes every open output with ERROR, delivered as one synthetic step."""
@@ -340,8 +341,8 @@ class EngineLink:
                                      timeout=self._start_timeout_s,
                                      return_when=asyncio.FIRST_COMPLETED)
         if ready in done:
-            log.info("event=engine_ready launcher_pid=%d worker_pids=%s", launcher.pid,
-                     ",".join(map(str, incarnation.worker_pids)))
+            log_event(log, "engine spawned", launcher_pid=launcher.pid,
+                      worker_pids=",".join(map(str, incarnation.worker_pids)))
             return None
         ready.cancel()
         if incarnation.exited in done:
@@ -391,8 +392,7 @@ class EngineLink:
         """Watches the running worker; when it is lost, fails its outputs and starts another."""
         while True:
             reason = await self._wait_until_lost()
-            log.error("event=engine_worker_lost reason=%r open_sequences=%d", reason,
-                      self._open_sequences)
+            log_event(log, "engine worker lost", logging.ERROR, reason=reason, open_sequences=self._open_sequences)
             await self._discard_incarnation()
             self._fail_outstanding(f"the engine worker was lost ({reason}); the request may be retried")
             attempt = 0
@@ -404,7 +404,7 @@ class EngineLink:
                 failure = await self._spawn()
                 if failure is None:
                     break
-                log.error("event=engine_restart_failed attempt=%d reason=%r", attempt, failure)
+                log_event(log, "engine restart failed", logging.ERROR, attempt=attempt, reason=failure)
                 await self._discard_incarnation()
 
     async def _wait_until_lost(self) -> str:

@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from .. import __version__
 from ..api.openengine.v1 import (error_pb2, generation_pb2, kv_pb2, lifecycle_pb2, lora_pb2, model_pb2,
                                  openengine_pb2_grpc, server_pb2)
 from ..api.openengine_internal.v1 import cluster_pb2
@@ -29,8 +30,6 @@ SCHEMA_RELEASE = "openengine@4def7c50b05e0674a0c3b26917399155535966e4"
 ENGINE_NAME = "openengine-serve"
 MAX_TOP_N = 20
 PROBE_REQUEST_PREFIX = "inference-probe-"
-
-HS = lifecycle_pb2
 
 
 def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.EngineRequest:
@@ -198,7 +197,7 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         nodes = self.cluster.ready_nodes() or list(self.cluster.nodes.values())
         max_running = sum(n.load.max_running_requests for n in nodes)
         info = server_pb2.ServerInfo(
-            engine_name=ENGINE_NAME, engine_version=_package_version(),
+            engine_name=ENGINE_NAME, engine_version=__version__,
             engine_role=server_pb2.ENGINE_ROLE_AGGREGATED, instance_id=self.frontend_id,
             supported_models=[self.config.model, *self.config.aliases()],
             schema_revision=SCHEMA_REVISION, minimum_client_revision=SCHEMA_REVISION, schema_release=SCHEMA_RELEASE,
@@ -255,28 +254,28 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         checks = self.health_checks()
         if request.include_inference_probe and not self.health.draining:
             checks.append(await self.inference_probe())
-        state = next((c.state for c in checks if c.state != HS.HEALTH_STATE_READY), HS.HEALTH_STATE_READY)
+        state = next((c.state for c in checks if c.state != lifecycle_pb2.HEALTH_STATE_READY), lifecycle_pb2.HEALTH_STATE_READY)
         return lifecycle_pb2.HealthResponse(state=state, checks=checks)
 
     def health_checks(self) -> list[lifecycle_pb2.HealthCheck]:
         """grpc, coordinator, scheduler, model — in that order; the first non-READY one is the overall state."""
         draining = self.health.draining
         checks = [lifecycle_pb2.HealthCheck(
-            name="grpc", state=HS.HEALTH_STATE_DRAINING if draining else HS.HEALTH_STATE_READY,
+            name="grpc", state=lifecycle_pb2.HEALTH_STATE_DRAINING if draining else lifecycle_pb2.HEALTH_STATE_READY,
             message="draining: new requests are refused" if draining else f"serving on {self.implementation.name}")]
         ready_nodes = self.cluster.ready_nodes()
         if self.cluster.coordinator_reachable:
-            checks.append(lifecycle_pb2.HealthCheck(name="coordinator", state=HS.HEALTH_STATE_READY,
+            checks.append(lifecycle_pb2.HealthCheck(name="coordinator", state=lifecycle_pb2.HEALTH_STATE_READY,
                                                     message=self.cluster.coordinator_address))
         else:
             checks.append(lifecycle_pb2.HealthCheck(
-                name="coordinator", state=HS.HEALTH_STATE_DEGRADED if ready_nodes else HS.HEALTH_STATE_NOT_READY,
+                name="coordinator", state=lifecycle_pb2.HEALTH_STATE_DEGRADED if ready_nodes else lifecycle_pb2.HEALTH_STATE_NOT_READY,
                 message=f"coordinator {self.cluster.coordinator_address} unreachable; "
                         f"serving from the last known node table ({len(ready_nodes)} ready nodes)"))
         checks.append(lifecycle_pb2.HealthCheck(
-            name="scheduler", state=HS.HEALTH_STATE_READY if ready_nodes else HS.HEALTH_STATE_NOT_READY,
+            name="scheduler", state=lifecycle_pb2.HEALTH_STATE_READY if ready_nodes else lifecycle_pb2.HEALTH_STATE_NOT_READY,
             message=f"{len(ready_nodes)} ready nodes of {len(self.cluster.nodes)} known"))
-        checks.append(lifecycle_pb2.HealthCheck(name="model", state=HS.HEALTH_STATE_READY,
+        checks.append(lifecycle_pb2.HealthCheck(name="model", state=lifecycle_pb2.HEALTH_STATE_READY,
                                                 message=f"{self.config.model}: tokenizer loaded"))
         return checks
 
@@ -300,10 +299,10 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
                 async for response in self._stream(plan, conn, sink, time.perf_counter()):
                     if type(response) is not bytes and response.HasField("error"):
                         raise RuntimeError(response.error.message)
-            return lifecycle_pb2.HealthCheck(name="inference_probe", state=HS.HEALTH_STATE_READY,
+            return lifecycle_pb2.HealthCheck(name="inference_probe", state=lifecycle_pb2.HEALTH_STATE_READY,
                                              message=f"one token generated on node {conn.entry.node_id}")
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - any failure is the probe's answer
-            return lifecycle_pb2.HealthCheck(name="inference_probe", state=HS.HEALTH_STATE_DEGRADED,
+            return lifecycle_pb2.HealthCheck(name="inference_probe", state=lifecycle_pb2.HEALTH_STATE_DEGRADED,
                                              message=f"probe failed: {getattr(exc, 'message', None) or exc!r}")
 
     async def Abort(self, request: lifecycle_pb2.AbortRequest, context) -> lifecycle_pb2.AbortResponse:
@@ -364,9 +363,3 @@ def _usage(plan: GenerationPlan, outputs: list[OutputStream]) -> generation_pb2.
     prompt = len(plan.prompt_token_ids)
     completion = sum(o.generated for o in outputs)
     return generation_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _package_version() -> str:
-    from .. import __version__
-
-    return __version__

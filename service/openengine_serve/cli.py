@@ -107,18 +107,17 @@ def _info(args: argparse.Namespace) -> int:
 
 def _health(args: argparse.Namespace) -> int:
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2
 
-    with grpc.insecure_channel(args.target) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
-        except grpc.RpcError as exc:
-            print(f"{args.service}: UNREACHABLE ({exc.code().name}: {exc.details()})")
-            return 1
-    state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{args.service}: {state}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    from .client import check_health
+
+    try:
+        status = check_health(args.target, args.service, args.timeout)
+    except grpc.RpcError as exc:
+        print(f"{args.service}: UNREACHABLE ({exc.code().name}: {exc.details()})")
+        return 1
+    print(f"{args.service}: {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

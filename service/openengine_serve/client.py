@@ -17,7 +17,7 @@ import time
 from typing import Iterator
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .api.openengine.v1 import generation_pb2, openengine_pb2_grpc
 
@@ -49,6 +49,20 @@ def channel_options(retries: bool = True) -> list[tuple[str, object]]:
     else:
         options += [("grpc.enable_retries", 0)]
     return options
+
+
+def check_health(target: str, service: str = "readiness", timeout: float = 1.0) -> int:
+    """One grpc.health.v1 Check: the ServingStatus, or grpc.RpcError when the target does not answer."""
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def is_serving(target: str, service: str = "readiness", timeout: float = 1.0) -> bool:
+    try:
+        return check_health(target, service, timeout) == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
 
 
 class Client:

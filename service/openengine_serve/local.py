@@ -16,32 +16,26 @@ import subprocess
 import sys
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from .client import is_serving
 
 STOP_TIMEOUT_S = 40.0
 READY_TIMEOUT_S = 90.0
 
 
-def free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (the kernel's choice); the caller binds it soon after."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 def wait_serving(target: str, deadline: float, procs: list[subprocess.Popen]) -> bool:
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                return False
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return True
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        if is_serving(target):
+            return True
+        time.sleep(0.2)
     return False
 
 

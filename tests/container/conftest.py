@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from openengine_serve.local import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = [REPO / "docker-compose.yml", Path(__file__).resolve().parent / "compose.test.yml"]
 LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 BUILD_TIMEOUT_S = 1200
 UP_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _docker_binary() -> str | None:

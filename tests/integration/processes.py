@@ -4,32 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from openengine_serve.client import is_serving
+from openengine_serve.local import free_port
 
 LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def health_status(target: str, service: str = "readiness", timeout: float = 1.0) -> int | None:
-    with grpc.insecure_channel(target) as channel:
-        try:
-            return health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
-        except grpc.RpcError:
-            return None
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
@@ -67,7 +51,7 @@ class Component:
         def ready():
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode}; see {LOG_DIR}")
-            return health_status(self.target) == health_pb2.HealthCheckResponse.SERVING
+            return is_serving(self.target)
         wait_for(ready, timeout, f"{self.name} readiness")
         return self
 

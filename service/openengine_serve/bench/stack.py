@@ -16,7 +16,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,8 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ..client import is_serving
+from ..local import free_port
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
@@ -178,22 +177,6 @@ class CpuSampler:
 
 # ---------------------------------------------------------------- processes
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def health_serving(target: str, service: str = "readiness", timeout: float = 1.0) -> bool:
-    with grpc.insecure_channel(target) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def established_connections(port: int) -> int | None:
     """TCP connections established to 127.0.0.1:port (from `ss`), None without ss."""
     if shutil.which("ss") is None:
@@ -294,18 +277,18 @@ class Stack:
         return [sys.executable, "-m", "openengine_serve", *args]
 
     def start_cluster(self, timeout: float = 120.0) -> None:
-        port = free_port()
+        port = free_port(HOST)
         self.coordinator = Process("coordinator", self._python(
             "coordinator", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level),
             self.other_cpus, self.log_dir / "coordinator.log", port).start()
-        self.coordinator.wait_ready(60, lambda: health_serving(self.coordinator.target))
-        port = free_port()
+        self.coordinator.wait_ready(60, lambda: is_serving(self.coordinator.target))
+        port = free_port(HOST)
         self.node = Process("node", self._python(
             "node", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level,
             "--coordinator-address", self.coordinator.target, "--node-rank", "0",
             "--step-ms", str(self.step_ms), "--max-batch", str(self.max_batch), "--max-queue", str(self.max_queue)),
             self.other_cpus, self.log_dir / "node.log", port).start()
-        self.node.wait_ready(timeout, lambda: health_serving(self.node.target))
+        self.node.wait_ready(timeout, lambda: is_serving(self.node.target))
         self.node.pin()  # the engine worker exists now (node readiness follows it)
 
     def node_tree(self) -> list[int]:
@@ -314,7 +297,7 @@ class Stack:
 
     def start_frontend(self, server: str, timeout: float = 90.0) -> Process:
         self._frontend_starts += 1
-        port = free_port()
+        port = free_port(HOST)
         self.frontend = Process(f"frontend-{server}", self._python(
             "frontend", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level,
             "--coordinator-address", self.coordinator.target, "--grpc-server", server, "--workers", "1",
@@ -323,7 +306,7 @@ class Stack:
             "--drain-timeout-s", str(FRONTEND_DRAIN_S),
             "--frontend-id", f"bench-{server}-{self._frontend_starts}-{os.getpid()}"),
             self.frontend_cpus, self.log_dir / f"frontend-{self._frontend_starts:02d}-{server}.log", port).start()
-        self.frontend.wait_ready(timeout, lambda: health_serving(self.frontend.target))
+        self.frontend.wait_ready(timeout, lambda: is_serving(self.frontend.target))
         self.frontend.pin()
         return self.frontend
 
@@ -335,7 +318,7 @@ class Stack:
     def start_baseline(self, server: str, timeout: float = 60.0) -> Process:
         from .baseline import wait_baseline_ready
 
-        port = free_port()
+        port = free_port(HOST)
         self.baseline = Process(f"baseline-{server}", [
             sys.executable, "-m", "openengine_serve.bench.baseline", "--server", server, "--host", HOST,
             "--port", str(port), "--step-ms", str(self.step_ms)],

@@ -31,6 +31,7 @@ import zmq
 from mpi4py import MPI
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.protowire import length_delimited, varint
 from openengine_serve.common.vocab import VOCAB_SIZE
 from openengine_serve.engine import model
 from openengine_serve.engine.launcher import WORKER_PIDS_TAG, WORKERS_DONE_TAG
@@ -52,28 +53,16 @@ _FINISH_WITH_TOKEN = (cluster_pb2.ENGINE_FINISH_EOS, cluster_pb2.ENGINE_FINISH_S
 # so `events` entries followed by a serialized EngineStep parse as one message.
 _EVENTS_TAG = b"\x12"  # EngineStep.events: field 2, length-delimited
 _TOKENS_TAG = b"\x1a"  # OutputEvent.tokens: field 3, length-delimited
-_ONE_BYTE_LENGTHS = tuple(bytes((length,)) for length in range(128))
-
-
-def _varint(value: int) -> bytes:
-    if value < 128:
-        return _ONE_BYTE_LENGTHS[value]
-    encoded = bytearray()
-    while value >= 128:
-        encoded.append((value & 0x7F) | 0x80)
-        value >>= 7
-    encoded.append(value)
-    return bytes(encoded)
 
 
 def _event_field(event_payload: bytes) -> bytes:
-    return _EVENTS_TAG + _varint(len(event_payload)) + event_payload
+    return length_delimited(_EVENTS_TAG, event_payload)
 
 
 def _encode_token_fields() -> tuple[bytes, ...]:
     """token id -> the encoded `OutputEvent.tokens` entry holding just that token."""
-    records = (b"\x08" + _varint(token_id) for token_id in range(VOCAB_SIZE))  # TokenRecord.token_id
-    return tuple(_TOKENS_TAG + _varint(len(record)) + record for record in records)
+    records = (b"\x08" + varint(token_id) for token_id in range(VOCAB_SIZE))  # TokenRecord.token_id
+    return tuple(length_delimited(_TOKENS_TAG, record) for record in records)
 
 
 class _RunningRequest:

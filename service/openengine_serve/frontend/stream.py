@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..api.openengine.v1 import error_pb2, generation_pb2
 from ..api.openengine_internal.v1 import cluster_pb2
+from ..common.protowire import length_delimited, varint
 from .text import IncrementalDetokenizer, StopStringMatcher
 from .validation import GenerationPlan
 
@@ -45,7 +46,7 @@ class TokenStrings:
         field = self._info_bytes.get(token_id)
         if field is None:
             info = generation_pb2.TokenInfo(token_id=token_id, token=self(token_id)).SerializeToString()
-            field = self._info_bytes[token_id] = _TOKENS_FIELD + _varint(len(info)) + info
+            field = self._info_bytes[token_id] = length_delimited(_TOKENS_FIELD, info)
         return field
 
 
@@ -60,27 +61,18 @@ _TOKENS_FIELD = b"\x12"
 _TEXT_FIELD = b"\x1a"
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def request_id_field(request_id: str) -> bytes:
     raw = request_id.encode()
-    return _REQUEST_ID_FIELD + _varint(len(raw)) + raw
+    return length_delimited(_REQUEST_ID_FIELD, raw)
 
 
 def token_delta_bytes(request_id_prefix: bytes, output_index: int, token_fields: list[bytes], text: str) -> bytes:
     """A serialized GenerateResponse carrying one TokenOutput delta."""
-    body = _OUTPUT_INDEX_FIELD + _varint(output_index) + b"".join(token_fields)
+    body = _OUTPUT_INDEX_FIELD + varint(output_index) + b"".join(token_fields)
     if text:
         raw = text.encode()
-        body += _TEXT_FIELD + _varint(len(raw)) + raw
-    return request_id_prefix + _TOKEN_FIELD + _varint(len(body)) + body
+        body += length_delimited(_TEXT_FIELD, raw)
+    return request_id_prefix + length_delimited(_TOKEN_FIELD, body)
 
 
 def serialize_response(response: bytes | generation_pb2.GenerateResponse) -> bytes:

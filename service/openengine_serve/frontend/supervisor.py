@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from ..common.config import FrontendConfig
+from ..common.config import FrontendConfig, env_name
 from ..common.grpc_server import resolve_implementation
 from ..common.lifecycle import logger, run_component, start_metrics
 from ..common.logging_setup import log_event, setup_logging
@@ -75,7 +75,7 @@ class Supervisor:
         # Workers take every other setting from the same flags and environment as the supervisor.
         for f in dataclasses.fields(self.config):
             if f.name not in ("workers", "metrics_port", "frontend_id"):
-                env[f.metadata.get("env") or "OPENENGINE_" + f.name.upper()] = str(getattr(self.config, f.name))
+                env[env_name(f)] = str(getattr(self.config, f.name))
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         from prometheus_client import CollectorRegistry, multiprocess
 

@@ -11,6 +11,8 @@ import pytest
 from openengine_serve.api.openengine.v1 import generation_pb2, lifecycle_pb2, server_pb2
 from openengine_serve.common.vocab import load_encoding
 
+from .processes import LOG_DIR, wait_for
+
 MODEL = "Qwen/Qwen3-0.6B"
 G = generation_pb2
 
@@ -28,6 +30,14 @@ async def read_rest(stream) -> list[G.GenerateResponse]:
     while (r := await stream.read()) is not grpc.aio.EOF:
         out.append(r)
     return out
+
+
+async def open_streams(client, count: int, max_tokens: int) -> list:
+    """Starts `count` long generations and returns once each has delivered its first token."""
+    streams = [client.inference.Generate(request(max_tokens=max_tokens), timeout=60) for _ in range(count)]
+    for stream in streams:
+        await stream.read()
+    return streams
 
 
 def collect(client, req, metadata=()) -> list[G.GenerateResponse]:
@@ -210,8 +220,6 @@ def test_client_cancel_frees_the_engine_slot(stack):
             await stream.read()
             stream.cancel()
     with stack.client() as client:
-        from .processes import wait_for
-
         asyncio.run(run())
         wait_for(lambda: _running(client) == 0, 10, "the cancelled request to leave the engine")
 
@@ -219,9 +227,7 @@ def test_client_cancel_frees_the_engine_slot(stack):
 def test_requests_spread_over_both_nodes(stack):
     async def run():
         async with stack.async_client() as client:
-            streams = [client.inference.Generate(request(max_tokens=3000), timeout=60) for _ in range(6)]
-            for s in streams:
-                await s.read()
+            streams = await open_streams(client, 6, max_tokens=3000)
             await asyncio.sleep(1.2)  # one node heartbeat
             load = await client.control.GetLoad(server_pb2.GetLoadRequest(include_per_rank=True), timeout=5)
             for s in streams:
@@ -270,8 +276,6 @@ def test_trace_context_reaches_the_logs(stack):
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     with stack.client() as client:
         collect(client, request(max_tokens=2), metadata=(("traceparent", f"00-{trace}-00f067aa0ba902b7-01"),))
-    from .processes import LOG_DIR, wait_for
-
     log = LOG_DIR / f"{stack.frontend.name}-{stack.frontend.port}.log"
     wait_for(lambda: f"trace_id={trace}" in log.read_text(), 5, "the request's log line with its trace id")
 
@@ -299,9 +303,7 @@ def test_prompt_and_output_logprobs(stack):
 def test_abort_all_requests(stack):
     async def run():
         async with stack.async_client() as client:
-            streams = [client.inference.Generate(request(max_tokens=5000), timeout=60) for _ in range(3)]
-            for s in streams:
-                await s.read()
+            streams = await open_streams(client, 3, max_tokens=5000)
             reply = await client.control.Abort(lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()),
                                                timeout=10)
             return reply, [await read_rest(s) for s in streams]
@@ -316,6 +318,4 @@ def test_deadline_frees_the_engine_slot(stack):
         with pytest.raises(grpc.RpcError) as err:
             list(client.inference.Generate(request(max_tokens=5000), timeout=0.5))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        from .processes import wait_for
-
         wait_for(lambda: _running(client) == 0, 10, "the expired request to leave the engine")

@@ -1,5 +1,6 @@
 """The frontend's per-output stream: hand-serialized deltas equal protobuf's, stops, finishes, coalescing."""
 
+import codecs
 import random
 
 import pytest
@@ -7,7 +8,8 @@ import pytest
 from openengine_serve.api.openengine.v1 import generation_pb2 as G
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2 as C
 from openengine_serve.common.vocab import EOS_TOKEN_ID, load_encoding
-from openengine_serve.frontend.stream import OutputStream, TokenStrings, serialize_response, token_delta_bytes
+from openengine_serve.frontend.stream import (OutputStream, TokenStrings, output_index_field, serialize_response,
+                                              token_delta_bytes)
 from openengine_serve.frontend.validation import GenerationPlan, RequestMetadata
 
 ENC = load_encoding()
@@ -35,12 +37,38 @@ def test_hand_serialized_delta_equals_protobuf(request_id, output_index):
         ids = [rng.randrange(ENC.n_vocab) for _ in range(rng.randrange(0, 5))]
         text = ENC.decode(ids)
         prefix = G.GenerateResponse(request_id=request_id).SerializeToString()
-        raw = token_delta_bytes(prefix, output_index, [STRINGS.info_field(i) for i in ids], text)
+        raw = token_delta_bytes(prefix, output_index_field(output_index), [STRINGS.info_field(i) for i in ids], text)
         expected = G.GenerateResponse(request_id=request_id, token=G.TokenOutput(
             output_index=output_index, text=text, tokens=[G.TokenInfo(token_id=i, token=STRINGS(i)) for i in ids]))
         parsed = G.GenerateResponse.FromString(raw)
         assert parsed == expected
         assert parsed.token.HasField("output_index"), "output_index 0 is present on the wire"
+
+
+def test_token_by_token_deltas_equal_protobuf_also_across_split_characters():
+    """The one-token fast path (cached bytes) and the general path must stream what protobuf would build:
+    each delta's text is what the token completes, a character split over tokens arrives whole once."""
+    text = "Héllo wörld, 你好世界 🤖🎉 naïve café ∑∫ — done"
+    ids = ENC.encode(text)
+    ids += [i for i in range(ENC.n_vocab) if len(ENC.decode_single_token_bytes(i)) == 1
+            and ENC.decode_single_token_bytes(i)[0] >= 0x80][:40]  # lone bytes of multi-byte characters
+    assert any(ENC.decode_single_token_bytes(i).decode("utf-8", "replace") != ENC.decode([i]) or
+               b"\xef\xbf\xbd" in ENC.decode([i]).encode() for i in ids), "the stream must split characters"
+    out = OutputStream(0, plan(request_id="req-1"), ENC, STRINGS)
+    detok = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    streamed = ""
+    for token_id in ids:
+        delta, count, finished, _ = out.on_events([event([token_id])])
+        expected_text = detok.decode(ENC.decode_single_token_bytes(token_id))
+        if delta is None:
+            assert expected_text == "" and count == 0
+            continue
+        parsed = G.GenerateResponse.FromString(delta)
+        assert parsed == G.GenerateResponse(request_id="req-1", token=G.TokenOutput(
+            output_index=0, text=expected_text, tokens=[G.TokenInfo(token_id=token_id, token=STRINGS(token_id))]))
+        assert count == 1 and finished is None
+        streamed += parsed.token.text
+    assert streamed + detok.decode(b"", final=True) == ENC.decode(ids)
 
 
 def test_serializer_passes_bytes_and_serializes_messages():

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -90,8 +90,8 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:
         # A coroutine writing with context.write, not an async generator: when the client cancels, the
-        # cancellation lands here and `aclosing` runs the stream's cleanup (free the engine slot, release the
-        # id) at once, instead of whenever the garbage collector finalizes an abandoned generator.
+        # cancellation lands in `_stream`, whose cleanup (free the engine slot, release the id) runs at once,
+        # not whenever the garbage collector finalizes an abandoned generator.
         started = time.perf_counter()
         try:
             if self.health.draining:
@@ -103,9 +103,7 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         except (RequestRejected, RoutingRefused) as exc:
             metrics.REQUESTS.labels(status="rejected", code=exc.code.name).inc()
             await context.abort(exc.code, exc.message)
-        async with contextlib.aclosing(self._stream(plan, conn, sink, started)) as responses:
-            async for response in responses:
-                await context.write(response)
+        await self._stream(plan, conn, sink, started, context.write)
 
     async def _accept(self, plan: GenerationPlan) -> tuple[NodeConnection, RequestSink]:
         """Reserves the id, picks the node and submits; any failure here is a gRPC status, not a stream event."""
@@ -123,11 +121,14 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
             raise RoutingRefused(*_submit_failure(exc, node)) from None
         return conn, sink
 
-    async def _stream(self, plan: GenerationPlan, conn: NodeConnection, sink: RequestSink, started: float):
+    async def _stream(self, plan: GenerationPlan, conn: NodeConnection, sink: RequestSink, started: float,
+                      write: Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]) -> None:
+        """Streams the request's engine events to `write` until every output finished (or the stream failed)."""
         cluster = self.cluster
         request_id = plan.request_id
         outputs = [OutputStream(i, plan, self.encoding, self.strings) for i in range(plan.num_sequences)]
         open_outputs = plan.num_sequences
+        single_output = open_outputs == 1
         prompt_sent = not plan.prompt_logprobs
         status, code = "error", "INTERNAL"
         metrics.IN_FLIGHT.inc()
@@ -136,21 +137,18 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         try:
             while open_outputs:
                 items = await sink.take()
-                failure = next((i for i in items if isinstance(i, LaneFailure) or i.finish == ENGINE_ERROR), None)
+                failure = _first_failure(items)
                 if failure is not None:
                     status, code = "failed", "OK"
                     draining = isinstance(failure, LaneFailure) and failure.draining
-                    yield engine_error(request_id, error_pb2.ERROR_CODE_DRAINING if draining
-                                       else error_pb2.ERROR_CODE_INTERNAL, failure.message, failure.retryable)
+                    await write(engine_error(request_id, error_pb2.ERROR_CODE_DRAINING if draining
+                                             else error_pb2.ERROR_CODE_INTERNAL, failure.message, failure.retryable))
                     return
                 if not prompt_sent and items[0].prompt_tokens:
                     prompt_sent = True
-                    yield prompt_output(plan, items[0], self.strings)
-                by_output: dict[int, list] = {}
-                for event in items:
-                    by_output.setdefault(event.output_index, []).append(event)
+                    await write(prompt_output(plan, items[0], self.strings))
                 new_tokens = 0
-                for index, events in by_output.items():
+                for index, events in ((0, items),) if single_output else _by_output(items):
                     output = outputs[index]
                     if output.finished:
                         continue  # the node may still report an output this frontend already ended (stop string)
@@ -159,12 +157,12 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
                         cluster.cancel(conn, request_id, index)
                     if delta is not None:
                         new_tokens += delta_tokens
-                        yield delta
+                        await write(delta)
                     if finished is not None:
                         open_outputs -= 1
                         if not open_outputs:
                             finished.usage.CopyFrom(_usage(plan, outputs))
-                        yield finished
+                        await write(finished)
                 if new_tokens:
                     now = time.perf_counter()
                     if first_token_at is None:
@@ -175,7 +173,7 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
                     last_token_at = now
                     metrics.GENERATED_TOKENS.inc(new_tokens)
             status, code = "finished", "OK"
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
             status, code = "cancelled", "CANCELLED"
             raise
         finally:
@@ -296,9 +294,15 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         try:
             async with asyncio.timeout(5.0):
                 conn, sink = await self._accept(plan)
-                async for response in self._stream(plan, conn, sink, time.perf_counter()):
+                errors: list[str] = []
+
+                async def keep_errors(response) -> None:
                     if type(response) is not bytes and response.HasField("error"):
-                        raise RuntimeError(response.error.message)
+                        errors.append(response.error.message)
+
+                await self._stream(plan, conn, sink, time.perf_counter(), keep_errors)
+                if errors:
+                    raise RuntimeError(errors[0])
             return lifecycle_pb2.HealthCheck(name="inference_probe", state=lifecycle_pb2.HEALTH_STATE_READY,
                                              message=f"one token generated on node {conn.entry.node_id}")
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - any failure is the probe's answer
@@ -357,6 +361,22 @@ def _submit_failure(exc: Exception, node: cluster_pb2.NodeEntry) -> tuple[grpc.S
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"node {node.node_id} is full: {exc.details()}; retry later"
     detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
     return grpc.StatusCode.UNAVAILABLE, f"node {node.node_id} at {node.address} did not take the request: {detail}"
+
+
+def _first_failure(items: list) -> LaneFailure | cluster_pb2.OutputEvent | None:
+    """What ends the stream with an EngineError: a lost lane or an engine error event."""
+    for item in items:
+        if type(item) is LaneFailure or item.finish == ENGINE_ERROR:
+            return item
+    return None
+
+
+def _by_output(items: list[cluster_pb2.OutputEvent]):
+    """(output_index, its events) in arrival order, for requests with several outputs."""
+    by_output: dict[int, list[cluster_pb2.OutputEvent]] = {}
+    for event in items:
+        by_output.setdefault(event.output_index, []).append(event)
+    return by_output.items()
 
 
 def _usage(plan: GenerationPlan, outputs: list[OutputStream]) -> generation_pb2.Usage:

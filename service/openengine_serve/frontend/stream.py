@@ -33,6 +33,7 @@ class TokenStrings:
         self._encoding = encoding
         self._cache: dict[int, str] = {}
         self._info_bytes: dict[int, bytes] = {}
+        self._pieces: dict[int, bytes | None] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -48,6 +49,23 @@ class TokenStrings:
             info = generation_pb2.TokenInfo(token_id=token_id, token=self(token_id)).SerializeToString()
             field = self._info_bytes[token_id] = length_delimited(_TOKENS_FIELD, info)
         return field
+
+    def one_token_body(self, token_id: int) -> bytes | None:
+        """`tokens` and `text` fields of a TokenOutput carrying just this token, or None when the token's
+        bytes are not complete UTF-8 on their own (its text then depends on its neighbours)."""
+        try:
+            return self._pieces[token_id]
+        except KeyError:
+            pass
+        raw = self._encoding.decode_single_token_bytes(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            body = None
+        else:
+            body = self.info_field(token_id) + (length_delimited(_TEXT_FIELD, raw) if raw else b"")
+        self._pieces[token_id] = body
+        return body
 
 
 # Token deltas without logprobs — the bulk of all traffic — are serialized by hand from cached pieces:
@@ -66,9 +84,13 @@ def request_id_field(request_id: str) -> bytes:
     return length_delimited(_REQUEST_ID_FIELD, raw)
 
 
-def token_delta_bytes(request_id_prefix: bytes, output_index: int, token_fields: list[bytes], text: str) -> bytes:
+def output_index_field(output_index: int) -> bytes:
+    return _OUTPUT_INDEX_FIELD + varint(output_index)
+
+
+def token_delta_bytes(request_id_prefix: bytes, index_field: bytes, token_fields: list[bytes], text: str) -> bytes:
     """A serialized GenerateResponse carrying one TokenOutput delta."""
-    body = _OUTPUT_INDEX_FIELD + varint(output_index) + b"".join(token_fields)
+    body = index_field + b"".join(token_fields)
     if text:
         raw = text.encode()
         body += length_delimited(_TEXT_FIELD, raw)
@@ -91,7 +113,8 @@ def token_info(record: cluster_pb2.TokenRecord, strings: TokenStrings, with_logp
 
 
 class OutputStream:
-    __slots__ = ("index", "plan", "strings", "detokenizer", "stops", "finished", "generated", "request_id_prefix")
+    __slots__ = ("index", "plan", "strings", "detokenizer", "stops", "finished", "generated", "request_id_prefix",
+                 "index_field", "plain")
 
     def __init__(self, index: int, plan: GenerationPlan, encoding, strings: TokenStrings) -> None:
         self.index = index
@@ -102,6 +125,9 @@ class OutputStream:
         self.finished = False
         self.generated = 0  # tokens the engine produced for this output (usage)
         self.request_id_prefix = request_id_field(plan.request_id)
+        self.index_field = output_index_field(index)
+        # No stop strings and no logprobs: a one-token event can be answered from cached bytes.
+        self.plain = self.stops is None and not plan.output_logprobs
 
     def on_events(self, events: list[cluster_pb2.OutputEvent]):
         """This output's queued engine events as at most one token delta plus its `finished`.
@@ -109,6 +135,15 @@ class OutputStream:
         Returns (delta, delta_tokens, finished, stop_output): the delta is serialized bytes (or a
         GenerateResponse when logprobs were asked) or None; `finished` is a GenerateResponse or None;
         stop_output says the node must be told to stop this output (a stop string matched here)."""
+        if self.plain and len(events) == 1 and not self.detokenizer.pending:
+            # The steady state: one token, not the last, nothing held back. Same bytes as the path below.
+            event = events[0]
+            if event.finish == ENGINE_NONE and len(event.tokens) == 1:
+                body = self.strings.one_token_body(event.tokens[0].token_id)
+                if body is not None:
+                    self.generated += 1
+                    return (self.request_id_prefix + length_delimited(_TOKEN_FIELD, self.index_field + body),
+                            1, None, False)
         plan = self.plan
         if len(events) == 1:
             records = list(events[0].tokens)
@@ -142,7 +177,7 @@ class OutputStream:
                     output_index=self.index, text=text, tokens=[token_info(r, self.strings, True) for r in records]))
             else:
                 info_field = self.strings.info_field
-                delta = token_delta_bytes(self.request_id_prefix, self.index,
+                delta = token_delta_bytes(self.request_id_prefix, self.index_field,
                                           [info_field(r.token_id) for r in records], text)
         finished = None
         if matched is not None:

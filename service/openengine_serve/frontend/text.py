@@ -35,13 +35,19 @@ class IncrementalDetokenizer:
     def __init__(self, encoding: tiktoken.Encoding) -> None:
         self._encoding = encoding
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # Bytes of an incomplete character are held back. While none are, a token whose bytes are
+        # complete UTF-8 on their own decodes to exactly its own text (the streaming fast path).
+        self.pending = False
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds tokens and returns only the text they complete."""
-        return self._decoder.decode(self._encoding.decode_bytes(token_ids))
+        text = self._decoder.decode(self._encoding.decode_bytes(token_ids))
+        self.pending = bool(self._decoder.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """Ends the stream: a trailing incomplete character becomes U+FFFD."""
+        self.pending = False
         return self._decoder.decode(b"", final=True)
 
 

@@ -25,7 +25,7 @@ import grpc
 
 from ..api.openengine.v1 import generation_pb2, openengine_pb2_grpc
 from ..common.grpc_server import create_server, resolve_implementation
-from ..common.lifecycle import bind_address
+from ..common.lifecycle import bind_address, run
 
 TOKEN_ID = 9707
 TOKEN_TEXT = "Hello"
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--step-ms", type=float, default=2.0)
     args = parser.parse_args(argv)
-    return asyncio.run(serve(args.server, args.host, args.port, args.step_ms))
+    return run(serve(args.server, args.host, args.port, args.step_ms))  # on the frontend's event loop
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from ..common.lifecycle import event_loop_name
 from . import report
 
 FULL = {"fixed_rounds": 5, "saturation_rounds": 3, "baseline_rounds": 2,
@@ -353,8 +354,6 @@ class Bench:
     # ---------------------------------------------------------------- meta
 
     def meta(self, duration_s: float) -> dict[str, Any]:
-        from .load import uvloop_available
-
         def version(dist: str) -> str | None:
             try:
                 return importlib.metadata.version(dist)
@@ -366,7 +365,7 @@ class Bench:
             "duration_s": round(duration_s, 1), "nproc": os.cpu_count(), "cpu_model": _cpu_model(),
             "python": platform.python_version(), "platform": platform.platform(),
             "grpcio": version("grpcio"), "pygrpc_native": version("pygrpc-native"), "protobuf": version("protobuf"),
-            "client_event_loop": "uvloop" if uvloop_available() else "asyncio",
+            "event_loop": event_loop_name(),
             "frontend_cpus": self.frontend_cpus, "other_cpus": self.other_cpus, "client_procs": self.client_procs,
             "servers": self.servers, "connections": self.connections, "rate": self.args.rate,
             "inflight": self.args.inflight, "prompt_tokens": self.args.prompt_tokens,

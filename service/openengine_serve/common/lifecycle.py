@@ -9,10 +9,30 @@ from typing import Awaitable, Callable
 
 from prometheus_client import start_http_server
 
+try:
+    import uvloop
+except ImportError:  # not built for this platform (Windows)
+    uvloop = None
+
 from .config import CommonConfig
 from .logging_setup import log_event, setup_logging
 
 logger = logging.getLogger("openengine_serve")
+
+
+def event_loop_name() -> str:
+    return "uvloop" if uvloop is not None else "asyncio"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where it exists (every component, the benchmark's bare server and its load generator): measured
+    ≈12 % less frontend CPU per token on both gRPC servers (docs/benchmarks.md); asyncio's own loop otherwise."""
+    return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+
+
+def run(main: Awaitable[int | None]) -> int:
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main) or 0
 
 
 def run_component(config: CommonConfig, main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
@@ -26,7 +46,7 @@ def run_component(config: CommonConfig, main: Callable[[asyncio.Event], Awaitabl
             loop.add_signal_handler(sig, stop.set)
         return await main(stop) or 0
 
-    return asyncio.run(runner())
+    return run(runner())
 
 
 def start_metrics(port: int, registry=None) -> None:

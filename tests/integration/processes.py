@@ -101,6 +101,12 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {key.decode(): value.decode() for key, value in pairs}
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openengine_serve.api.openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2, server_pb2
 from openengine_serve.client import Client
+from openengine_serve.frontend.supervisor import READY_FILE_VARIABLE
 
 from . import processes
 from .conftest import SERVERS
@@ -235,6 +236,10 @@ def test_frontend_worker_killed_is_restarted(cluster, deployment):
     fe = deployment.add(processes.frontend(coord.target, "grpcio", "--workers", "2"))
     workers = wait_for(lambda: [p for p in processes.descendants(fe.proc.pid)
                                 if "frontend" in processes.cmdline(p)][:2], 10, "two workers")
+    # Only a worker that has served is restarted (one dying during start-up stops the supervisor): kill
+    # one once both have written the ready file the supervisor gave them.
+    ready_files = [processes.environ(pid)[READY_FILE_VARIABLE] for pid in workers]
+    wait_for(lambda: all(os.path.exists(path) for path in ready_files), 30, "both workers ready")
     os.kill(workers[0], signal.SIGKILL)
     wait_for(lambda: len([p for p in processes.descendants(fe.proc.pid)
                           if "frontend" in processes.cmdline(p) and p != workers[0]]) == 2, 30,

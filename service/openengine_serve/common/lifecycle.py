@@ -39,12 +39,12 @@ def run_component(config: CommonConfig, main: Callable[[asyncio.Event], Awaitabl
     """Runs `main(stop)` on a fresh event loop; SIGTERM/SIGINT set `stop` (the component then drains)."""
     setup_logging(config.component(), config.log_level)
 
-    async def runner() -> int:
+    async def runner() -> int | None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await main(stop) or 0
+        return await main(stop)
 
     return run(runner())
 

@@ -59,6 +59,8 @@ def _generate(args: argparse.Namespace) -> int:
         request.stopping.conditions.add(stop_text=stop)
     import grpc
 
+    line_open = False  # streamed text not yet ended by a newline: an error message starts on its own line
+
     with Client(args.target) as client:
         try:
             for response in client.inference.Generate(request, timeout=args.timeout):
@@ -66,20 +68,22 @@ def _generate(args: argparse.Namespace) -> int:
                 if event == "token":
                     sys.stdout.write(response.token.text)
                     sys.stdout.flush()
+                    line_open = line_open or bool(response.token.text)
                 elif event == "finished":
                     sys.stdout.write("\n")
+                    line_open = False
                     reason = generation_pb2.FinishReason.Name(response.finished.reason)
                     print(f"[finished output={response.finished.output_index} reason={reason}]", file=sys.stderr)
                 elif event == "error":
-                    print(f"\n[error code={response.error.code} retryable={response.error.retryable}] "
-                          f"{response.error.message}", file=sys.stderr)
+                    print(("\n" if line_open else "") + f"[error code={response.error.code} "
+                          f"retryable={response.error.retryable}] {response.error.message}", file=sys.stderr)
                     return 1
                 if response.HasField("usage"):
                     u = response.usage
                     print(f"[usage prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
                           f"total_tokens={u.total_tokens}]", file=sys.stderr)
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(("\n" if line_open else "") + f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 2
     return 0
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import uuid
 
 import grpc
@@ -270,6 +272,23 @@ def test_validation_reaches_the_client(stack, mutate, code, needle):
             collect(client, req)
     assert err.value.code() == code
     assert needle.lower() in err.value.details().lower()
+
+
+def test_cli_generate_streams_text_and_reports_a_refusal_on_its_own_line(stack):
+    """What a person sees from `openengine-serve generate`: the text, then finish and usage; a refused call
+    prints only the error (no stray blank line) and exits 2."""
+    target = stack.frontend.target
+    ok = subprocess.run([sys.executable, "-m", "openengine_serve", "generate", "--target", target, "--prompt",
+                         "Write a haiku about the sea", "--max-tokens", "6", "--ignore-eos", "--seed", "1"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.endswith("\n") and ok.stdout.strip()
+    assert ok.stderr.splitlines() == ["[finished output=0 reason=FINISH_REASON_LENGTH]",
+                                      "[usage prompt_tokens=7 completion_tokens=6 total_tokens=13]"]
+    refused = subprocess.run([sys.executable, "-m", "openengine_serve", "generate", "--target", target, "--prompt",
+                              "x", "--max-tokens", "0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr == "error: INVALID_ARGUMENT: stopping.max_tokens must be in [1, 8192], got 0\n"
 
 
 def test_trace_context_reaches_the_logs(stack):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 
 import grpc
 import pytest
@@ -150,7 +152,9 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
         stop.set()
         for t in threads:
             t.join(60)
-    assert not any(t.is_alive() for t in threads), "a request hung"
+    hung = [t for t in threads if t.is_alive()]
+    assert not hung, "a request hung; its thread is at:\n" + "".join(
+        "".join(traceback.format_stack(sys._current_frames()[t.ident])) for t in hung)
     assert results["failed"] == []
     assert results["ok"] > 20
 

@@ -14,3 +14,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q -e ".[$extras]"
   touch "$stamp"
 fi
+# The dev extra's tests also need an outdated pygrpc-native wheel (the frontend must refuse it); fetch it
+# here, once, so that no test reaches a package index (tests/integration/test_server_switch.py).
+outdated_native=pygrpc-native==0.4.0
+if [[ ",$extras," == *,dev,* ]] && ! compgen -G ".venv/wheels/pygrpc_native-0.4.0-*.whl" >/dev/null; then
+  .venv/bin/pip download -q --no-deps "$outdated_native" -d .venv/wheels
+fi

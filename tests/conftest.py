@@ -2,17 +2,50 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+DATA = REPO / "tests" / "data"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 # MPI spawn looks for mpiexec on PATH; the mpich wheel puts it next to the interpreter.
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 _EXIT_GRACE_S = 60.0
+_SKIPS: dict[tuple[str, str], list[str]] = {}  # (test file, reason) -> skipped test ids
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    message = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return message.removeprefix("Skipped: ")
+
+
+def _record_skip(report) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        where = report.nodeid.split("::")[0]
+        _SKIPS.setdefault((where, _skip_reason(report)), []).append(report.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    _record_skip(report)
+
+
+def pytest_collectreport(report):
+    _record_skip(report)
+
+
+def _skips_line(skips: dict) -> str:
+    total = sum(len(ids) for ids in skips.values())
+    parts = [f"{where} ({len(ids)}): {reason}" for (where, reason), ids in sorted(skips.items())]
+    return f"SKIPPED {total} test(s) — " + "; ".join(parts)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    session.config._openengine_exitstatus = int(exitstatus)
+    if IN_CI and _SKIPS and session.exitstatus == 0:
+        # CI installs every dependency: a skipped test there is a setup defect, not a pass.
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    session.config._openengine_exitstatus = int(session.exitstatus)
 
 
 def pytest_unconfigure(config):
@@ -24,6 +57,11 @@ def pytest_unconfigure(config):
     status = getattr(config, "_openengine_exitstatus", None)
     if status is None:
         return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if _SKIPS and reporter is not None:
+        # the run's last line: what did not run and why (e.g. the container tests without Docker)
+        verdict = " — not allowed with CI=true: the run fails" if IN_CI else ""
+        reporter.write_line(_skips_line(_SKIPS) + verdict, yellow=not IN_CI, red=IN_CI, bold=True)
 
     def guard():
         import time

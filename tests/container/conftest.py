@@ -25,10 +25,11 @@ import pytest
 
 from openengine_serve.local import free_port
 
+from ..conftest import IN_CI
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = [REPO / "docker-compose.yml", Path(__file__).resolve().parent / "compose.test.yml"]
 LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 BUILD_TIMEOUT_S = 1200
 UP_TIMEOUT_S = 240
 
@@ -153,7 +154,7 @@ def docker() -> str:
     info = subprocess.run([binary, "info"], capture_output=True, text=True, timeout=60)
     if info.returncode != 0:
         errors = [line.strip() for line in (info.stdout + info.stderr).splitlines() if "ERROR" in line.upper()]
-        _unavailable(f"`{binary} info` failed (is dockerd running? /work/shared/tools/docker-env.sh starts it): "
+        _unavailable(f"`{binary} info` failed (is dockerd running?): "
                      + " ".join(errors)[:500])
     compose = subprocess.run([binary, "compose", "version", "--short"], capture_output=True, text=True, timeout=60)
     if compose.returncode != 0 or not compose.stdout.strip().lstrip("v").startswith("2"):

@@ -1,4 +1,4 @@
-"""The project's openengine.v1 protos are wire-identical to the published schema (wire.json)."""
+"""The project's openengine.v1 protos are wire-identical to the published schema (tests/data/openengine-v1-wire.json)."""
 
 import json
 
@@ -7,9 +7,9 @@ from google.protobuf import descriptor
 
 from openengine_serve.api.openengine.v1 import openengine_pb2
 
-from ..conftest import SHARED
+from ..conftest import DATA
 
-WIRE = json.loads((SHARED / "openengine-v1" / "wire.json").read_text())
+WIRE = json.loads((DATA / "openengine-v1-wire.json").read_text())
 POOL = openengine_pb2.DESCRIPTOR.pool
 
 SCALARS = {

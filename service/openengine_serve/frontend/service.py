@@ -1,4 +1,4 @@
-"""openengine.v1 Inference and Control, as SEMANTICS.md describes them."""
+"""openengine.v1 Inference and Control, as docs/protocol.md describes them."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     with Client(args.target) as client:
         try:
-            for response in client.inference.Generate(request, timeout=args.timeout):
+            for response in client.generate(request, timeout=args.timeout):
                 event = response.WhichOneof("event")
                 if event == "token":
                     sys.stdout.write(response.token.text)
@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default=None)
-    gen.add_argument("--timeout", type=float, default=300.0)
+    gen.add_argument("--timeout", type=float, default=300.0,
+                     help="deadline of the whole call in seconds, retries included (default 300)")
     gen.set_defaults(func=_generate)
 
     info = sub.add_parser("info", help="print ServerInfo and ModelInfo")

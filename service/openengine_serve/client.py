@@ -1,20 +1,25 @@
 """The project's client library: calls that survive a frontend restart.
 
-Pre-acceptance refusals are safe to retry (SEMANTICS.md): `UNAVAILABLE` from a
-draining frontend, or from pygrpc-native's listener while it stops. Two layers:
+Pre-acceptance refusals are safe to retry (docs/protocol.md, "What this means for
+retries"): `UNAVAILABLE` from a draining frontend, or from pygrpc-native's
+listener while it stops. Two layers:
 - every channel carries a gRPC service-config retry policy for UNAVAILABLE
   (gRPC never retries a stream that already delivered a message);
 - `generate()` additionally retries a refused stream on a *fresh connection*.
   That matters for pygrpc-native: it sends no GOAWAY while stopping, so the old
   connection keeps reaching the stopping process, and with several processes
   sharing a port (SO_REUSEPORT) a new connection can land on any of them.
+`generate(timeout=T)` keeps T as the deadline of the whole call: each attempt
+(and the channel's retries inside it) gets only what is left.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import time
-from typing import Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,7 +41,69 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
 
 
 RECONNECT_ATTEMPTS = 16   # a fresh connection lands on a stopping process with p = 1/W: 16 tries leave ~1e-5
-RECONNECT_BACKOFF_S = (0.05, 0.5)
+RECONNECT_BACKOFF_S = (0.05, 0.5)   # the n-th wait is uniform in [0, min(0.5, 0.05 * 2**n)] s ("full jitter")
+
+
+class DeadlineExceeded(grpc.RpcError):
+    """generate()'s deadline passed between two attempts: the same status a call's own deadline gives."""
+
+    def __init__(self, details: str) -> None:
+        super().__init__(details)
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
+
+    def __str__(self) -> str:
+        return f"DEADLINE_EXCEEDED: {self._details}"
+
+
+class Attempts:
+    """The retry and deadline decisions of one generate() call, shared by Client and AsyncClient.
+
+    `timeout` (seconds, None: none) bounds the whole call. Only UNAVAILABLE before the first
+    message is retried, at most `limit` attempts and never past the deadline.
+    """
+
+    def __init__(self, timeout: float | None, *, limit: int = RECONNECT_ATTEMPTS,
+                 backoff_s: tuple[float, float] = RECONNECT_BACKOFF_S,
+                 clock: Callable[[], float] = time.monotonic, jitter: Callable[[], float] = random.random) -> None:
+        self.timeout = timeout
+        self.limit = limit
+        self.backoff_s = backoff_s
+        self._clock = clock
+        self._jitter = jitter
+        self.deadline = None if timeout is None else clock() + timeout
+        self.made = 0
+        self.last_error: grpc.RpcError | None = None
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - self._clock()
+
+    def next_timeout(self) -> float | None:
+        """The timeout of the attempt about to start: what is left of the deadline.
+        Raises DeadlineExceeded when nothing is left."""
+        left = self.remaining()
+        if left is not None and left <= 0:
+            last = self.last_error
+            raise DeadlineExceeded(
+                f"generate() did not complete within its {self.timeout:g} s deadline (attempts made: {self.made}"
+                + (f"; last: {last.code().name}: {last.details()})" if last is not None else ")"))
+        self.made += 1
+        return left
+
+    def wait_before_retry(self, error: grpc.RpcError, received: bool) -> float:
+        """Seconds to wait before the next attempt; re-raises `error` when it must not be retried."""
+        if received or error.code() != grpc.StatusCode.UNAVAILABLE or self.made >= self.limit:
+            raise error
+        self.last_error = error
+        base, cap = self.backoff_s
+        wait = self._jitter() * min(cap, base * 2 ** (self.made - 1))
+        left = self.remaining()
+        return wait if left is None else max(0.0, min(wait, left))
 
 
 def channel_options(retries: bool = True) -> list[tuple[str, object]]:
@@ -81,19 +148,25 @@ class Client:
 
     def generate(self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None,
                  metadata=()) -> Iterator[generation_pb2.GenerateResponse]:
-        """Streams one generation; a refusal before the first message is retried on a fresh connection."""
-        for attempt in range(RECONNECT_ATTEMPTS):
+        """Streams one generation; a refusal before the first message is retried on a fresh connection.
+        `timeout` is the deadline of the whole call, counted from now (see `Attempts`)."""
+        return self._generate(request, Attempts(timeout), metadata)
+
+    def _generate(self, request, attempts: Attempts, metadata) -> Iterator[generation_pb2.GenerateResponse]:
+        while True:
+            call = self.inference.Generate(request, timeout=attempts.next_timeout(), metadata=metadata)
             received = False
             try:
-                for response in self.inference.Generate(request, timeout=timeout, metadata=metadata):
+                for response in call:
                     received = True
                     yield response
                 return
             except grpc.RpcError as exc:
-                if received or exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == RECONNECT_ATTEMPTS - 1:
-                    raise
+                wait = attempts.wait_before_retry(exc, received)
+            finally:
+                call.cancel()  # no-op once the call ended; frees it when the caller stops early
             self.channel.close()
-            time.sleep(min(RECONNECT_BACKOFF_S[0] * 2 ** attempt, RECONNECT_BACKOFF_S[1]))
+            time.sleep(wait)
             self._connect()
 
     def close(self) -> None:
@@ -107,13 +180,41 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with the same retry policy."""
+    """asyncio client with the same retry policy and the same `generate`."""
 
     def __init__(self, target: str, *, retries: bool = True) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options(retries))
+        self.target = target
+        self.retries = retries
+        self._connect()
+
+    def _connect(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.target, options=channel_options(self.retries))
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None,
+                 metadata=()) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """As `Client.generate`: `async for response in client.generate(request, timeout=30)`."""
+        return self._generate(request, Attempts(timeout), metadata)
+
+    async def _generate(self, request, attempts: Attempts,
+                        metadata) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        while True:
+            call = self.inference.Generate(request, timeout=attempts.next_timeout(), metadata=metadata)
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield response
+                return
+            except grpc.RpcError as exc:
+                wait = attempts.wait_before_retry(exc, received)
+            finally:
+                call.cancel()
+            await self.channel.close()
+            await asyncio.sleep(wait)
+            self._connect()
 
     async def close(self) -> None:
         await self.channel.close()

@@ -44,7 +44,7 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
 
 
 # A fresh connection lands on a stopping process with p = 1/W. With a deadline, the deadline normally ends a
-# call first; without one, this bounds the waiting to ~16 s on average (30 s at most).
+# call first; without one, this bounds the waiting to ~15 s on average (about 30 s at most).
 RECONNECT_ATTEMPTS = 64
 RECONNECT_BACKOFF_S = (0.05, 0.5)   # the n-th wait is uniform in [0, min(0.5, 0.05 * 2**n)] s ("full jitter")
 
@@ -138,7 +138,8 @@ def is_serving(target: str, service: str = "readiness", timeout: float = 1.0) ->
 
 
 class Client:
-    """Blocking client: `Client(target).inference.Generate(request)` etc."""
+    """Blocking client: `Client(target).generate(request, timeout=30)`; the raw stubs are `.inference`,
+    `.control` and `.health`."""
 
     def __init__(self, target: str, *, retries: bool = True) -> None:
         self.target = target

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import signal
 import sys
@@ -115,39 +117,144 @@ def test_drain_deadline_ends_stream_with_draining_error(cluster, server, deploym
     assert fe.proc.wait(timeout=30) == 0
 
 
+ROLLING_MAX_TOKENS = 50
+ROLLING_MIN_SERVED = 5  # requests each frontend process must have finished before it stops
+ROLLING_LOG = processes.LOG_DIR / "rolling-restart.jsonl"  # one line per run: what the clients saw
+
+
+class LoadLedger:
+    """Every request of the rolling-restart load, accounted for under one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.finished = 0
+        self.failed: list[str] = []   # a stream that ended without a complete `finished` (a loss)
+        self.raised: list[str] = []   # anything a load thread did not expect, with its traceback
+        # what a client without retries sees: final gRPC code per connection kind
+        self.no_retry: dict[str, collections.Counter] = {"persistent": collections.Counter(),
+                                                         "fresh": collections.Counter()}
+        self.cut_mid_stream: list[str] = []  # a no-retry stream that failed after its first message
+
+    def account(self, responses) -> None:
+        last = responses[-1] if responses else None
+        complete = (last is not None and last.WhichOneof("event") == "finished" and last.HasField("usage")
+                    and last.usage.completion_tokens == ROLLING_MAX_TOKENS)
+        with self.lock:
+            if complete:
+                self.finished += 1
+            else:
+                self.failed.append(repr(last))
+
+
+def _retrying_load(port: int, stop: threading.Event, ledger: LoadLedger, fresh_connection: bool) -> None:
+    """The project's client: nothing may be lost. A fresh connection per request spreads load over the
+    processes (and reaches replacements); a persistent one meets pygrpc-native's stopping listener."""
+    client = None
+    try:
+        while not stop.is_set():
+            if client is None or fresh_connection:
+                if client is not None:
+                    client.close()
+                client = Client(f"127.0.0.1:{port}")
+            try:
+                ledger.account(list(client.generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30)))
+            except grpc.RpcError as exc:
+                with ledger.lock:
+                    ledger.failed.append(f"{exc.code().name}: {exc.details()}")
+    except BaseException:
+        with ledger.lock:
+            ledger.raised.append(traceback.format_exc())
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _no_retry_load(port: int, stop: threading.Event, ledger: LoadLedger, kind: str) -> None:
+    """A plain gRPC client without retries: its refusals are recorded, not failures of the test."""
+    client = None
+    try:
+        while not stop.is_set():
+            if client is None or kind == "fresh":
+                if client is not None:
+                    client.close()
+                client = Client(f"127.0.0.1:{port}", retries=False)
+            received = 0
+            try:
+                for _ in client.inference.Generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30):
+                    received += 1
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+                if received:
+                    with ledger.lock:
+                        ledger.cut_mid_stream.append(f"{code}: {exc.details()}")
+            with ledger.lock:
+                ledger.no_retry[kind][code] += 1
+            if code != "OK":
+                time.sleep(0.05)  # a refused client backs off a little, as any would
+    except BaseException:
+        with ledger.lock:
+            ledger.raised.append(traceback.format_exc())
+    finally:
+        if client is not None:
+            client.close()
+
+
+def finished_on(metrics_port: int) -> float:
+    return processes.metric(processes.scrape(metrics_port), "openengine_frontend_requests_total",
+                            status="finished", code="OK")
+
+
+def wait_instance_ready(fe: processes.Component, instance_id: str, timeout: float = 60.0) -> None:
+    """Readiness of one process among several sharing a port: fresh connections until one lands on it
+    (ServerInfo.instance_id), then grpc.health readiness over that same connection."""
+    def ready() -> bool:
+        if fe.proc.poll() is not None:
+            raise AssertionError(f"{instance_id} exited with {fe.proc.returncode}")
+        try:
+            with Client(fe.target, retries=False) as client:
+                info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=2)
+                return info.instance_id == instance_id and client.health.Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=2).status == SERVING
+        except grpc.RpcError:
+            return False
+    wait_for(ready, timeout, f"{instance_id} readiness on its own connection", interval=0.02)
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
     coord, _ = cluster
     port = processes.free_port()
-    frontends = []
-    for _ in range(2):
-        fe = processes.frontend(coord.target, server, "--drain-timeout-s", "5")
-        fe.port = port
-        frontends.append(deployment.add(fe))
-    results = {"ok": 0, "failed": []}
+
+    def start_frontend(name: str):
+        instance_id = f"rolling-{server}-{name}"
+        fe, metrics_port = processes.with_metrics(processes.frontend(
+            coord.target, server, "--drain-timeout-s", "5", "--frontend-id", instance_id))
+        fe.name, fe.port = instance_id, port
+        deployment.components.append(fe.start())
+        wait_instance_ready(fe, instance_id)
+        return fe, name, metrics_port
+
+    originals = [start_frontend("a"), start_frontend("b")]
+    ledger = LoadLedger()
     stop = threading.Event()
-
-    def load():
-        with Client(f"127.0.0.1:{port}") as client:
-            while not stop.is_set():
-                try:
-                    responses = list(client.generate(request(max_tokens=50), timeout=30))
-                    if responses[-1].HasField("usage") and responses[-1].WhichOneof("event") == "finished":
-                        results["ok"] += 1
-                    else:
-                        results["failed"].append(responses[-1])
-                except grpc.RpcError as exc:
-                    results["failed"].append(f"{exc.code().name}: {exc.details()}")
-
-    threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    threads = [threading.Thread(target=_retrying_load, args=(port, stop, ledger, fresh), daemon=True)
+               for fresh in (False, False, True, True)]
+    threads += [threading.Thread(target=_no_retry_load, args=(port, stop, ledger, kind), daemon=True)
+                for kind in ("persistent", "fresh")]
+    served = {}
     for t in threads:
         t.start()
     try:
-        time.sleep(1.0)
-        for fe in frontends:  # one at a time, like a rolling update
+        replacements = []
+        for fe, name, metrics_port in originals:  # one at a time, like a rolling update
+            served[name] = wait_for(lambda: (n := finished_on(metrics_port)) >= ROLLING_MIN_SERVED and n, 30,
+                                    f"load to reach frontend {name} before it stops")
             assert fe.stop() == 0
-            fe.start().wait_ready()
-            time.sleep(1.0)
+            replacements.append(start_frontend(name + "2"))
+        for fe, name, metrics_port in replacements:
+            served[name] = wait_for(lambda: (n := finished_on(metrics_port)) >= ROLLING_MIN_SERVED and n, 30,
+                                    f"load to reach replacement {name}")
     finally:
         stop.set()
         for t in threads:
@@ -155,8 +262,19 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
     hung = [t for t in threads if t.is_alive()]
     assert not hung, "a request hung; its thread is at:\n" + "".join(
         "".join(traceback.format_stack(sys._current_frames()[t.ident])) for t in hung)
-    assert results["failed"] == []
-    assert results["ok"] > 20
+    with ledger.lock:
+        no_retry = {kind: dict(codes) for kind, codes in ledger.no_retry.items()}
+        figures = {"server": server, "finished": ledger.finished, "finished_per_process": served,
+                   "no_retry_client": no_retry, "failed": len(ledger.failed), "raised": len(ledger.raised)}
+    with ROLLING_LOG.open("a") as log:
+        log.write(json.dumps(figures) + "\n")
+    print(f"\nrolling restart: {figures}")
+    with ledger.lock:
+        assert ledger.raised == [], "a load thread raised:\n" + "\n".join(ledger.raised)
+        assert ledger.failed == []
+        assert ledger.cut_mid_stream == [], "a stream already accepted was cut"
+        assert ledger.finished > 20
+        assert all(sum(codes.values()) > 0 for codes in ledger.no_retry.values())
 
 
 def test_node_killed_mid_stream(deployment):

@@ -6,6 +6,7 @@ import collections
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -16,13 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openengine_serve.api.openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2, server_pb2
-from openengine_serve.client import Client
+from openengine_serve.client import Client, is_serving
 from openengine_serve.frontend.supervisor import READY_FILE_VARIABLE
 
 from . import processes
 from .conftest import SERVERS
 from .processes import Deployment, wait_for
-from .test_generate import by_output, request
+from .test_generate import by_output, request, served_by
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -302,9 +303,13 @@ def test_node_killed_mid_stream(deployment):
 
 
 def test_engine_worker_killed_node_respawns(deployment):
-    coord, nodes = small_cluster(deployment, nodes=1)
-    fe = deployment.add(processes.frontend(coord.target, "grpcio"))
-    node = nodes[0]
+    coord = deployment.add(processes.coordinator())
+    node, node_metrics = processes.with_metrics(processes.node(coord.target, 0))
+    deployment.add(node)
+    fe, fe_metrics = processes.with_metrics(processes.frontend(coord.target, "grpcio"))
+    deployment.add(fe)
+    restarts = "openengine_node_worker_restarts"
+    assert processes.metric(processes.scrape(node_metrics), restarts) == 0
     watch = Watcher(node.target, "readiness")
     wait_for(lambda: watch.statuses and watch.statuses[-1] == SERVING, 10, "node readiness SERVING")
     with Client(fe.target, retries=False) as client:
@@ -319,6 +324,9 @@ def test_engine_worker_killed_node_respawns(deployment):
         assert node.proc.poll() is None
         wait_for(lambda: _generates(client), 20, "a request to succeed after the respawn")
     watch.close()
+    assert processes.metric(processes.scrape(node_metrics), restarts) == 1
+    assert processes.metric(processes.scrape(fe_metrics), "openengine_frontend_requests_total",
+                            status="failed", code="OK") == 1, "the stream that ended with an EngineError"
 
 
 def _generates(client) -> bool:
@@ -373,14 +381,103 @@ def test_frontend_worker_killed_is_restarted(cluster, deployment):
 
 
 def test_full_deployment_refuses_with_resource_exhausted(deployment):
-    coord = deployment.add(processes.coordinator())
+    """A node with room for one request: a second is refused, counted by the coordinator, and the inference
+    probe (which needs a slot too) reports DEGRADED while the other checks stay READY."""
+    coord, coord_metrics = processes.with_metrics(processes.coordinator())
+    deployment.add(coord)
     deployment.add(processes.node(coord.target, 0, "--max-batch", "1", "--max-queue", "0"))
     fe = deployment.add(processes.frontend(coord.target, "grpcio"))
+    probe = lifecycle_pb2.HealthRequest(include_inference_probe=True)
     with Client(fe.target, retries=False) as client:
-        stream = client.inference.Generate(request(max_tokens=5000), timeout=60)
+        assert client.control.Health(probe, timeout=10).state == lifecycle_pb2.HEALTH_STATE_READY
+        stream = client.inference.Generate(request(max_tokens=8000), timeout=60)
         first_token_then(stream)
         with pytest.raises(grpc.RpcError) as full:
             list(client.inference.Generate(request(max_tokens=5), timeout=10))
+        health = client.control.Health(probe, timeout=10)
         stream.cancel()
+        wait_for(lambda: client.control.Health(probe, timeout=10).state == lifecycle_pb2.HEALTH_STATE_READY, 10,
+                 "the probe to pass again once the slot is free")
     assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "capacity" in full.value.details() or "full" in full.value.details()
+    assert health.state == lifecycle_pb2.HEALTH_STATE_DEGRADED
+    assert [c.name for c in health.checks] == ["grpc", "coordinator", "scheduler", "model", "inference_probe"]
+    assert {c.state for c in health.checks[:-1]} == {lifecycle_pb2.HEALTH_STATE_READY}
+    assert health.checks[-1].state == lifecycle_pb2.HEALTH_STATE_DEGRADED
+    assert health.checks[-1].message.startswith("probe failed")
+    assert processes.metric(processes.scrape(coord_metrics), "openengine_coordinator_refusals_total",
+                            reason="deployment_full") == 2, "the second request and the probe"
+
+
+def health_cli(target: str) -> int:
+    return subprocess.run([sys.executable, "-m", "openengine_serve", "health", "--target", target, "--service",
+                           "readiness"], capture_output=True, timeout=30).returncode
+
+
+def test_frontend_not_serving_until_a_node_is_ready(deployment):
+    """Readiness stays NOT_SERVING (the health CLI exits 1) while no node is ready, then turns SERVING."""
+    coord = deployment.add(processes.coordinator())
+    fe = processes.frontend(coord.target, "grpcio").start()
+    deployment.components.append(fe)
+    wait_for(lambda: is_serving(fe.target, "liveness"), 60, "frontend liveness")
+    watch = Watcher(fe.target, "readiness")
+    time.sleep(1.0)  # five readiness updates
+    assert watch.statuses and set(watch.statuses) == {NOT_SERVING}
+    assert health_cli(fe.target) == 1
+    with Client(fe.target, retries=False) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.inference.Generate(request(max_tokens=2), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    deployment.add(processes.node(coord.target, 0))
+    wait_for(lambda: watch.statuses[-1] == SERVING, 10, "frontend readiness SERVING once the node is ready")
+    assert health_cli(fe.target) == 0
+    watch.close()
+
+
+def test_node_sigterm_drains_its_running_requests(deployment):
+    """SIGTERM a node with running requests: they finish, the coordinator sees it DRAINING, nothing new is
+    routed to it, then it exits 0."""
+    coord, coord_metrics = processes.with_metrics(processes.coordinator())
+    deployment.add(coord)
+    deployment.add(processes.node(coord.target, 0))
+    draining_node = deployment.add(processes.node(coord.target, 1, "--drain-timeout-s", "30"))
+    fe = deployment.add(processes.frontend(coord.target, "grpcio"))
+    on_rank_1 = (("openengine-target-dp-rank", "1"),)
+    with Client(fe.target, retries=False) as client:
+        wait_for(lambda: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
+                 .parallelism.data_parallel_size == 2, 10, "two ready nodes")
+        probe = request(max_tokens=2)
+        list(client.inference.Generate(probe, timeout=30, metadata=on_rank_1))
+        draining_id = served_by(fe, probe.request_id)
+        streams = [client.inference.Generate(request(max_tokens=2500), timeout=60, metadata=on_rank_1)
+                   for _ in range(3)]  # 5 s each at 2 ms a step
+        firsts = [first_token_then(s) for s in streams]
+        draining_node.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: processes.metric(processes.scrape(coord_metrics), "openengine_coordinator_nodes",
+                                          state="draining") == 1, 3, "the coordinator to see the node DRAINING")
+        with pytest.raises(grpc.RpcError) as not_routable:
+            list(client.inference.Generate(request(max_tokens=2), timeout=10, metadata=on_rank_1))
+        others = []
+        for _ in range(4):
+            req = request(max_tokens=2)
+            assert list(client.inference.Generate(req, timeout=30))[-1].HasField("usage")
+            others.append(served_by(fe, req.request_id))
+        assert draining_node.proc.poll() is None, "the node is still draining its requests"
+        rests = [list(s) for s in streams]
+    assert not_routable.value.code() == grpc.StatusCode.NOT_FOUND
+    assert draining_id not in others
+    for first, rest in zip(firsts, rests):
+        out = by_output([first, *rest])[0]
+        assert out["finished"][0].reason == generation_pb2.FINISH_REASON_LENGTH and len(out["ids"]) == 2500
+        assert rest[-1].usage.completion_tokens == 2500
+    assert draining_node.proc.wait(timeout=30) == 0
+
+
+def test_coordinator_sigterm_stops_it(deployment):
+    coord = deployment.add(processes.coordinator())
+    watch = Watcher(coord.target, "readiness")
+    wait_for(lambda: watch.statuses and watch.statuses[-1] == SERVING, 10, "coordinator readiness SERVING")
+    coord.proc.send_signal(signal.SIGTERM)
+    assert coord.proc.wait(timeout=10) == 0
+    assert NOT_SERVING in watch.statuses, "readiness turned NOT_SERVING before it stopped"
+    watch.close()

@@ -136,63 +136,60 @@ class LoadLedger:
                                                          "fresh": collections.Counter()}
         self.cut_mid_stream: list[str] = []  # a no-retry stream that failed after its first message
 
-    def account(self, responses) -> None:
+    @staticmethod
+    def complete(responses) -> bool:
         last = responses[-1] if responses else None
-        complete = (last is not None and last.WhichOneof("event") == "finished" and last.HasField("usage")
-                    and last.usage.completion_tokens == ROLLING_MAX_TOKENS)
+        return (last is not None and last.WhichOneof("event") == "finished" and last.HasField("usage")
+                and last.usage.completion_tokens == ROLLING_MAX_TOKENS)
+
+    def retrying_call(self, client: Client) -> None:
+        """The project's client: nothing may be lost."""
+        try:
+            responses = list(client.generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30))
+        except grpc.RpcError as exc:
+            with self.lock:
+                self.failed.append(f"{exc.code().name}: {exc.details()}")
+            return
         with self.lock:
-            if complete:
+            if self.complete(responses):
                 self.finished += 1
             else:
-                self.failed.append(repr(last))
+                self.failed.append(repr(responses[-1:]))
+
+    def no_retry_call(self, client: Client, kind: str) -> None:
+        """A plain gRPC call without retries: a refusal is recorded by code; a stream cut after its first
+        message is a loss."""
+        responses = []
+        try:
+            for response in client.inference.Generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30):
+                responses.append(response)
+            code = "OK" if self.complete(responses) else "OK but incomplete"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+        with self.lock:
+            self.no_retry[kind][code] += 1
+            if responses and code != "OK":
+                self.cut_mid_stream.append(f"{code} after {len(responses)} messages")
+        if code != "OK":
+            time.sleep(0.05)  # a refused client backs off a little, as any would
 
 
-def _retrying_load(port: int, stop: threading.Event, ledger: LoadLedger, fresh_connection: bool) -> None:
-    """The project's client: nothing may be lost. A fresh connection per request spreads load over the
-    processes (and reaches replacements); a persistent one meets pygrpc-native's stopping listener."""
+def _load(port: int, stop: threading.Event, ledger: LoadLedger, *, retries: bool, fresh_connection: bool) -> None:
+    """One client thread until `stop`. A fresh connection per request spreads load over the processes (and
+    reaches replacements); a persistent one meets pygrpc-native's stopping listener. Whatever it did not
+    expect is recorded with its traceback: a thread never dies silently."""
     client = None
+    kind = "fresh" if fresh_connection else "persistent"
     try:
         while not stop.is_set():
             if client is None or fresh_connection:
                 if client is not None:
                     client.close()
-                client = Client(f"127.0.0.1:{port}")
-            try:
-                ledger.account(list(client.generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30)))
-            except grpc.RpcError as exc:
-                with ledger.lock:
-                    ledger.failed.append(f"{exc.code().name}: {exc.details()}")
-    except BaseException:
-        with ledger.lock:
-            ledger.raised.append(traceback.format_exc())
-    finally:
-        if client is not None:
-            client.close()
-
-
-def _no_retry_load(port: int, stop: threading.Event, ledger: LoadLedger, kind: str) -> None:
-    """A plain gRPC client without retries: its refusals are recorded, not failures of the test."""
-    client = None
-    try:
-        while not stop.is_set():
-            if client is None or kind == "fresh":
-                if client is not None:
-                    client.close()
-                client = Client(f"127.0.0.1:{port}", retries=False)
-            received = 0
-            try:
-                for _ in client.inference.Generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30):
-                    received += 1
-                code = "OK"
-            except grpc.RpcError as exc:
-                code = exc.code().name
-                if received:
-                    with ledger.lock:
-                        ledger.cut_mid_stream.append(f"{code}: {exc.details()}")
-            with ledger.lock:
-                ledger.no_retry[kind][code] += 1
-            if code != "OK":
-                time.sleep(0.05)  # a refused client backs off a little, as any would
+                client = Client(f"127.0.0.1:{port}", retries=retries)
+            if retries:
+                ledger.retrying_call(client)
+            else:
+                ledger.no_retry_call(client, kind)
     except BaseException:
         with ledger.lock:
             ledger.raised.append(traceback.format_exc())
@@ -239,10 +236,10 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
     originals = [start_frontend("a"), start_frontend("b")]
     ledger = LoadLedger()
     stop = threading.Event()
-    threads = [threading.Thread(target=_retrying_load, args=(port, stop, ledger, fresh), daemon=True)
-               for fresh in (False, False, True, True)]
-    threads += [threading.Thread(target=_no_retry_load, args=(port, stop, ledger, kind), daemon=True)
-                for kind in ("persistent", "fresh")]
+    threads = [threading.Thread(target=_load, args=(port, stop, ledger), daemon=True,
+                                kwargs={"retries": retries, "fresh_connection": fresh})
+               for retries, fresh in ((True, False), (True, False), (True, True), (True, True),
+                                      (False, False), (False, True))]
     served = {}
     for t in threads:
         t.start()

@@ -63,6 +63,49 @@ def stack(request, cluster):
             f.stop()
 
 
+SLOW_STEP_MS = 50
+
+
+class SlowCluster:
+    """A coordinator and one node whose engine steps every 50 ms, so a long request visibly runs for
+    seconds: a request of 8000 tokens cannot finish by itself within any wait of a test. Frontends (one
+    per gRPC server) start on first use. The node serves its metrics, to see a request running on it."""
+
+    def __init__(self, coordinator: processes.Component, node: processes.Component, node_metrics: int) -> None:
+        self.coordinator, self.node, self.node_metrics = coordinator, node, node_metrics
+        self.frontends: dict[str, processes.Component] = {}
+
+    def frontend(self, server: str) -> processes.Component:
+        if server not in self.frontends:
+            self.frontends[server] = processes.frontend(self.coordinator.target, server).start()
+            self.frontends[server].wait_ready(60)
+        return self.frontends[server]
+
+    def node_running(self) -> float:
+        return processes.metric(processes.scrape(self.node_metrics), "openengine_node_running_requests")
+
+
+@pytest.fixture(scope="session")
+def slow_cluster():
+    coord = processes.coordinator().start()
+    node = None
+    cluster = None
+    try:
+        coord.wait_ready()
+        node, node_metrics = processes.with_metrics(
+            processes.node(coord.target, 0, "--step-ms", str(SLOW_STEP_MS)))
+        node.name = "slow-node0"
+        node.start().wait_ready(90)
+        cluster = SlowCluster(coord, node, node_metrics)
+        yield cluster
+    finally:
+        for fe in (cluster.frontends.values() if cluster else ()):
+            fe.stop()
+        if node is not None:
+            node.stop()
+        coord.stop()
+
+
 def _ready_ranks(target: str) -> int:
     from openengine_serve.api.openengine.v1 import server_pb2
 

@@ -7,8 +7,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from openengine_serve.client import is_serving
 from openengine_serve.local import free_port
@@ -80,6 +83,23 @@ def frontend(coordinator_target: str, server: str, *extra: str, **env) -> Compon
     return Component(f"frontend-{server}", ["frontend", "--metrics-port", "0", "--grpc-server", server,
                                             "--coordinator-address", coordinator_target, "--heartbeat-s", "0.3",
                                             *extra], env)
+
+
+def with_metrics(component: Component) -> tuple[Component, int]:
+    """Gives a component its own metrics port (the helpers above disable metrics)."""
+    port = free_port()
+    component.args[component.args.index("--metrics-port") + 1] = str(port)
+    return component, port
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples, name, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def descendants(pid: int) -> list[int]:

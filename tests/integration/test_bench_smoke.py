@@ -34,7 +34,13 @@ def test_bench_quick(tmp_path):
     compared = sum(v["compared"] for v in result["identical"].values())
     assert compared > 0
     assert all(v["mismatched"] == 0 for v in result["identical"].values()), result["identical"]
-    assert {t["verdict"] for t in result["targets"]} <= {"PASS", "MISS", "N/A"}
+    # Every target was measured (N/A means a round it needs is missing); the timing targets may MISS on a
+    # shared machine, the correctness ones may not.
+    targets = {t["name"]: t for t in result["targets"]}
+    assert [name for name, t in targets.items() if t["value"] is None or t["verdict"] == "N/A"] == []
+    assert targets["errors (all rounds, both servers, both modes)"]["verdict"] == "PASS"
+    assert targets["requests with different tokens on the two servers"]["verdict"] == "PASS"
+    assert len(targets) == 4 * 2 + 2, sorted(targets)  # four per-connection targets for c32 and c1, then those two
 
     png = out / "bench.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

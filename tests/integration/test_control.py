@@ -9,9 +9,21 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from openengine_serve.api.openengine.v1 import kv_pb2, lifecycle_pb2, lora_pb2, model_pb2, server_pb2
 
+from .processes import wait_for
+
+
+def only_the_shared_nodes(client) -> None:
+    """Other tests may add a node of their own to the shared coordinator and stop it: it stays listed while
+    it drains and until it expires. Wait for the table to hold only the two shared nodes."""
+    def ranks():
+        return sorted(r.data_parallel_rank for r in client.control.GetLoad(
+            server_pb2.GetLoadRequest(include_per_rank=True), timeout=5).ranks)
+    wait_for(lambda: ranks() == [0, 1], 15, "only ranks 0 and 1 in the node table")
+
 
 def test_server_info(stack):
     with stack.client() as client:
+        only_the_shared_nodes(client)
         info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
         again = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
     assert info.schema_revision == 1 and info.minimum_client_revision == 1
@@ -81,6 +93,7 @@ def test_health_ready_with_inference_probe(stack):
 
 def test_get_load_has_timestamp_and_ranks(stack):
     with stack.client() as client:
+        only_the_shared_nodes(client)
         load = client.control.GetLoad(server_pb2.GetLoadRequest(include_per_rank=True), timeout=5)
     assert load.HasField("timestamp_unix_nanos") and load.HasField("running_requests")
     assert sorted(r.data_parallel_rank for r in load.ranks) == [0, 1]

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
+import time
 import uuid
 
 import grpc
 import pytest
 
 from openengine_serve.api.openengine.v1 import generation_pb2, lifecycle_pb2, server_pb2
+from openengine_serve.client import AsyncClient, Client
 from openengine_serve.common.vocab import load_encoding
 
 from .processes import LOG_DIR, wait_for
@@ -145,23 +148,29 @@ def test_stop_text_across_token_boundary(stack, include):
     assert base["text"].startswith(out["text"])
 
 
-def test_first_token_reaches_client_while_engine_still_generating(stack):
-    """A server that buffered the stream would show the first token only after the request ended: then the
-    abort below would find it finished and the stream would end with LENGTH."""
+def test_first_token_reaches_client_while_engine_still_generating(stack, slow_cluster):
+    """On a node stepping every 50 ms, 200 tokens take 10 s to generate: a server that buffered the stream
+    would deliver the first token only then. It must arrive within 1 s of the call, and the request must
+    still be running (the abort finds it and the stream ends CANCELLED)."""
+    target = slow_cluster.frontend(stack.server).target
+
     async def run():
-        async with stack.async_client() as client:
-            req = request(max_tokens=3000)
+        async with AsyncClient(target) as client:
+            req = request(max_tokens=200)
+            called = time.monotonic()
             stream = client.inference.Generate(req, timeout=60)
             first = await stream.read()
-            assert first.WhichOneof("event") == "token"
+            first_after_s = time.monotonic() - called
             reply = await client.control.Abort(lifecycle_pb2.AbortRequest(request_id=req.request_id), timeout=10)
-            assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
             rest = await read_rest(stream)
-            return [first, *rest]
-    responses = asyncio.run(run())
+            return first_after_s, reply, [first, *rest]
+    first_after_s, reply, responses = asyncio.run(run())
+    assert responses[0].WhichOneof("event") == "token"
+    assert first_after_s < 1.0, f"first token {first_after_s:.2f} s after the call"
+    assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
     out = by_output(responses)[0]
     assert out["finished"][0].reason == G.FINISH_REASON_CANCELLED
-    assert len(out["ids"]) < 3000
+    assert len(out["ids"]) < 200
     assert responses[-1].HasField("usage")
 
 
@@ -211,19 +220,20 @@ def test_duplicate_live_id_refused_from_second_frontend(stack):
     assert "request_id" in err.details() or "already" in err.details()
 
 
-def _running(client) -> int:
-    return client.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5).running_requests
+def test_client_cancel_frees_the_engine_slot(stack, slow_cluster):
+    """8000 tokens at 50 ms a step take 400 s: only the cancel can take the request off the node."""
+    target = slow_cluster.frontend(stack.server).target
+    wait_for(lambda: slow_cluster.node_running() == 0, 10, "an idle node before the test")
 
-
-def test_client_cancel_frees_the_engine_slot(stack):
     async def run():
-        async with stack.async_client() as client:
-            stream = client.inference.Generate(request(max_tokens=5000), timeout=60)
-            await stream.read()
+        async with AsyncClient(target) as client:
+            stream = client.inference.Generate(request(max_tokens=8000), timeout=60)
+            assert (await stream.read()).WhichOneof("event") == "token"
+            await asyncio.to_thread(wait_for, lambda: slow_cluster.node_running() == 1, 5,
+                                    "the request running on the node")
             stream.cancel()
-    with stack.client() as client:
-        asyncio.run(run())
-        wait_for(lambda: _running(client) == 0, 10, "the cancelled request to leave the engine")
+    asyncio.run(run())
+    wait_for(lambda: slow_cluster.node_running() == 0, 5, "the cancelled request to leave the engine")
 
 
 def test_requests_spread_over_both_nodes(stack):
@@ -240,7 +250,14 @@ def test_requests_spread_over_both_nodes(stack):
     assert busy == {0, 1}
 
 
-def test_target_rank_and_routing_key_metadata(stack):
+def served_by(component, request_id: str) -> str:
+    """The node that served a request, from the frontend's "request ended" log line."""
+    log = LOG_DIR / f"{component.name}-{component.port}.log"
+    line = re.compile(rf'event="request ended" request_id={re.escape(request_id)} .*?node_id=(\S+)')
+    return wait_for(lambda: (m := line.search(log.read_text())) and m.group(1), 5, f"the log line of {request_id}")
+
+
+def test_target_rank_metadata(stack):
     with stack.client() as client:
         for rank in (0, 1):
             responses = collect(client, request(max_tokens=3), metadata=(("openengine-target-dp-rank", str(rank)),))
@@ -251,6 +268,20 @@ def test_target_rank_and_routing_key_metadata(stack):
         with pytest.raises(grpc.RpcError) as malformed:
             collect(client, request(max_tokens=3), metadata=(("openengine-target-dp-rank", "x1"),))
         assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_routing_key_keeps_a_key_on_one_node_and_spreads_keys(stack):
+    run = uuid.uuid4().hex[:8]  # keys this deployment has never seen
+
+    def node_for(client, key: str) -> str:
+        req = request(max_tokens=2)
+        assert collect(client, req, metadata=(("openengine-routing-key", key),))[-1].HasField("usage")
+        return served_by(stack.frontend, req.request_id)
+    with stack.client() as client:
+        same_key = [node_for(client, f"user-{run}") for _ in range(5)]
+        distinct_keys = {node_for(client, f"user-{run}-{i}") for i in range(16)}
+    assert len(set(same_key)) == 1, same_key
+    assert len(distinct_keys) == 2, "sixteen keys all landed on one node"
 
 
 @pytest.mark.parametrize("mutate,code,needle", [
@@ -332,9 +363,16 @@ def test_abort_all_requests(stack):
         assert rest[-1].finished.reason == G.FINISH_REASON_CANCELLED and rest[-1].HasField("usage")
 
 
-def test_deadline_frees_the_engine_slot(stack):
-    with stack.client() as client:
+def test_deadline_frees_the_engine_slot(stack, slow_cluster):
+    """8000 tokens at 50 ms a step take 400 s: only the 5 s deadline can end the request."""
+    target = slow_cluster.frontend(stack.server).target
+    wait_for(lambda: slow_cluster.node_running() == 0, 10, "an idle node before the test")
+    with Client(target, retries=False) as client:
+        stream = client.inference.Generate(request(max_tokens=8000), timeout=5)
+        assert next(stream).WhichOneof("event") == "token"
+        wait_for(lambda: slow_cluster.node_running() == 1, 4, "the request running on the node")
         with pytest.raises(grpc.RpcError) as err:
-            list(client.inference.Generate(request(max_tokens=5000), timeout=0.5))
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for(lambda: _running(client) == 0, 10, "the expired request to leave the engine")
+            for _ in stream:
+                pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: slow_cluster.node_running() == 0, 5, "the expired request to leave the engine")

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -15,13 +16,28 @@ from . import processes
 from .test_generate import request
 
 
+READY_LINE_TIMEOUT_S = 120.0
+
+
+def first_line(proc: subprocess.Popen, timeout: float = READY_LINE_TIMEOUT_S) -> str:
+    """The first line `up` prints (its address once ready), or a failure naming the wait: never a hang."""
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not line:
+        proc.kill()
+        raise AssertionError(f"`up` printed no line within {timeout:.0f} s (exit code {proc.poll()})")
+    return line[0]
+
+
 @pytest.mark.parametrize("server", ["grpcio", "pygrpc-native"])
 def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
     port = processes.free_port()
     proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--nodes", "2",
                              "--grpc-server", server], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        line = proc.stdout.readline()
+        line = first_line(proc)
         assert f"ready on 127.0.0.1:{port}" in line, line
         children = processes.descendants(proc.pid)
         assert len([p for p in children if "openengine_serve" in processes.cmdline(p)]) >= 4
@@ -42,7 +58,7 @@ def test_two_stacks_side_by_side():
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for p in ports]
     try:
         for proc, port in zip(procs, ports):
-            assert f"ready on 127.0.0.1:{port}" in proc.stdout.readline()
+            assert f"ready on 127.0.0.1:{port}" in first_line(proc)
         for port in ports:
             with Client(f"127.0.0.1:{port}") as client:
                 assert list(client.generate(request(max_tokens=4), timeout=30))[-1].HasField("usage")

@@ -2,34 +2,21 @@
 
 from __future__ import annotations
 
-import urllib.request
+import collections
+import importlib.metadata
+import os
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from openengine_serve.api.openengine.v1 import generation_pb2
+from openengine_serve.api.openengine.v1 import generation_pb2, server_pb2
 from openengine_serve.client import Client
 
 from . import processes
-from .processes import Deployment, wait_for
+from .processes import Deployment, metric, scrape, wait_for, with_metrics
 from .test_generate import request
 
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(samples, name, **labels) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def with_metrics(component: processes.Component) -> tuple[processes.Component, int]:
-    port = processes.free_port()
-    component.args[component.args.index("--metrics-port") + 1] = str(port)
-    return component, port
+REQUESTS = "openengine_frontend_requests_total"
 
 
 @pytest.fixture
@@ -37,6 +24,26 @@ def deployment():
     d = Deployment()
     yield d
     d.close()
+
+
+def generate_on_fresh_connections(target: str, instances: int, per_instance: int) -> tuple[collections.Counter, int]:
+    """Generations over fresh connections until each of `instances` frontend processes (told apart by
+    ServerInfo.instance_id on the same connection) has finished `per_instance`; returns the count by process
+    and the number of token deltas received."""
+    served: collections.Counter = collections.Counter()
+    deltas = 0
+    for _ in range(60):
+        with Client(target, retries=False) as client:
+            instance = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5).instance_id
+            if served[instance] >= per_instance:
+                continue
+            responses = list(client.inference.Generate(request(max_tokens=20), timeout=30))
+            assert responses[-1].HasField("usage") and responses[-1].usage.completion_tokens == 20
+            served[instance] += 1
+            deltas += sum(r.WhichOneof("event") == "token" for r in responses)
+        if len(served) == instances and min(served.values()) >= per_instance:
+            return served, deltas
+    raise AssertionError(f"60 fresh connections did not reach {instances} processes {per_instance} times: {served}")
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["one-worker", "two-workers"])
@@ -49,33 +56,109 @@ def test_metrics_move_with_traffic(deployment, workers):
     deployment.add(fe)
 
     before = scrape(fe_metrics)
-    assert value(before, "openengine_frontend_grpc_server_info", implementation="pygrpc-native",
-                 version="0.5.0") == 1
-    for _ in range(6):  # a fresh connection each, so two workers both take traffic
-        with Client(fe.target) as client:
-            assert list(client.generate(request(max_tokens=20), timeout=30))[-1].HasField("usage")
+    assert metric(before, "openengine_frontend_grpc_server_info", implementation="pygrpc-native",
+                  version=importlib.metadata.version("pygrpc-native")) == 1
+    served, deltas = generate_on_fresh_connections(fe.target, workers, 3)
     with Client(fe.target) as client, pytest.raises(grpc.RpcError):
         list(client.generate(generation_pb2.GenerateRequest(request_id="", model="x"), timeout=10))
     after = scrape(fe_metrics)
-    ok = "openengine_frontend_requests_total"
-    assert value(after, ok, status="finished", code="OK") - value(before, ok, status="finished", code="OK") == 6
-    assert value(after, ok, status="rejected", code="INVALID_ARGUMENT") >= 1
-    assert value(after, "openengine_frontend_generated_tokens_total") - \
-        value(before, "openengine_frontend_generated_tokens_total") == 120
-    assert value(after, "openengine_frontend_prompt_tokens_total") >= 6 * 4
-    assert value(after, "openengine_frontend_time_to_first_token_seconds_count") >= 6
-    assert value(after, "openengine_frontend_inter_token_latency_seconds_count") >= 6 * 19
-    assert value(after, "openengine_frontend_request_duration_seconds_count") >= 6
-    assert value(after, "openengine_frontend_in_flight_requests") == 0
+    sent = sum(served.values())
+    # one scrape counts every worker's requests: with two workers, each served some of them
+    assert metric(after, REQUESTS, status="finished", code="OK") - metric(before, REQUESTS, status="finished",
+                                                                           code="OK") == sent
+    assert metric(after, REQUESTS, status="rejected", code="INVALID_ARGUMENT") == 1
+    assert metric(after, "openengine_frontend_generated_tokens_total") - \
+        metric(before, "openengine_frontend_generated_tokens_total") == 20 * sent
+    assert metric(after, "openengine_frontend_prompt_tokens_total") == sent * 4
+    assert metric(after, "openengine_frontend_time_to_first_token_seconds_count") == sent
+    # one interval between each two deltas of a stream (several engine steps may share a delta under load)
+    assert metric(after, "openengine_frontend_inter_token_latency_seconds_count") == deltas - sent
+    assert metric(after, "openengine_frontend_request_duration_seconds_count") == sent
+    assert metric(after, "openengine_frontend_in_flight_requests") == 0
 
     node_samples = scrape(node_metrics)
-    assert value(node_samples, "openengine_node_step_duration_seconds_count") >= 20
-    assert ("openengine_node_running_requests", ()) in node_samples
-    assert ("openengine_node_worker_restarts", ()) in node_samples
-
+    assert metric(node_samples, "openengine_node_step_duration_seconds_count") >= 20
     coord_samples = wait_for(lambda: (s := scrape(coord_metrics)) and
-                             value(s, "openengine_coordinator_nodes", state="ready") == 1 and s, 5,
+                             metric(s, "openengine_coordinator_nodes", state="ready") == 1 and s, 5,
                              "the coordinator's node gauge")
-    assert value(coord_samples, "openengine_coordinator_frontends", state="live") == workers
-    assert value(coord_samples, "openengine_coordinator_routing_decisions_total", reason="least_loaded") >= 6
-    assert ("openengine_coordinator_live_reservations", ()) in coord_samples
+    assert metric(coord_samples, "openengine_coordinator_frontends", state="live") == workers
+    assert metric(coord_samples, "openengine_coordinator_routing_decisions_total", reason="least_loaded") >= sent
+
+
+def test_gauges_and_counters_follow_a_running_request(deployment):
+    """running_requests and live_reservations rise while a request runs and fall when it is cancelled;
+    the cancel, a duplicate id and an unknown rank each show in their counters."""
+    coord, coord_metrics = with_metrics(processes.coordinator())
+    deployment.add(coord)
+    node, node_metrics = with_metrics(processes.node(coord.target, 0))
+    deployment.add(node)
+    fe, fe_metrics = with_metrics(processes.frontend(coord.target, "grpcio"))
+    deployment.add(fe)
+    refusals = "openengine_coordinator_refusals_total"
+    live = "openengine_coordinator_live_reservations"
+    before = scrape(fe_metrics)
+    assert metric(scrape(node_metrics), "openengine_node_running_requests") == 0
+    assert metric(scrape(coord_metrics), live) == 0
+    assert metric(scrape(coord_metrics), refusals, reason="duplicate") == 0
+
+    with Client(fe.target, retries=False) as client:
+        long = request(max_tokens=8000)  # 16 s at the default 2 ms step: it ends only when cancelled
+        stream = client.inference.Generate(long, timeout=60)
+        assert next(stream).WhichOneof("event") == "token"
+        wait_for(lambda: metric(scrape(node_metrics), "openengine_node_running_requests") == 1, 5,
+                 "the node's running_requests gauge at 1")
+        assert metric(scrape(coord_metrics), live) == 1
+        with pytest.raises(grpc.RpcError) as duplicate:
+            list(client.inference.Generate(long, timeout=10))
+        assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        with pytest.raises(grpc.RpcError) as no_rank:
+            list(client.inference.Generate(request(max_tokens=2), timeout=10,
+                                           metadata=(("openengine-target-dp-rank", "7"),)))
+        assert no_rank.value.code() == grpc.StatusCode.NOT_FOUND
+        stream.cancel()
+    wait_for(lambda: metric(scrape(node_metrics), "openengine_node_running_requests") == 0, 5,
+             "the node's running_requests gauge back at 0")
+    wait_for(lambda: metric(scrape(coord_metrics), live) == 0, 5, "live_reservations back at 0")
+    coord_samples = scrape(coord_metrics)
+    assert metric(coord_samples, refusals, reason="duplicate") == 1
+    assert metric(coord_samples, refusals, reason="rank_not_found") == 1
+    after = wait_for(lambda: (s := scrape(fe_metrics)) and
+                     metric(s, REQUESTS, status="cancelled", code="CANCELLED") == 1 and s, 5,
+                     "the cancelled request counted")
+    assert metric(after, REQUESTS, status="finished", code="OK") == metric(before, REQUESTS, status="finished",
+                                                                            code="OK")
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports a process listens on, from /proc (its socket inodes matched against the kernel's tables)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_metrics_port_zero_disables_the_endpoint(cluster, stack):
+    """The shared deployment runs with --metrics-port 0: each process listens on its gRPC port only."""
+    coord, nodes = cluster
+    assert listening_ports(coord.proc.pid) == {coord.port}
+    assert listening_ports(stack.frontend.proc.pid) == {stack.frontend.port}
+    assert nodes[0].port in listening_ports(nodes[0].proc.pid)
+
+
+def test_a_metrics_port_is_listened_on(deployment):
+    """The counterpart of the test above: the same check sees a metrics port when one is given."""
+    coord, coord_metrics = with_metrics(processes.coordinator())
+    deployment.add(coord)
+    assert listening_ports(coord.proc.pid) == {coord.port, coord_metrics}

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -14,13 +17,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openengine_serve.api.openengine.v1 import error_pb2, generation_pb2, lifecycle_pb2, server_pb2
-from openengine_serve.client import Client
+from openengine_serve.client import Client, is_serving
 from openengine_serve.frontend.supervisor import READY_FILE_VARIABLE
 
 from . import processes
 from .conftest import SERVERS
 from .processes import Deployment, wait_for
-from .test_generate import by_output, request
+from .test_generate import by_output, request, served_by
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -115,39 +118,141 @@ def test_drain_deadline_ends_stream_with_draining_error(cluster, server, deploym
     assert fe.proc.wait(timeout=30) == 0
 
 
+ROLLING_MAX_TOKENS = 50
+ROLLING_MIN_SERVED = 5  # requests each frontend process must have finished before it stops
+ROLLING_LOG = processes.LOG_DIR / "rolling-restart.jsonl"  # one line per run: what the clients saw
+
+
+class LoadLedger:
+    """Every request of the rolling-restart load, accounted for under one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.finished = 0
+        self.failed: list[str] = []   # a stream that ended without a complete `finished` (a loss)
+        self.raised: list[str] = []   # anything a load thread did not expect, with its traceback
+        # what a client without retries sees: final gRPC code per connection kind
+        self.no_retry: dict[str, collections.Counter] = {"persistent": collections.Counter(),
+                                                         "fresh": collections.Counter()}
+        self.cut_mid_stream: list[str] = []  # a no-retry stream that failed after its first message
+
+    @staticmethod
+    def complete(responses) -> bool:
+        last = responses[-1] if responses else None
+        return (last is not None and last.WhichOneof("event") == "finished" and last.HasField("usage")
+                and last.usage.completion_tokens == ROLLING_MAX_TOKENS)
+
+    def retrying_call(self, client: Client) -> None:
+        """The project's client: nothing may be lost."""
+        try:
+            responses = list(client.generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30))
+        except grpc.RpcError as exc:
+            with self.lock:
+                self.failed.append(f"{exc.code().name}: {exc.details()}")
+            return
+        with self.lock:
+            if self.complete(responses):
+                self.finished += 1
+            else:
+                self.failed.append(repr(responses[-1:]))
+
+    def no_retry_call(self, client: Client, kind: str) -> None:
+        """A plain gRPC call without retries: a refusal is recorded by code; a stream cut after its first
+        message is a loss."""
+        responses = []
+        try:
+            for response in client.inference.Generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30):
+                responses.append(response)
+            code = "OK" if self.complete(responses) else "OK but incomplete"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+        with self.lock:
+            self.no_retry[kind][code] += 1
+            if responses and code != "OK":
+                self.cut_mid_stream.append(f"{code} after {len(responses)} messages")
+        if code != "OK":
+            time.sleep(0.05)  # a refused client backs off a little, as any would
+
+
+def _load(port: int, stop: threading.Event, ledger: LoadLedger, *, retries: bool, fresh_connection: bool) -> None:
+    """One client thread until `stop`. A fresh connection per request spreads load over the processes (and
+    reaches replacements); a persistent one meets pygrpc-native's stopping listener. Whatever it did not
+    expect is recorded with its traceback: a thread never dies silently."""
+    client = None
+    kind = "fresh" if fresh_connection else "persistent"
+    try:
+        while not stop.is_set():
+            if client is None or fresh_connection:
+                if client is not None:
+                    client.close()
+                client = Client(f"127.0.0.1:{port}", retries=retries)
+            if retries:
+                ledger.retrying_call(client)
+            else:
+                ledger.no_retry_call(client, kind)
+    except BaseException:
+        with ledger.lock:
+            ledger.raised.append(traceback.format_exc())
+    finally:
+        if client is not None:
+            client.close()
+
+
+def finished_on(metrics_port: int) -> float:
+    return processes.metric(processes.scrape(metrics_port), "openengine_frontend_requests_total",
+                            status="finished", code="OK")
+
+
+def wait_instance_ready(fe: processes.Component, instance_id: str, timeout: float = 60.0) -> None:
+    """Readiness of one process among several sharing a port: fresh connections until one lands on it
+    (ServerInfo.instance_id), then grpc.health readiness over that same connection."""
+    def ready() -> bool:
+        if fe.proc.poll() is not None:
+            raise AssertionError(f"{instance_id} exited with {fe.proc.returncode}")
+        try:
+            with Client(fe.target, retries=False) as client:
+                info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=2)
+                return info.instance_id == instance_id and client.health.Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=2).status == SERVING
+        except grpc.RpcError:
+            return False
+    wait_for(ready, timeout, f"{instance_id} readiness on its own connection", interval=0.02)
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
     coord, _ = cluster
     port = processes.free_port()
-    frontends = []
-    for _ in range(2):
-        fe = processes.frontend(coord.target, server, "--drain-timeout-s", "5")
-        fe.port = port
-        frontends.append(deployment.add(fe))
-    results = {"ok": 0, "failed": []}
+
+    def start_frontend(name: str):
+        instance_id = f"rolling-{server}-{name}"
+        fe, metrics_port = processes.with_metrics(processes.frontend(
+            coord.target, server, "--drain-timeout-s", "5", "--frontend-id", instance_id))
+        fe.name, fe.port = instance_id, port
+        deployment.components.append(fe.start())
+        wait_instance_ready(fe, instance_id)
+        return fe, name, metrics_port
+
+    originals = [start_frontend("a"), start_frontend("b")]
+    ledger = LoadLedger()
     stop = threading.Event()
-
-    def load():
-        with Client(f"127.0.0.1:{port}") as client:
-            while not stop.is_set():
-                try:
-                    responses = list(client.generate(request(max_tokens=50), timeout=30))
-                    if responses[-1].HasField("usage") and responses[-1].WhichOneof("event") == "finished":
-                        results["ok"] += 1
-                    else:
-                        results["failed"].append(responses[-1])
-                except grpc.RpcError as exc:
-                    results["failed"].append(f"{exc.code().name}: {exc.details()}")
-
-    threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    threads = [threading.Thread(target=_load, args=(port, stop, ledger), daemon=True,
+                                kwargs={"retries": retries, "fresh_connection": fresh})
+               for retries, fresh in ((True, False), (True, False), (True, True), (True, True),
+                                      (False, False), (False, True))]
+    served = {}
     for t in threads:
         t.start()
     try:
-        time.sleep(1.0)
-        for fe in frontends:  # one at a time, like a rolling update
+        replacements = []
+        for fe, name, metrics_port in originals:  # one at a time, like a rolling update
+            served[name] = wait_for(lambda: (n := finished_on(metrics_port)) >= ROLLING_MIN_SERVED and n, 30,
+                                    f"load to reach frontend {name} before it stops")
             assert fe.stop() == 0
-            fe.start().wait_ready()
-            time.sleep(1.0)
+            replacements.append(start_frontend(name + "2"))
+        for fe, name, metrics_port in replacements:
+            served[name] = wait_for(lambda: (n := finished_on(metrics_port)) >= ROLLING_MIN_SERVED and n, 30,
+                                    f"load to reach replacement {name}")
     finally:
         stop.set()
         for t in threads:
@@ -155,8 +260,19 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
     hung = [t for t in threads if t.is_alive()]
     assert not hung, "a request hung; its thread is at:\n" + "".join(
         "".join(traceback.format_stack(sys._current_frames()[t.ident])) for t in hung)
-    assert results["failed"] == []
-    assert results["ok"] > 20
+    with ledger.lock:
+        no_retry = {kind: dict(codes) for kind, codes in ledger.no_retry.items()}
+        figures = {"server": server, "finished": ledger.finished, "finished_per_process": served,
+                   "no_retry_client": no_retry, "failed": len(ledger.failed), "raised": len(ledger.raised)}
+    with ROLLING_LOG.open("a") as log:
+        log.write(json.dumps(figures) + "\n")
+    print(f"\nrolling restart: {figures}")
+    with ledger.lock:
+        assert ledger.raised == [], "a load thread raised:\n" + "\n".join(ledger.raised)
+        assert ledger.failed == []
+        assert ledger.cut_mid_stream == [], "a stream already accepted was cut"
+        assert ledger.finished > 20
+        assert all(sum(codes.values()) > 0 for codes in ledger.no_retry.values())
 
 
 def test_node_killed_mid_stream(deployment):
@@ -184,9 +300,13 @@ def test_node_killed_mid_stream(deployment):
 
 
 def test_engine_worker_killed_node_respawns(deployment):
-    coord, nodes = small_cluster(deployment, nodes=1)
-    fe = deployment.add(processes.frontend(coord.target, "grpcio"))
-    node = nodes[0]
+    coord = deployment.add(processes.coordinator())
+    node, node_metrics = processes.with_metrics(processes.node(coord.target, 0))
+    deployment.add(node)
+    fe, fe_metrics = processes.with_metrics(processes.frontend(coord.target, "grpcio"))
+    deployment.add(fe)
+    restarts = "openengine_node_worker_restarts"
+    assert processes.metric(processes.scrape(node_metrics), restarts) == 0
     watch = Watcher(node.target, "readiness")
     wait_for(lambda: watch.statuses and watch.statuses[-1] == SERVING, 10, "node readiness SERVING")
     with Client(fe.target, retries=False) as client:
@@ -201,6 +321,9 @@ def test_engine_worker_killed_node_respawns(deployment):
         assert node.proc.poll() is None
         wait_for(lambda: _generates(client), 20, "a request to succeed after the respawn")
     watch.close()
+    assert processes.metric(processes.scrape(node_metrics), restarts) == 1
+    assert processes.metric(processes.scrape(fe_metrics), "openengine_frontend_requests_total",
+                            status="failed", code="OK") == 1, "the stream that ended with an EngineError"
 
 
 def _generates(client) -> bool:
@@ -255,14 +378,103 @@ def test_frontend_worker_killed_is_restarted(cluster, deployment):
 
 
 def test_full_deployment_refuses_with_resource_exhausted(deployment):
-    coord = deployment.add(processes.coordinator())
+    """A node with room for one request: a second is refused, counted by the coordinator, and the inference
+    probe (which needs a slot too) reports DEGRADED while the other checks stay READY."""
+    coord, coord_metrics = processes.with_metrics(processes.coordinator())
+    deployment.add(coord)
     deployment.add(processes.node(coord.target, 0, "--max-batch", "1", "--max-queue", "0"))
     fe = deployment.add(processes.frontend(coord.target, "grpcio"))
+    probe = lifecycle_pb2.HealthRequest(include_inference_probe=True)
     with Client(fe.target, retries=False) as client:
-        stream = client.inference.Generate(request(max_tokens=5000), timeout=60)
+        assert client.control.Health(probe, timeout=10).state == lifecycle_pb2.HEALTH_STATE_READY
+        stream = client.inference.Generate(request(max_tokens=8000), timeout=60)
         first_token_then(stream)
         with pytest.raises(grpc.RpcError) as full:
             list(client.inference.Generate(request(max_tokens=5), timeout=10))
+        health = client.control.Health(probe, timeout=10)
         stream.cancel()
+        wait_for(lambda: client.control.Health(probe, timeout=10).state == lifecycle_pb2.HEALTH_STATE_READY, 10,
+                 "the probe to pass again once the slot is free")
     assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "capacity" in full.value.details() or "full" in full.value.details()
+    assert health.state == lifecycle_pb2.HEALTH_STATE_DEGRADED
+    assert [c.name for c in health.checks] == ["grpc", "coordinator", "scheduler", "model", "inference_probe"]
+    assert {c.state for c in health.checks[:-1]} == {lifecycle_pb2.HEALTH_STATE_READY}
+    assert health.checks[-1].state == lifecycle_pb2.HEALTH_STATE_DEGRADED
+    assert health.checks[-1].message.startswith("probe failed")
+    assert processes.metric(processes.scrape(coord_metrics), "openengine_coordinator_refusals_total",
+                            reason="deployment_full") == 2, "the second request and the probe"
+
+
+def health_cli(target: str) -> int:
+    return subprocess.run([sys.executable, "-m", "openengine_serve", "health", "--target", target, "--service",
+                           "readiness"], capture_output=True, timeout=30).returncode
+
+
+def test_frontend_not_serving_until_a_node_is_ready(deployment):
+    """Readiness stays NOT_SERVING (the health CLI exits 1) while no node is ready, then turns SERVING."""
+    coord = deployment.add(processes.coordinator())
+    fe = processes.frontend(coord.target, "grpcio").start()
+    deployment.components.append(fe)
+    wait_for(lambda: is_serving(fe.target, "liveness"), 60, "frontend liveness")
+    watch = Watcher(fe.target, "readiness")
+    time.sleep(1.0)  # five readiness updates
+    assert watch.statuses and set(watch.statuses) == {NOT_SERVING}
+    assert health_cli(fe.target) == 1
+    with Client(fe.target, retries=False) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.inference.Generate(request(max_tokens=2), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    deployment.add(processes.node(coord.target, 0))
+    wait_for(lambda: watch.statuses[-1] == SERVING, 10, "frontend readiness SERVING once the node is ready")
+    assert health_cli(fe.target) == 0
+    watch.close()
+
+
+def test_node_sigterm_drains_its_running_requests(deployment):
+    """SIGTERM a node with running requests: they finish, the coordinator sees it DRAINING, nothing new is
+    routed to it, then it exits 0."""
+    coord, coord_metrics = processes.with_metrics(processes.coordinator())
+    deployment.add(coord)
+    deployment.add(processes.node(coord.target, 0))
+    draining_node = deployment.add(processes.node(coord.target, 1, "--drain-timeout-s", "30"))
+    fe = deployment.add(processes.frontend(coord.target, "grpcio"))
+    on_rank_1 = (("openengine-target-dp-rank", "1"),)
+    with Client(fe.target, retries=False) as client:
+        wait_for(lambda: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
+                 .parallelism.data_parallel_size == 2, 10, "two ready nodes")
+        probe = request(max_tokens=2)
+        list(client.inference.Generate(probe, timeout=30, metadata=on_rank_1))
+        draining_id = served_by(fe, probe.request_id)
+        streams = [client.inference.Generate(request(max_tokens=2500), timeout=60, metadata=on_rank_1)
+                   for _ in range(3)]  # 5 s each at 2 ms a step
+        firsts = [first_token_then(s) for s in streams]
+        draining_node.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: processes.metric(processes.scrape(coord_metrics), "openengine_coordinator_nodes",
+                                          state="draining") == 1, 3, "the coordinator to see the node DRAINING")
+        with pytest.raises(grpc.RpcError) as not_routable:
+            list(client.inference.Generate(request(max_tokens=2), timeout=10, metadata=on_rank_1))
+        others = []
+        for _ in range(4):
+            req = request(max_tokens=2)
+            assert list(client.inference.Generate(req, timeout=30))[-1].HasField("usage")
+            others.append(served_by(fe, req.request_id))
+        assert draining_node.proc.poll() is None, "the node is still draining its requests"
+        rests = [list(s) for s in streams]
+    assert not_routable.value.code() == grpc.StatusCode.NOT_FOUND
+    assert draining_id not in others
+    for first, rest in zip(firsts, rests):
+        out = by_output([first, *rest])[0]
+        assert out["finished"][0].reason == generation_pb2.FINISH_REASON_LENGTH and len(out["ids"]) == 2500
+        assert rest[-1].usage.completion_tokens == 2500
+    assert draining_node.proc.wait(timeout=30) == 0
+
+
+def test_coordinator_sigterm_stops_it(deployment):
+    coord = deployment.add(processes.coordinator())
+    watch = Watcher(coord.target, "readiness")
+    wait_for(lambda: watch.statuses and watch.statuses[-1] == SERVING, 10, "coordinator readiness SERVING")
+    coord.proc.send_signal(signal.SIGTERM)
+    assert coord.proc.wait(timeout=10) == 0
+    assert NOT_SERVING in watch.statuses, "readiness turned NOT_SERVING before it stopped"
+    watch.close()

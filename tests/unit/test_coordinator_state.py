@@ -127,15 +127,21 @@ def test_affinity_overflows_from_a_full_node_and_keeps_the_key(state: ClusterSta
 def test_affinity_expires_after_its_ttl(clock: FakeClock) -> None:
     state = ClusterState(now=clock, routing_affinity_ttl_s=10.0)
     add_node(state, "a")
-    add_node(state, "b")
-    first = reserve(state, "r0", routing_key="k")
-    clock.advance(11.0)
-    state.node_heartbeat("a", READY, load())
-    state.node_heartbeat("b", READY, load(running=1))
-    state.expire()
+    add_node(state, "b", running=1)
+    assert reserve(state, "r0", routing_key="k") == "a"  # least loaded
+    state.release("r0", "fe-1")
+
+    def b_becomes_the_least_loaded(seconds: float) -> None:
+        clock.advance(seconds)
+        state.node_heartbeat("a", READY, load(running=2))
+        state.node_heartbeat("b", READY, load())
+        state.expire()
+    b_becomes_the_least_loaded(2.0)
+    assert reserve(state, "r1", routing_key="k") == "a"  # within the TTL the key sticks to a busier node
+    state.release("r1", "fe-1")
+    b_becomes_the_least_loaded(11.0)
     assert state.snapshot()["affinity_keys"] == 0
-    assert reserve(state, "r1", routing_key="k") == "a"
-    assert first in ("a", "b")
+    assert reserve(state, "r2", routing_key="k") == "b"  # forgotten: routed by load again
 
 
 def test_affinity_map_is_bounded(clock: FakeClock) -> None:

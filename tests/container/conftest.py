@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from openengine_serve.local import free_port
+from openengine_serve.common.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = [REPO / "docker-compose.yml", Path(__file__).resolve().parent / "compose.test.yml"]

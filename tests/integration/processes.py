@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from openengine_serve.client import is_serving
-from openengine_serve.local import free_port
+from openengine_serve.common.net import free_port
 
 LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
 

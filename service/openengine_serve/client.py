@@ -17,9 +17,9 @@ import time
 from typing import Iterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .api.openengine.v1 import generation_pb2, openengine_pb2_grpc
+from .api.openengine.v1 import generation_pb2, openengine_pb2, openengine_pb2_grpc
 
 RETRY_POLICY = {
     "maxAttempts": 5,
@@ -29,8 +29,9 @@ RETRY_POLICY = {
     "retryableStatusCodes": ["UNAVAILABLE"],
 }
 SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{"service": "openengine.v1.Inference"}, {"service": "openengine.v1.Control"},
-             {"service": "grpc.health.v1.Health"}],
+    "name": [{"service": service} for service in (openengine_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+                                                  openengine_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
+                                                  health.SERVICE_NAME)],
     "retryPolicy": RETRY_POLICY,
 }]})
 

@@ -92,7 +92,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
             channel = self.node_channels[node.address] = grpc.aio.insecure_channel(node.address)
         try:
             reply = await cluster_pb2_grpc.NodeStub(channel).Cancel(
-                cluster_pb2.CancelRequest(request_id=request_id), timeout=5.0)
+                cluster_pb2.CancelRequest(request_id=request_id), timeout=self.config.rpc_timeout_s)
             return reply.found
         except grpc.aio.AioRpcError as exc:
             log_event(logger, "abort could not reach node", logging.WARNING, node_id=node.node_id,

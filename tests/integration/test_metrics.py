@@ -12,8 +12,8 @@ from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.client import Client
 
 from . import processes
-from .processes import Deployment, wait_for
-from .test_generate import request
+from .processes import wait_for
+from .conftest import request
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -30,13 +30,6 @@ def with_metrics(component: processes.Component) -> tuple[processes.Component, i
     port = processes.free_port()
     component.args[component.args.index("--metrics-port") + 1] = str(port)
     return component, port
-
-
-@pytest.fixture
-def deployment():
-    d = Deployment()
-    yield d
-    d.close()
 
 
 @pytest.mark.parametrize("workers", [1, 2], ids=["one-worker", "two-workers"])
@@ -79,3 +72,6 @@ def test_metrics_move_with_traffic(deployment, workers):
     assert value(coord_samples, "openengine_coordinator_frontends", state="live") == workers
     assert value(coord_samples, "openengine_coordinator_routing_decisions_total", reason="least_loaded") >= 6
     assert ("openengine_coordinator_live_reservations", ()) in coord_samples
+    assert value(coord_samples, "openengine_coordinator_finished_remembered") >= 6
+    for gauge in ("oldest_reservation_age_s", "frontend_reported_live_requests", "affinity_keys"):
+        assert (f"openengine_coordinator_{gauge}", ()) in coord_samples

@@ -14,7 +14,7 @@ from openengine_serve.api.openengine.v1 import server_pb2
 from openengine_serve.client import Client
 
 from . import processes
-from .test_generate import by_output, collect, request
+from .conftest import by_output, collect, request
 
 SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"])
 

@@ -146,6 +146,8 @@ class EngineLink:
 
     async def wait_idle(self, timeout: float) -> bool:
         """True once no request is outstanding; False if some still are after `timeout` seconds."""
+        if self._idle.is_set():
+            return True  # also with timeout 0, which wait_for would turn into a TimeoutError
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
@@ -153,12 +155,19 @@ class EngineLink:
         return True
 
     def _set_ready(self, ready: bool) -> None:
-        if ready != self._ready.is_set():
-            self._ready.set() if ready else self._ready.clear()
-            self._on_ready_change()
+        if ready == self._ready.is_set():
+            return
+        if ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        self._on_ready_change()
 
     def _requests_changed(self) -> None:
-        self._idle.clear() if self._requests else self._idle.set()
+        if self._requests:
+            self._idle.clear()
+        else:
+            self._idle.set()
 
     # ------------------------------------------------------------ life cycle
 

@@ -40,6 +40,11 @@ def flag_name(f: dataclasses.Field) -> str:
     return "--" + f.name.replace("_", "-")
 
 
+def _stop_grace_knob() -> Any:
+    return knob(1.0, "at shutdown, after the drain: calls still open (result lanes, health watches) get this long "
+                     "before the server closes them", minimum=0)
+
+
 def _rpc_timeout_knob() -> Any:
     """One definition for the coordinator's and the node's field (one row in the README table)."""
     return knob(5.0, "deadline of each call this component makes to another one (node: register and heartbeat; "
@@ -66,6 +71,7 @@ class CoordinatorConfig(CommonConfig):
                               minimum=0.05)
     node_expiry_s: float = knob(3.0, "a node or frontend silent this long is marked down", minimum=0.1)
     rpc_timeout_s: float = _rpc_timeout_knob()
+    stop_grace_s: float = _stop_grace_knob()
 
     @classmethod
     def component(cls) -> str:
@@ -95,6 +101,7 @@ class NodeConfig(CommonConfig):
     engine_stop_timeout_s: float = knob(5.0, "at shutdown, the engine worker gets this long to exit before it is "
                                              "killed", minimum=0)
     rpc_timeout_s: float = _rpc_timeout_knob()
+    stop_grace_s: float = _stop_grace_knob()
 
     @classmethod
     def component(cls) -> str:

@@ -125,7 +125,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     await stop.wait()
     await health.start_drain()
     housekeeping.cancel()
-    await server.stop(grace=1.0)
+    await server.stop(grace=config.stop_grace_s)
     for channel in service.node_channels.values():
         await channel.close()
     log_event(logger, "coordinator stopped")

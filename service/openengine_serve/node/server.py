@@ -10,6 +10,7 @@ finish within the drain timeout, then stops its worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
@@ -100,6 +101,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             yield _LANE_OPENED
             while True:
                 yield await queue.get()
+                queue.task_done()  # resumed: gRPC took the message, it wants the next one
         finally:
             if self.lanes.get(frontend_id) is queue:
                 del self.lanes[frontend_id]
@@ -175,6 +177,11 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             metrics.WORKER_RESTARTS.set(self.link.restarts)
             await self.readiness_changed.wait()
 
+    async def flush_lanes(self, timeout: float) -> None:
+        """Waits until every result lane handed its queued messages to gRPC, or `timeout`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(queue.join() for queue in self.lanes.values())), timeout)
+
     async def drain(self, timeout: float) -> None:
         self.draining = True
         self.readiness_changed.set()
@@ -206,11 +213,11 @@ async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
     await stop.wait()
     log_event(logger, "draining", timeout_s=config.drain_timeout_s)
     await service.drain(config.drain_timeout_s)
-    await asyncio.sleep(0.1)  # let the last lane messages go out
+    await service.flush_lanes(config.stop_grace_s)  # the drain's last results reach their frontends
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await server.stop(grace=1.0)
+    await server.stop(grace=config.stop_grace_s)
     await service.link.stop(timeout=config.engine_stop_timeout_s)
     log_event(logger, "node stopped", node_id=node_id)
     return 0

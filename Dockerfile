@@ -14,21 +14,30 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 # ---------------------------------------------------------------- builders ---
 # Dependencies first, from pyproject.toml alone, so that editing the code does not
 # re-download them: the requirement lists are read with tomllib (Python >= 3.11).
+# Each image gets the base dependencies plus its component's extras only:
+#   coordinator  base                          (no MPI, no ZMQ, no tokenizer)
+#   node         base + node (MPI, ZMQ, tokenizer)
+#   frontend     base + frontend (tokenizer, reflection) + native (pygrpc-native)
 FROM ${BASE_IMAGE} AS deps
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
 COPY pyproject.toml ./
-RUN python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+# requirements-<extra>.txt per extra; an extra's reference to another extra of the project is expanded.
+RUN python3 -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+extras = p["optional-dependencies"]; \
+expand = lambda reqs: [r for q in reqs for r in (expand([x for e in re.match(r"openengine-serve\[(.*)\]", q)[1].split(",") for x in extras[e]]) if q.startswith("openengine-serve[") else [q])]; \
 print("\n".join(p["dependencies"]), file=open("/src/requirements-core.txt", "w")); \
-print("\n".join(p["optional-dependencies"]["native"]), file=open("/src/requirements-native.txt", "w"))'
+[print("\n".join(expand(extras[e])), file=open(f"/src/requirements-{e}.txt", "w")) for e in ("frontend", "node", "native")]'
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && python3 -m venv /opt/openengine \
     && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-core.txt
 
-# The project itself as a wheel (build tools stay in a throw-away venv).
+# The project itself as a wheel (build tools stay in a throw-away venv). Only
+# service/ is in the build context (.dockerignore): the wheel holds the runtime
+# package openengine_serve, not the benchmark (tools/openengine_bench).
 FROM ${BASE_IMAGE} AS wheel
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -43,19 +52,28 @@ RUN --mount=type=secret,id=pip_cert \
     && /tmp/build-venv/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
     && rm -rf /tmp/build-venv
 
-# coordinator and node: core dependencies only (no pygrpc-native); no pip or
+# One virtualenv per component: its extras, then the project wheel; no pip or
 # setuptools left in the runtime venv.
-FROM deps AS venv-core
+FROM deps AS venv-coordinator
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \
     && /opt/openengine/bin/pip uninstall --yes pip setuptools
 
-# frontend: the same plus the `native` extra (pygrpc-native).
-FROM deps AS venv-native
+FROM deps AS venv-node
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-native.txt
+    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-node.txt
+COPY --from=wheel /wheels /wheels
+RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
+    && /opt/openengine/bin/pip check \
+    && /opt/openengine/bin/pip uninstall --yes pip setuptools
+
+FROM deps AS venv-frontend
+RUN --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-frontend.txt \
+       -r /src/requirements-native.txt
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \
@@ -76,7 +94,7 @@ WORKDIR /home/openengine
 STOPSIGNAL SIGTERM
 
 FROM runtime AS coordinator
-COPY --from=venv-core /opt/openengine /opt/openengine
+COPY --from=venv-coordinator /opt/openengine /opt/openengine
 ENV OPENENGINE_PORT=50052 \
     OPENENGINE_METRICS_PORT=9092
 EXPOSE 50052 9092
@@ -86,7 +104,7 @@ HEALTHCHECK --interval=5s --timeout=4s --start-period=30s --retries=3 \
 ENTRYPOINT ["openengine-serve", "coordinator"]
 
 FROM runtime AS node
-COPY --from=venv-core /opt/openengine /opt/openengine
+COPY --from=venv-node /opt/openengine /opt/openengine
 ENV OPENENGINE_PORT=50053 \
     OPENENGINE_METRICS_PORT=9093 \
     OPENENGINE_COORDINATOR_ADDRESS=coordinator:50052
@@ -98,7 +116,7 @@ ENTRYPOINT ["openengine-serve", "node"]
 
 # Last, so that a plain `docker build .` yields the public frontend.
 FROM runtime AS frontend
-COPY --from=venv-native /opt/openengine /opt/openengine
+COPY --from=venv-frontend /opt/openengine /opt/openengine
 ENV OPENENGINE_PORT=50051 \
     OPENENGINE_METRICS_PORT=9091 \
     OPENENGINE_COORDINATOR_ADDRESS=coordinator:50052 \

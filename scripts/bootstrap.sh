@@ -3,7 +3,7 @@
 # Used by scripts/up.sh and scripts/test.sh; safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=${1:-native}
+extras=${1:-all}
 python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv

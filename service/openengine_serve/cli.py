@@ -176,8 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("argv", nargs="*")
 
     def _bench(args: argparse.Namespace) -> int:
-        from .bench.cli import main as bench_main
-
+        try:
+            from openengine_bench.cli import main as bench_main
+        except ImportError as exc:
+            # Not in the container images: the benchmark is a tool of a source checkout.
+            print(f"openengine-serve: error: `bench` needs the benchmark tools (openengine_bench), which this "
+                  f"installation lacks ({exc}); from a source checkout: pip install -e '.[bench]'",
+                  file=sys.stderr)
+            return 2
         return bench_main(args.argv)
 
     bench.set_defaults(func=_bench)

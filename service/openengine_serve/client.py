@@ -23,9 +23,9 @@ import time
 from typing import AsyncIterator, Callable, Iterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .api.openengine.v1 import generation_pb2, openengine_pb2_grpc
+from .api.openengine.v1 import generation_pb2, openengine_pb2, openengine_pb2_grpc
 
 RETRY_POLICY = {
     "maxAttempts": 5,
@@ -38,7 +38,8 @@ RETRY_POLICY = {
 # of that stream (grpcio 1.85.3) hung calls past their deadline, which never fired, when a pygrpc-native
 # frontend stopped under load: 5 of 8 rolling-restart runs here; without it, 0 of 12.
 SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{"service": "openengine.v1.Control"}, {"service": "grpc.health.v1.Health"}],
+    "name": [{"service": service} for service in (openengine_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
+                                                  health.SERVICE_NAME)],
     "retryPolicy": RETRY_POLICY,
 }]})
 

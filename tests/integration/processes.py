@@ -14,7 +14,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from openengine_serve.client import is_serving
-from openengine_serve.local import free_port
+from openengine_serve.common.net import free_port
 
 LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
 
@@ -102,17 +102,27 @@ def metric(samples, name, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def _stat_fields(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat after the command name: [state, ppid, ...]; [] when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def alive(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
+
+
 def descendants(pid: int) -> list[int]:
-    """Every live descendant of a process (from /proc), children first."""
+    """Every live descendant of a process (the one walk of /proc in the tests), children first."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+        if entry.isdigit() and (fields := _stat_fields(entry)):
+            children.setdefault(int(fields[1]), []).append(int(entry))
     out, frontier = [], [pid]
     while frontier:
         kids = children.get(frontier.pop(), [])

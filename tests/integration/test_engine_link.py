@@ -14,6 +14,8 @@ from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.engine import model
 from openengine_serve.node.engine_link import EngineFull, EngineLink, EngineUnavailable
 
+from .processes import alive, descendants
+
 START_TIMEOUT_S = 60.0  # MPI spawn plus vocabulary load, on a busy machine
 
 
@@ -210,7 +212,7 @@ async def test_lost_worker_fails_open_outputs_then_restarts(engine):
         with pytest.raises(EngineUnavailable):
             link.submit(long_request("too-early"))
 
-        assert await link.wait_ready(START_TIMEOUT_S)
+        await log.until(lambda: link.ready, timeout=START_TIMEOUT_S)
         assert link.restarts == restarts + 1
         assert link.worker_pids and set(link.worker_pids).isdisjoint(old_pids)
         link.submit(long_request("after-restart", max_tokens=5))
@@ -221,7 +223,7 @@ async def test_lost_worker_fails_open_outputs_then_restarts(engine):
 async def test_stalled_worker_is_replaced(engine):
     link, log = engine
     async with asyncio.timeout(START_TIMEOUT_S + 20):
-        assert await link.wait_ready(START_TIMEOUT_S)
+        await log.until(lambda: link.ready, timeout=START_TIMEOUT_S)
         link.submit(long_request("stalled"))
         await log.until(lambda: log.events("stalled"))
         restarts = link.restarts
@@ -229,7 +231,7 @@ async def test_stalled_worker_is_replaced(engine):
         await log.until(lambda: log.finishes("stalled"), timeout=15)
         [event] = [event for _, event in log.events("stalled") if event.finish]
         assert event.finish == cluster_pb2.ENGINE_FINISH_ERROR and "no engine step" in event.message
-        assert await link.wait_ready(START_TIMEOUT_S)
+        await log.until(lambda: link.ready, timeout=START_TIMEOUT_S)
         assert link.restarts == restarts + 1
 
 
@@ -253,42 +255,16 @@ async def test_killed_node_leaves_no_engine_process():
     try:
         async with asyncio.timeout(START_TIMEOUT_S + 20):
             launcher_pid = int(await node.stdout.readline())
-            processes = {launcher_pid} | _descendants(launcher_pid)
+            processes = {launcher_pid} | set(descendants(launcher_pid))
             assert len(processes) >= 5  # launcher, mpiexec, hydra proxy, two ranks
             node.kill()
             await node.wait()
-            while any(map(_alive, processes)):
+            while any(map(alive, processes)):
                 await asyncio.sleep(0.05)
     finally:
         if node.returncode is None:
             node.kill()
             await node.wait()
-
-
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, pending = set(), [root]
-    while pending:
-        for child in children.get(pending.pop(), ()):
-            found.add(child)
-            pending.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 async def test_two_ranks_step_together_and_stop_leaves_nothing_behind():
@@ -299,7 +275,7 @@ async def test_two_ranks_step_together_and_stop_leaves_nothing_behind():
         await link.start()
         try:
             assert len(link.worker_pids) == 2
-            processes = {link.launcher_pid} | _descendants(link.launcher_pid)
+            processes = {link.launcher_pid} | set(descendants(link.launcher_pid))
             assert set(link.worker_pids) <= processes
             link.submit(long_request("two-ranks", max_tokens=10))
             await log.until(lambda: log.finishes("two-ranks"))
@@ -309,5 +285,5 @@ async def test_two_ranks_step_together_and_stop_leaves_nothing_behind():
             await link.stop(timeout=5)
         assert not link.ready
         assert log.finishes("left-open") == {0: cluster_pb2.ENGINE_FINISH_ERROR}
-        while any(map(_alive, processes)):
+        while any(map(alive, processes)):
             await asyncio.sleep(0.05)

@@ -16,17 +16,10 @@ from openengine_serve.api.openengine.v1 import generation_pb2, lifecycle_pb2, se
 from openengine_serve.client import AsyncClient, Client
 from openengine_serve.common.vocab import load_encoding
 
+from .conftest import by_output, collect, request
 from .processes import LOG_DIR, wait_for
 
-MODEL = "Qwen/Qwen3-0.6B"
 G = generation_pb2
-
-
-def request(prompt="The quick brown fox", *, max_tokens=24, seed=7, ignore_eos=True, **stopping) -> G.GenerateRequest:
-    req = G.GenerateRequest(request_id=f"t-{uuid.uuid4()}", model=MODEL, prompt=prompt,
-                            stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, **stopping))
-    req.sampling.seed = seed
-    return req
 
 
 async def read_rest(stream) -> list[G.GenerateResponse]:
@@ -43,24 +36,6 @@ async def open_streams(client, count: int, max_tokens: int) -> list:
     for stream in streams:
         await stream.read()
     return streams
-
-
-def collect(client, req, metadata=()) -> list[G.GenerateResponse]:
-    return list(client.inference.Generate(req, timeout=60, metadata=metadata))
-
-
-def by_output(responses):
-    outputs: dict[int, dict] = {}
-    for r in responses:
-        event = r.WhichOneof("event")
-        if event == "token":
-            o = outputs.setdefault(r.token.output_index, {"ids": [], "text": "", "finished": []})
-            o["ids"] += [t.token_id for t in r.token.tokens]
-            o["text"] += r.token.text
-        elif event == "finished":
-            outputs.setdefault(r.finished.output_index, {"ids": [], "text": "", "finished": []})["finished"].append(
-                r.finished)
-    return outputs
 
 
 def test_full_stream_contract(stack):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 from openengine_serve.client import Client
 
 from . import processes
-from .test_generate import request
+from .conftest import request
 
 
 READY_LINE_TIMEOUT_S = 120.0
@@ -45,7 +44,7 @@ def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
             assert list(client.generate(request(max_tokens=8), timeout=30))[-1].HasField("usage")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        processes.wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and processes.cmdline(p)
+        processes.wait_for(lambda: not any(processes.alive(p) and processes.cmdline(p)
                                            for p in children), 10, "every child of `up` to exit")
     finally:
         if proc.poll() is None:

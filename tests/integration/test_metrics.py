@@ -13,17 +13,10 @@ from openengine_serve.api.openengine.v1 import generation_pb2, server_pb2
 from openengine_serve.client import Client
 
 from . import processes
-from .processes import Deployment, metric, scrape, wait_for, with_metrics
-from .test_generate import request
+from .conftest import request
+from .processes import metric, scrape, wait_for, with_metrics
 
 REQUESTS = "openengine_frontend_requests_total"
-
-
-@pytest.fixture
-def deployment():
-    d = Deployment()
-    yield d
-    d.close()
 
 
 def generate_on_fresh_connections(target: str, instances: int, per_instance: int) -> tuple[collections.Counter, int]:
@@ -83,6 +76,9 @@ def test_metrics_move_with_traffic(deployment, workers):
                              "the coordinator's node gauge")
     assert metric(coord_samples, "openengine_coordinator_frontends", state="live") == workers
     assert metric(coord_samples, "openengine_coordinator_routing_decisions_total", reason="least_loaded") >= sent
+    assert metric(coord_samples, "openengine_coordinator_finished_remembered") >= sent
+    for gauge in ("oldest_reservation_age_s", "frontend_reported_live_requests", "affinity_keys"):
+        assert (f"openengine_coordinator_{gauge}", ()) in coord_samples
 
 
 def test_gauges_and_counters_follow_a_running_request(deployment):

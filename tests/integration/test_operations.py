@@ -23,17 +23,11 @@ from openengine_serve.frontend.supervisor import READY_FILE_VARIABLE
 from . import processes
 from .conftest import SERVERS
 from .processes import Deployment, wait_for
-from .test_generate import by_output, request, served_by
+from .conftest import by_output, request
+from .test_generate import served_by
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture
-def deployment():
-    d = Deployment()
-    yield d
-    d.close()
 
 
 def small_cluster(d: Deployment, nodes: int = 2, coordinator_port: int | None = None):
@@ -295,7 +289,7 @@ def test_node_killed_mid_stream(deployment):
                  .parallelism.data_parallel_size == 1, 10, "the coordinator to mark the node down")
         for _ in range(3):
             assert list(client.generate(request(max_tokens=5), timeout=30))[-1].HasField("usage")
-    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in workers), 10,
+    wait_for(lambda: not any(map(processes.alive, workers)), 10,
              "the dead node's engine worker to exit too")
 
 

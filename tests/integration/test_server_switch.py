@@ -15,7 +15,7 @@ from openengine_serve.client import Client
 
 from ..conftest import IN_CI
 from . import processes
-from .test_generate import by_output, collect, request
+from .conftest import by_output, collect, request
 
 SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"])
 # scripts/bootstrap.sh (dev extra) downloads this wheel once, so the test installs it without a package index.

@@ -100,7 +100,7 @@ def test_affinity_sticks_then_moves_when_the_node_goes_down(state: ClusterState)
         assert reserve(state, f"r{i}", routing_key="user-7") == first
     assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 5, "least_loaded": 1}
 
-    state.mark_node_down(first)
+    state.node_heartbeat(first, DOWN, None)
     other = reserve(state, "r6", routing_key="user-7")
     assert other != first
     state.node_heartbeat(first, READY, load())  # back, but the key has moved
@@ -190,7 +190,7 @@ def test_rank_auto_assignment_takes_the_lowest_free_rank(state: ClusterState) ->
 def test_rank_of_a_down_node_is_reused(state: ClusterState) -> None:
     add_node(state, "a")
     add_node(state, "b")
-    state.mark_node_down("a")
+    state.node_heartbeat("a", DOWN, None)
     assert add_node(state, "c") == 0
     # The replaced node is forgotten: its next heartbeat asks it to register again.
     assert state.node_heartbeat("a", READY, load()) is False
@@ -266,7 +266,7 @@ def test_no_node_available_describes_the_table(state: ClusterState) -> None:
     add_node(state, "b")
     add_node(state, "c")
     state.node_heartbeat("b", DRAINING, None)
-    state.mark_node_down("c")
+    state.node_heartbeat("c", DOWN, None)
     with pytest.raises(NoNodeAvailable, match=r"3 known \(1 down, 1 draining, 1 starting\)"):
         reserve(state, "r")
 
@@ -295,7 +295,6 @@ def test_deployment_full_counts_reservations_since_the_last_load_report(state: C
 def test_heartbeat_from_unknown_node_or_frontend_is_not_known(state: ClusterState) -> None:
     assert state.node_heartbeat("ghost", READY, load()) is False
     assert state.frontend_heartbeat("ghost", 0) is False
-    assert state.mark_node_down("ghost") is False
 
 
 def test_expiry_marks_a_silent_node_down_and_drops_its_reservations(state: ClusterState, clock: FakeClock) -> None:

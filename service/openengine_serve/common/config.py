@@ -40,6 +40,17 @@ def flag_name(f: dataclasses.Field) -> str:
     return "--" + f.name.replace("_", "-")
 
 
+def _stop_grace_knob() -> Any:
+    return knob(1.0, "at shutdown, after the drain: calls still open (result lanes, health watches) get this long "
+                     "before the server closes them", minimum=0)
+
+
+def _rpc_timeout_knob() -> Any:
+    """One definition for the coordinator's and the node's field (one row in the README table)."""
+    return knob(5.0, "deadline of each call this component makes to another one (node: register and heartbeat; "
+                     "coordinator: an Abort's cancel on a node)", minimum=0.1)
+
+
 @dataclass(frozen=True)
 class CommonConfig:
     host: str = knob("0.0.0.0", "address the gRPC server binds to")
@@ -59,6 +70,8 @@ class CoordinatorConfig(CommonConfig):
     heartbeat_s: float = knob(1.0, "heartbeat interval the coordinator asks nodes and frontends for",
                               minimum=0.05)
     node_expiry_s: float = knob(3.0, "a node or frontend silent this long is marked down", minimum=0.1)
+    rpc_timeout_s: float = _rpc_timeout_knob()
+    stop_grace_s: float = _stop_grace_knob()
 
     @classmethod
     def component(cls) -> str:
@@ -80,6 +93,15 @@ class NodeConfig(CommonConfig):
     max_queue: int = knob(1024, "sequences waiting for a batch slot; beyond it requests are refused "
                                 "(RESOURCE_EXHAUSTED)", minimum=0)
     engine_ranks: int = knob(1, "MPI processes of the engine worker (they step together)", minimum=1, maximum=64)
+    engine_stall_timeout_s: float = knob(3.0, "an engine worker that sends no step this long counts as lost: its "
+                                              "open requests end with a retryable error and it is restarted",
+                                         minimum=0.1)
+    engine_start_timeout_s: float = knob(60.0, "a new engine worker must send its first step within this long, or "
+                                               "the start counts as failed (and is retried)", minimum=1)
+    engine_stop_timeout_s: float = knob(5.0, "at shutdown, the engine worker gets this long to exit before it is "
+                                             "killed", minimum=0)
+    rpc_timeout_s: float = _rpc_timeout_knob()
+    stop_grace_s: float = _stop_grace_knob()
 
     @classmethod
     def component(cls) -> str:

@@ -8,8 +8,7 @@ NOT_SERVING at the first moment of a drain. Watch streams every change.
 
 from __future__ import annotations
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 LIVENESS = "liveness"
 READINESS = "readiness"
@@ -19,8 +18,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class Health:
     def __init__(self, readiness_aliases: tuple[str, ...] = ()) -> None:
-        self.servicer = HealthServicer()
-        self._readiness_names = (READINESS, "", *readiness_aliases)
+        self.servicer = health.aio.HealthServicer()
+        # The overall health (the empty service name) is readiness, as load balancers expect.
+        self._readiness_names = (READINESS, health.OVERALL_HEALTH, *readiness_aliases)
         self._ready = False
         self._draining = False
 

@@ -28,7 +28,6 @@ SPECIAL_TOKENS = (
 )
 VOCAB_SIZE = BPE_RANKS + len(SPECIAL_TOKENS)  # 151669: ids 0..151668 exist
 EOS_TOKEN_ID = BPE_RANKS + SPECIAL_TOKENS.index("<|im_end|>")  # 151645, Qwen3's end of turn
-ENDOFTEXT_TOKEN_ID = BPE_RANKS  # 151643
 
 
 @functools.lru_cache(maxsize=1)

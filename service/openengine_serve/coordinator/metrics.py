@@ -30,8 +30,19 @@ class CoordinatorCollector(Collector):
         for reason, count in snapshot["refusals"].items():
             refusals.add_metric([reason], count)
         yield from (nodes, frontends, routing, refusals)
-        yield GaugeMetricFamily("openengine_coordinator_live_reservations", "request ids currently owned",
-                                value=snapshot["live_reservations"])
+        for key, help_text in _GAUGES.items():
+            yield GaugeMetricFamily(f"openengine_coordinator_{key}", help_text, value=snapshot[key])
+
+
+_GAUGES = {  # snapshot key -> help; the metric is openengine_coordinator_<key>
+    "live_reservations": "request ids currently owned",
+    "oldest_reservation_age_s": "age of the oldest live reservation (grows without bound when a frontend leaks "
+                                "reservations)",
+    "frontend_reported_live_requests": "live requests the frontends report in their heartbeats (compare with "
+                                       "live_reservations)",
+    "finished_remembered": "finished request ids remembered to answer a late Abort",
+    "affinity_keys": "routing keys remembered for affinity",
+}
 
 
 def register(state: ClusterState) -> None:

@@ -92,7 +92,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
             channel = self.node_channels[node.address] = grpc.aio.insecure_channel(node.address)
         try:
             reply = await cluster_pb2_grpc.NodeStub(channel).Cancel(
-                cluster_pb2.CancelRequest(request_id=request_id), timeout=5.0)
+                cluster_pb2.CancelRequest(request_id=request_id), timeout=self.config.rpc_timeout_s)
             return reply.found
         except grpc.aio.AioRpcError as exc:
             log_event(logger, "abort could not reach node", logging.WARNING, node_id=node.node_id,
@@ -125,7 +125,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     await stop.wait()
     await health.start_drain()
     housekeeping.cancel()
-    await server.stop(grace=1.0)
+    await server.stop(grace=config.stop_grace_s)
     for channel in service.node_channels.values():
         await channel.close()
     log_event(logger, "coordinator stopped")

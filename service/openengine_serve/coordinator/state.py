@@ -226,14 +226,6 @@ class ClusterState:
             self._set_node_state(node, state)
         return True
 
-    def mark_node_down(self, node_id: str) -> bool:
-        """Marks a node DOWN now (e.g. it is unreachable); False when unknown."""
-        node = self._nodes.get(node_id)
-        if node is None:
-            return False
-        self._set_node_state(node, DOWN)
-        return True
-
     def node_entries(self) -> list[cluster_pb2.NodeEntry]:
         """The whole node table, DOWN nodes included, for the frontends' copy."""
         return [_copy(node.entry) for node in self._nodes.values()]

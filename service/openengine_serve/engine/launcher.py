@@ -2,8 +2,8 @@
 
     python -m openengine_serve.engine.launcher --config '<json>'
 
-The config is a JSON object handed unchanged to the workers; `ranks` says how
-many to spawn (see `openengine_serve.engine.worker` for the other keys).
+The config is a WorkerConfig (engine/config.py) as JSON; the launcher spawns
+`ranks` worker processes and broadcasts the config to them.
 
 Why a process of its own between the node and the workers: measured here,
 killing an MPI-spawned child makes hydra tear the whole job down, spawning
@@ -15,7 +15,6 @@ it when it dies.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -23,6 +22,8 @@ import threading
 import time
 
 from mpi4py import MPI
+
+from openengine_serve.engine.config import WORKER_MODULE, WorkerConfig
 
 # Tags of the launcher <-> rank 0 messages on the parent intercommunicator.
 WORKER_PIDS_TAG = 1
@@ -58,15 +59,15 @@ def _exit_with_parent(parent_pid: int, worker_pids: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="JSON object handed to the workers")
-    config = json.loads(parser.parse_args(argv).config)
+    parser.add_argument("--config", required=True, help="the WorkerConfig as JSON")
+    config = WorkerConfig.from_json(parser.parse_args(argv).config)
 
     worker_pids: list[int] = []  # filled once rank 0 reports them; read by the watcher thread
     threading.Thread(target=_exit_with_parent, args=(os.getppid(), worker_pids), daemon=True,
                      name="parent-watch").start()
 
-    intercomm = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", "openengine_serve.engine.worker"],
-                                    maxprocs=int(config.get("ranks", 1)))
+    intercomm = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", WORKER_MODULE],
+                                    maxprocs=config.ranks)
     intercomm.bcast(config, root=MPI.ROOT)
     worker_pids.extend(_wait_for_message(intercomm, WORKER_PIDS_TAG))
     _wait_for_message(intercomm, WORKERS_DONE_TAG)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -27,10 +26,10 @@ import zmq.asyncio
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.logging_setup import log_event
+from openengine_serve.engine.config import LAUNCHER_MODULE, WORKER_MODULE, WorkerConfig
 
 log = logging.getLogger(__name__)
 
-_WORKER_MODULE = "openengine_serve.engine.worker"
 _MAX_RESTART_DELAY_S = 5.0
 
 
@@ -80,13 +79,14 @@ class EngineLink:
     """Runs the engine worker for the node; see the module docstring.
 
     `on_step` gets every EngineStep (heartbeats included) after the link's
-    bookkeeping took its finished outputs out; it must not block.
+    bookkeeping took its finished outputs out; `on_ready_change` is called
+    whenever `ready` flips (worker stepping, lost, restarted). Neither may block.
     """
 
     def __init__(self, *, step_ms: float, max_batch: int, max_queue: int, ranks: int,
-                 stall_timeout_s: float = 3.0,
                  on_step: Callable[[cluster_pb2.EngineStep], None],
-                 start_timeout_s: float = 60.0) -> None:
+                 on_ready_change: Callable[[], None] = lambda: None,
+                 stall_timeout_s: float = 3.0, start_timeout_s: float = 60.0) -> None:
         if max_batch < 1 or max_queue < 0 or ranks < 1 or step_ms <= 0:
             raise ValueError("need max_batch >= 1, max_queue >= 0, ranks >= 1 and step_ms > 0")
         self._step_ms = step_ms
@@ -96,6 +96,9 @@ class EngineLink:
         self._stall_timeout_s = stall_timeout_s
         self._start_timeout_s = start_timeout_s
         self._on_step = on_step
+        self._on_ready_change = on_ready_change
+        self._idle = asyncio.Event()  # set while no request is outstanding
+        self._idle.set()
         self._zmq: zmq.asyncio.Context | None = None
         self._incarnation: _Incarnation | None = None
         self._supervisor: asyncio.Task | None = None
@@ -141,13 +144,30 @@ class EngineLink:
     def load(self) -> EngineLoad:
         return self._load
 
-    async def wait_ready(self, timeout: float) -> bool:
-        """True once the worker steps; False if it did not within `timeout` seconds."""
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no request is outstanding; False if some still are after `timeout` seconds."""
+        if self._idle.is_set():
+            return True  # also with timeout 0, which wait_for would turn into a TimeoutError
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
             return False
         return True
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready == self._ready.is_set():
+            return
+        if ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        self._on_ready_change()
+
+    def _requests_changed(self) -> None:
+        if self._requests:
+            self._idle.clear()
+        else:
+            self._idle.set()
 
     # ------------------------------------------------------------ life cycle
 
@@ -218,6 +238,7 @@ class EngineLink:
             raise EngineUnavailable("the engine worker is not connected") from error
         self._requests[request.request_id] = _Outstanding(request.frontend_id, set(range(sequences)))
         self._open_sequences += sequences
+        self._requests_changed()
 
     def cancel(self, request_id: str, output_index: int | None = None) -> bool:
         """Asks the worker to cancel a request (or one output); False when it is not open here.
@@ -267,7 +288,7 @@ class EngineLink:
             self._last_step_at = time.monotonic()
             if not self._ready.is_set():
                 incarnation.worker_pids = tuple(step.worker_pids)
-                self._ready.set()
+                self._set_ready(True)
             self._last_step = step.step
             self._load = EngineLoad(step.running, step.queued, step.running_tokens,
                                     step.waiting_tokens, step.step_seconds)
@@ -284,6 +305,7 @@ class EngineLink:
         self._open_sequences -= 1
         if not entry.open_outputs:
             del self._requests[request_id]
+            self._requests_changed()
 
     def _without_failed_requests(self, step: cluster_pb2.EngineStep) -> cluster_pb2.EngineStep:
         kept = []
@@ -321,6 +343,7 @@ class EngineLink:
                                 retryable=retryable)
         self._requests.clear()
         self._open_sequences = 0
+        self._requests_changed()
         self._deliver(step)
 
     # ------------------------------------------------------------ worker processes
@@ -362,18 +385,14 @@ class EngineLink:
         # Fresh ports per worker: nothing a lost worker sent can reach its successor.
         command_port = commands.bind_to_random_port("tcp://127.0.0.1")
         step_port = steps.bind_to_random_port("tcp://127.0.0.1")
-        config = {
-            "command_address": f"tcp://127.0.0.1:{command_port}",
-            "step_address": f"tcp://127.0.0.1:{step_port}",
-            "step_ms": self._step_ms,
-            "max_batch": self._max_batch,
-            "ranks": self._ranks,
-        }
+        config = WorkerConfig(command_address=f"tcp://127.0.0.1:{command_port}",
+                              step_address=f"tcp://127.0.0.1:{step_port}",
+                              max_batch=self._max_batch, step_ms=self._step_ms, ranks=self._ranks)
         env = dict(os.environ)
         # MPI Spawn runs `mpiexec`, which lives next to the interpreter in a venv.
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
         starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            sys.executable, "-m", "openengine_serve.engine.launcher", "--config", json.dumps(config),
+            sys.executable, "-m", LAUNCHER_MODULE, "--config", config.to_json(),
             env=env,
             # Own session: hydra answers a lost rank by SIGKILLing the launcher's process group.
             start_new_session=True,
@@ -429,7 +448,7 @@ class EngineLink:
         if incarnation is None:
             return
         self._incarnation = None
-        self._ready.clear()
+        self._set_ready(False)
         self._failed_in_worker.clear()  # the next worker never heard of them
         self._load = EngineLoad()
         if incarnation.receiver:
@@ -456,7 +475,7 @@ def _is_engine_worker(pid: int) -> bool:
     """Whether `pid` is a live engine worker (the pid may have been reused or be a zombie)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return _WORKER_MODULE.encode() in cmdline.read()
+            return WORKER_MODULE.encode() in cmdline.read()
     except (FileNotFoundError, ProcessLookupError):
         return False
 

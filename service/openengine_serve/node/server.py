@@ -10,9 +10,9 @@ finish within the drain timeout, then stops its worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-import time
 import uuid
 
 import grpc
@@ -37,8 +37,12 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         self.node_id = node_id
         self.rank = config.node_rank
         self.lanes: dict[str, asyncio.Queue[cluster_pb2.StepResults]] = {}
+        self.readiness_changed = asyncio.Event()  # set: the engine worker's readiness or the drain changed
         self.link = EngineLink(step_ms=config.step_ms, max_batch=config.max_batch, max_queue=config.max_queue,
-                               ranks=config.engine_ranks, on_step=self._on_step)
+                               ranks=config.engine_ranks, on_step=self._on_step,
+                               on_ready_change=self.readiness_changed.set,
+                               stall_timeout_s=config.engine_stall_timeout_s,
+                               start_timeout_s=config.engine_start_timeout_s)
         self.health = Health()
         self.draining = False
         self.wake = asyncio.Event()  # set: heartbeat the coordinator now
@@ -97,6 +101,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             yield _LANE_OPENED
             while True:
                 yield await queue.get()
+                queue.task_done()  # resumed: gRPC took the message, it wants the next one
         finally:
             if self.lanes.get(frontend_id) is queue:
                 del self.lanes[frontend_id]
@@ -144,14 +149,14 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                 try:
                     if not registered:
                         request = cluster_pb2.RegisterNodeRequest(node=self.entry(), auto_rank=self.rank < 0)
-                        reply = await stub.RegisterNode(request, timeout=5)
+                        reply = await stub.RegisterNode(request, timeout=self.config.rpc_timeout_s)
                         self.rank = reply.assigned_rank
                         interval = reply.heartbeat_interval_s or interval
                         registered = True
                         log_event(logger, "registered with coordinator", node_id=self.node_id, rank=self.rank,
                                   coordinator=self.config.coordinator_address)
                     reply = await stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
-                        node_id=self.node_id, state=self.state(), load=self.load()), timeout=5)
+                        node_id=self.node_id, state=self.state(), load=self.load()), timeout=self.config.rpc_timeout_s)
                     if not reply.known:
                         registered = False
                         continue
@@ -165,21 +170,26 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                     pass
 
     async def health_loop(self) -> None:
-        """Readiness follows the engine worker: NOT_SERVING while it is (re)spawning."""
+        """Readiness follows the engine worker: NOT_SERVING while it is (re)spawning, and from the drain on."""
         while True:
+            self.readiness_changed.clear()
             await self.health.set_ready(self.link.ready and not self.draining)
             metrics.WORKER_RESTARTS.set(self.link.restarts)
-            await asyncio.sleep(0.2)
+            await self.readiness_changed.wait()
+
+    async def flush_lanes(self, timeout: float) -> None:
+        """Waits until every result lane handed its queued messages to gRPC, or `timeout`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(queue.join() for queue in self.lanes.values())), timeout)
 
     async def drain(self, timeout: float) -> None:
         self.draining = True
+        self.readiness_changed.set()
         await self.health.start_drain()
         self.wake.set()  # tell the coordinator now, not at the next heartbeat
-        deadline = time.monotonic() + timeout
-        while self.link.outstanding and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.link.outstanding:
-            log_event(logger, "drain deadline reached", logging.WARNING, open_requests=len(self.link.outstanding))
+        if not await self.link.wait_idle(timeout):
+            log_event(logger, "drain deadline reached", logging.WARNING, open_requests=len(self.link.outstanding),
+                      open_sequences=self.link.open_sequences)
             self.link.fail_all("node is shutting down (drain deadline reached)", retryable=True)
 
 
@@ -196,17 +206,18 @@ async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
     log_event(logger, "node listening", node_id=node_id, port=config.port,
               advertise=config.resolved_advertise_address(), grpc_server="grpcio")
     await service.link.start()
-    log_event(logger, "engine worker ready", pids=list(service.link.worker_pids), step_ms=config.step_ms)
+    log_event(logger, "engine worker ready", launcher_pid=service.link.launcher_pid,
+              pids=list(service.link.worker_pids), step_ms=config.step_ms)
     tasks = [asyncio.create_task(service.health_loop()),
              asyncio.create_task(service.coordinator_loop())]
     await stop.wait()
     log_event(logger, "draining", timeout_s=config.drain_timeout_s)
     await service.drain(config.drain_timeout_s)
-    await asyncio.sleep(0.1)  # let the last lane messages go out
+    await service.flush_lanes(config.stop_grace_s)  # the drain's last results reach their frontends
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await server.stop(grace=1.0)
-    await service.link.stop(timeout=5.0)
+    await server.stop(grace=config.stop_grace_s)
+    await service.link.stop(timeout=config.engine_stop_timeout_s)
     log_event(logger, "node stopped", node_id=node_id)
     return 0

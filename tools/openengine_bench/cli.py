@@ -28,7 +28,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from ..common.lifecycle import event_loop_name
+from openengine_serve.common.lifecycle import event_loop_name
 from . import report
 
 FULL = {"fixed_rounds": 5, "saturation_rounds": 3, "baseline_rounds": 2,

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..client import is_serving
-from ..local import free_port
+from openengine_serve.client import is_serving
+from openengine_serve.common.net import free_port
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
@@ -320,7 +320,7 @@ class Stack:
 
         port = free_port(HOST)
         self.baseline = Process(f"baseline-{server}", [
-            sys.executable, "-m", "openengine_serve.bench.baseline", "--server", server, "--host", HOST,
+            sys.executable, "-m", "openengine_bench.baseline", "--server", server, "--host", HOST,
             "--port", str(port), "--step-ms", str(self.step_ms)],
             self.frontend_cpus, self.log_dir / f"baseline-{server}.log", port).start()
         self.baseline.wait_ready(timeout, lambda: wait_baseline_ready(self.baseline.target))

@@ -1,6 +1,6 @@
 """The floor: a trivial streaming servicer on each gRPC server, with the frontend's server options.
 
-    python -m openengine_serve.bench.baseline --server grpcio|pygrpc-native --port P [--step-ms 2]
+    python -m openengine_bench.baseline --server grpcio|pygrpc-native --port P [--step-ms 2]
 
 `Inference.Generate` answers every request with `stopping.max_tokens` token
 messages and one `finished` message carrying usage, shaped like the
@@ -23,9 +23,9 @@ import sys
 
 import grpc
 
-from ..api.openengine.v1 import generation_pb2, openengine_pb2_grpc
-from ..common.grpc_server import create_server, resolve_implementation
-from ..common.lifecycle import bind_address, run
+from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2_grpc
+from openengine_serve.common.grpc_server import create_server, resolve_implementation
+from openengine_serve.common.lifecycle import bind_address, run
 
 TOKEN_ID = 9707
 TOKEN_TEXT = "Hello"

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from openengine_serve.bench import report
-from openengine_serve.bench.load import digest, make_jobs, merge_results, poisson_arrivals, prompt_ids
-from openengine_serve.bench.stack import parse_cpus
+from openengine_bench import report
+from openengine_bench.load import digest, make_jobs, merge_results, poisson_arrivals, prompt_ids
+from openengine_bench.stack import parse_cpus
 
 G, N = report.GRPCIO, report.NATIVE
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import grpc
 
-from ..api.openengine.v1 import generation_pb2
-from ..common.lifecycle import new_event_loop
+from openengine_serve.api.openengine.v1 import generation_pb2
+from openengine_serve.common.lifecycle import new_event_loop
 
 MASK64 = (1 << 64) - 1
 MODEL = "Qwen/Qwen3-0.6B"

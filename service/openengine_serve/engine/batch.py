@@ -1,0 +1,188 @@
+"""Rank 0's queue and running batch: admission, cancellation, one token per output per step.
+
+No sockets and no MPI (the worker, engine/worker.py, owns those), so the
+batching arithmetic is tested on its own. `running` and `queued` count
+sequences (outputs), the unit `max_batch` limits; requests are admitted whole,
+by priority (higher first, then FIFO).
+
+EngineStep messages are assembled from pre-encoded pieces: building a protobuf
+object per token costs several microseconds, which at hundreds of running
+sequences would eat the 2 ms step. The pieces are laid out in field-number
+order, so the bytes equal protobuf's own serialization of the same message
+(tests/unit/test_engine_batch.py checks it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.protowire import field_tag, length_delimited, varint
+from openengine_serve.common.vocab import VOCAB_SIZE
+from openengine_serve.engine import model
+
+_FINISH_WITH_TOKEN = (cluster_pb2.ENGINE_FINISH_EOS, cluster_pb2.ENGINE_FINISH_STOP_TOKEN)
+
+_EVENTS_TAG = field_tag(cluster_pb2.EngineStep, "events")
+_TOKENS_TAG = field_tag(cluster_pb2.OutputEvent, "tokens")
+_TOKEN_ID_TAG = field_tag(cluster_pb2.TokenRecord, "token_id")
+
+
+def _event_field(event_payload: bytes) -> bytes:
+    return length_delimited(_EVENTS_TAG, event_payload)
+
+
+def encode_token_fields() -> tuple[bytes, ...]:
+    """token id -> the encoded `OutputEvent.tokens` entry holding just that token."""
+    return tuple(length_delimited(_TOKENS_TAG, _TOKEN_ID_TAG + varint(token_id)) for token_id in range(VOCAB_SIZE))
+
+
+class _RunningRequest:
+    """A request in the batch with the encoded fields around the token of each output's events:
+    request_id and output_index (fields 1, 2) before it, lane (field 9) after it."""
+
+    __slots__ = ("state", "event_heads", "event_tail")
+
+    def __init__(self, state: model.RequestState) -> None:
+        self.state = state
+        self.event_heads = {
+            index: cluster_pb2.OutputEvent(request_id=state.request_id, output_index=index).SerializeToString()
+            for index in state.outputs
+        }
+        self.event_tail = cluster_pb2.OutputEvent(lane=state.lane).SerializeToString()
+
+
+class Batch:
+    """The queue and the batch of one engine; see the module docstring."""
+
+    def __init__(self, max_batch: int, token_fields: tuple[bytes, ...] | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self._token_fields = token_fields if token_fields is not None else encode_token_fields()
+        self._queued: dict[str, model.RequestState] = {}
+        # (-priority, arrival, state): entries of cancelled requests stay until popped.
+        self._queue_order: list[tuple[int, int, model.RequestState]] = []
+        self._arrivals = itertools.count()
+        self.queued_sequences = 0
+        self.waiting_tokens = 0
+        self._running: dict[str, _RunningRequest] = {}
+        self.running_sequences = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self._running and not self._queued
+
+    @property
+    def running_request_ids(self) -> list[str]:
+        return list(self._running)
+
+    @property
+    def queued_request_ids(self) -> list[str]:
+        return list(self._queued)
+
+    # ------------------------------------------------------------ commands
+
+    def enqueue(self, request: cluster_pb2.EngineRequest) -> None:
+        state = model.RequestState(request)
+        self._queued[state.request_id] = state
+        heapq.heappush(self._queue_order, (-request.priority, next(self._arrivals), state))
+        self.queued_sequences += len(state.outputs)
+        self.waiting_tokens += state.prompt_length * len(state.outputs)
+
+    def cancel(self, cancel: cluster_pb2.CancelRequest, events: list[bytes]) -> None:
+        """Finishes the request (or one output) CANCELLED, appending the events; unknown ids are ignored."""
+        request_id = cancel.request_id
+        running = self._running.get(request_id)
+        state = running.state if running else self._queued.get(request_id)
+        if state is None:
+            return  # already finished, or never arrived
+        indices = [cancel.output_index] if cancel.HasField("output_index") else list(state.outputs)
+        for index in indices:
+            if state.outputs.pop(index, None) is None:
+                continue
+            events.append(self._event(state, index, cluster_pb2.ENGINE_FINISH_CANCELLED))
+            if running:
+                self.running_sequences -= 1
+            else:
+                self.queued_sequences -= 1
+                self.waiting_tokens -= state.prompt_length
+        if not state.outputs:
+            if running:
+                del self._running[request_id]
+            else:
+                del self._queued[request_id]
+
+    # ------------------------------------------------------------ steps
+
+    def admit(self) -> None:
+        """Moves queued requests into the batch, by priority, while their sequences fit."""
+        order = self._queue_order
+        while order:
+            state = order[0][2]
+            if self._queued.get(state.request_id) is not state:  # cancelled while queued
+                heapq.heappop(order)
+                continue
+            sequences = len(state.outputs)
+            # Whole requests only; one larger than the batch runs alone rather than never.
+            if self.running_sequences and self.running_sequences + sequences > self.max_batch:
+                return
+            heapq.heappop(order)
+            del self._queued[state.request_id]
+            self.queued_sequences -= sequences
+            self.waiting_tokens -= state.prompt_length * sequences
+            self._running[state.request_id] = _RunningRequest(state)
+            self.running_sequences += sequences
+
+    def generate(self, events: list[bytes]) -> int:
+        """One token for every running output, appending the events; returns the running tokens after the step."""
+        token_fields = self._token_fields
+        append = events.append
+        finished_requests = []
+        running_tokens = 0
+        for running in self._running.values():
+            state = running.state
+            next_token = state.next_token
+            heads = running.event_heads
+            tail = running.event_tail
+            for sequence in tuple(state.outputs.values()):
+                token_id, finish, record = next_token(sequence)
+                if finish or record is not None or sequence.position == 1:
+                    # Rare shapes (finish, logprobs, a first event) take the protobuf path.
+                    append(self._event(state, sequence.output_index, finish, token_id, record))
+                    if finish:
+                        self.running_sequences -= 1
+                        continue
+                else:
+                    append(_event_field(heads[sequence.output_index] + token_fields[token_id] + tail))
+                running_tokens += sequence.position
+            running_tokens += state.prompt_length * len(state.outputs)
+            if not state.outputs:
+                finished_requests.append(state.request_id)
+        for request_id in finished_requests:
+            del self._running[request_id]
+        return running_tokens
+
+    def step_message(self, step: int, events: list[bytes], running_tokens: int, step_seconds: float,
+                     worker_pids: list[int]) -> bytes:
+        """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..9)."""
+        load = cluster_pb2.EngineStep(
+            running=self.running_sequences, queued=self.queued_sequences, running_tokens=running_tokens,
+            waiting_tokens=self.waiting_tokens, step_seconds=step_seconds, worker_pids=worker_pids,
+        ).SerializeToString()
+        return cluster_pb2.EngineStep(step=step).SerializeToString() + b"".join(events) + load
+
+    @staticmethod
+    def _event(state: model.RequestState, output_index: int, finish: int,
+               token_id: int | None = None, record: cluster_pb2.TokenRecord | None = None) -> bytes:
+        event = cluster_pb2.OutputEvent(request_id=state.request_id, output_index=output_index,
+                                        lane=state.lane, finish=finish)
+        if token_id is not None:
+            event.tokens.append(record if record is not None else cluster_pb2.TokenRecord(token_id=token_id))
+            if finish in _FINISH_WITH_TOKEN:
+                event.finish_token_id = token_id
+        prompt_records = state.take_prompt_records(output_index)
+        if prompt_records:
+            event.prompt_tokens.extend(prompt_records)
+        return _event_field(event.SerializeToString())

@@ -1,0 +1,126 @@
+"""The engine's batching arithmetic and step encoding, without MPI or sockets (engine/batch.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.engine.batch import Batch, encode_token_fields
+from openengine_serve.engine.config import WorkerConfig
+
+PROMPT = [9707, 11, 1879]
+
+
+@pytest.fixture(scope="module")
+def token_fields():
+    return encode_token_fields()
+
+
+def make_batch(token_fields, max_batch: int = 4) -> Batch:
+    return Batch(max_batch, token_fields)
+
+
+def add(request_id: str, *, sequences: int = 1, priority: int = 0, **fields) -> cluster_pb2.EngineRequest:
+    values = dict(request_id=request_id, frontend_id="fe-1", prompt_token_ids=PROMPT, max_tokens=1000,
+                  ignore_eos=True, temperature=0.7, num_sequences=sequences, priority=priority)
+    values.update(fields)
+    return cluster_pb2.EngineRequest(**values)
+
+
+def step(batch: Batch, number: int = 1) -> cluster_pb2.EngineStep:
+    events: list[bytes] = []
+    batch.admit()
+    running_tokens = batch.generate(events)
+    return cluster_pb2.EngineStep.FromString(batch.step_message(number, events, running_tokens, 0.001, [11]))
+
+
+def test_admission_counts_sequences_and_takes_whole_requests_by_priority(token_fields):
+    batch = make_batch(token_fields, max_batch=4)
+    batch.enqueue(add("a", sequences=3))
+    batch.enqueue(add("b", sequences=2))  # does not fit next to a: waits whole
+    batch.enqueue(add("urgent", sequences=1, priority=5))
+    assert (batch.queued_sequences, batch.waiting_tokens) == (6, 6 * len(PROMPT))
+    batch.admit()
+    assert batch.running_request_ids == ["urgent", "a"]
+    assert batch.queued_request_ids == ["b"]
+    assert (batch.running_sequences, batch.queued_sequences, batch.waiting_tokens) == (4, 2, 2 * len(PROMPT))
+
+
+def test_a_request_larger_than_the_batch_runs_alone(token_fields):
+    batch = make_batch(token_fields, max_batch=2)
+    batch.enqueue(add("big", sequences=3))
+    batch.enqueue(add("small"))
+    batch.admit()
+    assert batch.running_request_ids == ["big"] and batch.running_sequences == 3
+    assert batch.queued_request_ids == ["small"]
+
+
+def test_running_tokens_count_prompt_and_generated_tokens(token_fields):
+    batch = make_batch(token_fields)
+    batch.enqueue(add("a", sequences=2))
+    first, second = step(batch, 1), step(batch, 2)
+    assert first.running_tokens == 2 * (len(PROMPT) + 1)
+    assert second.running_tokens == 2 * (len(PROMPT) + 2)
+    assert (second.running, second.queued, second.worker_pids) == (2, 0, [11])
+
+
+def test_cancel_of_a_queued_output_and_of_a_running_request(token_fields):
+    batch = make_batch(token_fields, max_batch=1)
+    batch.enqueue(add("running"))
+    batch.admit()
+    batch.enqueue(add("queued", sequences=2))
+    events: list[bytes] = []
+    batch.cancel(cluster_pb2.CancelRequest(request_id="queued", output_index=1), events)
+    assert (batch.queued_sequences, batch.waiting_tokens) == (1, len(PROMPT))
+    batch.cancel(cluster_pb2.CancelRequest(request_id="running"), events)
+    batch.cancel(cluster_pb2.CancelRequest(request_id="never-seen"), events)
+    cancelled = cluster_pb2.EngineStep.FromString(b"".join(events)).events
+    assert [(e.request_id, e.output_index, e.finish) for e in cancelled] == [
+        ("queued", 1, cluster_pb2.ENGINE_FINISH_CANCELLED), ("running", 0, cluster_pb2.ENGINE_FINISH_CANCELLED)]
+    assert batch.running_sequences == 0 and batch.running_request_ids == []
+    batch.admit()  # the cancelled output does not count: the remaining one fits
+    assert batch.running_request_ids == ["queued"] and batch.running_sequences == 1
+
+
+def test_finished_outputs_leave_the_batch(token_fields):
+    batch = make_batch(token_fields)
+    batch.enqueue(add("short", max_tokens=3))
+    finishes = [event.finish for number in (1, 2, 3) for event in step(batch, number).events]
+    assert finishes == [0, 0, cluster_pb2.ENGINE_FINISH_LENGTH]
+    assert batch.idle and batch.running_sequences == 0
+
+
+def test_step_bytes_equal_protobuf_serialization(token_fields):
+    """The hand-assembled EngineStep (fast path for tokens after the first) is protobuf's own bytes."""
+    batch = make_batch(token_fields)
+    batch.enqueue(add("a", sequences=2))
+    batch.enqueue(add("b", frontend_id="fe-2"))
+    for number in (1, 2, 3):
+        events: list[bytes] = []
+        batch.admit()
+        running_tokens = batch.generate(events)
+        hand = batch.step_message(number, events, running_tokens, 0.002, [11, 12])
+        parsed = cluster_pb2.EngineStep.FromString(hand)
+        assert len(parsed.events) == 3 and all(len(event.tokens) == 1 for event in parsed.events)
+        assert hand == parsed.SerializeToString()
+        rebuilt = cluster_pb2.EngineStep(
+            step=number, running=3, running_tokens=running_tokens, step_seconds=0.002, worker_pids=[11, 12],
+            events=[cluster_pb2.OutputEvent(request_id=e.request_id, output_index=e.output_index, lane=e.lane,
+                                            tokens=[cluster_pb2.TokenRecord(token_id=e.tokens[0].token_id)])
+                    for e in parsed.events])
+        assert hand == rebuilt.SerializeToString()
+
+
+def test_idle_heartbeat_is_an_empty_step(token_fields):
+    batch = make_batch(token_fields)
+    assert batch.step_message(7, [], 0, 0.0, [11]) == cluster_pb2.EngineStep(step=7, worker_pids=[11]).SerializeToString()
+
+
+def test_worker_config_round_trips_and_rejects_bad_values():
+    config = WorkerConfig(command_address="tcp://127.0.0.1:1", step_address="tcp://127.0.0.1:2", max_batch=8,
+                          step_ms=2.5, ranks=2)
+    assert WorkerConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match="unknown engine worker config keys: colour"):
+        WorkerConfig.from_json('{"command_address": "a", "step_address": "b", "max_batch": 1, "colour": 1}')
+    with pytest.raises(ValueError, match="max_batch >= 1"):
+        WorkerConfig(command_address="a", step_address="b", max_batch=0)

@@ -1,4 +1,4 @@
-"""Request metadata parsing and Generate validation: each bad request → its gRPC code and field."""
+"""Request metadata parsing and Generate validation: each bad request → its kind of refusal and field."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ ends every request on that node with a retryable failure.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -18,8 +17,6 @@ import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from .tasks import BackgroundTasks
-
-logger = logging.getLogger("openengine_serve.frontend")
 
 
 @dataclass(frozen=True)

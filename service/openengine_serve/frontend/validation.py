@@ -31,7 +31,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.common.vocab import VOCAB_SIZE
@@ -217,7 +217,60 @@ def validate_generate(
     model = _resolve_model(request.model, limits)
     _check_supported_features(request)
 
-    sampling = request.sampling
+    sampling = _check_sampling(request.sampling, limits)
+    stopping = request.stopping
+    requested_max_tokens, min_tokens = _check_output_length(stopping, limits)
+    stop_strings, stop_token_ids = _stop_conditions(stopping.conditions, limits)
+    response = request.response
+    output_candidates = _candidates(response, "output_candidates", limits)
+    prompt_candidates = _candidates(response, "prompt_candidates", limits)
+
+    prompt_token_ids = _prompt_token_ids(request, input_kind, limits, encode)
+    max_tokens = _fit_max_tokens(input_kind, len(prompt_token_ids), requested_max_tokens, limits)
+    _check_room_after_prompt(len(prompt_token_ids), max_tokens, min_tokens, response.prompt_logprob_start, limits)
+
+    return GenerationPlan(
+        request_id=request.request_id,
+        model=model,
+        prompt_token_ids=prompt_token_ids,
+        num_sequences=sampling.num_sequences,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop_strings=stop_strings,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=stopping.ignore_eos,
+        include_stop_in_output=stopping.include_stop_in_output,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
+        seed=sampling.seed,
+        output_logprobs=response.return_output_logprobs,
+        output_candidates=output_candidates,
+        prompt_logprobs=response.return_prompt_logprobs,
+        prompt_candidates=prompt_candidates,
+        prompt_logprob_start=response.prompt_logprob_start,
+        metadata=metadata,
+        min_p=sampling.min_p,
+        frequency_penalty=sampling.frequency_penalty,
+        presence_penalty=sampling.presence_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+    )
+
+
+class _Sampling(NamedTuple):
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    num_sequences: int
+    seed: int | None
+
+
+def _check_sampling(sampling: generation_pb2.SamplingParams, limits: ModelLimits) -> _Sampling:
+    """Step 5: sampling ranges and num_sequences, with defaults applied."""
     temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InvalidRequest(f"sampling.temperature must be a finite number >= 0, got {temperature!r}")
@@ -242,8 +295,12 @@ def validate_generate(
         raise InvalidRequest(
             f"sampling.num_sequences must be in [1, {limits.max_num_sequences}], got {num_sequences}"
         )
+    return _Sampling(temperature, top_p, top_k, min_p, sampling.frequency_penalty, sampling.presence_penalty,
+                     repetition_penalty, num_sequences, sampling.seed if sampling.HasField("seed") else None)
 
-    stopping = request.stopping
+
+def _check_output_length(stopping: generation_pb2.StoppingOptions, limits: ModelLimits) -> tuple[int | None, int]:
+    """Step 6 without the stop conditions: (max_tokens as requested or None, min_tokens)."""
     requested_max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else None
     if requested_max_tokens is not None and not 1 <= requested_max_tokens <= limits.max_output_tokens:
         raise InvalidRequest(
@@ -259,52 +316,22 @@ def validate_generate(
             f"stopping.min_tokens must be <= max_output_tokens ({limits.max_output_tokens}) when "
             f"stopping.max_tokens is unset, got {min_tokens}"
         )
-    stop_strings, stop_token_ids = _stop_conditions(stopping.conditions, limits)
+    return requested_max_tokens, min_tokens
 
-    response = request.response
-    output_candidates = _candidates(response, "output_candidates", limits)
-    prompt_candidates = _candidates(response, "prompt_candidates", limits)
 
-    prompt_token_ids = _prompt_token_ids(request, input_kind, limits, encode)
-    max_tokens = _fit_max_tokens(input_kind, len(prompt_token_ids), requested_max_tokens, limits)
+def _check_room_after_prompt(prompt_tokens: int, max_tokens: int, min_tokens: int, prompt_logprob_start: int,
+                             limits: ModelLimits) -> None:
+    """The end of step 8: min_tokens still fits after the prompt, prompt_logprob_start is inside it."""
     if min_tokens > max_tokens:  # only reachable when max_tokens was clamped to the context
         raise InvalidRequest(
             f"stopping.min_tokens must be <= the {max_tokens} output tokens that fit in max_context_length "
-            f"{limits.max_context_length} after the prompt's {len(prompt_token_ids)} tokens, got {min_tokens}"
+            f"{limits.max_context_length} after the prompt's {prompt_tokens} tokens, got {min_tokens}"
         )
-    prompt_logprob_start = response.prompt_logprob_start
-    if prompt_logprob_start >= len(prompt_token_ids):
+    if prompt_logprob_start >= prompt_tokens:
         raise InvalidRequest(
-            f"response.prompt_logprob_start must be < the prompt length ({len(prompt_token_ids)} tokens), "
+            f"response.prompt_logprob_start must be < the prompt length ({prompt_tokens} tokens), "
             f"got {prompt_logprob_start}"
         )
-
-    return GenerationPlan(
-        request_id=request.request_id,
-        model=model,
-        prompt_token_ids=prompt_token_ids,
-        num_sequences=num_sequences,
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        stop_strings=stop_strings,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=stopping.ignore_eos,
-        include_stop_in_output=stopping.include_stop_in_output,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(top_k, 0),
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        output_logprobs=response.return_output_logprobs,
-        output_candidates=output_candidates,
-        prompt_logprobs=response.return_prompt_logprobs,
-        prompt_candidates=prompt_candidates,
-        prompt_logprob_start=prompt_logprob_start,
-        metadata=metadata,
-        min_p=min_p,
-        frequency_penalty=sampling.frequency_penalty,
-        presence_penalty=sampling.presence_penalty,
-        repetition_penalty=repetition_penalty,
-    )
 
 
 def _check_request_id(request_id: str) -> None:

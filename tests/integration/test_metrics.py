@@ -77,7 +77,7 @@ def test_metrics_move_with_traffic(deployment, workers):
     assert metric(coord_samples, "openengine_coordinator_frontends", state="live") == workers
     assert metric(coord_samples, "openengine_coordinator_routing_decisions_total", reason="least_loaded") >= sent
     assert metric(coord_samples, "openengine_coordinator_finished_remembered") >= sent
-    for gauge in ("oldest_reservation_age_s", "frontend_reported_live_requests", "affinity_keys"):
+    for gauge in ("oldest_reservation_age_s", "frontend_reported_live_requests"):
         assert (f"openengine_coordinator_{gauge}", ()) in coord_samples
 
 

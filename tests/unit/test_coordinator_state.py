@@ -15,6 +15,7 @@ from openengine_serve.coordinator.state import (
     RankConflict,
     RankNotFound,
 )
+from openengine_serve.common.routing import rendezvous_pick
 
 READY = cluster_pb2.NODE_STATE_READY
 DOWN = cluster_pb2.NODE_STATE_DOWN
@@ -92,64 +93,43 @@ def test_least_loaded_prefers_lower_normalized_load(state: ClusterState) -> None
     assert reserve(state, "r1") == "big"
 
 
-def test_affinity_sticks_then_moves_when_the_node_goes_down(state: ClusterState) -> None:
-    add_node(state, "a")
-    add_node(state, "b")
-    first = reserve(state, "r0", routing_key="user-7")
-    for i in range(1, 6):
-        assert reserve(state, f"r{i}", routing_key="user-7") == first
-    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 5, "least_loaded": 1}
-
-    state.node_heartbeat(first, DOWN, None)
-    other = reserve(state, "r6", routing_key="user-7")
-    assert other != first
-    state.node_heartbeat(first, READY, load())  # back, but the key has moved
-    assert reserve(state, "r7", routing_key="user-7") == other
+def key_routed_to(node_id: str, node_ids: list[str]) -> str:
+    """A routing key whose rendezvous node among node_ids is node_id."""
+    return next(k for k in (f"key-{i}" for i in range(1000)) if rendezvous_pick(k, node_ids, str) == node_id)
 
 
-def test_affinity_key_leaves_a_draining_node(state: ClusterState) -> None:
-    add_node(state, "a")
-    add_node(state, "b")
-    first = reserve(state, "r0", routing_key="k")
-    state.node_heartbeat(first, DRAINING, None)
-    assert reserve(state, "r1", routing_key="k") != first
+def test_a_routing_key_always_lands_on_its_rendezvous_node(state: ClusterState) -> None:
+    for node_id in ("a", "b", "c"):
+        add_node(state, node_id)
+    keys = [f"user-{i}" for i in range(12)]
+    expected = {key: rendezvous_pick(key, ["a", "b", "c"], str) for key in keys}
+    assert len(set(expected.values())) == 3  # the keys exercise every node
+    for i, key in enumerate(keys):
+        assert reserve(state, f"r{i}", routing_key=key) == expected[key]
+        assert reserve(state, f"again{i}", routing_key=key) == expected[key]
+    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 24, "least_loaded": 0}
 
 
-def test_affinity_overflows_from_a_full_node_and_keeps_the_key(state: ClusterState) -> None:
+def test_a_key_leaves_a_node_that_is_not_ready_and_comes_back(state: ClusterState) -> None:
+    for node_id in ("a", "b", "c"):
+        add_node(state, node_id)
+    key = key_routed_to("a", ["a", "b", "c"])
+    assert reserve(state, "r0", routing_key=key) == "a"
+    state.node_heartbeat("a", DRAINING, None)
+    assert reserve(state, "r1", routing_key=key) == rendezvous_pick(key, ["b", "c"], str)
+    state.node_heartbeat("a", READY, load())
+    assert reserve(state, "r2", routing_key=key) == "a"
+
+
+def test_a_key_overflows_from_its_full_node_and_returns(state: ClusterState) -> None:
     add_node(state, "a", max_running=1, max_queued=0)
     add_node(state, "b", running=1, max_running=10, max_queued=0)  # busier in score, has room
-    assert reserve(state, "r0", routing_key="k") == "a"
-    assert reserve(state, "r1", routing_key="k") == "b"  # a is full: overflow
+    key = key_routed_to("a", ["a", "b"])
+    assert reserve(state, "r0", routing_key=key) == "a"
+    assert reserve(state, "r1", routing_key=key) == "b"  # a is full: overflow to the least loaded
+    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 1, "least_loaded": 1}
     state.release("r0", "fe-1")
-    assert reserve(state, "r2", routing_key="k") == "a"
-
-
-def test_affinity_expires_after_its_ttl(clock: FakeClock) -> None:
-    state = ClusterState(now=clock, routing_affinity_ttl_s=10.0)
-    add_node(state, "a")
-    add_node(state, "b", running=1)
-    assert reserve(state, "r0", routing_key="k") == "a"  # least loaded
-    state.release("r0", "fe-1")
-
-    def b_becomes_the_least_loaded(seconds: float) -> None:
-        clock.advance(seconds)
-        state.node_heartbeat("a", READY, load(running=2))
-        state.node_heartbeat("b", READY, load())
-        state.expire()
-    b_becomes_the_least_loaded(2.0)
-    assert reserve(state, "r1", routing_key="k") == "a"  # within the TTL the key sticks to a busier node
-    state.release("r1", "fe-1")
-    b_becomes_the_least_loaded(11.0)
-    assert state.snapshot()["affinity_keys"] == 0
-    assert reserve(state, "r2", routing_key="k") == "b"  # forgotten: routed by load again
-
-
-def test_affinity_map_is_bounded(clock: FakeClock) -> None:
-    state = ClusterState(now=clock, routing_affinity_max_keys=3)
-    add_node(state, "a")
-    for i in range(10):
-        reserve(state, f"r{i}", routing_key=f"k{i}")
-    assert state.snapshot()["affinity_keys"] == 3
+    assert reserve(state, "r2", routing_key=key) == "a"
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 import asyncio
 
-from openengine_serve.frontend.cluster import Cluster, LaneFailure, RequestSink
+from openengine_serve.frontend.nodes import LaneFailure, RequestSink
+from openengine_serve.frontend.watchdog import stall_watchdog
 
 
 async def test_take_returns_everything_queued_in_order():
@@ -26,13 +27,11 @@ async def test_a_sink_fails_once():
 
 
 async def test_silent_request_ends_with_a_retryable_failure():
-    cluster = Cluster("fe", "127.0.0.1:9", "fe:1", heartbeat_s=1.0, stall_timeout_s=0.2)
-    quiet = cluster.open_sink("quiet")
-    watchdog = asyncio.ensure_future(cluster.stall_watchdog())
+    quiet = RequestSink()
+    watchdog = asyncio.ensure_future(stall_watchdog({"quiet": quiet}, stall_timeout_s=0.2))
     try:
         items = await asyncio.wait_for(quiet.take(), 2)
     finally:
         watchdog.cancel()
-        await cluster.close()
     assert len(items) == 1 and isinstance(items[0], LaneFailure)
     assert items[0].retryable and "no progress" in items[0].message

@@ -130,6 +130,15 @@ class FrontendConfig(CommonConfig):
     heartbeat_s: float = knob(1.0, "how often the frontend heartbeats the coordinator", minimum=0.05)
     stall_timeout_s: float = knob(120.0, "a request that hears nothing from its node this long (queued or "
                                          "running) ends with a retryable EngineError", minimum=1)
+    coordinator_timeout_s: float = knob(2.0, "deadline of each frontend call to the coordinator (register, "
+                                             "heartbeat, reserve, release, abort, load); a reserve that runs out "
+                                             "routes from the last known node table", minimum=0.05)
+    node_connect_timeout_s: float = knob(5.0, "how long a request waits for its node's result lane to open "
+                                              "before it is refused (UNAVAILABLE)", minimum=0.05)
+    node_call_timeout_s: float = knob(5.0, "deadline of the frontend's Submit and Cancel calls to a node",
+                                      minimum=0.05)
+    probe_timeout_s: float = knob(5.0, "the Control.Health inference probe reports DEGRADED when its one token "
+                                       "takes longer", minimum=0.05)
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
 
     @classmethod

@@ -41,7 +41,6 @@ _GAUGES = {  # snapshot key -> help; the metric is openengine_coordinator_<key>
     "frontend_reported_live_requests": "live requests the frontends report in their heartbeats (compare with "
                                        "live_reservations)",
     "finished_remembered": "finished request ids remembered to answer a late Abort",
-    "affinity_keys": "routing keys remembered for affinity",
 }
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.routing import rendezvous_pick
 
 NodeState = cluster_pb2.NodeState
 READY = cluster_pb2.NODE_STATE_READY
@@ -134,15 +135,11 @@ class ClusterState:
         node_expiry_s: float = 3.0,
         frontend_expiry_s: float = 3.0,
         finished_memory: int = 100_000,
-        routing_affinity_ttl_s: float = 600.0,
-        routing_affinity_max_keys: int = 100_000,
     ) -> None:
         for name, value in (
             ("node_expiry_s", node_expiry_s),
             ("frontend_expiry_s", frontend_expiry_s),
             ("finished_memory", finished_memory),
-            ("routing_affinity_ttl_s", routing_affinity_ttl_s),
-            ("routing_affinity_max_keys", routing_affinity_max_keys),
         ):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
@@ -150,16 +147,12 @@ class ClusterState:
         self._node_expiry_s = node_expiry_s
         self._frontend_expiry_s = frontend_expiry_s
         self._finished_memory = finished_memory
-        self._affinity_ttl_s = routing_affinity_ttl_s
-        self._affinity_max_keys = routing_affinity_max_keys
 
         self._nodes: dict[str, _Node] = {}
         self._frontends: dict[str, _Frontend] = {}
         self._live: dict[str, _Reservation] = {}  # insertion order = reservation order
         # Ids in the order they finished; the oldest are forgotten first.
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
-        # routing_key -> (node_id, last use); least recently used first.
-        self._affinity: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
         self._round_robin = 0
         self._routing_decisions = {ROUTE_TARGET_RANK: 0, ROUTE_AFFINITY: 0, ROUTE_LEAST_LOADED: 0}
         self._refusals = {"duplicate": 0, "no_node": 0, "rank_not_found": 0, "deployment_full": 0}
@@ -262,7 +255,7 @@ class ClusterState:
     def expire(self) -> None:
         """Marks silent nodes DOWN and silent frontends expired; forgets long-silent ones.
 
-        Called periodically by the service; cost O(nodes + frontends + expired keys).
+        Called periodically by the service; cost O(nodes + frontends).
         """
         now = self._now()
         for node_id, node in list(self._nodes.items()):
@@ -278,11 +271,6 @@ class ClusterState:
                 self._drop_reservations(frontend.request_ids)
             if silent_s > FORGET_AFTER_EXPIRIES * self._frontend_expiry_s:
                 del self._frontends[frontend_id]
-        while self._affinity:
-            _, (_, last_used) = next(iter(self._affinity.items()))
-            if now - last_used <= self._affinity_ttl_s:
-                break
-            self._affinity.popitem(last=False)
 
     # ------------------------------------------------------- request ownership
 
@@ -309,14 +297,11 @@ class ClusterState:
             node = self._pick_target_rank(ready, request.target_rank)
             reason = ROUTE_TARGET_RANK
         else:
-            node = self._pick_by_affinity(request.routing_key)
+            node = self._pick_by_affinity(ready, request.routing_key)
             reason = ROUTE_AFFINITY
             if node is None:
                 node = self._pick_least_loaded(ready)
                 reason = ROUTE_LEAST_LOADED
-                # Still present here only when its node is full: keep it (overflow).
-                if request.routing_key and request.routing_key not in self._affinity:
-                    self._remember_affinity(request.routing_key, node.entry.node_id)
 
         now = self._now()
         frontend = self._frontends.get(request.frontend_id)
@@ -389,7 +374,6 @@ class ClusterState:
             "frontends_by_state": frontends_by_state,
             "frontend_reported_live_requests": sum(f.reported_live_requests for f in self._frontends.values()),
             "finished_remembered": len(self._finished),
-            "affinity_keys": len(self._affinity),
         }
 
     # ---------------------------------------------------------------- routing
@@ -408,33 +392,20 @@ class ClusterState:
             raise DeploymentFull(f"node rank {rank} is at capacity ({self._describe_capacity(node)}); retry later")
         return node
 
-    def _pick_by_affinity(self, routing_key: str) -> _Node | None:
-        """The node remembered for the key while it is READY and has room, else None.
+    @staticmethod
+    def _pick_by_affinity(ready: list[_Node], routing_key: str) -> _Node | None:
+        """The key's node by the shared routing rule (rendezvous hashing over the READY nodes,
+        common/routing.py), or None without a key or when that node is full.
 
-        A full node keeps the key (this request overflows to the least loaded
-        node) so the key's requests return to it once it has room; a node that
-        is no longer READY loses the key, which moves to the next node chosen.
+        A full node keeps the key: this request overflows to the least loaded
+        node and the key's next requests return once it has room. A node that is
+        no longer READY drops out of the hash, so its keys spread over the
+        others and come back when it is READY again.
         """
-        remembered = self._affinity.get(routing_key) if routing_key else None
-        if remembered is None:
+        if not routing_key:
             return None
-        node_id, last_used = remembered
-        now = self._now()
-        node = self._nodes.get(node_id)
-        if now - last_used > self._affinity_ttl_s or node is None or node.entry.state != READY:
-            del self._affinity[routing_key]
-            return None
-        if node.is_full():
-            return None
-        self._affinity[routing_key] = (node_id, now)
-        self._affinity.move_to_end(routing_key)
-        return node
-
-    def _remember_affinity(self, routing_key: str, node_id: str) -> None:
-        self._affinity[routing_key] = (node_id, self._now())
-        self._affinity.move_to_end(routing_key)
-        if len(self._affinity) > self._affinity_max_keys:
-            self._affinity.popitem(last=False)
+        node = rendezvous_pick(routing_key, ready, _node_id)
+        return None if node.is_full() else node
 
     def _pick_least_loaded(self, ready: list[_Node]) -> _Node:
         # Scanning from a rotating start and keeping the first strict minimum
@@ -503,6 +474,10 @@ class ClusterState:
     def _describe_capacity(node: _Node) -> str:
         load = node.entry.load
         return f"{node.in_flight()}/{load.max_running_requests + load.max_queued_requests} in flight"
+
+
+def _node_id(node: _Node) -> str:
+    return node.entry.node_id
 
 
 def _copy(entry: cluster_pb2.NodeEntry) -> cluster_pb2.NodeEntry:

@@ -1,4 +1,4 @@
-"""One frontend worker process: the public OpenEngine gRPC server."""
+"""One frontend worker process: the public OpenEngine gRPC server, and how its parts are wired together."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 
 import grpc
 from grpc_reflection.v1alpha import reflection
@@ -19,10 +18,17 @@ from ..common.lifecycle import bind_address
 from ..common.logging_setup import log_event
 from ..common.vocab import load_encoding
 from . import metrics
-from .cluster import Cluster, LaneFailure
-from .service import Frontend
+from .control import Control
+from .coordinator_client import CoordinatorClient
+from .fallback_routing import FallbackRouter
+from .inference import Inference
+from .nodes import LaneFailure, NodeConnections
+from .probe import InferenceProbe
+from .ready_file import mark_worker_ready
+from .requests import Requests
 from .stream import serialize_response
-from .supervisor import READY_FILE_VARIABLE
+from .tasks import BackgroundTasks
+from .watchdog import stall_watchdog
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -33,71 +39,80 @@ PUBLIC_SERVICES = tuple(s.full_name for s in openengine_pb2.DESCRIPTOR.services_
 async def serve(config: FrontendConfig, implementation: ServerImplementation, stop: asyncio.Event) -> int:
     frontend_id = config.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}"
     encoding = load_encoding()
-    cluster = Cluster(frontend_id, config.coordinator_address, f"{socket.gethostname()}:{config.port}",
-                      config.heartbeat_s, config.stall_timeout_s)
+    tasks = BackgroundTasks()
+    nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s)
+    coordinator = CoordinatorClient(
+        frontend_id, config.coordinator_address, f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
+        config.coordinator_timeout_s, tasks, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only)
+    requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
     health = Health(readiness_aliases=PUBLIC_SERVICES)
-    frontend = Frontend(config, frontend_id, implementation, encoding, cluster, health)
+    inference = Inference(config, encoding, requests, health)
+    probe = InferenceProbe(frontend_id, config.model, inference, config.probe_timeout_s)
 
     server = create_server(implementation)
-    add_inference_service(frontend, server)
-    openengine_pb2_grpc.add_ControlServicer_to_server(frontend, server)
+    add_inference_service(inference, server)
+    openengine_pb2_grpc.add_ControlServicer_to_server(
+        Control(config, frontend_id, implementation, coordinator, health, probe), server)
     health.register(server)
     reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
     server.add_insecure_port(bind_address(config.host, config.port))
     await server.start()
     await health.start()
-    if ready_file := os.environ.get(READY_FILE_VARIABLE):  # tells a supervisor this worker is serving
-        open(ready_file, "w").close()
+    mark_worker_ready()
     metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
     log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port,
               grpc_server=implementation.name, grpc_server_version=implementation.version, model=config.model)
 
-    heartbeat = asyncio.create_task(cluster.heartbeat_loop())
-    readiness = asyncio.create_task(_follow_readiness(cluster, health))
-    watchdog = asyncio.create_task(cluster.stall_watchdog())
+    background = [asyncio.create_task(coordinator.heartbeat_loop()),
+                  asyncio.create_task(_follow_readiness(coordinator, health)),
+                  asyncio.create_task(stall_watchdog(nodes.sinks, config.stall_timeout_s))]
     await stop.wait()
-
-    # Drain: readiness drops first and new Generate calls get UNAVAILABLE (retry-safe). grpc.aio closes its
-    # listener and sends GOAWAY as soon as stop() begins, so it is stopped at once with the whole drain as
-    # grace: clients move to another process. pygrpc-native keeps its listener until stop() returns and does
-    # not shorten a grace already given, so it is stopped only once the streams are done. Any stream still
-    # open at the deadline ends with a terminal DRAINING error, which gets DRAIN_ERROR_GRACE_S to go out.
-    await health.start_drain()
-    log_event(logger, "draining", open_streams=len(cluster.sinks), timeout_s=config.drain_timeout_s)
-    early_stop = None
-    if implementation.name == GRPCIO:
-        early_stop = asyncio.create_task(server.stop(grace=config.drain_timeout_s + DRAIN_ERROR_GRACE_S))
-    deadline = time.monotonic() + config.drain_timeout_s
-    while cluster.sinks and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if cluster.sinks:
-        log_event(logger, "drain deadline reached", logging.WARNING, open_streams=len(cluster.sinks))
-        cluster.fail_all(LaneFailure("frontend is shutting down: drain deadline reached; retry the request",
-                                     retryable=True, draining=True))
-    # Ends what is left (e.g. health Watch streams) after a short grace; shortens grpc.aio's first stop.
-    await server.stop(grace=DRAIN_ERROR_GRACE_S)
-    if early_stop is not None:
-        await early_stop
-    for task in (heartbeat, readiness, watchdog):
+    await _drain(config, implementation, server, health, requests)
+    for task in background:
         task.cancel()
-    await cluster.close()
+    await nodes.close()
+    await coordinator.close()
     log_event(logger, "frontend stopped", frontend_id=frontend_id)
     return 0
 
 
-def add_inference_service(frontend: Frontend, server) -> None:
+async def _drain(config: FrontendConfig, implementation: ServerImplementation, server, health: Health,
+                 requests: Requests) -> None:
+    """Readiness drops first and new Generate calls get UNAVAILABLE (retry-safe). grpc.aio closes its
+    listener and sends GOAWAY as soon as stop() begins, so it is stopped at once with the whole drain as
+    grace: clients move to another process. pygrpc-native keeps its listener until stop() returns and does
+    not shorten a grace already given, so it is stopped only once the streams are done. Any stream still
+    open at the deadline ends with a terminal DRAINING error, which gets DRAIN_ERROR_GRACE_S to go out."""
+    await health.start_drain()
+    log_event(logger, "draining", open_streams=requests.open_count, timeout_s=config.drain_timeout_s)
+    early_stop = None
+    if implementation.name == GRPCIO:
+        early_stop = asyncio.create_task(server.stop(grace=config.drain_timeout_s + DRAIN_ERROR_GRACE_S))
+    if not await requests.wait_idle(config.drain_timeout_s):
+        log_event(logger, "drain deadline reached", logging.WARNING, open_streams=requests.open_count)
+        requests.fail_all(LaneFailure("frontend is shutting down: drain deadline reached; retry the request",
+                                      retryable=True, draining=True))
+    # Ends what is left (e.g. health Watch streams) after a short grace; shortens grpc.aio's first stop.
+    await server.stop(grace=DRAIN_ERROR_GRACE_S)
+    if early_stop is not None:
+        await early_stop
+
+
+def add_inference_service(inference: Inference, server) -> None:
     """openengine.v1.Inference as generated, except that Generate's responses go through
     `serialize_response`, which passes the hand-serialized token deltas through unchanged."""
     handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
-        frontend.Generate, request_deserializer=generation_pb2.GenerateRequest.FromString,
+        inference.Generate, request_deserializer=generation_pb2.GenerateRequest.FromString,
         response_serializer=serialize_response)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("openengine.v1.Inference", handlers),))
     server.add_registered_method_handlers("openengine.v1.Inference", handlers)
 
 
-async def _follow_readiness(cluster: Cluster, health: Health) -> None:
-    """SERVING while at least one node is ready. A coordinator outage alone keeps it SERVING (Control.Health
-    says DEGRADED): the last known node table still routes, and dropping every frontend would stop all traffic."""
+async def _follow_readiness(coordinator: CoordinatorClient, health: Health) -> None:
+    """SERVING while at least one node is ready, re-checked at every node table the coordinator sends. A
+    coordinator outage alone keeps it SERVING (Control.Health says DEGRADED): the last known node table still
+    routes, and dropping every frontend would stop all traffic."""
     while True:
-        await health.set_ready(bool(cluster.ready_nodes()))
-        await asyncio.sleep(0.2)
+        await health.set_ready(bool(coordinator.ready_nodes()))
+        await coordinator.table_updated.wait()
+        coordinator.table_updated.clear()

@@ -23,11 +23,9 @@ from ..common.config import FrontendConfig, env_name
 from ..common.grpc_server import resolve_implementation
 from ..common.lifecycle import logger, run_component, start_metrics
 from ..common.logging_setup import log_event, setup_logging
+from .ready_file import READY_FILE_VARIABLE
 
 RESTART_BACKOFF_S = 1.0
-# A worker writes this file once it serves; one that dies before that "cannot start" and the supervisor
-# gives up (exit 1) instead of restarting it forever.
-READY_FILE_VARIABLE = "OPENENGINE_WORKER_READY_FILE"
 
 
 def run_frontend(config: FrontendConfig) -> int:

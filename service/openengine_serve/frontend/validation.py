@@ -1,7 +1,8 @@
 """Everything checked before a Generate request is accepted.
 
-A rejected request raises `RequestRejected` carrying the gRPC status code and
-a message that names the offending field and what is allowed. The checks run
+A rejected request raises a `Refusal` (refusal.py) whose kind maps to the gRPC
+status code in parentheses below, with a message that names the offending field
+and what is allowed. The checks run
 in a fixed order, so a request with several problems always gets the same
 answer:
 
@@ -30,12 +31,12 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
-import grpc
+from typing import Literal, NamedTuple
 
 from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.common.vocab import VOCAB_SIZE
+
+from .refusal import InvalidRequest, NotServed, Unsupported
 
 MAX_REQUEST_ID_BYTES = 1024
 
@@ -53,23 +54,6 @@ _INT32_TEXT = re.compile(r"([+-]?)0*([0-9]{1,10})")
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?")
 
 CandidateSelection = tuple[Literal["top_n"], int] | tuple[Literal["token_ids"], tuple[int, ...]]
-
-
-class RequestRejected(Exception):
-    """A request refused before acceptance; the caller ends the call with this status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _invalid(message: str) -> RequestRejected:
-    return RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def _unimplemented(message: str) -> RequestRejected:
-    return RequestRejected(grpc.StatusCode.UNIMPLEMENTED, message)
 
 
 @dataclass(frozen=True)
@@ -149,7 +133,7 @@ def parse_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> RequestMetadata:
         key = raw_key.lower()
         if key.startswith(_OPENENGINE_HEADER_PREFIX):
             if key in seen:
-                raise _invalid(f"metadata {key} was sent more than once; send it at most once")
+                raise InvalidRequest(f"metadata {key} was sent more than once; send it at most once")
             seen.add(key)
         if key == ROUTING_KEY_HEADER:
             routing_key = _parse_routing_key(value)
@@ -181,17 +165,17 @@ def _shown(value: str | bytes) -> str:
 
 def _parse_routing_key(value: str | bytes) -> str:
     if not value:
-        raise _invalid(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got an empty value")
+        raise InvalidRequest(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got an empty value")
     text = _ascii_or_empty(value)
     if not text:
-        raise _invalid(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got {_shown(value)}")
+        raise InvalidRequest(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got {_shown(value)}")
     return text
 
 
 def _parse_uint32(key: str, value: str | bytes) -> int:
     match = _UINT32_TEXT.fullmatch(_ascii_or_empty(value))
     if match is None or int(match[1]) > _UINT32_MAX:
-        raise _invalid(f"metadata {key} must be a base-10 uint32 (0..{_UINT32_MAX}), got {_shown(value)}")
+        raise InvalidRequest(f"metadata {key} must be a base-10 uint32 (0..{_UINT32_MAX}), got {_shown(value)}")
     return int(match[1])
 
 
@@ -199,7 +183,7 @@ def _parse_int32(key: str, value: str | bytes) -> int:
     match = _INT32_TEXT.fullmatch(_ascii_or_empty(value))
     number = None if match is None else int(match[1] + match[2])
     if number is None or not _INT32_MIN <= number <= _INT32_MAX:
-        raise _invalid(
+        raise InvalidRequest(
             f"metadata {key} must be a base-10 int32 ({_INT32_MIN}..{_INT32_MAX}), got {_shown(value)}"
         )
     return number
@@ -233,112 +217,139 @@ def validate_generate(
     model = _resolve_model(request.model, limits)
     _check_supported_features(request)
 
-    sampling = request.sampling
-    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise _invalid(f"sampling.temperature must be a finite number >= 0, got {temperature!r}")
-    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
-    if not 0 < top_p <= 1:
-        raise _invalid(f"sampling.top_p must be in (0, 1], got {top_p!r}")
-    top_k = sampling.top_k
-    if top_k < -1:
-        raise _invalid(f"sampling.top_k must be >= -1 (-1 and 0 disable it), got {top_k}")
-    min_p = sampling.min_p
-    if not 0 <= min_p <= 1:
-        raise _invalid(f"sampling.min_p must be in [0, 1], got {min_p!r}")
-    for penalty_field in ("frequency_penalty", "presence_penalty"):
-        penalty = getattr(sampling, penalty_field)
-        if not -2 <= penalty <= 2:
-            raise _invalid(f"sampling.{penalty_field} must be in [-2, 2], got {penalty!r}")
-    repetition_penalty = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
-    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        raise _invalid(f"sampling.repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
-    num_sequences = sampling.num_sequences if sampling.HasField("num_sequences") else 1
-    if not 1 <= num_sequences <= limits.max_num_sequences:
-        raise _invalid(
-            f"sampling.num_sequences must be in [1, {limits.max_num_sequences}], got {num_sequences}"
-        )
-
+    sampling = _check_sampling(request.sampling, limits)
     stopping = request.stopping
-    requested_max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else None
-    if requested_max_tokens is not None and not 1 <= requested_max_tokens <= limits.max_output_tokens:
-        raise _invalid(
-            f"stopping.max_tokens must be in [1, {limits.max_output_tokens}], got {requested_max_tokens}"
-        )
-    min_tokens = stopping.min_tokens
-    if requested_max_tokens is not None and min_tokens > requested_max_tokens:
-        raise _invalid(
-            f"stopping.min_tokens must be <= stopping.max_tokens ({requested_max_tokens}), got {min_tokens}"
-        )
-    if requested_max_tokens is None and min_tokens > limits.max_output_tokens:
-        raise _invalid(
-            f"stopping.min_tokens must be <= max_output_tokens ({limits.max_output_tokens}) when "
-            f"stopping.max_tokens is unset, got {min_tokens}"
-        )
+    requested_max_tokens, min_tokens = _check_output_length(stopping, limits)
     stop_strings, stop_token_ids = _stop_conditions(stopping.conditions, limits)
-
     response = request.response
     output_candidates = _candidates(response, "output_candidates", limits)
     prompt_candidates = _candidates(response, "prompt_candidates", limits)
 
     prompt_token_ids = _prompt_token_ids(request, input_kind, limits, encode)
     max_tokens = _fit_max_tokens(input_kind, len(prompt_token_ids), requested_max_tokens, limits)
-    if min_tokens > max_tokens:  # only reachable when max_tokens was clamped to the context
-        raise _invalid(
-            f"stopping.min_tokens must be <= the {max_tokens} output tokens that fit in max_context_length "
-            f"{limits.max_context_length} after the prompt's {len(prompt_token_ids)} tokens, got {min_tokens}"
-        )
-    prompt_logprob_start = response.prompt_logprob_start
-    if prompt_logprob_start >= len(prompt_token_ids):
-        raise _invalid(
-            f"response.prompt_logprob_start must be < the prompt length ({len(prompt_token_ids)} tokens), "
-            f"got {prompt_logprob_start}"
-        )
+    _check_room_after_prompt(len(prompt_token_ids), max_tokens, min_tokens, response.prompt_logprob_start, limits)
 
     return GenerationPlan(
         request_id=request.request_id,
         model=model,
         prompt_token_ids=prompt_token_ids,
-        num_sequences=num_sequences,
+        num_sequences=sampling.num_sequences,
         max_tokens=max_tokens,
         min_tokens=min_tokens,
         stop_strings=stop_strings,
         stop_token_ids=stop_token_ids,
         ignore_eos=stopping.ignore_eos,
         include_stop_in_output=stopping.include_stop_in_output,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(top_k, 0),
-        seed=sampling.seed if sampling.HasField("seed") else None,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
+        seed=sampling.seed,
         output_logprobs=response.return_output_logprobs,
         output_candidates=output_candidates,
         prompt_logprobs=response.return_prompt_logprobs,
         prompt_candidates=prompt_candidates,
-        prompt_logprob_start=prompt_logprob_start,
+        prompt_logprob_start=response.prompt_logprob_start,
         metadata=metadata,
-        min_p=min_p,
+        min_p=sampling.min_p,
         frequency_penalty=sampling.frequency_penalty,
         presence_penalty=sampling.presence_penalty,
-        repetition_penalty=repetition_penalty,
+        repetition_penalty=sampling.repetition_penalty,
     )
+
+
+class _Sampling(NamedTuple):
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    num_sequences: int
+    seed: int | None
+
+
+def _check_sampling(sampling: generation_pb2.SamplingParams, limits: ModelLimits) -> _Sampling:
+    """Step 5: sampling ranges and num_sequences, with defaults applied."""
+    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InvalidRequest(f"sampling.temperature must be a finite number >= 0, got {temperature!r}")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {top_p!r}")
+    top_k = sampling.top_k
+    if top_k < -1:
+        raise InvalidRequest(f"sampling.top_k must be >= -1 (-1 and 0 disable it), got {top_k}")
+    min_p = sampling.min_p
+    if not 0 <= min_p <= 1:
+        raise InvalidRequest(f"sampling.min_p must be in [0, 1], got {min_p!r}")
+    for penalty_field in ("frequency_penalty", "presence_penalty"):
+        penalty = getattr(sampling, penalty_field)
+        if not -2 <= penalty <= 2:
+            raise InvalidRequest(f"sampling.{penalty_field} must be in [-2, 2], got {penalty!r}")
+    repetition_penalty = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        raise InvalidRequest(f"sampling.repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
+    num_sequences = sampling.num_sequences if sampling.HasField("num_sequences") else 1
+    if not 1 <= num_sequences <= limits.max_num_sequences:
+        raise InvalidRequest(
+            f"sampling.num_sequences must be in [1, {limits.max_num_sequences}], got {num_sequences}"
+        )
+    return _Sampling(temperature, top_p, top_k, min_p, sampling.frequency_penalty, sampling.presence_penalty,
+                     repetition_penalty, num_sequences, sampling.seed if sampling.HasField("seed") else None)
+
+
+def _check_output_length(stopping: generation_pb2.StoppingOptions, limits: ModelLimits) -> tuple[int | None, int]:
+    """Step 6 without the stop conditions: (max_tokens as requested or None, min_tokens)."""
+    requested_max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else None
+    if requested_max_tokens is not None and not 1 <= requested_max_tokens <= limits.max_output_tokens:
+        raise InvalidRequest(
+            f"stopping.max_tokens must be in [1, {limits.max_output_tokens}], got {requested_max_tokens}"
+        )
+    min_tokens = stopping.min_tokens
+    if requested_max_tokens is not None and min_tokens > requested_max_tokens:
+        raise InvalidRequest(
+            f"stopping.min_tokens must be <= stopping.max_tokens ({requested_max_tokens}), got {min_tokens}"
+        )
+    if requested_max_tokens is None and min_tokens > limits.max_output_tokens:
+        raise InvalidRequest(
+            f"stopping.min_tokens must be <= max_output_tokens ({limits.max_output_tokens}) when "
+            f"stopping.max_tokens is unset, got {min_tokens}"
+        )
+    return requested_max_tokens, min_tokens
+
+
+def _check_room_after_prompt(prompt_tokens: int, max_tokens: int, min_tokens: int, prompt_logprob_start: int,
+                             limits: ModelLimits) -> None:
+    """The end of step 8: min_tokens still fits after the prompt, prompt_logprob_start is inside it."""
+    if min_tokens > max_tokens:  # only reachable when max_tokens was clamped to the context
+        raise InvalidRequest(
+            f"stopping.min_tokens must be <= the {max_tokens} output tokens that fit in max_context_length "
+            f"{limits.max_context_length} after the prompt's {prompt_tokens} tokens, got {min_tokens}"
+        )
+    if prompt_logprob_start >= prompt_tokens:
+        raise InvalidRequest(
+            f"response.prompt_logprob_start must be < the prompt length ({prompt_tokens} tokens), "
+            f"got {prompt_logprob_start}"
+        )
 
 
 def _check_request_id(request_id: str) -> None:
     if not request_id:
-        raise _invalid("request_id must be non-empty")
+        raise InvalidRequest("request_id must be non-empty")
     size = len(request_id.encode("utf-8"))
     if size > MAX_REQUEST_ID_BYTES:
-        raise _invalid(f"request_id must be at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {size} bytes")
+        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {size} bytes")
 
 
 def _check_input_shape(request: generation_pb2.GenerateRequest) -> Literal["prompt", "token_ids"]:
     input_kind = request.WhichOneof("input")
     if input_kind is None:
-        raise _invalid("exactly one of prompt or token_ids must be set, got neither")
+        raise InvalidRequest("exactly one of prompt or token_ids must be set, got neither")
     if input_kind == "prompt" and not request.prompt:
-        raise _invalid("prompt must not be empty")
+        raise InvalidRequest("prompt must not be empty")
     if input_kind == "token_ids" and not request.token_ids.ids:
-        raise _invalid("token_ids.ids must not be empty")
+        raise InvalidRequest("token_ids.ids must not be empty")
     return input_kind
 
 
@@ -347,27 +358,27 @@ def _resolve_model(requested: str, limits: ModelLimits) -> str:
         return limits.served_model_name
     served = ", ".join(repr(name) for name in limits.served_names)
     problem = "model must be set" if not requested else f"model {_shown(requested)} is not served here"
-    raise RequestRejected(grpc.StatusCode.NOT_FOUND, f"{problem}; served models: {served}")
+    raise NotServed(f"{problem}; served models: {served}")
 
 
 def _check_supported_features(request: generation_pb2.GenerateRequest) -> None:
     if request.media:
-        raise _unimplemented("media input is not supported (media must be empty)")
+        raise Unsupported("media input is not supported (media must be empty)")
     guide = request.guided.WhichOneof("guide")
     if guide is not None:
-        raise _unimplemented(f"guided decoding is not supported (guided.{guide} is set)")
+        raise Unsupported(f"guided decoding is not supported (guided.{guide} is set)")
     kv = request.kv
     if kv.HasField("session"):
-        raise _unimplemented("KV sessions are not supported (kv.session is set)")
+        raise Unsupported("KV sessions are not supported (kv.session is set)")
     if kv.bypass_prefix_cache:
-        raise _unimplemented("kv.bypass_prefix_cache is not supported; leave it unset or false")
+        raise Unsupported("kv.bypass_prefix_cache is not supported; leave it unset or false")
     if kv.HasField("cache_salt"):
-        raise _unimplemented("kv.cache_salt is not supported; leave it unset")
+        raise Unsupported("kv.cache_salt is not supported; leave it unset")
     if request.lora_name:
-        raise _unimplemented(f"LoRA is not enabled (lora_name {_shown(request.lora_name)}); leave lora_name empty")
+        raise Unsupported(f"LoRA is not enabled (lora_name {_shown(request.lora_name)}); leave lora_name empty")
     for candidates_field in ("prompt_candidates", "output_candidates"):
         if getattr(request.response, candidates_field).WhichOneof("selection") == "all":
-            raise _unimplemented(
+            raise Unsupported(
                 f"response.{candidates_field}.all is not supported; only top_n and token_ids are"
             )
 
@@ -376,7 +387,7 @@ def _stop_conditions(
     conditions: Sequence[generation_pb2.StopCondition], limits: ModelLimits
 ) -> tuple[list[str], list[int]]:
     if len(conditions) > limits.max_stop_conditions:
-        raise _invalid(
+        raise InvalidRequest(
             f"stopping.conditions must have at most {limits.max_stop_conditions} entries, "
             f"got {len(conditions)}"
         )
@@ -385,14 +396,14 @@ def _stop_conditions(
     for index, condition in enumerate(conditions):
         kind = condition.WhichOneof("condition")
         if kind is None:
-            raise _invalid(f"stopping.conditions[{index}] must set stop_text or stop_token_id")
+            raise InvalidRequest(f"stopping.conditions[{index}] must set stop_text or stop_token_id")
         if kind == "stop_text":
             if not condition.stop_text:
-                raise _invalid(f"stopping.conditions[{index}].stop_text must not be empty")
+                raise InvalidRequest(f"stopping.conditions[{index}].stop_text must not be empty")
             stop_strings.append(condition.stop_text)
         else:
             if condition.stop_token_id >= limits.vocab_size:
-                raise _invalid(
+                raise InvalidRequest(
                     f"stopping.conditions[{index}].stop_token_id must be < {limits.vocab_size}, "
                     f"got {condition.stop_token_id}"
                 )
@@ -408,7 +419,7 @@ def _candidates(
     kind = selection.WhichOneof("selection")
     if kind == "top_n":
         if selection.top_n > limits.max_top_n:
-            raise _invalid(
+            raise InvalidRequest(
                 f"response.{candidates_field}.top_n must be in [0, {limits.max_top_n}], got {selection.top_n}"
             )
         return ("top_n", selection.top_n) if selection.top_n else None
@@ -416,7 +427,7 @@ def _candidates(
         ids = tuple(selection.token_ids.ids)
         for index, token_id in enumerate(ids):
             if token_id >= limits.vocab_size:
-                raise _invalid(
+                raise InvalidRequest(
                     f"response.{candidates_field}.token_ids.ids[{index}] must be < {limits.vocab_size}, "
                     f"got {token_id}"
                 )
@@ -436,12 +447,12 @@ def _prompt_token_ids(
         token_ids = list(request.token_ids.ids)
         if max(token_ids) >= limits.vocab_size:  # max() in C; find the position only on failure
             index = next(i for i, token_id in enumerate(token_ids) if token_id >= limits.vocab_size)
-            raise _invalid(
+            raise InvalidRequest(
                 f"token_ids.ids[{index}] must be < {limits.vocab_size} (the vocabulary size), "
                 f"got {token_ids[index]}"
             )
     if len(token_ids) > limits.max_context_length:
-        raise _invalid(
+        raise InvalidRequest(
             f"{input_kind} must fit max_context_length {limits.max_context_length}, "
             f"got {len(token_ids)} tokens"
         )
@@ -455,13 +466,13 @@ def _fit_max_tokens(
     room = limits.max_context_length - prompt_length
     if requested is None:
         if room == 0:
-            raise _invalid(
+            raise InvalidRequest(
                 f"{input_kind} must leave room for output within max_context_length "
                 f"{limits.max_context_length}, got {prompt_length} tokens"
             )
         return min(limits.max_output_tokens, room)
     if requested > room:
-        raise _invalid(
+        raise InvalidRequest(
             f"stopping.max_tokens plus the prompt's {prompt_length} tokens must fit max_context_length "
             f"{limits.max_context_length} (at most {room} output tokens), got {requested}"
         )

@@ -1,0 +1,179 @@
+"""openengine.v1 Control: server and model info, load, health, Abort; LoRA and KV events are not offered."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from .. import __version__
+from ..api.openengine.v1 import kv_pb2, lifecycle_pb2, lora_pb2, model_pb2, openengine_pb2_grpc, server_pb2
+from ..api.openengine_internal.v1 import cluster_pb2
+from ..common.config import FrontendConfig
+from ..common.grpc_server import ServerImplementation
+from ..common.health import Health
+from ..common.logging_setup import log_event
+from .coordinator_client import CoordinatorClient
+from .inference import MAX_TOP_N
+from .probe import InferenceProbe
+
+logger = logging.getLogger("openengine_serve.frontend")
+
+SCHEMA_REVISION = 1
+SCHEMA_RELEASE = "openengine@4def7c50b05e0674a0c3b26917399155535966e4"
+ENGINE_NAME = "openengine-serve"
+
+READY = lifecycle_pb2.HEALTH_STATE_READY
+DEGRADED = lifecycle_pb2.HEALTH_STATE_DEGRADED
+NOT_READY = lifecycle_pb2.HEALTH_STATE_NOT_READY
+
+
+class Control(openengine_pb2_grpc.ControlServicer):
+    def __init__(self, config: FrontendConfig, frontend_id: str, implementation: ServerImplementation,
+                 coordinator: CoordinatorClient, health: Health, probe: InferenceProbe) -> None:
+        self.config = config
+        self.frontend_id = frontend_id
+        self.implementation = implementation
+        self.coordinator = coordinator
+        self.health = health
+        self.probe = probe
+
+    async def GetServerInfo(self, request, context) -> server_pb2.ServerInfo:
+        nodes = self.coordinator.ready_nodes() or list(self.coordinator.nodes.values())
+        info = server_pb2.ServerInfo(
+            engine_name=ENGINE_NAME, engine_version=__version__,
+            engine_role=server_pb2.ENGINE_ROLE_AGGREGATED, instance_id=self.frontend_id,
+            supported_models=[self.config.model, *self.config.aliases()],
+            schema_revision=SCHEMA_REVISION, minimum_client_revision=SCHEMA_REVISION, schema_release=SCHEMA_RELEASE,
+            parallelism=server_pb2.ParallelismInfo(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                                   data_parallel_size=len(nodes)),
+            kv_connector=kv_pb2.KvConnectorInfo(enabled=False))
+        if nodes:
+            info.capacity.max_running_requests = sum(n.load.max_running_requests for n in nodes)
+        info.extra.update({"grpc_server": self.implementation.name,
+                           "grpc_server_version": self.implementation.version,
+                           "frontend_id": self.frontend_id})
+        return info
+
+    async def GetModelInfo(self, request, context) -> model_pb2.ModelInfo:
+        names = (self.config.model, *self.config.aliases())
+        if not request.model:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model is required; served: {', '.join(names)}")
+            return
+        if request.model not in names:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"model {request.model!r} is not served; served: {', '.join(names)}")
+            return
+        logprobs = model_pb2.LogprobCapabilities(
+            supported=True, max_top_n=MAX_TOP_N,
+            candidate_selection_modes=[model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N,
+                                       model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS])
+        return model_pb2.ModelInfo(
+            model_id=self.config.model, served_model_name=self.config.model,
+            served_model_aliases=list(self.config.aliases()),
+            max_context_length=self.config.max_context_length, max_output_tokens=self.config.max_output_tokens,
+            tokenizer_modes=["qwen3-bpe"], supports_text_input=True, supports_token_ids_input=True,
+            generation=model_pb2.GenerationCapabilities(
+                prompt_logprobs=logprobs, output_logprobs=logprobs,
+                guided_decoding=model_pb2.GuidedDecodingCapabilities(supported=False),
+                max_num_sequences=self.config.max_num_sequences, supports_priority=True,
+                supports_stop_in_output=True, supports_cache_salt=False, supports_prefix_cache_bypass=False),
+            supports_lora=False, supports_multimodal=False)
+
+    async def GetLoad(self, request, context) -> server_pb2.LoadInfo:
+        load = await self.coordinator.cluster_load()
+        live = [n for n in load.nodes if n.state in (cluster_pb2.NODE_STATE_READY, cluster_pb2.NODE_STATE_DRAINING)]
+        info = server_pb2.LoadInfo(
+            instance_id=self.frontend_id, timestamp_unix_nanos=time.time_ns(),
+            running_requests=sum(n.load.running_requests for n in live),
+            queued_requests=sum(n.load.queued_requests for n in live),
+            running_tokens=sum(n.load.running_tokens for n in live),
+            waiting_tokens=sum(n.load.waiting_tokens for n in live),
+            decode_batch_size=sum(n.load.decode_batch_size for n in live))
+        if request.include_per_rank:
+            for n in sorted(live, key=lambda n: n.rank):
+                info.ranks.add(data_parallel_rank=n.rank, running_requests=n.load.running_requests,
+                               queued_requests=n.load.queued_requests, decode_batch_size=n.load.decode_batch_size)
+        return info
+
+    async def Health(self, request, context) -> lifecycle_pb2.HealthResponse:
+        checks = self.health_checks()
+        if request.include_inference_probe and not self.health.draining:
+            checks.append(await self.probe.check())
+        state = next((c.state for c in checks if c.state != READY), READY)
+        return lifecycle_pb2.HealthResponse(state=state, checks=checks)
+
+    def health_checks(self) -> list[lifecycle_pb2.HealthCheck]:
+        """grpc, coordinator, scheduler, model — in that order; the first non-READY one is the overall state."""
+        draining = self.health.draining
+        checks = [lifecycle_pb2.HealthCheck(
+            name="grpc", state=lifecycle_pb2.HEALTH_STATE_DRAINING if draining else READY,
+            message="draining: new requests are refused" if draining else f"serving on {self.implementation.name}")]
+        coordinator = self.coordinator
+        ready_nodes = coordinator.ready_nodes()
+        if coordinator.reachable:
+            checks.append(lifecycle_pb2.HealthCheck(name="coordinator", state=READY, message=coordinator.address))
+        else:
+            checks.append(lifecycle_pb2.HealthCheck(
+                name="coordinator", state=DEGRADED if ready_nodes else NOT_READY,
+                message=f"coordinator {coordinator.address} unreachable; "
+                        f"serving from the last known node table ({len(ready_nodes)} ready nodes)"))
+        checks.append(lifecycle_pb2.HealthCheck(
+            name="scheduler", state=READY if ready_nodes else NOT_READY,
+            message=f"{len(ready_nodes)} ready nodes of {len(coordinator.nodes)} known"))
+        checks.append(lifecycle_pb2.HealthCheck(name="model", state=READY,
+                                                message=f"{self.config.model}: tokenizer loaded"))
+        return checks
+
+    async def Abort(self, request: lifecycle_pb2.AbortRequest, context) -> lifecycle_pb2.AbortResponse:
+        target = request.WhichOneof("target")
+        if target is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "exactly one target is required: request_id, kv_session or all_requests")
+            return
+        if target == "kv_session":
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no KV sessions exist in an aggregated deployment")
+            return
+        if target == "request_id" and not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+            return
+        cluster_request = (cluster_pb2.ClusterAbortRequest(all_requests=True) if target == "all_requests"
+                           else cluster_pb2.ClusterAbortRequest(request_id=request.request_id))
+        try:
+            reply = await self.coordinator.abort(cluster_request)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"abort needs the coordinator, which is unreachable ({exc.code().name})")
+            return
+        if reply.outcome == cluster_pb2.ABORT_OUTCOME_NOT_FOUND:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not known")
+            return
+        if reply.outcome == cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED:
+            return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED,
+                                               message=f"request_id {request.request_id!r} already finished")
+        log_event(logger, "abort", target=target, request_id=request.request_id, aborted=reply.aborted)
+        return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED,
+                                           message=f"aborted {reply.aborted} request(s)")
+
+    async def LoadLora(self, request, context) -> lora_pb2.LoadLoraResponse:
+        await _lora_disabled(context)
+
+    async def UnloadLora(self, request, context) -> lora_pb2.UnloadLoraResponse:
+        await _lora_disabled(context)
+
+    async def ListLoras(self, request, context) -> lora_pb2.ListLorasResponse:
+        await _lora_disabled(context)
+
+    async def GetKvEventSources(self, request, context) -> kv_pb2.GetKvEventSourcesResponse:
+        return kv_pb2.GetKvEventSourcesResponse()
+
+    async def SubscribeKvEvents(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "KV events are not available: this engine has no KV connector (kv_connector.enabled=false)")
+        return
+        yield  # pragma: no cover - makes this an async generator like the other streaming handler
+
+
+async def _lora_disabled(context) -> None:
+    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this deployment")

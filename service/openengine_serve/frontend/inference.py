@@ -1,0 +1,176 @@
+"""openengine.v1 Inference: Generate, the protocol mapping of a request's stream.
+
+The request's life in the deployment (reserve, submit, release) belongs to
+`requests.Requests`; this module validates, maps refusals to gRPC status codes
+(REFUSAL_CODES, the server edge) and turns engine events into responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from ..api.openengine.v1 import error_pb2, generation_pb2, openengine_pb2_grpc
+from ..api.openengine_internal.v1 import cluster_pb2
+from ..common.config import FrontendConfig
+from ..common.health import Health
+from ..common.logging_setup import log_event
+from . import metrics
+from .nodes import LaneFailure
+from .refusal import DuplicateRequest, InvalidRequest, NotServed, Overloaded, Refusal, Unavailable, Unsupported
+from .requests import OpenRequest, Requests
+from .stream import ENGINE_ERROR, OutputStream, TokenStrings, engine_error, prompt_output
+from .text import encode_prompt
+from .validation import GenerationPlan, ModelLimits, RequestMetadata, parse_metadata, validate_generate
+
+logger = logging.getLogger("openengine_serve.frontend")
+
+MAX_TOP_N = 20
+MAX_STOP_CONDITIONS = 16
+REFUSAL_CODES: dict[type[Refusal], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    NotServed: grpc.StatusCode.NOT_FOUND,
+    Unsupported: grpc.StatusCode.UNIMPLEMENTED,
+    DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
+
+
+class Inference(openengine_pb2_grpc.InferenceServicer):
+    def __init__(self, config: FrontendConfig, encoding, requests: Requests, health: Health) -> None:
+        self.encoding = encoding
+        self.strings = TokenStrings(encoding)
+        self.requests = requests
+        self.health = health
+        self.limits = ModelLimits(
+            served_model_name=config.model, aliases=config.aliases(), max_context_length=config.max_context_length,
+            max_output_tokens=config.max_output_tokens, max_num_sequences=config.max_num_sequences,
+            max_top_n=MAX_TOP_N, max_stop_conditions=MAX_STOP_CONDITIONS, vocab_size=encoding.n_vocab)
+
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.encoding, text)
+
+    def plan(self, request: generation_pb2.GenerateRequest, metadata: RequestMetadata) -> GenerationPlan:
+        """The validated request; raises a Refusal naming what is wrong."""
+        return validate_generate(request, metadata, self.limits, self.encode)
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:
+        # A coroutine writing with context.write, not an async generator: when the client cancels, the
+        # cancellation lands in `stream` and the request owner's cleanup (free the engine slot, release the id)
+        # runs at once, not whenever the garbage collector finalizes an abandoned generator.
+        started = time.perf_counter()
+        try:
+            if self.health.draining:
+                raise Unavailable("this frontend is draining; retry on another frontend")
+            plan = self.plan(request, parse_metadata(context.invocation_metadata() or ()))
+            async with self.requests.open(plan) as accepted:
+                await self.stream(plan, accepted, started, context.write)
+        except Refusal as exc:
+            code = REFUSAL_CODES[type(exc)]
+            metrics.REQUESTS.labels(status="rejected", code=code.name).inc()
+            await context.abort(code, exc.message)
+            return
+
+    async def stream(self, plan: GenerationPlan, accepted: OpenRequest, started: float, write: Write) -> None:
+        """Streams the request's engine events to `write` until every output finished (or the stream failed)."""
+        request_id = plan.request_id
+        sink = accepted.sink
+        outputs = [OutputStream(i, plan, self.encoding, self.strings) for i in range(plan.num_sequences)]
+        open_outputs = plan.num_sequences
+        single_output = open_outputs == 1
+        prompt_sent = not plan.prompt_logprobs
+        status, code = "error", "INTERNAL"
+        metrics.IN_FLIGHT.inc()
+        metrics.PROMPT_TOKENS.inc(len(plan.prompt_token_ids))
+        first_token_at = last_token_at = None
+        try:
+            while open_outputs:
+                items = await sink.take()
+                failure = _first_failure(items)
+                if failure is not None:
+                    status, code = "failed", "OK"
+                    draining = isinstance(failure, LaneFailure) and failure.draining
+                    await write(engine_error(request_id, error_pb2.ERROR_CODE_DRAINING if draining
+                                             else error_pb2.ERROR_CODE_INTERNAL, failure.message, failure.retryable))
+                    return
+                if not prompt_sent and items[0].prompt_tokens:
+                    prompt_sent = True
+                    await write(prompt_output(plan, items[0], self.strings))
+                new_tokens = 0
+                for index, events in ((0, items),) if single_output else _by_output(items):
+                    output = outputs[index]
+                    if output.finished:
+                        continue  # the node may still report an output this frontend already ended (stop string)
+                    delta, delta_tokens, finished, stop_output = output.on_events(events)
+                    if stop_output:
+                        accepted.cancel_output(index)
+                    if delta is not None:
+                        new_tokens += delta_tokens
+                        await write(delta)
+                    if finished is not None:
+                        open_outputs -= 1
+                        if not open_outputs:
+                            finished.usage.CopyFrom(_usage(plan, outputs))
+                        await write(finished)
+                if new_tokens:
+                    now = time.perf_counter()
+                    if first_token_at is None:
+                        first_token_at = now
+                        metrics.TTFT.observe(now - started)
+                    else:
+                        metrics.ITL.observe(now - last_token_at)
+                    last_token_at = now
+                    metrics.GENERATED_TOKENS.inc(new_tokens)
+            status, code = "finished", "OK"
+        except asyncio.CancelledError:
+            status, code = "cancelled", "CANCELLED"
+            raise
+        finally:
+            accepted.ended = not open_outputs
+            _record_end(plan, accepted, outputs, status, code, started)
+
+
+def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[OutputStream], status: str, code: str,
+                started: float) -> None:
+    duration = time.perf_counter() - started
+    metrics.IN_FLIGHT.dec()
+    metrics.REQUESTS.labels(status=status, code=code).inc()
+    metrics.E2E.observe(duration)
+    log_event(logger, "request ended", request_id=plan.request_id, trace_id=trace_id(plan.metadata),
+              node_id=accepted.node.node_id, status=status, completion_tokens=sum(o.generated for o in outputs),
+              duration_s=f"{duration:.3f}")
+
+
+def trace_id(metadata: RequestMetadata) -> str:
+    """The trace id of a W3C traceparent (version-traceid-parentid-flags), or "-"."""
+    parts = metadata.traceparent.split("-")
+    return parts[1] if len(parts) == 4 else "-"
+
+
+def _first_failure(items: list) -> LaneFailure | cluster_pb2.OutputEvent | None:
+    """What ends the stream with an EngineError: a lost lane or an engine error event."""
+    for item in items:
+        if type(item) is LaneFailure or item.finish == ENGINE_ERROR:
+            return item
+    return None
+
+
+def _by_output(items: list[cluster_pb2.OutputEvent]):
+    """(output_index, its events) in arrival order, for requests with several outputs."""
+    by_output: dict[int, list[cluster_pb2.OutputEvent]] = {}
+    for event in items:
+        by_output.setdefault(event.output_index, []).append(event)
+    return by_output.items()
+
+
+def _usage(plan: GenerationPlan, outputs: list[OutputStream]) -> generation_pb2.Usage:
+    prompt = len(plan.prompt_token_ids)
+    completion = sum(o.generated for o in outputs)
+    return generation_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

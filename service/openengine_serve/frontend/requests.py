@@ -1,0 +1,152 @@
+"""One owner for every Generate request of this frontend, from reservation to release.
+
+`Requests.open(plan)` reserves the id and a node (the coordinator's choice, or
+the fallback routing's while the coordinator cannot be reached), opens the
+request's sink, connects to the node and submits the internal EngineRequest.
+It yields an `OpenRequest` whose sink the caller streams from, and on exit,
+however the stream ended, it cancels what the engine may still run, closes
+the sink and releases the id. Anything that stops the request before it is
+accepted raises a `Refusal`. A drain waits on the owner's count of open requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from ..api.openengine_internal.v1 import cluster_pb2
+from .coordinator_client import CoordinatorClient, CoordinatorUnreachable
+from .fallback_routing import FallbackRouter
+from .nodes import LaneFailure, NodeConnection, NodeConnections, RequestSink
+from .refusal import DuplicateRequest, Overloaded, Refusal, Unavailable
+from .validation import GenerationPlan, RequestMetadata
+
+
+class OpenRequest:
+    """An accepted request: its node, its sink, and the call that stops one of its outputs on the node."""
+
+    __slots__ = ("request_id", "node", "sink", "ended", "_conn", "_nodes")
+
+    def __init__(self, request_id: str, conn: NodeConnection, sink: RequestSink, nodes: NodeConnections) -> None:
+        self.request_id = request_id
+        self.node = conn.entry
+        self.sink = sink
+        self.ended = False  # set by the stream once every output finished: nothing left to cancel
+        self._conn = conn
+        self._nodes = nodes
+
+    def cancel_output(self, output_index: int) -> None:
+        self._nodes.cancel(self._conn, self.request_id, output_index)
+
+
+class Requests:
+    def __init__(self, frontend_id: str, coordinator: CoordinatorClient, nodes: NodeConnections,
+                 router: FallbackRouter) -> None:
+        self.frontend_id = frontend_id
+        self.coordinator = coordinator
+        self.nodes = nodes
+        self.router = router
+        self._open = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def open_count(self) -> int:
+        return self._open
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request is open, False when timeout_s passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def fail_all(self, failure: LaneFailure) -> None:
+        """Ends every open stream with `failure` (the drain deadline)."""
+        self.nodes.fail_all(failure)
+
+    @contextlib.asynccontextmanager
+    async def open(self, plan: GenerationPlan) -> AsyncIterator[OpenRequest]:
+        request_id = plan.request_id
+        trace = trace_metadata(plan.metadata)
+        self._open += 1
+        self._idle.clear()
+        try:
+            try:
+                node = await self._reserve(plan, trace)
+            except asyncio.CancelledError:
+                self.coordinator.release(request_id)  # the client left during Reserve, which may have gone through
+                raise
+            self.nodes.open_sink(request_id)  # before Submit: the first step may come back at once
+            conn = request = None
+            try:
+                try:
+                    conn = await self.nodes.connect(node)
+                    await self.nodes.submit(conn, engine_request(plan, self.frontend_id), trace)
+                except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
+                    conn = None  # the node did not take the request: nothing to cancel
+                    raise submit_refusal(exc, node) from None
+                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes)
+                yield request
+            finally:
+                if conn is not None and not (request is not None and request.ended):
+                    self.nodes.cancel(conn, request_id)  # the client went away or the stream failed: free the slot
+                self.nodes.close_sink(request_id, node.node_id)
+                self.coordinator.release(request_id)
+        finally:
+            self._open -= 1
+            if not self._open:
+                self._idle.set()
+
+    async def _reserve(self, plan: GenerationPlan, trace: tuple[tuple[str, str], ...]) -> cluster_pb2.NodeEntry:
+        metadata = plan.metadata
+        try:
+            return await self.coordinator.reserve(plan.request_id, metadata.routing_key, metadata.target_rank,
+                                                  len(plan.prompt_token_ids), plan.num_sequences, trace)
+        except CoordinatorUnreachable:
+            # Duplicates are caught on this frontend only until the coordinator is back.
+            if plan.request_id in self.nodes.sinks:
+                raise DuplicateRequest(f"request_id {plan.request_id!r} is already in flight") from None
+            return self.router.choose(self.coordinator.ready_nodes(), metadata.routing_key, metadata.target_rank,
+                                      self.nodes.in_flight)
+
+
+def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry) -> Refusal:
+    """A node that did not take the request: full (retry later) or unreachable (retry)."""
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(f"node {node.node_id} is full: {exc.details()}; retry later")
+    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+    return Unavailable(f"node {node.node_id} at {node.address} did not take the request: {detail}")
+
+
+def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.EngineRequest:
+    """The internal request a node runs, from the validated public one."""
+    req = cluster_pb2.EngineRequest(
+        request_id=plan.request_id, frontend_id=frontend_id, prompt_token_ids=plan.prompt_token_ids,
+        num_sequences=plan.num_sequences, max_tokens=plan.max_tokens, min_tokens=plan.min_tokens,
+        stop_token_ids=plan.stop_token_ids, ignore_eos=plan.ignore_eos, priority=plan.metadata.priority,
+        temperature=plan.temperature, top_p=plan.top_p, top_k=plan.top_k,
+        seed=plan.seed or 0, has_seed=plan.seed is not None,
+        output_logprobs=plan.output_logprobs, prompt_logprobs=plan.prompt_logprobs,
+        prompt_logprob_start=plan.prompt_logprob_start)
+    for target, selection in ((req.output_candidates, plan.output_candidates),
+                              (req.prompt_candidates, plan.prompt_candidates)):
+        if selection is not None:
+            kind, value = selection
+            if kind == "top_n":
+                target.top_n = value
+            else:
+                target.token_ids.extend(value)
+    return req
+
+
+def trace_metadata(metadata: RequestMetadata) -> tuple[tuple[str, str], ...]:
+    """W3C trace context passed on to the internal calls of the request."""
+    if not metadata.traceparent:
+        return ()
+    pairs = (("traceparent", metadata.traceparent),)
+    return pairs + ((("tracestate", metadata.tracestate),) if metadata.tracestate else ())

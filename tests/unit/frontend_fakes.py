@@ -1,0 +1,105 @@
+"""Fakes of the frontend's internal gRPC stubs (coordinator and node), for unit tests of one frontend module."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.frontend.coordinator_client import CoordinatorClient
+from openengine_serve.frontend.nodes import NodeConnection, NodeConnections
+from openengine_serve.frontend.tasks import BackgroundTasks
+
+READY = cluster_pb2.NODE_STATE_READY
+
+
+def rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+def node_entry(node_id: str, rank: int = 0, state: int = READY) -> cluster_pb2.NodeEntry:
+    return cluster_pb2.NodeEntry(node_id=node_id, address=f"{node_id}.test:1", rank=rank, state=state)
+
+
+class FakeCoordinatorStub:
+    """Reserve answers `node` (or raises `reserve_error`); Release calls are recorded."""
+
+    def __init__(self, node: cluster_pb2.NodeEntry | None = None) -> None:
+        self.node = node
+        self.reserve_error: grpc.aio.AioRpcError | None = None
+        self.reserve_gate: asyncio.Event | None = None  # when set, Reserve waits for it
+        self.reserved: list[cluster_pb2.ReserveRequest] = []
+        self.released: list[str] = []
+
+    async def Reserve(self, request, timeout, metadata=()):
+        self.reserved.append(request)
+        if self.reserve_gate is not None:
+            await self.reserve_gate.wait()
+        if self.reserve_error is not None:
+            raise self.reserve_error
+        return cluster_pb2.ReserveReply(node=self.node)
+
+    async def Release(self, request, timeout):
+        self.released.append(request.request_id)
+        return cluster_pb2.ReleaseReply()
+
+
+class FakeNodeStub:
+    """Submit records the EngineRequest (or raises `submit_error`); Cancel calls are recorded; Results plays
+    `lane` (StepResults after the opening message) and then raises `lane_error` or waits."""
+
+    def __init__(self) -> None:
+        self.submit_error: grpc.aio.AioRpcError | None = None
+        self.submitted: list[cluster_pb2.EngineRequest] = []
+        self.cancelled: list[tuple[str, int | None]] = []
+        self.lane: asyncio.Queue = asyncio.Queue()
+
+    async def Submit(self, request, timeout, metadata=()):
+        if self.submit_error is not None:
+            raise self.submit_error
+        self.submitted.append(request.request)
+        return cluster_pb2.SubmitReply()
+
+    async def Cancel(self, request, timeout):
+        self.cancelled.append((request.request_id, request.output_index if request.HasField("output_index") else None))
+        return cluster_pb2.CancelReply(found=True)
+
+    def Results(self, request):
+        async def stream():
+            yield cluster_pb2.StepResults()  # the lane is open
+            while True:
+                item = await self.lane.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        return stream()
+
+
+class FakeChannel:
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def coordinator_client(stub: FakeCoordinatorStub, tasks: BackgroundTasks, nodes: NodeConnections,
+                       live_requests=lambda: 0) -> CoordinatorClient:
+    client = CoordinatorClient("fe-test", "coordinator.test:1", "fe.test:1", heartbeat_s=1.0, call_timeout_s=1.0,
+                               tasks=tasks, live_requests=live_requests, on_node_table=nodes.keep_only)
+    client._stub = stub
+    return client
+
+
+def add_fake_node(nodes: NodeConnections, entry: cluster_pb2.NodeEntry) -> tuple[NodeConnection, FakeNodeStub]:
+    """A connection whose stub is a fake; NodeConnections.connect opens its lane as for a real one."""
+    stub = FakeNodeStub()
+    conn = nodes.connections[entry.node_id] = NodeConnection(entry, FakeChannel(), stub)
+    return conn, stub
+
+
+async def settle() -> None:
+    """Lets background tasks (release, cancel, lane reader) run."""
+    for _ in range(5):
+        await asyncio.sleep(0)

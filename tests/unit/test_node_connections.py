@@ -1,0 +1,146 @@
+"""The frontend's node connections (result lanes, request inboxes) and its fallback routing."""
+
+from __future__ import annotations
+
+import collections
+
+import grpc
+import pytest
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.coordinator.state import ClusterState
+from openengine_serve.frontend.fallback_routing import FallbackRouter
+from openengine_serve.frontend.nodes import LaneFailure, NodeConnections
+from openengine_serve.frontend.refusal import NotServed, Unavailable
+from openengine_serve.frontend.tasks import BackgroundTasks
+
+from .frontend_fakes import add_fake_node, node_entry, rpc_error, settle
+
+# ------------------------------------------------------------------ fallback routing
+
+
+def no_load(node_id: str) -> int:
+    return 0
+
+
+def test_a_routing_key_lands_where_the_coordinator_sends_it():
+    entries = [node_entry(f"node-{i}", rank=i) for i in range(4)]
+    coordinator = ClusterState()
+    for entry in entries:
+        coordinator.register_node(entry, entry.rank)
+        coordinator.node_heartbeat(entry.node_id, cluster_pb2.NODE_STATE_READY, None)
+    router = FallbackRouter()
+    keys = [f"conversation-{i}" for i in range(40)]
+    frontend_choice = {key: router.choose(entries, key, None, no_load).node_id for key in keys}
+    coordinator_choice = {key: coordinator.reserve(cluster_pb2.ReserveRequest(
+        request_id=key, frontend_id="fe", routing_key=key)).node_id for key in keys}
+    assert frontend_choice == coordinator_choice
+    assert len(set(frontend_choice.values())) == 4
+
+
+def test_target_rank_picks_that_node_or_names_the_rank():
+    entries = [node_entry("a", rank=0), node_entry("b", rank=1)]
+    router = FallbackRouter()
+    assert router.choose(entries, "some-key", 1, no_load).node_id == "b"
+    with pytest.raises(NotServed, match="openengine-target-dp-rank 5 names no ready node"):
+        router.choose(entries, "", 5, no_load)
+
+
+def test_no_ready_node_is_unavailable():
+    with pytest.raises(Unavailable, match="no ready node is known and the coordinator is unreachable"):
+        FallbackRouter().choose([], "", None, no_load)
+
+
+def test_without_a_key_the_least_busy_node_wins_and_ties_take_turns():
+    entries = [node_entry("a", rank=0), node_entry("b", rank=1), node_entry("c", rank=2)]
+    router = FallbackRouter()
+    busy = {"a": 2, "b": 0, "c": 1}
+    assert router.choose(entries, "", None, busy.__getitem__).node_id == "b"
+    placed = collections.Counter(router.choose(entries, "", None, no_load).node_id for _ in range(6))
+    assert placed == {"a": 2, "b": 2, "c": 2}
+
+
+# ------------------------------------------------------------------ node connections
+
+
+@pytest.fixture
+async def nodes():
+    nodes = NodeConnections("fe-test", BackgroundTasks(), connect_timeout_s=1.0, call_timeout_s=1.0)
+    yield nodes
+    await nodes.close()
+    await settle()
+
+
+async def test_the_lane_hands_each_event_to_its_request(nodes: NodeConnections):
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+    first, second = nodes.open_sink("r1"), nodes.open_sink("r2")
+    conn = await nodes.connect(entry)
+    assert conn.lane_ready.done()
+    stub.lane.put_nowait(cluster_pb2.StepResults(events=[
+        cluster_pb2.OutputEvent(request_id="r1", output_index=0), cluster_pb2.OutputEvent(request_id="gone"),
+        cluster_pb2.OutputEvent(request_id="r2"), cluster_pb2.OutputEvent(request_id="r1", output_index=1)]))
+    await settle()
+    assert [e.output_index for e in await first.take()] == [0, 1]
+    assert [e.request_id for e in await second.take()] == ["r2"]
+
+
+async def test_a_lost_lane_fails_the_requests_on_that_node_only(nodes: NodeConnections):
+    lost, kept = node_entry("lost"), node_entry("kept")
+    lost_conn, lost_stub = add_fake_node(nodes, lost)
+    kept_conn, _ = add_fake_node(nodes, kept)
+    on_lost, on_kept = nodes.open_sink("a"), nodes.open_sink("b")
+    await nodes.connect(lost)
+    await nodes.connect(kept)
+    lost_conn.requests.add("a")
+    kept_conn.requests.add("b")
+    lost_stub.lane.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE))
+    await settle()
+    [failure] = await on_lost.take()
+    assert isinstance(failure, LaneFailure) and failure.retryable
+    assert failure.message == "node lost at lost.test:1 was lost (UNAVAILABLE)"
+    assert not on_kept.items and kept_conn.requests == {"b"}
+    assert lost_conn.lane_task is None  # the next request reopens the lane
+
+
+async def test_a_node_that_left_the_table_is_dropped_and_its_requests_fail(nodes: NodeConnections):
+    gone, stays = node_entry("gone"), node_entry("stays")
+    gone_conn, _ = add_fake_node(nodes, gone)
+    add_fake_node(nodes, stays)
+    sink = nodes.open_sink("r")
+    await nodes.connect(gone)
+    gone_conn.requests.add("r")
+    nodes.keep_only({"stays": stays})
+    await settle()
+    assert set(nodes.connections) == {"stays"}
+    assert gone_conn.channel.closed
+    [failure] = await sink.take()
+    assert failure.message == "node left the deployment" and failure.retryable
+
+
+async def test_submit_and_cancel_reach_the_node_and_count_in_flight(nodes: NodeConnections):
+    entry = node_entry("n0")
+    conn, stub = add_fake_node(nodes, entry)
+    await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r"))
+    assert nodes.in_flight("n0") == 1 and nodes.in_flight("unknown") == 0
+    nodes.cancel(conn, "r", 2)
+    await settle()
+    assert [r.request_id for r in stub.submitted] == ["r"] and stub.cancelled == [("r", 2)]
+    nodes.open_sink("r")
+    nodes.close_sink("r", "n0")
+    assert nodes.in_flight("n0") == 0 and nodes.sinks == {}
+
+
+async def test_a_node_whose_lane_does_not_open_is_a_connection_error(nodes: NodeConnections):
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+
+    def refused(request):
+        async def stream():
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE)
+            yield  # pragma: no cover
+        return stream()
+
+    stub.Results = refused
+    with pytest.raises(ConnectionError, match="node n0 at n0.test:1 was lost"):
+        await nodes.connect(entry)

@@ -1,0 +1,47 @@
+"""The shared routing rule (rendezvous hashing) that the coordinator and the frontend's fallback both use."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import pytest
+
+from openengine_serve.common.routing import rendezvous_pick, rendezvous_weight
+
+NODES = ["node-a", "node-b", "node-c", "node-d"]
+KEYS = [f"session-{i}" for i in range(2000)]
+
+
+def pick(key: str, nodes: list[str]) -> str:
+    return rendezvous_pick(key, nodes, str)
+
+
+def test_the_weight_is_the_same_in_every_process():
+    # A frontend and the coordinator (other processes, other versions during a rolling update) must agree:
+    # the weight is a fixed function of its inputs, not Python's per-process salted hash.
+    assert rendezvous_weight("user-7", "node-a") == 0xEA008C700D14ED4F
+    assert rendezvous_weight("user-7", "node-a") != rendezvous_weight("user-7", "node-b")
+
+
+def test_the_choice_does_not_depend_on_the_order_of_the_nodes():
+    for key in KEYS[:50]:
+        assert len({pick(key, list(order)) for order in itertools.permutations(NODES)}) == 1
+
+
+def test_keys_spread_over_the_nodes():
+    counts = collections.Counter(pick(key, NODES) for key in KEYS)
+    assert set(counts) == set(NODES)
+    assert all(350 < n < 650 for n in counts.values()), counts  # 500 each on average
+
+
+def test_a_node_leaving_moves_only_its_own_keys():
+    before = {key: pick(key, NODES) for key in KEYS}
+    after = {key: pick(key, NODES[1:]) for key in KEYS}
+    moved = {key for key in KEYS if before[key] != after[key]}
+    assert moved == {key for key in KEYS if before[key] == "node-a"}
+
+
+def test_no_node_is_an_error():
+    with pytest.raises(ValueError, match="at least one node"):
+        pick("k", [])

@@ -26,6 +26,7 @@ MONITORING = REPO / "deploy" / "monitoring"
 RULES = MONITORING / "openengine-alerts.yml"
 DASHBOARD = MONITORING / "openengine-dashboard.json"
 RULE_TESTS = MONITORING / "tests" / "alerts.test.yml"
+ADAPTER_RULES = MONITORING / "prometheus-adapter-rules.yaml"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

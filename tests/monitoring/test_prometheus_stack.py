@@ -1,5 +1,6 @@
 """A real Prometheus scrapes a real `openengine-serve up --metrics` stack under load:
-every dashboard query returns data, every alert rule evaluates, none fires.
+every dashboard query returns data, so do the chart's KEDA queries and the example
+prometheus-adapter rules, every alert rule evaluates, none fires.
 
 OPENENGINE_DASHBOARD_PNG=docs/observability/dashboard.png writes the documentation
 image (rendered from the dashboard's queries) instead of a temporary one.
@@ -24,7 +25,8 @@ from openengine_serve.client import Client
 
 from ..integration.processes import wait_for
 from ..integration.test_generate import request
-from .prom import RULES, Prometheus, binary, finite_values, panel_queries
+from ..helm.chart_helpers import CHART_DIR, NAMESPACE, RELEASE, VARIANTS, Rendered, name, require
+from .prom import ADAPTER_RULES, RULES, Prometheus, binary, finite_values, panel_queries
 from .render import render
 
 NODES = 2
@@ -66,15 +68,47 @@ def up_stack(request):
             proc.kill()
 
 
+def keda_queries() -> dict[str, str]:
+    """The Prometheus queries of the chart's KEDA ScaledObjects (variant "keda"), by trigger."""
+    helm, yaml = require("helm_python"), require("yaml")
+    chart = helm.Chart.load(str(CHART_DIR))
+    try:
+        rendered = Rendered(chart.render(VARIANTS["keda"], name=RELEASE, namespace=NAMESPACE, is_install=True), yaml)
+    finally:
+        chart.close()
+    return {f"{so['metadata']['name']}/{t['name']}": t["metadata"]["query"]
+            for so in rendered.of_kind("ScaledObject") for t in so["spec"]["triggers"]}
+
+
+def adapter_queries() -> dict[str, str]:
+    """The metricsQuery of every example prometheus-adapter rule, filled in as the adapter does
+    for an HPA in NAMESPACE (Pods rules: per pod; External rules: per namespace)."""
+    yaml = require("yaml")
+    rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]
+    out = {}
+    for kind, group_by, matchers in (("custom", "pod", f'namespace="{NAMESPACE}",pod=~".+"'),
+                                      ("external", "namespace", f'namespace="{NAMESPACE}"')):
+        for rule in rules[kind]:
+            series = rule["seriesQuery"].split("{", 1)[0]
+            query = (rule["metricsQuery"].replace("<<.Series>>", series)
+                     .replace("<<.LabelMatchers>>", matchers).replace("<<.GroupBy>>", group_by))
+            out[f"{kind}/{rule['name']['as']}"] = query
+    return out
+
+
 @pytest.fixture
 def prometheus(tmp_path):
     binary("prometheus")
     config = {
         "global": {"scrape_interval": SCRAPE, "scrape_timeout": SCRAPE, "evaluation_interval": SCRAPE},
         "rule_files": [str(RULES)],
+        # Each target labelled as the Prometheus Operator labels a pod of the chart's release, so the
+        # chart's autoscaling queries can be run here too.
         "scrape_configs": [
             {"job_name": f"openengine-{component}",
-             "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}]}
+             "static_configs": [{"targets": [f"127.0.0.1:{p}"],
+                                 "labels": {"namespace": NAMESPACE, "pod": f"{name(component)}-5f7c9d8b6-pod{i}"}}
+                                for i, p in enumerate(ports)]}
             for component, ports in METRICS_PORTS.items()],
     }
     prom = Prometheus(tmp_path / "prometheus", config).wait_ready()
@@ -113,6 +147,14 @@ def test_every_dashboard_query_returns_data_under_load(up_stack, prometheus, tmp
             if not finite_values(result):
                 missing.append(f"{title} [{ref}]: {expr} -> {result}")
         assert not missing, "dashboard queries without data:\n" + "\n".join(missing)
+        scaler_queries = keda_queries()
+        assert len(scaler_queries) == 3
+        for trigger, expr in scaler_queries.items():
+            assert len(finite_values(prometheus.query(expr))) == 1, f"KEDA trigger {trigger}: {expr} has no value"
+        adapter = adapter_queries()
+        assert len(adapter) == 6
+        for rule, expr in adapter.items():
+            assert finite_values(prometheus.query(expr)), f"prometheus-adapter rule {rule}: {expr} has no value"
         info = prometheus.query('openengine_frontend_grpc_server_info == 1')
         assert {s["metric"]["implementation"] for s in info} == {server}
         tokens = prometheus.query('sum(increase(openengine_frontend_generated_tokens_total[1m]))')

@@ -74,3 +74,24 @@ def test_compose_prometheus_config_is_valid():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS: 1 rule files found" in proc.stdout
+
+
+def test_compose_profile_wires_grafana_to_prometheus_and_the_dashboard():
+    """Grafana cannot run here: check that its provisioning points where the Compose file puts things."""
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    grafana, prometheus = services["grafana"], services["prometheus"]
+    assert grafana["profiles"] == prometheus["profiles"] == ["observability"]
+    mounts = dict(v.removesuffix(":ro").split(":", 1) for v in grafana["volumes"])
+    assert mounts["./deploy/monitoring/grafana/provisioning"] == "/etc/grafana/provisioning"
+    dashboard_target = mounts["./deploy/monitoring/openengine-dashboard.json"]
+    provisioning = MONITORING / "grafana" / "provisioning"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "openengine.yml").read_text())["providers"]
+    assert dashboard_target.rsplit("/", 1)[0] == provider["options"]["path"]
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == dashboard_target
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["isDefault"]
+    assert source["url"] == "http://prometheus:9090"
+    assert any(p.endswith(":9090") for p in prometheus["ports"])
+    prom_mounts = dict(v.removesuffix(":ro").split(":", 1) for v in prometheus["volumes"])
+    assert prom_mounts["./deploy/monitoring/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+    assert prom_mounts["./deploy/monitoring/openengine-alerts.yml"] == "/etc/prometheus/openengine-alerts.yml"

@@ -9,15 +9,17 @@ one node -> pygrpc-native frontend and back -> two nodes -> frontend stop
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
 
 from ..integration.processes import wait_for
-from .conftest import Stack, cli, cli_popen, compose_ps
+from .conftest import REPO, Stack, cli, cli_popen, compose_ps
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1500)]
 
@@ -250,6 +252,65 @@ def test_killed_node_fails_the_stream_retryably_and_the_next_request_succeeds(st
     generate_ok(stack, 16)
     after = metric(scrape(survivor_port), "openengine_node_step_duration_seconds_count")
     assert after >= before + 16, f"the next request did not run on the surviving node ({before} -> {after})"
+
+
+# --------------------------------------------------- profile observability ---
+
+OBSERVABILITY = {"COMPOSE_PROFILES": "observability"}
+
+
+def prometheus_query(port: int, expr: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return json.loads(reply.read())["data"]["result"]
+
+
+def test_observability_profile_is_opt_in_with_official_images(stack: Stack):
+    plain = stack.compose("config", "--services").stdout.split()
+    assert "prometheus" not in plain and "grafana" not in plain
+    config = json.loads(stack.compose("config", "--format", "json", env=OBSERVABILITY).stdout)["services"]
+    assert config["prometheus"]["image"].startswith("prom/prometheus:")
+    assert config["grafana"]["image"].startswith("grafana/grafana:")
+    mounts = {v["target"]: v["source"] for v in config["grafana"]["volumes"]}
+    assert mounts["/var/lib/grafana/dashboards/openengine-dashboard.json"] == \
+        str(REPO / "deploy" / "monitoring" / "openengine-dashboard.json")
+    custom = json.loads(stack.compose("config", "--format", "json", env={
+        **OBSERVABILITY, "OPENENGINE_PROMETHEUS_IMAGE": "p:1", "OPENENGINE_GRAFANA_IMAGE": "g:2"}).stdout)["services"]
+    assert (custom["prometheus"]["image"], custom["grafana"]["image"]) == ("p:1", "g:2")
+
+
+def test_observability_profile_prometheus_scrapes_every_component(stack: Stack):
+    """The profile's Prometheus, from deploy/monitoring/prometheus.Dockerfile on the offline base
+    (prom/prometheus cannot be pulled here), scrapes every container and evaluates the alert rules."""
+    monitoring = REPO / "deploy" / "monitoring"
+    image = f"{stack.project}-prometheus:test"
+    base = os.environ.get("OPENENGINE_BASE_IMAGE")
+    stack.docker_cmd("build", "-q", "-f", str(monitoring / "prometheus.Dockerfile"), "-t", image,
+                     *(["--build-arg", f"BASE_IMAGE={base}"] if base else []), str(monitoring), timeout=900)
+    env = {**OBSERVABILITY, "OPENENGINE_PROMETHEUS_IMAGE": image, "OPENENGINE_PROMETHEUS_PUBLISH": "0"}
+    try:
+        stack.compose("up", "-d", "--wait", "--wait-timeout", "120", "prometheus", timeout=180, env=env)
+        (container,) = stack.compose("ps", "-q", "prometheus", env=env).stdout.split()
+        port = stack.published_port(container, 9090)
+        generate_ok(stack, 16)
+        nodes = len(stack.container_ids("node"))
+
+        def all_up():
+            up = prometheus_query(port, 'up{job=~"openengine-.*"}')
+            return len(up) == 2 + nodes and all(s["value"][1] == "1" for s in up)
+        wait_for(all_up, 60, f"Prometheus to scrape frontend, coordinator and {nodes} node(s)", interval=1)
+        wait_for(lambda: prometheus_query(port, "sum(openengine_frontend_generated_tokens_total) >= 16"), 30,
+                 "the generated tokens in Prometheus", interval=1)
+
+        def rules_evaluated():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as reply:
+                rules = [r for g in json.loads(reply.read())["data"]["groups"] for r in g["rules"]]
+            return len(rules) == 8 and all(r["health"] == "ok" for r in rules)
+        wait_for(rules_evaluated, 30, "every alert rule evaluated without error", interval=1)
+        assert not prometheus_query(port, 'ALERTS{alertstate="firing"}')
+    finally:
+        stack.compose("rm", "--stop", "--force", "-v", "prometheus", env=env, check=False)
+        stack.docker_cmd("image", "rm", image, check=False)
 
 
 # ---------------------------------------------------------------- teardown ---

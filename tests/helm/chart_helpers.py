@@ -48,6 +48,30 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "nodeport": {"frontend": {"service": {"type": "NodePort", "nodePort": 30051}}},
+    "monitoring": {
+        "monitoring": {
+            "dashboards": {"enabled": True, "folder": "Inference", "labels": {"team": "llm"}},
+            "rules": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        },
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
+    "keda": {
+        "autoscaling": {
+            "keda": {"authenticationRef": "prometheus-auth"},
+            "node": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "queuedPerNode": 8},
+            "frontend": {"enabled": True, "maxReplicas": 4},
+        }
+    },
+    "adapter-pods": {
+        "autoscaling": {
+            "provider": "hpa",
+            "node": {"enabled": True},
+            "frontend": {"enabled": True, "inFlightPerFrontend": 150},
+        }
+    },
+    "adapter-external": {
+        "autoscaling": {"provider": "hpa", "hpa": {"metricType": "External"}, "node": {"enabled": True}}
+    },
     "everything": {
         "commonLabels": {"team": "inference"},
         "imagePullSecrets": [{"name": "registry"}],
@@ -109,6 +133,7 @@ _TOOLS = {
     "kubernetes_validate": "kubernetes-validate",
     "yamllint": "yamllint",
     "yaml": "pyyaml",
+    "jsonschema": "jsonschema (a kubernetes-validate dependency)",
 }
 
 

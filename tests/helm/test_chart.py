@@ -32,9 +32,11 @@ pytestmark = pytest.mark.helm
 
 COMPONENTS = ("frontend", "coordinator", "node")
 PORTS = {"frontend": (50051, 9091), "coordinator": (50052, 9092), "node": (50053, 9093)}
-# Prometheus Operator CRDs: kubernetes-validate ships no schema for them, so
-# they are checked structurally in test_service_monitor / test_pod_monitor.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor")}
+# Prometheus Operator and KEDA CRDs: kubernetes-validate ships no schema for
+# them, so they are checked structurally in test_service_monitor /
+# test_pod_monitor and test_monitoring.py.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor"),
+             ("monitoring.coreos.com/v1", "PrometheusRule"), ("keda.sh/v1alpha1", "ScaledObject")}
 VARIANT_IDS = list(VARIANTS)
 
 
@@ -117,7 +119,8 @@ def test_kubernetes_validate_strict(rendered_dir, render, kube_version: str) -> 
                 expected_pass += 1
     major_minor = ".".join(kube_version.split(".")[:2])
     passed = re.findall(rf"^INFO .* passed for resource .* against version {re.escape(major_minor)}$", out, re.M)
-    warned = re.findall(r"^WARN .*Couldn't find schema for kind (ServiceMonitor|PodMonitor) ", out, re.M)
+    crd_kinds = "|".join(sorted(kind for _, kind in CRD_KINDS))
+    warned = re.findall(rf"^WARN .*Couldn't find schema for kind ({crd_kinds}) ", out, re.M)
     assert len(passed) == expected_pass, out
     assert len(warned) == expected_warn, out
 
@@ -428,6 +431,8 @@ def test_replicas_hpa_and_pdb(render, chart, variant: str) -> None:
                 assert hpa["spec"]["metrics"] == autoscaling["metrics"]
             else:
                 assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+        elif values["autoscaling"][component]["enabled"]:  # on load: test_monitoring.py checks the scaler
+            assert "replicas" not in spec, "the load autoscaler owns the replica count"
         else:
             assert spec["replicas"] == values[component]["replicas"]
             assert name(component) not in hpas

@@ -140,7 +140,8 @@ The Deployment of one component. Usage:
 {{- $component := .component }}
 {{- $c := index $root.Values $component }}
 {{- $args := dict "root" $root "component" $component }}
-{{- $autoscaled := and (hasKey $c "autoscaling") $c.autoscaling.enabled }}
+{{- $loadScaled := and (hasKey $root.Values.autoscaling $component) (index $root.Values.autoscaling $component).enabled }}
+{{- $autoscaled := or (and (hasKey $c "autoscaling") $c.autoscaling.enabled) $loadScaled }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:

@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from openengine_serve.client import is_serving
 from openengine_serve.local import free_port
@@ -33,6 +34,7 @@ class Component:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    preexec_fn: Callable[[], None] | None = None  # runs in the child before exec (e.g. to enter a cgroup)
 
     @property
     def target(self) -> str:
@@ -44,7 +46,7 @@ class Component:
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "openengine_serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=self.preexec_fn)
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> "Component":

@@ -50,7 +50,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         open(ready_file, "w").close()
     metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
     log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port,
-              grpc_server=implementation.name, grpc_server_version=implementation.version, model=config.model)
+              **implementation.describe(), model=config.model)
 
     heartbeat = asyncio.create_task(cluster.heartbeat_loop())
     readiness = asyncio.create_task(_follow_readiness(cluster, health))

@@ -204,9 +204,7 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
             kv_connector=kv_pb2.KvConnectorInfo(enabled=False))
         if nodes:
             info.capacity.max_running_requests = max_running
-        info.extra.update({"grpc_server": self.implementation.name,
-                           "grpc_server_version": self.implementation.version,
-                           "frontend_id": self.frontend_id})
+        info.extra.update({**self.implementation.describe(), "frontend_id": self.frontend_id})
         return info
 
     async def GetModelInfo(self, request, context) -> model_pb2.ModelInfo:

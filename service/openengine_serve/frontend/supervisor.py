@@ -32,7 +32,7 @@ READY_FILE_VARIABLE = "OPENENGINE_WORKER_READY_FILE"
 
 def run_frontend(config: FrontendConfig) -> int:
     # Before anything heavy (tokenizer, coordinator, binding): fails with the install command.
-    implementation = resolve_implementation(config.grpc_server)
+    implementation = resolve_implementation(config.grpc_server, config.native_io_threads)
     if config.workers == 1:
         from .server import serve
 

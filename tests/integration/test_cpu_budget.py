@@ -1,0 +1,82 @@
+"""A frontend started inside a real 1-CPU cgroup quota (every core visible, as under `docker --cpus` or a
+Kubernetes limit) reports that budget, and pygrpc-native runs the I/O threads it reports."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from google.protobuf import json_format
+
+from openengine_serve.api.openengine.v1 import server_pb2
+from openengine_serve.client import Client, is_serving
+from openengine_serve.local import free_port
+
+from . import processes
+from .cgroups import CgroupUnavailable, QuotaCgroup
+from .conftest import SERVERS
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+NATIVE_IO_THREAD_NAME = "grpc-native-io"  # the name pygrpc-native gives its Rust I/O threads
+
+
+@pytest.fixture
+def one_cpu_cgroup():
+    try:
+        cgroup = QuotaCgroup(cpus=1.0).create()
+    except CgroupUnavailable as exc:
+        if IN_CI:
+            pytest.fail(f"CI=true and the CPU-quota test cannot run: {exc}", pytrace=False)
+        pytest.skip(str(exc))
+    try:
+        yield cgroup
+    finally:
+        cgroup.close()
+
+
+def _server_info_extra(target: str) -> dict:
+    with Client(target) as client:
+        info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
+    return json_format.MessageToDict(info.extra)
+
+
+def _threads_named(pid: int, name: str) -> int:
+    count = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                count += f.read().strip() == name
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.parametrize("server, io_threads_override, expected_io_threads",
+                         [(server, "", 1) for server in SERVERS] + [("pygrpc-native", "2", 2)])
+def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, io_threads_override, expected_io_threads):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs visible to tell the quota from the affinity")
+    # No coordinator: ServerInfo and liveness answer without one.
+    env = {"OPENENGINE_NATIVE_IO_THREADS": io_threads_override} if io_threads_override else {}
+    frontend = processes.frontend(f"127.0.0.1:{free_port()}", server, **env)
+    frontend.preexec_fn = one_cpu_cgroup.enter
+    try:
+        frontend.start()
+        processes.wait_for(lambda: frontend.proc.poll() is None and is_serving(frontend.target, "liveness"), 60,
+                           "frontend liveness")
+        with open(f"/proc/{frontend.proc.pid}/cgroup") as f:
+            assert one_cpu_cgroup.name in f.read()
+        assert len(os.sched_getaffinity(frontend.proc.pid)) >= 2  # all cores visible: only the quota limits
+        extra = _server_info_extra(frontend.target)
+        assert extra["cpu_budget"] == 1.0, extra
+        if server == "pygrpc-native":
+            assert extra["io_threads"] == expected_io_threads, extra
+            assert _threads_named(frontend.proc.pid, NATIVE_IO_THREAD_NAME) == expected_io_threads
+        else:
+            assert "io_threads" not in extra, extra
+    finally:
+        frontend.stop()
+    log = (processes.LOG_DIR / f"{frontend.name}-{frontend.port}.log").read_text()
+    listening = [line for line in log.splitlines() if 'event="frontend listening"' in line and
+                 f"port={frontend.port}" in line]
+    assert listening and "cpu_budget=1.0" in listening[-1], listening

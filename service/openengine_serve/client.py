@@ -39,11 +39,14 @@ RECONNECT_ATTEMPTS = 16   # a fresh connection lands on a stopping process with 
 RECONNECT_BACKOFF_S = (0.05, 0.5)
 
 
-def channel_options(retries: bool = True) -> list[tuple[str, object]]:
+def channel_options(retries: bool = True, target: str = "") -> list[tuple[str, object]]:
     options: list[tuple[str, object]] = [("grpc.max_receive_message_length", 16 * 1024 * 1024),
                                          # its own connection: channels must not share one through the
                                          # global subchannel pool, or a reconnect would reuse it
                                          ("grpc.use_local_subchannel_pool", 1)]
+    if target.startswith("dns:"):
+        # a name with one address per frontend (a headless Service): a connection to each, calls spread over them
+        options.append(("grpc.lb_policy_name", "round_robin"))
     if retries:
         options += [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
     else:
@@ -74,7 +77,7 @@ class Client:
         self._connect()
 
     def _connect(self) -> None:
-        self.channel = grpc.insecure_channel(self.target, options=channel_options(self.retries))
+        self.channel = grpc.insecure_channel(self.target, options=channel_options(self.retries, self.target))
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -110,7 +113,7 @@ class AsyncClient:
     """asyncio client with the same retry policy."""
 
     def __init__(self, target: str, *, retries: bool = True) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options(retries))
+        self.channel = grpc.aio.insecure_channel(target, options=channel_options(retries, target))
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

@@ -48,6 +48,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         }
     },
     "nodeport": {"frontend": {"service": {"type": "NodePort", "nodePort": 30051}}},
+    "headless": {"frontend": {"service": {"headless": True}, "autoscaling": {"enabled": True}}},
     "everything": {
         "commonLabels": {"team": "inference"},
         "imagePullSecrets": [{"name": "registry"}],

@@ -35,17 +35,18 @@ class Component:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     preexec_fn: Callable[[], None] | None = None  # runs in the child before exec (e.g. to enter a cgroup)
+    host: str = "127.0.0.1"  # any loopback address (127.0.0.0/8)
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self) -> "Component":
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         log = open(LOG_DIR / f"{self.name}-{self.port}.log", "ab")
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openengine_serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)],
+            [sys.executable, "-m", "openengine_serve", *self.args, "--host", self.host, "--port", str(self.port)],
             stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=self.preexec_fn)
         return self
 

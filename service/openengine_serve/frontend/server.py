@@ -38,7 +38,8 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     health = Health(readiness_aliases=PUBLIC_SERVICES)
     frontend = Frontend(config, frontend_id, implementation, encoding, cluster, health)
 
-    server = create_server(implementation)
+    server = create_server(implementation, max_connection_age_s=config.max_connection_age_s,
+                           max_connection_age_grace_s=config.drain_timeout_s)
     add_inference_service(frontend, server)
     openengine_pb2_grpc.add_ControlServicer_to_server(frontend, server)
     health.register(server)

@@ -51,27 +51,38 @@ def _threads_named(pid: int, name: str) -> int:
     return count
 
 
-@pytest.mark.parametrize("server, io_threads_override, expected_io_threads",
-                         [(server, "", 1) for server in SERVERS] + [("pygrpc-native", "2", 2)])
-def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, io_threads_override, expected_io_threads):
+@pytest.mark.parametrize("server, workers, io_threads_override, budget, expected_io_threads",
+                         [(server, 1, "", 1.0, 1) for server in SERVERS] + [("pygrpc-native", 1, "2", 1.0, 2),
+                                                                            ("pygrpc-native", 2, "", 0.5, 1)])
+def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, workers, io_threads_override, budget,
+                                     expected_io_threads):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs visible to tell the quota from the affinity")
     # No coordinator: ServerInfo and liveness answer without one.
     env = {"OPENENGINE_NATIVE_IO_THREADS": io_threads_override} if io_threads_override else {}
-    frontend = processes.frontend(f"127.0.0.1:{free_port()}", server, **env)
+    frontend = processes.frontend(f"127.0.0.1:{free_port()}", server, "--workers", str(workers), **env)
     frontend.preexec_fn = one_cpu_cgroup.enter
     try:
         frontend.start()
-        processes.wait_for(lambda: frontend.proc.poll() is None and is_serving(frontend.target, "liveness"), 60,
-                           "frontend liveness")
-        with open(f"/proc/{frontend.proc.pid}/cgroup") as f:
-            assert one_cpu_cgroup.name in f.read()
-        assert len(os.sched_getaffinity(frontend.proc.pid)) >= 2  # all cores visible: only the quota limits
+        serving = [frontend.proc.pid] if workers == 1 else []
+
+        def started() -> bool:
+            assert frontend.proc.poll() is None, f"frontend exited with {frontend.proc.returncode}"
+            if workers > 1:  # the supervisor's workers serve, each with its share of the budget
+                serving[:] = [p for p in processes.descendants(frontend.proc.pid)
+                              if "openengine_serve frontend" in processes.cmdline(p)]
+            return len(serving) == workers and is_serving(frontend.target, "liveness")
+
+        processes.wait_for(started, 90, "frontend liveness")
+        for pid in serving:
+            with open(f"/proc/{pid}/cgroup") as f:
+                assert one_cpu_cgroup.name in f.read()
+            assert len(os.sched_getaffinity(pid)) >= 2  # all cores visible: only the quota limits
         extra = _server_info_extra(frontend.target)
-        assert extra["cpu_budget"] == 1.0, extra
+        assert extra["cpu_budget"] == budget, extra
         if server == "pygrpc-native":
             assert extra["io_threads"] == expected_io_threads, extra
-            assert _threads_named(frontend.proc.pid, NATIVE_IO_THREAD_NAME) == expected_io_threads
+            assert [_threads_named(pid, NATIVE_IO_THREAD_NAME) for pid in serving] == [expected_io_threads] * workers
         else:
             assert "io_threads" not in extra, extra
     finally:
@@ -79,4 +90,4 @@ def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, io_threads_override
     log = (processes.LOG_DIR / f"{frontend.name}-{frontend.port}.log").read_text()
     listening = [line for line in log.splitlines() if 'event="frontend listening"' in line and
                  f"port={frontend.port}" in line]
-    assert listening and "cpu_budget=1.0" in listening[-1], listening
+    assert len(listening) == workers and all(f"cpu_budget={budget}" in line for line in listening), listening

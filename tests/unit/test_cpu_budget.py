@@ -142,3 +142,10 @@ def test_this_machine():
     budget = cpu_budget()
     assert budget.affinity == len(os.sched_getaffinity(0))
     assert 0 < budget.cpus <= budget.affinity
+
+
+def test_workers_share_the_budget():
+    budget = CpuBudget(cpus=2.0, affinity=4, quota=2.0)
+    assert budget.shared_by(1) is budget
+    assert budget.shared_by(4) == CpuBudget(cpus=0.5, affinity=4, quota=2.0)
+    assert native_io_threads(budget.shared_by(2)) == 1 and native_io_threads(budget) == 2

@@ -109,9 +109,9 @@ class FrontendConfig(CommonConfig):
     stall_timeout_s: float = knob(120.0, "a request that hears nothing from its node this long (queued or "
                                          "running) ends with a retryable EngineError", minimum=1)
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
-    native_io_threads: int = knob(0, "pygrpc-native's Rust I/O threads per worker (0: derived from the CPU budget, "
-                                     "the smaller of CPU affinity and cgroup CPU quota: 1 when it is at most one "
-                                     "CPU, else 2)", minimum=0, maximum=64)
+    native_io_threads: int = knob(0, "pygrpc-native's Rust I/O threads per worker (0: derived from the worker's "
+                                     "CPU budget, the smaller of CPU affinity and cgroup CPU quota divided by the "
+                                     "workers: 1 when it is at most one CPU, else 2)", minimum=0, maximum=64)
     max_connection_age_s: float = knob(0.0, "grpcio only: a client connection older than this gets GOAWAY and "
                                             "reconnects (spreads load over frontends added later); calls still "
                                             "open get OPENENGINE_DRAIN_TIMEOUT_S to finish (0: off)", minimum=0)

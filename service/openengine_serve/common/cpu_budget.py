@@ -13,6 +13,7 @@ The process's cgroup comes from /proc/self/cgroup, the mounts from /proc/self/mo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -21,14 +22,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CpuBudget:
-    cpus: float              # min(affinity, quota)
+    cpus: float              # min(affinity, quota), or a share of it (shared_by)
     affinity: int            # CPUs the process may be scheduled on
     quota: float | None      # CPUs allowed by the cgroup quota; None = no quota
 
-    def describe(self) -> str:
-        """e.g. "1 (quota 1, affinity 2)"."""
-        quota = "none" if self.quota is None else f"{self.quota:g}"
-        return f"{self.cpus:g} (quota {quota}, affinity {self.affinity})"
+    def shared_by(self, processes: int) -> "CpuBudget":
+        """One process's share when `processes` processes (e.g. frontend workers) split this budget."""
+        return self if processes <= 1 else dataclasses.replace(self, cpus=self.cpus / processes)
 
 
 def native_io_threads(budget: CpuBudget, override: int = 0) -> int:

@@ -87,9 +87,10 @@ def check_native_dependency() -> str:
     return version
 
 
-def resolve_implementation(name: str, io_threads: int = 0) -> ServerImplementation:
-    """io_threads > 0 fixes pygrpc-native's I/O threads; 0 derives them from the CPU budget."""
-    budget = cpu_budget()
+def resolve_implementation(name: str, io_threads: int = 0, sharing: int = 1) -> ServerImplementation:
+    """io_threads > 0 fixes pygrpc-native's I/O threads; 0 derives them from the CPU budget, of which this
+    process gets 1/sharing (frontend workers share their pod's or container's CPUs)."""
+    budget = cpu_budget().shared_by(sharing)
     if name == NATIVE:
         version = check_native_dependency()
         return ServerImplementation(NATIVE, version, budget.cpus, native_io_threads(budget, io_threads))

@@ -42,7 +42,7 @@ def check(target: str, service: str, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        headers = [(":method", "POST"), (":scheme", "http"), (":path", CHECK_PATH), (":authority", target),
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", CHECK_PATH), (":authority", target.removeprefix("dns:///")),
                    ("content-type", "application/grpc"), ("te", "trailers"),
                    ("grpc-timeout", f"{max(1, min(int(timeout * 1000), 99_999_999))}m")]
         request = _protobuf_string(1, service.encode())
@@ -68,7 +68,7 @@ def check(target: str, service: str, timeout: float) -> int:
 
 def split_target(target: str) -> tuple[str, int]:
     """host:port, [v6]:port or dns:///host:port; other gRPC target forms are left to grpcio."""
-    address = target[len("dns:///"):] if target.startswith("dns:///") else target
+    address = target.removeprefix("dns:///")
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or "/" in address or (":" in host and not host.startswith("[")):
         raise ProbeInconclusive(f"target {target!r} is not host:port")

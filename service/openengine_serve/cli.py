@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import uuid
 
-from .common import config as cfg
-from .common.grpc_server import DependencyError
+# Imports stay inside the commands: `health` runs every few seconds in every container and must start fast
+# (tests/unit/test_health_probe.py checks what it imports).
 
 
 def _component(name: str):
     def run(args: argparse.Namespace) -> int:
+        from .common import config as cfg
+
         config_cls = cfg.COMPONENT_CONFIGS[name]
         config = cfg.load(config_cls, args)
         if name == "frontend":
@@ -44,6 +45,8 @@ def _quiet_broken_pipe() -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     _quiet_broken_pipe()
+    import uuid
+
     from .api.openengine.v1 import generation_pb2
     from .client import Client
 
@@ -110,21 +113,51 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
+    """A standard-library Check first (health_probe.py); grpcio only when that gets no well-formed answer."""
+    from .common import health_probe
+
+    try:
+        status = health_probe.check(args.target, args.service, args.timeout)
+    except TimeoutError:
+        print(f"{args.service}: UNREACHABLE (DEADLINE_EXCEEDED: no answer within {args.timeout:g} s)")
+        return 1
+    except health_probe.ProbeInconclusive:
+        status = _health_grpcio(args)
+        if status is None:
+            return 1
+    except OSError as exc:
+        print(f"{args.service}: UNREACHABLE (UNAVAILABLE: {exc.strerror or exc})")
+        return 1
+    print(f"{args.service}: {health_probe.status_name(status)}")
+    return 0 if status == health_probe.SERVING else 1
+
+
+def _health_grpcio(args: argparse.Namespace) -> int | None:
     import grpc
-    from grpc_health.v1 import health_pb2
 
     from .client import check_health
 
     try:
-        status = check_health(args.target, args.service, args.timeout)
+        return check_health(args.target, args.service, args.timeout)
     except grpc.RpcError as exc:
         print(f"{args.service}: UNREACHABLE ({exc.code().name}: {exc.details()})")
-        return 1
-    print(f"{args.service}: {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}")
-    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+        return None
+
+
+HEALTH_HELP = "grpc.health.v1 check: exit 0 when SERVING, 1 otherwise"
+
+
+def _add_health_arguments(health: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    health.add_argument("--target", default="127.0.0.1:50051")
+    health.add_argument("--service", default="readiness", help="liveness | readiness | a service name")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=_health)
+    return health
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .common import config as cfg
+
     parser = argparse.ArgumentParser(prog="openengine-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -164,11 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--timeout", type=float, default=10.0)
     info.set_defaults(func=_info)
 
-    health = sub.add_parser("health", help="grpc.health.v1 check: exit 0 when SERVING, 1 otherwise")
-    health.add_argument("--target", default="127.0.0.1:50051")
-    health.add_argument("--service", default="readiness", help="liveness | readiness | a service name")
-    health.add_argument("--timeout", type=float, default=3.0)
-    health.set_defaults(func=_health)
+    _add_health_arguments(sub.add_parser("health", help=HEALTH_HELP))
 
     # `bench` parses its own flags (prefix "+" here, so every "--flag" reaches it); imported only when run.
     bench = sub.add_parser("bench", add_help=False, prefix_chars="+",
@@ -191,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["health"]:  # without the other commands' imports (config, grpc)
+        parser = _add_health_arguments(argparse.ArgumentParser(prog="openengine-serve health", description=HEALTH_HELP))
+        return _health(parser.parse_args(argv[1:]))
+    from .common import config as cfg
+    from .common.grpc_server import DependencyError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

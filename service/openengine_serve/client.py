@@ -112,11 +112,14 @@ class Attempts:
         return wait if left is None else max(0.0, min(wait, left))
 
 
-def channel_options(retries: bool = True) -> list[tuple[str, object]]:
+def channel_options(retries: bool = True, target: str = "") -> list[tuple[str, object]]:
     options: list[tuple[str, object]] = [("grpc.max_receive_message_length", 16 * 1024 * 1024),
                                          # its own connection: channels must not share one through the
                                          # global subchannel pool, or a reconnect would reuse it
                                          ("grpc.use_local_subchannel_pool", 1)]
+    if target.startswith("dns:"):
+        # a name with one address per frontend (a headless Service): a connection to each, calls spread over them
+        options.append(("grpc.lb_policy_name", "round_robin"))
     if retries:
         options += [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
     else:
@@ -148,7 +151,7 @@ class Client:
         self._connect()
 
     def _connect(self) -> None:
-        self.channel = grpc.insecure_channel(self.target, options=channel_options(self.retries))
+        self.channel = grpc.insecure_channel(self.target, options=channel_options(self.retries, self.target))
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -195,7 +198,7 @@ class AsyncClient:
         self._connect()
 
     def _connect(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.target, options=channel_options(self.retries))
+        self.channel = grpc.aio.insecure_channel(self.target, options=channel_options(self.retries, self.target))
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

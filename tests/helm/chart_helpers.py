@@ -72,6 +72,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "adapter-external": {
         "autoscaling": {"provider": "hpa", "hpa": {"metricType": "External"}, "node": {"enabled": True}}
     },
+    "headless": {"frontend": {"service": {"headless": True}, "autoscaling": {"enabled": True}}},
     "everything": {
         "commonLabels": {"team": "inference"},
         "imagePullSecrets": [{"name": "registry"}],

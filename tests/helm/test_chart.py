@@ -186,6 +186,7 @@ def test_client_dry_run_install(helm, yaml, variant: str) -> None:
         ({"frontend": {"service": {"type": "Ingress"}}}, "/frontend/service/type"),
         ({"frontend": {"port": 70000}}, "/frontend/port"),
         ({"lifecycle": {"preStopSleepSeconds": 0}}, "/lifecycle/preStopSleepSeconds"),
+        ({"frontend": {"service": {"headless": "yes"}}}, "/frontend/service/headless"),
     ],
 )
 def test_schema_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
@@ -213,6 +214,10 @@ def test_schema_accepts_both_servers(chart) -> None:
         (
             {"node": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
             "node.autoscaling.minReplicas (5) is greater than node.autoscaling.maxReplicas (2)",
+        ),
+        (
+            {"frontend": {"service": {"headless": True, "type": "LoadBalancer"}}},
+            "frontend.service.headless needs frontend.service.type ClusterIP, not LoadBalancer",
         ),
     ],
 )
@@ -409,6 +414,21 @@ def test_public_service_types(render) -> None:
     np = render(VARIANTS["nodeport"]).get("Service", name("frontend"))["spec"]
     assert np["type"] == "NodePort" and np["ports"][0]["nodePort"] == 30051
     assert "nodePort" not in render().get("Service", name("frontend"))["spec"]["ports"][0]
+    assert "clusterIP" not in render().get("Service", name("frontend"))["spec"]
+
+
+def test_headless_public_service(render) -> None:
+    """One address per ready frontend pod behind the name; `helm test` calls through it with round_robin."""
+    r = render(VARIANTS["headless"])
+    public = r.get("Service", name("frontend"))["spec"]
+    assert public["type"] == "ClusterIP" and public["clusterIP"] == "None"
+    assert not public.get("publishNotReadyAddresses")  # only ready frontends are resolved
+    (pod,) = r.of_kind("Pod")
+    target = f"dns:///{name('frontend')}:50051"
+    assert pod["spec"]["initContainers"][0]["args"][:3] == ["health", "--target", target]
+    assert pod["spec"]["containers"][0]["args"][:3] == ["generate", "--target", target]
+    assert f"dns:///{name('frontend')}.{NAMESPACE}.svc:50051" in r.notes
+    assert "dns:///" not in render().notes
 
 
 @pytest.mark.parametrize("variant", VARIANT_IDS)

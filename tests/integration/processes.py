@@ -10,6 +10,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,18 +37,20 @@ class Component:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    preexec_fn: Callable[[], None] | None = None  # runs in the child before exec (e.g. to enter a cgroup)
+    host: str = "127.0.0.1"  # any loopback address (127.0.0.0/8)
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self) -> "Component":
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         log = open(LOG_DIR / f"{self.name}-{self.port}.log", "ab")
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openengine_serve", *self.args, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
+            [sys.executable, "-m", "openengine_serve", *self.args, "--host", self.host, "--port", str(self.port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=self.preexec_fn)
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> "Component":

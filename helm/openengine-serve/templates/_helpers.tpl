@@ -122,6 +122,9 @@ Chart-level consistency checks the JSON schema cannot express readably.
 {{- if and .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled }}
 {{- fail "metrics.serviceMonitor.enabled and metrics.podMonitor.enabled are both true: enable at most one (each would scrape every pod)" }}
 {{- end }}
+{{- if and .Values.frontend.service.headless (ne .Values.frontend.service.type "ClusterIP") }}
+{{- fail (printf "frontend.service.headless needs frontend.service.type ClusterIP, not %s (a headless Service has no cluster IP to expose)" .Values.frontend.service.type) }}
+{{- end }}
 {{- range $component := list "frontend" "node" }}
 {{- $hpa := (index $.Values $component).autoscaling }}
 {{- if and $hpa.enabled (gt (int $hpa.minReplicas) (int $hpa.maxReplicas)) }}

@@ -140,10 +140,21 @@ class FrontendConfig(CommonConfig):
     probe_timeout_s: float = knob(5.0, "the Control.Health inference probe reports DEGRADED when its one token "
                                        "takes longer", minimum=0.05)
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
+    native_io_threads: int = knob(0, "pygrpc-native's Rust I/O threads per worker (0: derived from the worker's "
+                                     "CPU budget, the smaller of CPU affinity and cgroup CPU quota divided by the "
+                                     "workers: 1 when it is at most one CPU, else 2)", minimum=0, maximum=64)
+    max_connection_age_s: float = knob(0.0, "grpcio only: a client connection older than this gets GOAWAY and "
+                                            "reconnects (spreads load over frontends added later); calls still "
+                                            "open get OPENENGINE_DRAIN_TIMEOUT_S to finish (0: off)", minimum=0)
 
     @classmethod
     def component(cls) -> str:
         return "frontend"
+
+    def __post_init__(self) -> None:
+        if self.max_connection_age_s and self.grpc_server == "pygrpc-native":
+            raise ConfigError("OPENENGINE_MAX_CONNECTION_AGE_S is grpcio only: pygrpc-native has no maximum "
+                              "connection age; unset it (0) or use OPENENGINE_GRPC_SERVER=grpcio")
 
     def aliases(self) -> tuple[str, ...]:
         return tuple(a.strip() for a in self.model_aliases.split(",") if a.strip())

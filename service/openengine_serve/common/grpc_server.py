@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from .cpu_budget import cpu_budget, native_io_threads
 from .logging_setup import log_event
 
 GRPCIO = "grpcio"
@@ -54,6 +55,17 @@ class DependencyError(RuntimeError):
 class ServerImplementation:
     name: str      # "grpcio" or "pygrpc-native"
     version: str
+    cpu_budget: float = 0.0   # CPUs this process may use (min of affinity and cgroup quota); 0 = not derived
+    io_threads: int = 0       # pygrpc-native's Rust I/O threads; 0 = its own default (and always for grpcio)
+
+    def describe(self) -> dict[str, str | float]:
+        """For the start-up log line and ServerInfo.extra."""
+        fields: dict[str, str | float] = {"grpc_server": self.name, "grpc_server_version": self.version}
+        if self.cpu_budget:
+            fields["cpu_budget"] = self.cpu_budget
+        if self.io_threads:
+            fields["io_threads"] = self.io_threads
+        return fields
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -75,25 +87,37 @@ def check_native_dependency() -> str:
     return version
 
 
-def resolve_implementation(name: str) -> ServerImplementation:
+def resolve_implementation(name: str, io_threads: int = 0, sharing: int = 1) -> ServerImplementation:
+    """io_threads > 0 fixes pygrpc-native's I/O threads; 0 derives them from the CPU budget, of which this
+    process gets 1/sharing (frontend workers share their pod's or container's CPUs)."""
+    budget = cpu_budget().shared_by(sharing)
     if name == NATIVE:
-        return ServerImplementation(NATIVE, check_native_dependency())
+        version = check_native_dependency()
+        return ServerImplementation(NATIVE, version, budget.cpus, native_io_threads(budget, io_threads))
     if name == GRPCIO:
-        return ServerImplementation(GRPCIO, grpc.__version__)
+        return ServerImplementation(GRPCIO, grpc.__version__, budget.cpus)
     raise DependencyError(f"unknown gRPC server {name!r}; allowed: {GRPCIO}, {NATIVE}")
 
 
 def create_server(implementation: ServerImplementation = ServerImplementation(GRPCIO, grpc.__version__),
-                  interceptors=()) -> grpc.aio.Server:
+                  interceptors=(), max_connection_age_s: float = 0.0,
+                  max_connection_age_grace_s: float = 0.0) -> grpc.aio.Server:
+    """max_connection_age_s > 0 (grpc.aio only): connections older than that get GOAWAY, so clients reconnect
+    and reach frontends added since; open calls get max_connection_age_grace_s to finish."""
     if implementation.name == NATIVE:
+        if max_connection_age_s:
+            raise ValueError("pygrpc-native has no maximum connection age (grpc.max_connection_age_ms)")
         import pygrpc_native.aio  # checked by resolve_implementation before anything heavy
 
-        # Its Rust I/O threads (2 by default) share the CPUs with the Python loop: a worker limited to one CPU
-        # (pinned with taskset or a cpuset) runs one: measured ~7 % less CPU per token than two.
-        io_threads = min(2, len(os.sched_getaffinity(0)))
+        # Its Rust I/O threads share the CPUs with the Python loop: sized from the CPU budget (cpu_budget.py).
+        io_threads = implementation.io_threads or native_io_threads(cpu_budget())
         return pygrpc_native.aio.Server(options=list(SERVER_OPTIONS), interceptors=list(interceptors),
                                         io_threads=io_threads)
-    return grpc.aio.server(options=list(SERVER_OPTIONS + GRPCIO_ONLY_OPTIONS), interceptors=list(interceptors))
+    age_options = ((("grpc.max_connection_age_ms", round(max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", round(max_connection_age_grace_s * 1000)))
+                   if max_connection_age_s else ())
+    return grpc.aio.server(options=list(SERVER_OPTIONS + GRPCIO_ONLY_OPTIONS + age_options),
+                           interceptors=list(interceptors))
 
 
 def create_internal_server() -> grpc.aio.Server:

@@ -51,9 +51,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
             kv_connector=kv_pb2.KvConnectorInfo(enabled=False))
         if nodes:
             info.capacity.max_running_requests = sum(n.load.max_running_requests for n in nodes)
-        info.extra.update({"grpc_server": self.implementation.name,
-                           "grpc_server_version": self.implementation.version,
-                           "frontend_id": self.frontend_id})
+        info.extra.update({**self.implementation.describe(), "frontend_id": self.frontend_id})
         return info
 
     async def GetModelInfo(self, request, context) -> model_pb2.ModelInfo:

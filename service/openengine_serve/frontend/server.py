@@ -49,7 +49,8 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     inference = Inference(config, encoding, requests, health)
     probe = InferenceProbe(frontend_id, config.model, inference, config.probe_timeout_s)
 
-    server = create_server(implementation)
+    server = create_server(implementation, max_connection_age_s=config.max_connection_age_s,
+                           max_connection_age_grace_s=config.drain_timeout_s)
     add_inference_service(inference, server)
     openengine_pb2_grpc.add_ControlServicer_to_server(
         Control(config, frontend_id, implementation, coordinator, health, probe), server)
@@ -61,7 +62,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     mark_worker_ready()
     metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
     log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port,
-              grpc_server=implementation.name, grpc_server_version=implementation.version, model=config.model)
+              **implementation.describe(), model=config.model)
 
     background = [asyncio.create_task(coordinator.heartbeat_loop()),
                   asyncio.create_task(_follow_readiness(coordinator, health)),

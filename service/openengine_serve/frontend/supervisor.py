@@ -26,11 +26,14 @@ from ..common.logging_setup import log_event, setup_logging
 from .ready_file import READY_FILE_VARIABLE
 
 RESTART_BACKOFF_S = 1.0
+# How many workers share this process's CPU budget (set by the supervisor for its workers).
+WORKERS_SHARING_VARIABLE = "OPENENGINE_WORKERS_SHARING_CPUS"
 
 
 def run_frontend(config: FrontendConfig) -> int:
     # Before anything heavy (tokenizer, coordinator, binding): fails with the install command.
-    implementation = resolve_implementation(config.grpc_server)
+    implementation = resolve_implementation(config.grpc_server, config.native_io_threads,
+                                            sharing=int(os.environ.get(WORKERS_SHARING_VARIABLE, "1")))
     if config.workers == 1:
         from .server import serve
 
@@ -69,7 +72,8 @@ class Supervisor:
         self.state_dir = tempfile.mkdtemp(prefix="openengine-frontend-")
         metrics_dir = os.path.join(self.state_dir, "metrics")
         os.mkdir(metrics_dir)
-        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir)
+        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir,
+                   **{WORKERS_SHARING_VARIABLE: str(self.config.workers)})
         # Workers take every other setting from the same flags and environment as the supervisor.
         for f in dataclasses.fields(self.config):
             if f.name not in ("workers", "metrics_port", "frontend_id"):

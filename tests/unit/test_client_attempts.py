@@ -77,15 +77,23 @@ def test_without_a_timeout_the_count_bounds_the_attempts():
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
                                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS])
-def test_only_unavailable_is_retried(code):
+def test_other_refusals_are_not_retried(code):
     a = attempts(10.0)
     a.next_timeout()
     with pytest.raises(Refusal):
         a.wait_before_retry(Refusal(code), received=False)
 
 
-def test_a_stream_that_delivered_a_message_is_not_retried():
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_unavailable_and_cancelled_before_the_first_message_are_retried(code):
+    a = attempts(10.0)
+    a.next_timeout()
+    assert a.wait_before_retry(Refusal(code), received=False) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_stream_that_delivered_a_message_is_not_retried(code):
     a = attempts(10.0)
     a.next_timeout()
     with pytest.raises(Refusal):
-        a.wait_before_retry(Refusal(), received=True)
+        a.wait_before_retry(Refusal(code), received=True)

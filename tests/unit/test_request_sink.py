@@ -28,7 +28,7 @@ async def test_a_sink_fails_once():
 
 async def test_silent_request_ends_with_a_retryable_failure():
     quiet = RequestSink()
-    watchdog = asyncio.ensure_future(stall_watchdog({"quiet": quiet}, stall_timeout_s=0.2))
+    watchdog = asyncio.ensure_future(stall_watchdog({"quiet": quiet}, stall_timeout_s=0.2, client_stall_timeout_s=30))
     try:
         items = await asyncio.wait_for(quiet.take(), 2)
     finally:

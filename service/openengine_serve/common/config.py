@@ -100,6 +100,9 @@ class NodeConfig(CommonConfig):
                                                "the start counts as failed (and is retried)", minimum=1)
     engine_stop_timeout_s: float = knob(5.0, "at shutdown, the engine worker gets this long to exit before it is "
                                              "killed", minimum=0)
+    lane_max_backlog_steps: int = knob(2000, "a frontend that takes nothing from its result lane for this many "
+                                             "engine steps (merged into one waiting message) has its waiting "
+                                             "requests ended with a retryable error", minimum=1)
     rpc_timeout_s: float = _rpc_timeout_knob()
     stop_grace_s: float = _stop_grace_knob()
 
@@ -130,6 +133,12 @@ class FrontendConfig(CommonConfig):
     heartbeat_s: float = knob(1.0, "how often the frontend heartbeats the coordinator", minimum=0.05)
     stall_timeout_s: float = knob(120.0, "a request that hears nothing from its node this long (queued or "
                                          "running) ends with a retryable EngineError", minimum=1)
+    client_stall_timeout_s: float = knob(30.0, "a stream whose client accepts no output this long is ended: its "
+                                               "engine slot is freed, then a retryable EngineError if the "
+                                               "connection takes it, else the stream is cancelled", minimum=0.1)
+    max_in_flight: int = knob(512, "Generate streams one frontend worker keeps open; beyond it Generate is "
+                                   "refused at once (RESOURCE_EXHAUSTED, retry hint in grpc-retry-pushback-ms)",
+                              minimum=1)
     coordinator_timeout_s: float = knob(2.0, "deadline of each frontend call to the coordinator (register, "
                                              "heartbeat, reserve, release, abort, load); a reserve that runs out "
                                              "routes from the last known node table", minimum=0.05)

@@ -40,6 +40,10 @@ REFUSAL_CODES: dict[type[Refusal], grpc.StatusCode] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
+RETRY_AFTER_KEY = "openengine-retry-after-ms"  # on RESOURCE_EXHAUSTED: when trying again may succeed
+RETRY_AFTER_MS = 1000
+STALLED_CLIENT_LAST_WRITE_S = 1.0  # how long the terminal error of a stalled client may take to go out
+
 Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
 
 
@@ -49,6 +53,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         self.strings = TokenStrings(encoding)
         self.requests = requests
         self.health = health
+        self.max_in_flight = config.max_in_flight
+        self.client_stall_timeout_s = config.client_stall_timeout_s
         self.limits = ModelLimits(
             served_model_name=config.model, aliases=config.aliases(), max_context_length=config.max_context_length,
             max_output_tokens=config.max_output_tokens, max_num_sequences=config.max_num_sequences,
@@ -69,14 +75,41 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         try:
             if self.health.draining:
                 raise Unavailable("this frontend is draining; retry on another frontend")
+            if self.requests.open_count >= self.max_in_flight:
+                metrics.IN_FLIGHT_REFUSALS.inc()
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+                raise Overloaded(f"this frontend worker has its maximum of {self.max_in_flight} streams open "
+                                 f"(OPENENGINE_MAX_IN_FLIGHT); retry in {RETRY_AFTER_MS} ms or on another frontend")
             plan = self.plan(request, parse_metadata(context.invocation_metadata() or ()))
-            async with self.requests.open(plan) as accepted:
-                await self.stream(plan, accepted, started, context.write)
+            sink = None
+            try:
+                async with self.requests.open(plan) as accepted:
+                    sink = accepted.sink
+                    sink.owner = asyncio.current_task()
+                    await self.stream(plan, accepted, started, context.write)
+            except asyncio.CancelledError:
+                if sink is None or not sink.client_stalled:
+                    raise
+                await self._end_stalled(plan, context)
         except Refusal as exc:
             code = REFUSAL_CODES[type(exc)]
             metrics.REQUESTS.labels(status="rejected", code=code.name).inc()
             await context.abort(code, exc.message)
             return
+
+    async def _end_stalled(self, plan: GenerationPlan, context) -> None:
+        """A client that accepted no output for the stall timeout; its engine slot is already freed. One
+        terminal retryable EngineError if the connection still takes a message, else the call is cancelled."""
+        asyncio.current_task().uncancel()
+        metrics.CLIENT_STALLS.inc()
+        try:
+            async with asyncio.timeout(STALLED_CLIENT_LAST_WRITE_S):
+                await context.write(engine_error(
+                    plan.request_id, error_pb2.ERROR_CODE_INTERNAL,
+                    f"the client accepted no output for {self.client_stall_timeout_s:g} s; the request was ended",
+                    True))
+        except TimeoutError:
+            raise asyncio.CancelledError from None
 
     async def stream(self, plan: GenerationPlan, accepted: OpenRequest, started: float, write: Write) -> None:
         """Streams the request's engine events to `write` until every output finished (or the stream failed)."""
@@ -92,7 +125,9 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         first_token_at = last_token_at = None
         try:
             while open_outputs:
+                sink.writing_since = 0.0
                 items = await sink.take()
+                sink.writing_since = time.monotonic()
                 failure = _first_failure(items)
                 if failure is not None:
                     status, code = "failed", "OK"
@@ -133,6 +168,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             status, code = "cancelled", "CANCELLED"
             raise
         finally:
+            sink.writing_since = 0.0
             accepted.ended = not open_outputs
             _record_end(plan, accepted, outputs, status, code, started)
 

@@ -23,3 +23,10 @@ GENERATED_TOKENS = Counter("openengine_frontend_generated_tokens", "tokens strea
 IN_FLIGHT = Gauge("openengine_frontend_in_flight_requests", "Generate streams open", multiprocess_mode="livesum")
 SERVER_INFO = Gauge("openengine_frontend_grpc_server_info", "the public gRPC server implementation",
                     ["implementation", "version"], multiprocess_mode="max")
+CLIENT_STALLS = Counter("openengine_frontend_client_stalls",
+                        "streams ended because their client accepted no output for the client stall timeout")
+IN_FLIGHT_REFUSALS = Counter("openengine_frontend_in_flight_refusals",
+                             "Generate calls refused because the worker had its maximum of streams open")
+EVENT_LOOP_LAG = Gauge("openengine_frontend_event_loop_lag_seconds",
+                       "how late the event loop woke a periodic timer, last measurement (the worst worker)",
+                       multiprocess_mode="livemax")

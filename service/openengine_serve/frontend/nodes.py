@@ -31,13 +31,16 @@ class RequestSink:
     """One request's inbox: the lane reader appends OutputEvents (or a LaneFailure); the stream takes
     everything queued at once, so a stream that fell behind catches up in one message, not one per token."""
 
-    __slots__ = ("items", "waiter", "last_event_at", "failed")
+    __slots__ = ("items", "waiter", "last_event_at", "failed", "writing_since", "owner", "client_stalled")
 
     def __init__(self) -> None:
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
         self.last_event_at = time.monotonic()
         self.failed = False
+        self.writing_since = 0.0  # monotonic time the stream began handing output to its client; 0: not writing
+        self.owner: asyncio.Task | None = None  # the task streaming to the client, cancelled when the client stalls
+        self.client_stalled = False
 
     def put(self, item) -> None:
         self.items.append(item)
@@ -50,6 +53,13 @@ class RequestSink:
         if not self.failed:
             self.failed = True
             self.put(failure)
+
+    def stall_client(self) -> None:
+        """The client accepted nothing for the client stall timeout: cancel the stream's task (its request
+        owner frees the engine slot on the way out)."""
+        if not self.client_stalled and self.owner is not None:
+            self.client_stalled = True
+            self.owner.cancel()
 
     async def take(self) -> list:
         while not self.items:

@@ -7,10 +7,9 @@ import logging
 import os
 import socket
 
-import grpc
 from grpc_reflection.v1alpha import reflection
 
-from ..api.openengine.v1 import generation_pb2, openengine_pb2, openengine_pb2_grpc
+from ..api.openengine.v1 import openengine_pb2
 from ..common.config import FrontendConfig
 from ..common.grpc_server import GRPCIO, ServerImplementation, create_server
 from ..common.health import Health
@@ -24,11 +23,12 @@ from .fallback_routing import FallbackRouter
 from .inference import Inference
 from .nodes import LaneFailure, NodeConnections
 from .probe import InferenceProbe
+from .public_api import add_public_service
 from .ready_file import mark_worker_ready
 from .requests import Requests
 from .stream import serialize_response
 from .tasks import BackgroundTasks
-from .watchdog import stall_watchdog
+from .watchdog import measure_loop_lag, stall_watchdog
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -51,9 +51,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
 
     server = create_server(implementation, max_connection_age_s=config.max_connection_age_s,
                            max_connection_age_grace_s=config.drain_timeout_s)
-    add_inference_service(inference, server)
-    openengine_pb2_grpc.add_ControlServicer_to_server(
-        Control(config, frontend_id, implementation, coordinator, health, probe), server)
+    add_public_services(server, inference, Control(config, frontend_id, implementation, coordinator, health, probe))
     health.register(server)
     reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
     server.add_insecure_port(bind_address(config.host, config.port))
@@ -66,7 +64,8 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
 
     background = [asyncio.create_task(coordinator.heartbeat_loop()),
                   asyncio.create_task(_follow_readiness(coordinator, health)),
-                  asyncio.create_task(stall_watchdog(nodes.sinks, config.stall_timeout_s))]
+                  asyncio.create_task(stall_watchdog(nodes.sinks, config.stall_timeout_s, config.client_stall_timeout_s)),
+                  asyncio.create_task(measure_loop_lag())]
     await stop.wait()
     await _drain(config, implementation, server, health, requests)
     for task in background:
@@ -99,14 +98,12 @@ async def _drain(config: FrontendConfig, implementation: ServerImplementation, s
         await early_stop
 
 
-def add_inference_service(inference: Inference, server) -> None:
-    """openengine.v1.Inference as generated, except that Generate's responses go through
-    `serialize_response`, which passes the hand-serialized token deltas through unchanged."""
-    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
-        inference.Generate, request_deserializer=generation_pb2.GenerateRequest.FromString,
-        response_serializer=serialize_response)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("openengine.v1.Inference", handlers),))
-    server.add_registered_method_handlers("openengine.v1.Inference", handlers)
+def add_public_services(server, inference: Inference, control: Control) -> None:
+    """openengine.v1 Inference and Control; Generate's responses go through `serialize_response`, which
+    passes the hand-serialized token deltas through unchanged."""
+    services = openengine_pb2.DESCRIPTOR.services_by_name
+    add_public_service(server, services["Inference"], inference, {"Generate": serialize_response})
+    add_public_service(server, services["Control"], control)
 
 
 async def _follow_readiness(coordinator: CoordinatorClient, health: Health) -> None:

@@ -31,12 +31,59 @@ logger = logging.getLogger("openengine_serve.node")
 _LANE_OPENED = cluster_pb2.StepResults(step=0)  # first message of every lane: "you are subscribed"
 
 
+class ResultLane:
+    """One frontend's result lane: what the engine produced for it and gRPC has not taken yet. Never more
+    than one message waits: while the frontend is behind, each step's events join the waiting message (the
+    frontend coalesces per stream anyway), so it catches up in one message. When the waiting message holds
+    more than `max_backlog_steps` steps the frontend has taken nothing for that long: `put` sheds, handing
+    back the ids of the requests whose output waits (the node ends them with a retryable error)."""
+
+    __slots__ = ("max_backlog_steps", "step", "events", "backlog_steps", "ready", "idle")
+
+    def __init__(self, max_backlog_steps: int) -> None:
+        self.max_backlog_steps = max_backlog_steps
+        self.step = 0
+        self.events: list[cluster_pb2.OutputEvent] = []
+        self.backlog_steps = 0  # steps merged into the waiting message
+        self.ready = asyncio.Event()  # set: a message waits
+        self.idle = asyncio.Event()  # set: gRPC took everything
+        self.idle.set()
+
+    def put(self, step: int, events: list[cluster_pb2.OutputEvent]) -> list[str]:
+        self.step = step
+        self.events.extend(events)
+        self.backlog_steps += 1
+        self.ready.set()
+        self.idle.clear()
+        if self.backlog_steps <= self.max_backlog_steps:
+            return []
+        ended = {e.request_id for e in self.events if e.finish != cluster_pb2.ENGINE_FINISH_NONE}
+        waiting = list(dict.fromkeys(e.request_id for e in self.events if e.request_id not in ended))
+        self.events = [e for e in self.events if e.request_id in ended] + [cluster_pb2.OutputEvent(
+            request_id=request_id, finish=cluster_pb2.ENGINE_FINISH_ERROR, retryable=True, lane=events[0].lane,
+            message=f"the frontend fell {self.max_backlog_steps} engine steps behind on its result lane; "
+                    "retry the request") for request_id in waiting]
+        return waiting
+
+    async def take(self) -> cluster_pb2.StepResults:
+        await self.ready.wait()
+        message = cluster_pb2.StepResults(step=self.step, events=self.events)
+        self.events = []
+        self.backlog_steps = 0
+        self.ready.clear()
+        return message
+
+    def taken(self) -> None:
+        if not self.ready.is_set():
+            self.idle.set()
+
+
 class NodeService(cluster_pb2_grpc.NodeServicer):
     def __init__(self, config: NodeConfig, node_id: str) -> None:
         self.config = config
         self.node_id = node_id
         self.rank = config.node_rank
-        self.lanes: dict[str, asyncio.Queue[cluster_pb2.StepResults]] = {}
+        self.lanes: dict[str, ResultLane] = {}
         self.readiness_changed = asyncio.Event()  # set: the engine worker's readiness or the drain changed
         self.link = EngineLink(step_ms=config.step_ms, max_batch=config.max_batch, max_queue=config.max_queue,
                                ranks=config.engine_ranks, on_step=self._on_step,
@@ -56,15 +103,27 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         by_lane: dict[str, list[cluster_pb2.OutputEvent]] = {}
         for event in step.events:
             by_lane.setdefault(event.lane, []).append(event)
-        for lane, events in by_lane.items():
-            queue = self.lanes.get(lane)
-            if queue is None:
+        for lane_id, events in by_lane.items():
+            lane = self.lanes.get(lane_id)
+            if lane is None:
                 # The frontend is gone: its requests can never be delivered.
                 for event in events:
                     if event.finish == cluster_pb2.ENGINE_FINISH_NONE:
                         self.link.cancel(event.request_id)
                 continue
-            queue.put_nowait(cluster_pb2.StepResults(step=step.step, events=events))
+            shed = lane.put(step.step, events)
+            if shed:
+                self._shed(lane_id, lane, shed)
+        metrics.LANE_BACKLOG.set(max((lane.backlog_steps for lane in self.lanes.values()), default=0))
+
+    def _shed(self, frontend_id: str, lane: "ResultLane", request_ids: list[str]) -> None:
+        """The frontend took nothing from its lane for the backlog bound: end the requests waiting on it
+        (retryable, their slots freed) rather than queue without bound."""
+        for request_id in request_ids:
+            self.link.cancel(request_id)
+        metrics.LANE_SHED_REQUESTS.inc(len(request_ids))
+        log_event(logger, "result lane shed", logging.WARNING, frontend_id=frontend_id, requests=len(request_ids),
+                  backlog_steps=self.config.lane_max_backlog_steps)
 
     # ---------------------------------------------------------------- RPCs
 
@@ -94,16 +153,16 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
 
     async def Results(self, request: cluster_pb2.ResultsRequest, context):
         frontend_id = request.frontend_id
-        queue: asyncio.Queue[cluster_pb2.StepResults] = asyncio.Queue()
-        self.lanes[frontend_id] = queue  # a reconnecting frontend replaces its old lane
+        lane = ResultLane(self.config.lane_max_backlog_steps)
+        self.lanes[frontend_id] = lane  # a reconnecting frontend replaces its old lane
         log_event(logger, "result lane opened", frontend_id=frontend_id)
         try:
             yield _LANE_OPENED
             while True:
-                yield await queue.get()
-                queue.task_done()  # resumed: gRPC took the message, it wants the next one
+                yield await lane.take()
+                lane.taken()  # resumed: gRPC took the message, it wants the next one
         finally:
-            if self.lanes.get(frontend_id) is queue:
+            if self.lanes.get(frontend_id) is lane:
                 del self.lanes[frontend_id]
                 cancelled = self._cancel_lane(frontend_id)
                 log_event(logger, "result lane closed", frontend_id=frontend_id, cancelled_requests=cancelled)
@@ -180,7 +239,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     async def flush_lanes(self, timeout: float) -> None:
         """Waits until every result lane handed its queued messages to gRPC, or `timeout`."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(queue.join() for queue in self.lanes.values())), timeout)
+            await asyncio.wait_for(asyncio.gather(*(lane.idle.wait() for lane in self.lanes.values())), timeout)
 
     async def drain(self, timeout: float) -> None:
         self.draining = True

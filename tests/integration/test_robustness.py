@@ -54,3 +54,70 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(stack):
     assert "openengine.v1.GenerateRequest" in error.details()
     with stack.client() as client:  # and the frontend still serves
         assert collect(client, request(max_tokens=3))[-1].WhichOneof("event") == "finished"
+
+
+CLIENT_STALL_S = 2.0
+NOT_READING = 4
+
+
+@pytest.fixture(scope="module", params=("grpcio", "pygrpc-native"))
+def stall_frontend(request, cluster):
+    """A frontend of the shared cluster whose client stall timeout is short."""
+    from . import processes
+
+    coordinator, _ = cluster
+    frontend, metrics_port = processes.with_metrics(processes.frontend(
+        coordinator.target, request.param, "--client-stall-timeout-s", str(CLIENT_STALL_S)))
+    frontend.start().wait_ready(60)
+    yield frontend, metrics_port
+    frontend.stop()
+
+
+def big_request(max_tokens: int = 8000) -> generation_pb2.GenerateRequest:
+    """Each token delta carries 20 candidates, so the client's flow-control window fills in a few seconds."""
+    req = request(max_tokens=max_tokens)
+    req.response.return_output_logprobs = True
+    req.response.output_candidates.top_n = 20
+    return req
+
+
+def running_requests(target: str) -> int:
+    from openengine_serve.api.openengine.v1 import server_pb2
+    from openengine_serve.client import Client
+
+    with Client(target) as client:
+        return client.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5).running_requests
+
+
+def test_clients_that_stop_reading_are_ended_and_free_their_slots(stall_frontend):
+    frontend, metrics_port = stall_frontend
+    before = metric(scrape(metrics_port), "openengine_frontend_client_stalls_total")
+    # No BDP probing: the client's window stays at its initial 64 KiB, as for a client that stopped reading.
+    channel = grpc.insecure_channel(frontend.target, options=[("grpc.http2.bdp_probe", 0)])
+    generate = channel.unary_stream("/openengine.v1.Inference/Generate",
+                                    request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
+    try:
+        calls = [generate(big_request(), timeout=40) for _ in range(NOT_READING)]
+        wait_for(lambda: running_requests(frontend.target) >= NOT_READING, 20, "the streams running")
+        started = time.monotonic()
+        wait_for(lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total") - before
+                 >= NOT_READING, 60, "every non-reading stream counted as stalled")
+        wait_for(lambda: running_requests(frontend.target) == 0, 10, "the engine slots freed")
+        # 8000 tokens take 16 s at the 2 ms step: the streams were ended, they did not run to their end
+        assert time.monotonic() - started < 14
+        for call in calls:  # read what the client was sent: its end is a retryable error, or a cancellation
+            try:
+                responses = list(call)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.CANCELLED, (exc.code(), exc.details())
+                assert "accepted no output" in exc.details()
+                continue
+            assert responses[-1].WhichOneof("event") == "error", responses[-1]
+            assert responses[-1].error.retryable and "accepted no output" in responses[-1].error.message
+    finally:
+        channel.close()
+    with grpc.insecure_channel(frontend.target) as fresh:
+        from openengine_serve.api.openengine.v1 import openengine_pb2_grpc
+        responses = list(openengine_pb2_grpc.InferenceStub(fresh).Generate(request(max_tokens=3), timeout=30))
+    assert responses[-1].WhichOneof("event") == "finished"

@@ -102,14 +102,14 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         terminal retryable EngineError if the connection still takes a message, else the call is cancelled."""
         asyncio.current_task().uncancel()
         metrics.CLIENT_STALLS.inc()
+        message = f"the client accepted no output for {self.client_stall_timeout_s:g} s; the request was ended"
         try:
             async with asyncio.timeout(STALLED_CLIENT_LAST_WRITE_S):
-                await context.write(engine_error(
-                    plan.request_id, error_pb2.ERROR_CODE_INTERNAL,
-                    f"the client accepted no output for {self.client_stall_timeout_s:g} s; the request was ended",
-                    True))
-        except TimeoutError:
-            raise asyncio.CancelledError from None
+                await context.write(engine_error(plan.request_id, error_pb2.ERROR_CODE_INTERNAL, message, True))
+        except Exception:  # noqa: BLE001 - the write timed out or the call is broken: cancel it either way
+            # The status follows the output the connection still holds (at most the client's flow-control
+            # window): a client that reads again sees its end, one that left takes the call with it.
+            await context.abort(grpc.StatusCode.CANCELLED, message)
 
     async def stream(self, plan: GenerationPlan, accepted: OpenRequest, started: float, write: Write) -> None:
         """Streams the request's engine events to `write` until every output finished (or the stream failed)."""

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2
+from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2, openengine_pb2_grpc
 
 from .conftest import collect, request
 from .processes import metric, scrape, wait_for
@@ -118,6 +118,42 @@ def test_clients_that_stop_reading_are_ended_and_free_their_slots(stall_frontend
     finally:
         channel.close()
     with grpc.insecure_channel(frontend.target) as fresh:
-        from openengine_serve.api.openengine.v1 import openengine_pb2_grpc
         responses = list(openengine_pb2_grpc.InferenceStub(fresh).Generate(request(max_tokens=3), timeout=30))
     assert responses[-1].WhichOneof("event") == "finished"
+
+
+@pytest.mark.parametrize("server", ("grpcio", "pygrpc-native"))
+def test_beyond_max_in_flight_generate_is_refused_at_once_with_a_retry_hint(cluster, server):
+    from . import processes
+
+    coordinator, _ = cluster
+    frontend, metrics_port = processes.with_metrics(processes.frontend(
+        coordinator.target, server, "--max-in-flight", "2"))
+    frontend.start().wait_ready(60)
+    try:
+        with grpc.insecure_channel(frontend.target) as channel:
+            stub = openengine_pb2_grpc.InferenceStub(channel)
+            long_streams = [stub.Generate(request(max_tokens=8000), timeout=60) for _ in range(2)]
+            for stream in long_streams:
+                next(stream)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(request(max_tokens=3), timeout=10))
+            assert time.monotonic() - started < 1.0
+            error = refused.value
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (error.code(), error.details())
+            assert "OPENENGINE_MAX_IN_FLIGHT" in error.details() and "retry in 1000 ms" in error.details()
+            assert ("openengine-retry-after-ms", "1000") in (error.trailing_metadata() or ())
+            samples = scrape(metrics_port)
+            assert metric(samples, "openengine_frontend_in_flight_refusals_total") == 1
+            assert "openengine_frontend_event_loop_lag_seconds" in {name for name, _ in samples}
+            for stream in long_streams:
+                stream.cancel()
+            wait_for(lambda: running_requests(frontend.target) == 0, 10, "the cancelled streams' slots freed")
+            assert collect_stub(stub, request(max_tokens=3))[-1].WhichOneof("event") == "finished"
+    finally:
+        frontend.stop()
+
+
+def collect_stub(stub, req):
+    return list(stub.Generate(req, timeout=30))

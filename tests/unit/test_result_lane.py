@@ -1,0 +1,51 @@
+"""The node's result lane: steps merge while the frontend is behind; beyond the bound the waiting requests
+are shed with a retryable error."""
+
+from __future__ import annotations
+
+import asyncio
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.node.server import ResultLane
+
+
+def event(request_id: str, token: int, finish=cluster_pb2.ENGINE_FINISH_NONE) -> cluster_pb2.OutputEvent:
+    return cluster_pb2.OutputEvent(request_id=request_id, tokens=[cluster_pb2.TokenRecord(token_id=token)],
+                                   finish=finish, lane="fe")
+
+
+def test_steps_merge_into_one_waiting_message():
+    async def main():
+        lane = ResultLane(max_backlog_steps=10)
+        for step in range(1, 4):
+            assert lane.put(step, [event("a", step), event("b", step)]) == []
+        assert lane.backlog_steps == 3 and not lane.idle.is_set()
+        message = await lane.take()
+        assert message.step == 3
+        assert [(e.request_id, e.tokens[0].token_id) for e in message.events] == [
+            ("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("b", 3)]
+        lane.taken()
+        assert lane.backlog_steps == 0 and lane.idle.is_set()
+        waiting = asyncio.ensure_future(lane.take())
+        await asyncio.sleep(0)
+        assert not waiting.done(), "take waits for the next step"
+        lane.put(4, [event("a", 4)])
+        assert [e.tokens[0].token_id for e in (await waiting).events] == [4]
+
+    asyncio.run(main())
+
+
+def test_beyond_the_bound_waiting_requests_are_shed_and_finished_ones_kept():
+    async def main():
+        lane = ResultLane(max_backlog_steps=2)
+        assert lane.put(1, [event("a", 1), event("b", 1)]) == []
+        assert lane.put(2, [event("a", 2), event("b", 2, cluster_pb2.ENGINE_FINISH_LENGTH)]) == []
+        assert lane.put(3, [event("a", 3)]) == ["a"]
+        message = await lane.take()
+        kept = [(e.request_id, e.finish) for e in message.events]
+        assert kept == [("b", cluster_pb2.ENGINE_FINISH_NONE), ("b", cluster_pb2.ENGINE_FINISH_LENGTH),
+                        ("a", cluster_pb2.ENGINE_FINISH_ERROR)], "b finished in full; a ends with one error"
+        error = message.events[-1]
+        assert error.retryable and "2 engine steps behind" in error.message and error.lane == "fe"
+
+    asyncio.run(main())

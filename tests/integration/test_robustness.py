@@ -157,3 +157,82 @@ def test_beyond_max_in_flight_generate_is_refused_at_once_with_a_retry_hint(clus
 
 def collect_stub(stub, req):
     return list(stub.Generate(req, timeout=30))
+
+
+ABRUPT_CLIENT = """
+import os, signal, sys, uuid
+import grpc
+from openengine_serve.api.openengine.v1 import generation_pb2 as G, openengine_pb2_grpc
+stub = openengine_pb2_grpc.InferenceStub(grpc.insecure_channel(sys.argv[1]))
+streams = [stub.Generate(G.GenerateRequest(request_id=str(uuid.uuid4()), model="qwen3", prompt="hi", stopping=G.StoppingOptions(max_tokens=8000)),
+                         timeout=60) for _ in range(int(sys.argv[2]))]
+for stream in streams:
+    next(stream)
+os.kill(os.getpid(), signal.SIGKILL)  # the connection drops without a cancel or a goodbye
+"""
+
+
+def live_reservations(coordinator_target: str) -> int:
+    from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+
+    with grpc.insecure_channel(coordinator_target) as channel:
+        return cluster_pb2_grpc.CoordinatorStub(channel).GetClusterLoad(
+            cluster_pb2.GetClusterLoadRequest(), timeout=5).live_reservations
+
+
+def test_clients_killed_mid_stream_leak_no_slot_reservation_or_sink(stall_frontend, cluster):
+    import subprocess
+    import sys
+
+    frontend, metrics_port = stall_frontend
+    coordinator, _ = cluster
+    for _ in range(4):
+        proc = subprocess.run([sys.executable, "-c", ABRUPT_CLIENT, frontend.target, "8"], timeout=60,
+                              capture_output=True, text=True)
+        assert proc.returncode == -9, proc.stderr
+    wait_for(lambda: running_requests(frontend.target) == 0, 15, "every engine slot freed")
+    wait_for(lambda: live_reservations(coordinator.target) == 0, 10, "every reservation released")
+    wait_for(lambda: metric(scrape(metrics_port), "openengine_frontend_in_flight_requests") == 0, 10,
+             "every stream and its inbox closed on the frontend")
+
+
+IDLE_CONNECTIONS = 1000
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_thousand_idle_connections_are_held_and_requests_still_work(stall_frontend):
+    import socket
+
+    frontend, _ = stall_frontend
+    host, port = frontend.target.rsplit(":", 1)
+    before = rss_kib(frontend.proc.pid)
+    sockets = []
+    try:
+        for _ in range(IDLE_CONNECTIONS):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(HTTP2_PREFACE)
+            sockets.append(s)
+        time.sleep(2)  # let the server accept and set up every connection
+        per_connection = (rss_kib(frontend.proc.pid) - before) * 1024 / IDLE_CONNECTIONS
+        print(f"{frontend.name}: {IDLE_CONNECTIONS} idle connections, {per_connection / 1024:.1f} KiB each")
+        with grpc.insecure_channel(frontend.target) as channel:
+            started = time.monotonic()
+            responses = list(openengine_pb2_grpc.InferenceStub(channel).Generate(request(max_tokens=5), timeout=30))
+            assert responses[-1].WhichOneof("event") == "finished"
+            assert time.monotonic() - started < 5
+        alive = 0
+        for s in sockets:  # the server kept them: none was closed (a read would return b"" at once)
+            s.setblocking(False)
+            try:
+                alive += s.recv(65536) != b""
+            except BlockingIOError:
+                alive += 1
+        assert alive == IDLE_CONNECTIONS
+    finally:
+        for s in sockets:
+            s.close()

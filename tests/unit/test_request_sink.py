@@ -35,3 +35,30 @@ async def test_silent_request_ends_with_a_retryable_failure():
         watchdog.cancel()
     assert len(items) == 1 and isinstance(items[0], LaneFailure)
     assert items[0].retryable and "no progress" in items[0].message
+
+
+async def test_a_backlog_merges_token_events_per_output_and_keeps_their_order():
+    from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+    from openengine_serve.frontend.nodes import COMPACT_AT
+
+    def event(index, token, finish=cluster_pb2.ENGINE_FINISH_NONE):
+        return cluster_pb2.OutputEvent(request_id="r", output_index=index, finish=finish,
+                                       tokens=[cluster_pb2.TokenRecord(token_id=token)])
+
+    sink = RequestSink()
+    sink.put(cluster_pb2.OutputEvent(request_id="r", output_index=0, prompt_tokens=[cluster_pb2.TokenRecord()]))
+    for token in range(2 * COMPACT_AT):
+        sink.put(event(0, token))
+        sink.put(event(1, token))
+        assert len(sink.items) < COMPACT_AT + 2, "the backlog stays a few objects"
+    sink.put(event(1, 9999, cluster_pb2.ENGINE_FINISH_LENGTH))
+    items = await sink.take()
+    assert items[0].prompt_tokens, "the prompt event stays first, as it came"
+    tokens = {0: [], 1: []}
+    for item in items[1:]:
+        tokens[item.output_index] += [t.token_id for t in item.tokens]
+    assert tokens[0] == list(range(2 * COMPACT_AT))
+    assert tokens[1] == [*range(2 * COMPACT_AT), 9999]
+    assert items[-1].finish == cluster_pb2.ENGINE_FINISH_LENGTH
+    sink.put(event(0, 1))
+    assert [t.token_id for t in (await sink.take())[0].tokens] == [1], "a new round starts unmerged"

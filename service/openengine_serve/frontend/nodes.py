@@ -27,11 +27,20 @@ class LaneFailure:
     draining: bool = False
 
 
+COMPACT_AT = 256  # queued events that make a sink merge its plain token events (see RequestSink.put)
+
+
 class RequestSink:
     """One request's inbox: the lane reader appends OutputEvents (or a LaneFailure); the stream takes
-    everything queued at once, so a stream that fell behind catches up in one message, not one per token."""
+    everything queued at once, so a stream that fell behind catches up in one message, not one per token.
 
-    __slots__ = ("items", "waiter", "last_event_at", "failed", "writing_since", "owner", "client_stalled")
+    While the stream cannot hand output to its client, events pile up here until the client stall timeout.
+    From COMPACT_AT queued events on, the plain token events of each output merge into one event holding
+    copies of their token records: the lane's messages are freed, and what waits is the token records of
+    the stall window (at most max_tokens × num_sequences) in a few objects, not one object per step."""
+
+    __slots__ = ("items", "waiter", "last_event_at", "failed", "writing_since", "owner", "client_stalled",
+                 "_compact_at", "_merged")
 
     def __init__(self) -> None:
         self.items: deque = deque()
@@ -41,10 +50,14 @@ class RequestSink:
         self.writing_since = 0.0  # monotonic time the stream began handing output to its client; 0: not writing
         self.owner: asyncio.Task | None = None  # the task streaming to the client, cancelled when the client stalls
         self.client_stalled = False
+        self._compact_at = COMPACT_AT
+        self._merged: dict[int, cluster_pb2.OutputEvent] = {}  # output index -> its merged event in `items`
 
     def put(self, item) -> None:
         self.items.append(item)
         self.last_event_at = time.monotonic()
+        if len(self.items) >= self._compact_at:
+            self._compact()
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -61,6 +74,26 @@ class RequestSink:
             self.client_stalled = True
             self.owner.cancel()
 
+    def _compact(self) -> None:
+        merged = self._merged
+        kept: deque = deque()
+        for item in self.items:
+            if (type(item) is cluster_pb2.OutputEvent and item.finish == cluster_pb2.ENGINE_FINISH_NONE
+                    and not item.prompt_tokens):
+                target = merged.get(item.output_index)
+                if item is target:  # merged by an earlier compaction
+                    kept.append(item)
+                    continue
+                if target is None:
+                    target = merged[item.output_index] = cluster_pb2.OutputEvent(
+                        request_id=item.request_id, output_index=item.output_index, lane=item.lane)
+                    kept.append(target)
+                target.tokens.extend(item.tokens)
+                continue
+            kept.append(item)
+        self.items = kept
+        self._compact_at = max(COMPACT_AT, 2 * len(kept))
+
     async def take(self) -> list:
         while not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
@@ -70,6 +103,8 @@ class RequestSink:
                 self.waiter = None
         items = list(self.items)
         self.items.clear()
+        self._merged.clear()
+        self._compact_at = COMPACT_AT
         return items
 
 

@@ -1,9 +1,9 @@
 """Hostile and slow clients on both servers: undecodable requests get one clear answer, clients that stop
-reading are ended and free their engine slots."""
+reading are ended and free their engine slots; killed clients leak nothing; idle connections are held; the
+in-flight cap refuses at once."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -56,7 +56,7 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(stack):
         assert collect(client, request(max_tokens=3))[-1].WhichOneof("event") == "finished"
 
 
-CLIENT_STALL_S = 2.0
+CLIENT_STALL_S = 5.0
 NOT_READING = 4
 
 
@@ -237,53 +237,3 @@ def test_a_thousand_idle_connections_are_held_and_requests_still_work(stall_fron
         for s in sockets:
             s.close()
 
-
-WELL_BEHAVED = 8
-NON_READING = 64
-
-
-async def itl_p99(target: str, streams: int = WELL_BEHAVED, tokens: int = 300) -> float:
-    """p99 of the gaps between token messages seen by `streams` clients reading as fast as they can."""
-    gaps: list[float] = []
-
-    async def one(stub):
-        last = None
-        async for response in stub.Generate(request(max_tokens=tokens), timeout=30):
-            now = time.perf_counter()
-            if response.WhichOneof("event") == "token":
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = openengine_pb2_grpc.InferenceStub(channel)
-        await asyncio.gather(*(one(stub) for _ in range(streams)))
-    gaps.sort()
-    return gaps[int(len(gaps) * 0.99)]
-
-
-def test_non_reading_streams_do_not_slow_well_behaved_ones(stall_frontend):
-    frontend, metrics_port = stall_frontend
-    baseline = asyncio.run(itl_p99(frontend.target))
-    stalls_before = metric(scrape(metrics_port), "openengine_frontend_client_stalls_total")
-    # A 1 KiB receive window without BDP growth: a client that stops reading blocks its stream within ~40 tokens.
-    channel = grpc.insecure_channel(frontend.target, options=[("grpc.http2.bdp_probe", 0),
-                                                              ("grpc.http2.lookahead_bytes", 1024)])
-    generate = channel.unary_stream("/openengine.v1.Inference/Generate",
-                                    request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
-    try:
-        hogs = [generate(request(max_tokens=8000), timeout=40) for _ in range(NON_READING)]
-        wait_for(lambda: running_requests(frontend.target) >= NON_READING, 20, "the non-reading streams running")
-        time.sleep(0.5)  # their windows are full: they are blocked, still holding engine slots
-        loaded = asyncio.run(itl_p99(frontend.target))
-        print(f"{frontend.name}: ITL p99 {baseline * 1000:.1f} ms alone, {loaded * 1000:.1f} ms beside "
-              f"{NON_READING} non-reading streams")
-        assert loaded <= 1.5 * max(baseline, 0.004), (baseline, loaded)
-        wait_for(lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total") - stalls_before
-                 >= NON_READING, 30, "every non-reading stream ended by the stall timeout")
-        wait_for(lambda: running_requests(frontend.target) == 0, 10, "their engine slots freed")
-        for hog in hogs:
-            hog.cancel()
-    finally:
-        channel.close()

@@ -42,6 +42,24 @@ def _quiet_broken_pipe() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
+def add_credential_arguments(parser: argparse.ArgumentParser) -> None:
+    """Client flags for a secured frontend (TLS, mutual TLS, API key)."""
+    parser.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the "
+                                                             "system's roots (implied by --tls-ca-file)")
+    parser.add_argument("--tls-ca-file", default="", help="PEM CA that signed the frontend's certificate")
+    parser.add_argument("--tls-cert-file", default="", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key-file", default="", help="PEM key of --tls-cert-file")
+    parser.add_argument("--api-key", default="", help="API key, sent as `authorization: Bearer <key>` "
+                                                      "[OPENENGINE_API_KEY]")
+
+
+def credentials(args: argparse.Namespace):
+    from .client import Credentials
+
+    return Credentials.from_env(tls=args.tls, ca_file=args.tls_ca_file, cert_file=args.tls_cert_file,
+                                key_file=args.tls_key_file, api_key=args.api_key)
+
+
 def _generate(args: argparse.Namespace) -> int:
     _quiet_broken_pipe()
     from .api.openengine.v1 import generation_pb2
@@ -61,7 +79,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     line_open = False  # streamed text not yet ended by a newline: an error message starts on its own line
 
-    with Client(args.target) as client:
+    with Client(args.target, credentials=credentials(args)) as client:
         try:
             for response in client.inference.Generate(request, timeout=args.timeout):
                 event = response.WhichOneof("event")
@@ -96,7 +114,7 @@ def _info(args: argparse.Namespace) -> int:
     from .api.openengine.v1 import model_pb2, server_pb2
     from .client import Client
 
-    with Client(args.target) as client:
+    with Client(args.target, credentials=credentials(args)) as client:
         try:
             server = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=args.timeout)
             model = client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model=server.supported_models[0]),
@@ -116,7 +134,7 @@ def _health(args: argparse.Namespace) -> int:
     from .client import check_health
 
     try:
-        status = check_health(args.target, args.service, args.timeout)
+        status = check_health(args.target, args.service, args.timeout, credentials(args))
     except grpc.RpcError as exc:
         print(f"{args.service}: UNREACHABLE ({exc.code().name}: {exc.details()})")
         return 1
@@ -156,17 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default=None)
     gen.add_argument("--timeout", type=float, default=300.0)
+    add_credential_arguments(gen)
     gen.set_defaults(func=_generate)
 
     info = sub.add_parser("info", help="print ServerInfo and ModelInfo")
     info.add_argument("--target", default="127.0.0.1:50051")
     info.add_argument("--timeout", type=float, default=10.0)
+    add_credential_arguments(info)
     info.set_defaults(func=_info)
 
     health = sub.add_parser("health", help="grpc.health.v1 check: exit 0 when SERVING, 1 otherwise")
     health.add_argument("--target", default="127.0.0.1:50051")
     health.add_argument("--service", default="readiness", help="liveness | readiness | a service name")
     health.add_argument("--timeout", type=float, default=3.0)
+    add_credential_arguments(health)
     health.set_defaults(func=_health)
 
     # `bench` parses its own flags (prefix "+" here, so every "--flag" reaches it); imported only when run.

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from openengine_serve.client import is_serving
+from openengine_serve.client import NO_CREDENTIALS, Credentials, is_serving
 from openengine_serve.local import free_port
 
 LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
@@ -33,6 +33,7 @@ class Component:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    credentials: Credentials = NO_CREDENTIALS  # what its readiness check needs (TLS)
 
     @property
     def target(self) -> str:
@@ -51,7 +52,7 @@ class Component:
         def ready():
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode}; see {LOG_DIR}")
-            return is_serving(self.target)
+            return is_serving(self.target, credentials=self.credentials)
         wait_for(ready, timeout, f"{self.name} readiness")
         return self
 

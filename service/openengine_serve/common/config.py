@@ -46,6 +46,13 @@ class CommonConfig:
     log_level: str = knob("info", "log level", choices=LOG_LEVELS)
     drain_timeout_s: float = knob(30.0, "on SIGTERM: readiness turns NOT_SERVING, then in-flight work gets this "
                                         "long to finish", minimum=0)
+    internal_tls_cert_file: str = knob("", "PEM certificate this component presents on the internal plane "
+                                           "(with _KEY_FILE and _CA_FILE: mutual TLS between all components)")
+    internal_tls_key_file: str = knob("", "PEM private key of OPENENGINE_INTERNAL_TLS_CERT_FILE")
+    internal_tls_ca_file: str = knob("", "PEM CA that signs every component's internal certificate; peers "
+                                         "without one are refused")
+    internal_tls_server_name: str = knob("", "name checked in the peers' internal certificates instead of the "
+                                             "host dialled (default: the host dialled)")
 
     @classmethod
     def component(cls) -> str:
@@ -109,6 +116,13 @@ class FrontendConfig(CommonConfig):
     stall_timeout_s: float = knob(120.0, "a request that hears nothing from its node this long (queued or "
                                          "running) ends with a retryable EngineError", minimum=1)
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
+    tls_cert_file: str = knob("", "PEM certificate chain of the public port: TLS only (grpcio; reloaded when "
+                                  "the file changes)")
+    tls_key_file: str = knob("", "PEM private key of OPENENGINE_TLS_CERT_FILE")
+    tls_client_ca_file: str = knob("", "PEM CA: clients must present a certificate it signed (mutual TLS)")
+    api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET` a line (ROLE user|admin, SECRET the key "
+                                  "or sha256:<hex>); set: every call needs `authorization: Bearer <key>`; "
+                                  "re-read when it changes")
 
     @classmethod
     def component(cls) -> str:

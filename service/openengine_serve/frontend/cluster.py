@@ -21,6 +21,7 @@ import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.logging_setup import log_event
+from ..common.tls import internal_channel
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -93,12 +94,13 @@ class NodeConnection:
 
 class Cluster:
     def __init__(self, frontend_id: str, coordinator_address: str, advertised_address: str,
-                 heartbeat_s: float, stall_timeout_s: float) -> None:
+                 heartbeat_s: float, stall_timeout_s: float, internal_tls=None) -> None:
         self.frontend_id = frontend_id
         self.stall_timeout_s = stall_timeout_s
         self.advertised_address = advertised_address
         self.heartbeat_s = heartbeat_s
-        self._coordinator_channel = grpc.aio.insecure_channel(coordinator_address)
+        self.internal_tls = internal_tls  # a config with the internal_tls_* fields; None: plaintext
+        self._coordinator_channel = self._channel(coordinator_address)
         self.coordinator = cluster_pb2_grpc.CoordinatorStub(self._coordinator_channel)
         self.coordinator_address = coordinator_address
         self.coordinator_reachable = False
@@ -107,6 +109,11 @@ class Cluster:
         self.sinks: dict[str, RequestSink] = {}
         self._round_robin = itertools.count()
         self._background: set[asyncio.Task] = set()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if self.internal_tls is None:
+            return grpc.aio.insecure_channel(address)
+        return internal_channel(address, self.internal_tls)
 
     # ---------------------------------------------------------------- control plane
 
@@ -147,10 +154,11 @@ class Cluster:
                 self._drop_connection(node_id, "node left the deployment")
 
     async def reserve(self, request_id: str, routing_key: str, target_rank: int | None, prompt_tokens: int,
-                      num_sequences: int, trace: tuple[tuple[str, str], ...] = ()) -> cluster_pb2.NodeEntry:
+                      num_sequences: int, trace: tuple[tuple[str, str], ...] = (),
+                      owner: str = "") -> cluster_pb2.NodeEntry:
         request = cluster_pb2.ReserveRequest(request_id=request_id, frontend_id=self.frontend_id,
                                              routing_key=routing_key, prompt_tokens=prompt_tokens,
-                                             num_sequences=num_sequences)
+                                             num_sequences=num_sequences, owner=owner)
         if target_rank is not None:
             request.target_rank = target_rank
         try:
@@ -203,7 +211,7 @@ class Cluster:
         """The node's connection with its result lane open (opened on first use)."""
         conn = self.connections.get(entry.node_id)
         if conn is None:
-            channel = grpc.aio.insecure_channel(entry.address)
+            channel = self._channel(entry.address)
             conn = NodeConnection(entry, channel, cluster_pb2_grpc.NodeStub(channel))
             self.connections[entry.node_id] = conn
         if conn.lane_task is None:

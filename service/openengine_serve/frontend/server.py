@@ -16,9 +16,10 @@ from ..common.config import FrontendConfig
 from ..common.grpc_server import GRPCIO, ServerImplementation, create_server
 from ..common.health import Health
 from ..common.lifecycle import bind_address
+from ..common.tls import add_public_port
 from ..common.logging_setup import log_event
 from ..common.vocab import load_encoding
-from . import metrics
+from . import auth, metrics
 from .cluster import Cluster, LaneFailure
 from .service import Frontend
 from .stream import serialize_response
@@ -34,16 +35,16 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     frontend_id = config.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}"
     encoding = load_encoding()
     cluster = Cluster(frontend_id, config.coordinator_address, f"{socket.gethostname()}:{config.port}",
-                      config.heartbeat_s, config.stall_timeout_s)
+                      config.heartbeat_s, config.stall_timeout_s, internal_tls=config)  # security hook
     health = Health(readiness_aliases=PUBLIC_SERVICES)
     frontend = Frontend(config, frontend_id, implementation, encoding, cluster, health)
 
-    server = create_server(implementation)
+    server = create_server(implementation, interceptors=auth.interceptors(config))  # security hook: API keys
     add_inference_service(frontend, server)
     openengine_pb2_grpc.add_ControlServicer_to_server(frontend, server)
     health.register(server)
     reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-    server.add_insecure_port(bind_address(config.host, config.port))
+    add_public_port(server, bind_address(config.host, config.port), config)  # security hook: TLS
     await server.start()
     await health.start()
     if ready_file := os.environ.get(READY_FILE_VARIABLE):  # tells a supervisor this worker is serving

@@ -17,7 +17,7 @@ from ..common.config import FrontendConfig
 from ..common.grpc_server import ServerImplementation
 from ..common import health as component_health
 from ..common.logging_setup import log_event
-from . import metrics
+from . import auth, metrics
 from .cluster import Cluster, LaneFailure, NodeConnection, RequestSink, RoutingRefused
 from .stream import ENGINE_ERROR, OutputStream, TokenStrings, engine_error, prompt_output
 from .text import encode_prompt
@@ -101,7 +101,7 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
                                      self.limits, self.encode)
             conn, sink = await self._accept(plan)
         except (RequestRejected, RoutingRefused) as exc:
-            metrics.REQUESTS.labels(status="rejected", code=exc.code.name).inc()
+            metrics.REQUESTS.labels(status="rejected", code=exc.code.name, key=auth.caller_label()).inc()
             await context.abort(exc.code, exc.message)
         await self._stream(plan, conn, sink, started, context.write)
 
@@ -110,7 +110,7 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         cluster = self.cluster
         trace = trace_metadata(plan.metadata)
         node = await cluster.reserve(plan.request_id, plan.metadata.routing_key, plan.metadata.target_rank,
-                                     len(plan.prompt_token_ids), plan.num_sequences, trace)
+                                     len(plan.prompt_token_ids), plan.num_sequences, trace, owner=auth.owner())
         sink = cluster.open_sink(plan.request_id)  # before Submit: the first step may come back at once
         try:
             conn = await cluster.connect(node)
@@ -183,9 +183,10 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
             cluster.release(request_id)
             duration = time.perf_counter() - started
             metrics.IN_FLIGHT.dec()
-            metrics.REQUESTS.labels(status=status, code=code).inc()
+            metrics.REQUESTS.labels(status=status, code=code, key=auth.caller_label()).inc()
             metrics.E2E.observe(duration)
-            log_event(logger, "request ended", request_id=request_id, trace_id=trace_id(plan.metadata),
+            log_event(logger, "request ended", request_id=request_id, key=auth.caller_label(),
+                      trace_id=trace_id(plan.metadata),
                       node_id=conn.entry.node_id, status=status, completion_tokens=sum(o.generated for o in outputs),
                       duration_s=f"{duration:.3f}")
 
@@ -318,8 +319,11 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
             await context.abort(grpc.StatusCode.NOT_FOUND, "no KV sessions exist in an aggregated deployment")
         if target == "request_id" and not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        owner, refusal = auth.abort_scope(target == "all_requests")  # security hook: a user aborts only its own
+        if refusal:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         cluster_request = (cluster_pb2.ClusterAbortRequest(all_requests=True) if target == "all_requests"
-                           else cluster_pb2.ClusterAbortRequest(request_id=request.request_id))
+                           else cluster_pb2.ClusterAbortRequest(request_id=request.request_id, owner=owner))
         try:
             reply = await self.cluster.abort(cluster_request)
         except grpc.aio.AioRpcError as exc:
@@ -330,7 +334,8 @@ class Frontend(openengine_pb2_grpc.InferenceServicer, openengine_pb2_grpc.Contro
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED:
             return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED,
                                                message=f"request_id {request.request_id!r} already finished")
-        log_event(logger, "abort", target=target, request_id=request.request_id, aborted=reply.aborted)
+        log_event(logger, "abort", target=target, request_id=request.request_id, key=auth.caller_label(),
+                  aborted=reply.aborted)
         return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED,
                                            message=f"aborted {reply.aborted} request(s)")
 

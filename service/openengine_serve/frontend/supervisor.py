@@ -23,6 +23,8 @@ from ..common.config import FrontendConfig, env_name
 from ..common.grpc_server import resolve_implementation
 from ..common.lifecycle import logger, run_component, start_metrics
 from ..common.logging_setup import log_event, setup_logging
+from ..common.tls import check_public_tls
+from .auth import parse_keys
 
 RESTART_BACKOFF_S = 1.0
 # A worker writes this file once it serves; one that dies before that "cannot start" and the supervisor
@@ -33,6 +35,7 @@ READY_FILE_VARIABLE = "OPENENGINE_WORKER_READY_FILE"
 def run_frontend(config: FrontendConfig) -> int:
     # Before anything heavy (tokenizer, coordinator, binding): fails with the install command.
     implementation = resolve_implementation(config.grpc_server)
+    check_security(config)  # security hook: TLS files, the native+TLS conflict, the API key file
     if config.workers == 1:
         from .server import serve
 
@@ -42,6 +45,13 @@ def run_frontend(config: FrontendConfig) -> int:
 
         return run_component(config, main)
     return Supervisor(config).run()
+
+
+def check_security(config: FrontendConfig) -> None:
+    """ConfigError (exit 2) at start for TLS or key settings that cannot work."""
+    check_public_tls(config, config.grpc_server)
+    if config.api_keys_file:
+        parse_keys(config.api_keys_file)
 
 
 class Supervisor:

@@ -120,6 +120,12 @@ class FrontendConfig(CommonConfig):
                                   "the file changes)")
     tls_key_file: str = knob("", "PEM private key of OPENENGINE_TLS_CERT_FILE")
     tls_client_ca_file: str = knob("", "PEM CA: clients must present a certificate it signed (mutual TLS)")
+    max_request_bytes: int = knob(16 * 1024 * 1024, "largest request message accepted (RESOURCE_EXHAUSTED "
+                                                     "beyond)", minimum=1024)
+    max_metadata_bytes: int = knob(16 * 1024, "largest request metadata (header names + values + 32 bytes "
+                                              "each) accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024)
+    max_concurrent_streams: int = knob(1024, "calls open at once on one client connection (RESOURCE_EXHAUSTED "
+                                             "beyond)", minimum=1)
     api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET` a line (ROLE user|admin, SECRET the key "
                                   "or sha256:<hex>); set: every call needs `authorization: Bearer <key>`; "
                                   "re-read when it changes")

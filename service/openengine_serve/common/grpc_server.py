@@ -84,16 +84,18 @@ def resolve_implementation(name: str) -> ServerImplementation:
 
 
 def create_server(implementation: ServerImplementation = ServerImplementation(GRPCIO, grpc.__version__),
-                  interceptors=()) -> grpc.aio.Server:
+                  interceptors=(), options: tuple[tuple[str, int], ...] = ()) -> grpc.aio.Server:
+    """`options` override SERVER_OPTIONS entries of the same name (the frontend's stated limits)."""
+    common = tuple(dict(SERVER_OPTIONS + tuple(options)).items())
     if implementation.name == NATIVE:
         import pygrpc_native.aio  # checked by resolve_implementation before anything heavy
 
         # Its Rust I/O threads (2 by default) share the CPUs with the Python loop: a worker limited to one CPU
         # (pinned with taskset or a cpuset) runs one: measured ~7 % less CPU per token than two.
         io_threads = min(2, len(os.sched_getaffinity(0)))
-        return pygrpc_native.aio.Server(options=list(SERVER_OPTIONS), interceptors=list(interceptors),
+        return pygrpc_native.aio.Server(options=list(common), interceptors=list(interceptors),
                                         io_threads=io_threads)
-    return grpc.aio.server(options=list(SERVER_OPTIONS + GRPCIO_ONLY_OPTIONS), interceptors=list(interceptors))
+    return grpc.aio.server(options=list(common + GRPCIO_ONLY_OPTIONS), interceptors=list(interceptors))
 
 
 def create_internal_server() -> grpc.aio.Server:

@@ -182,16 +182,16 @@ def bearer_token(metadata) -> str | None:
 _HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 
 
-def _kind(handler) -> str:
+def handler_kind(handler) -> str:
     return next(k for k in _HANDLER_KINDS if getattr(handler, k) is not None)
 
 
-def _refusal(handler, code: grpc.StatusCode, message: str):
+def refusal(handler, code: grpc.StatusCode, message: str):
     """The same kind of handler, answering `code`; the request is not even deserialized."""
     async def refuse(request, context):
         await context.abort(code, message)
 
-    return handler._replace(request_deserializer=_skip, **{_kind(handler): refuse})
+    return handler._replace(request_deserializer=_skip, **{handler_kind(handler): refuse})
 
 
 def _skip(_data: bytes) -> None:
@@ -199,7 +199,7 @@ def _skip(_data: bytes) -> None:
 
 
 def _as_caller(handler, key: ApiKey):
-    kind = _kind(handler)
+    kind = handler_kind(handler)
     behavior = getattr(handler, kind)
     if inspect.isasyncgenfunction(behavior):
         async def bound(request, context):
@@ -224,13 +224,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = bearer_token(handler_call_details.invocation_metadata)
         if not token:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
                             "an API key is required: send the metadata `authorization: Bearer <key>`")
         key = self.store.authenticate(token)
         if key is None:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "the API key is not valid")
+            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "the API key is not valid")
         if not key.admin and method not in USER_METHODS:
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+            return refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
                             f"API key {key.name!r} has role user; {method} needs role admin")
         return _as_caller(handler, key)
 

@@ -19,7 +19,7 @@ from ..common.lifecycle import bind_address
 from ..common.tls import add_public_port
 from ..common.logging_setup import log_event
 from ..common.vocab import load_encoding
-from . import auth, metrics
+from . import auth, limits, metrics
 from .cluster import Cluster, LaneFailure
 from .service import Frontend
 from .stream import serialize_response
@@ -39,7 +39,9 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     health = Health(readiness_aliases=PUBLIC_SERVICES)
     frontend = Frontend(config, frontend_id, implementation, encoding, cluster, health)
 
-    server = create_server(implementation, interceptors=auth.interceptors(config))  # security hook: API keys
+    # security hook: API keys, then the stated limits
+    server = create_server(implementation, interceptors=auth.interceptors(config) + limits.interceptors(config),
+                           options=limits.transport_options(config))
     add_inference_service(frontend, server)
     openengine_pb2_grpc.add_ControlServicer_to_server(frontend, server)
     health.register(server)

@@ -60,6 +60,18 @@ def credentials(args: argparse.Namespace):
                                 key_file=args.tls_key_file, api_key=args.api_key)
 
 
+def add_up_security_arguments(up: argparse.ArgumentParser) -> None:
+    for flag, what in (("--tls-cert-file", "frontend TLS certificate [OPENENGINE_TLS_CERT_FILE]"),
+                       ("--tls-key-file", "its key [OPENENGINE_TLS_KEY_FILE]"),
+                       ("--tls-client-ca-file", "require client certificates this CA signed "
+                                                "[OPENENGINE_TLS_CLIENT_CA_FILE]"),
+                       ("--api-keys-file", "API key file [OPENENGINE_API_KEYS_FILE]"),
+                       ("--tls-ca-file", "CA `up` verifies the frontend with (default: --tls-cert-file)"),
+                       ("--client-cert-file", "client certificate of `up`'s readiness check (mutual TLS)"),
+                       ("--client-key-file", "its key")):
+        up.add_argument(flag, default="", help=what)
+
+
 def _generate(args: argparse.Namespace) -> int:
     _quiet_broken_pipe()
     from .api.openengine.v1 import generation_pb2
@@ -157,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--node-port", type=int, default=0, help="first node's port, further nodes count up "
                                                              "(default: free ports)")
     up.add_argument("--metrics", action="store_true", help="serve metrics on 9091/9092/9093+ instead of off")
+    add_up_security_arguments(up)
     up.set_defaults(func=_up)
 
     for name, config_cls in cfg.COMPONENT_CONFIGS.items():

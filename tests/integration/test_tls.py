@@ -207,3 +207,28 @@ def test_internal_mutual_tls_admits_the_deployment_and_refuses_a_stranger(tmp_pa
             with channel, pytest.raises(grpc.RpcError) as err:
                 call(channel)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+
+
+def test_up_with_mutual_tls_and_api_keys_checks_readiness_over_tls_and_says_so(tmp_path):
+    import signal
+
+    pki = Pki(tmp_path, "public")
+    keys = tmp_path / "keys"
+    keys.write_text("user up-user k-up-41\n")
+    port = processes.free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port),
+                             "--tls-cert-file", pki.cert_file, "--tls-key-file", pki.key_file,
+                             "--tls-client-ca-file", pki.ca_file, "--api-keys-file", str(keys),
+                             "--tls-ca-file", pki.ca_file, "--client-cert-file", pki.client_cert_file,
+                             "--client-key-file", pki.client_key_file],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"ready on 127.0.0.1:{port} (TLS, mutual TLS, API key required)" in line, line
+        assert generates(f"127.0.0.1:{port}", pki.client(mutual=True, api_key="k-up-41"))
+        assert refused(f"127.0.0.1:{port}", pki.client(mutual=True)) == grpc.StatusCode.UNAUTHENTICATED
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

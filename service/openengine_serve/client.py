@@ -62,6 +62,7 @@ class Credentials:
     key_file: str = ""
     api_key: str = ""
     tls: bool = False
+    server_name: str = ""  # the name checked in the server's certificate instead of the target's host
 
     @property
     def uses_tls(self) -> bool:
@@ -108,13 +109,19 @@ class _AsyncApiKey(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamCli
         return await continuation(_with_metadata(details, self.metadata), request)
 
 
+def _tls_options(options, credentials: Credentials) -> list:
+    extra = [("grpc.ssl_target_name_override", credentials.server_name)] if credentials.server_name else []
+    return list(options) + extra
+
+
 def open_channel(target: str, options=(), credentials: Credentials = NO_CREDENTIALS):
     """A blocking channel with the TLS and API key of `credentials`."""
     from .common.tls import channel_credentials
 
     if credentials.uses_tls:
         channel = grpc.secure_channel(target, channel_credentials(credentials.ca_file, credentials.cert_file,
-                                                                  credentials.key_file), options=list(options))
+                                                                  credentials.key_file),
+                                      options=_tls_options(options, credentials))
     else:
         channel = grpc.insecure_channel(target, options=list(options))
     metadata = _auth_metadata(credentials)
@@ -128,8 +135,8 @@ def open_async_channel(target: str, options=(), credentials: Credentials = NO_CR
     interceptors = [_AsyncApiKey(metadata)] if metadata else None
     if credentials.uses_tls:
         return grpc.aio.secure_channel(target, channel_credentials(
-            credentials.ca_file, credentials.cert_file, credentials.key_file), options=list(options),
-            interceptors=interceptors)
+            credentials.ca_file, credentials.cert_file, credentials.key_file),
+            options=_tls_options(options, credentials), interceptors=interceptors)
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
 
 

@@ -15,6 +15,9 @@ def _component(name: str):
     def run(args: argparse.Namespace) -> int:
         config_cls = cfg.COMPONENT_CONFIGS[name]
         config = cfg.load(config_cls, args)
+        from .common.tls import check_internal_tls
+
+        check_internal_tls(config)  # security hook: exit 2 at start on incomplete or unreadable internal TLS files
         if name == "frontend":
             from .frontend.supervisor import run_frontend
 

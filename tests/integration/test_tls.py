@@ -232,3 +232,12 @@ def test_up_with_mutual_tls_and_api_keys_checks_readiness_over_tls_and_says_so(t
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("component", ["coordinator", "node", "frontend"])
+def test_incomplete_internal_tls_stops_the_start(tmp_path, component):
+    pki = Pki(tmp_path, "internal")
+    result = run_cli(component, "--port", str(processes.free_port()), "--internal-tls-cert-file", pki.cert_file,
+                     "--internal-tls-key-file", pki.key_file, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert "needs all three of OPENENGINE_INTERNAL_TLS_CERT_FILE" in result.stderr

@@ -113,6 +113,13 @@ def internal_tls_enabled(config) -> bool:
     return all(files)
 
 
+def check_internal_tls(config) -> None:
+    """At start: internal TLS is all three files or none, and they can be read (ConfigError otherwise)."""
+    if internal_tls_enabled(config):
+        ReloadingServerCertificate(config.internal_tls_cert_file, config.internal_tls_key_file,
+                                   config.internal_tls_ca_file, variable_prefix="INTERNAL_TLS")
+
+
 def add_internal_port(server, address: str, config) -> None:
     """Binds an internal server: mutual TLS (client certificates signed by the internal CA required) or plaintext."""
     if internal_tls_enabled(config):

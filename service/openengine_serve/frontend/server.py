@@ -46,7 +46,8 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         config.coordinator_timeout_s, tasks, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only)
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
     health = Health(readiness_aliases=PUBLIC_SERVICES)
-    inference = Inference(config, encoding, requests, health)
+    # key_name_of: frontend/auth.py's caller key name, for the request span, once API keys exist
+    inference = Inference(config, encoding, requests, health, implementation.name)
     probe = InferenceProbe(frontend_id, config.model, inference, config.probe_timeout_s)
 
     server = create_server(implementation, max_connection_age_s=config.max_connection_age_s,

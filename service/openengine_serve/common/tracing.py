@@ -18,6 +18,8 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 
+from .logging_setup import log_event
+
 logger = logging.getLogger("openengine_serve.tracing")
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -58,8 +60,8 @@ def setup_tracing(component: str) -> bool:
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     _tracer = trace.get_tracer("openengine_serve")
-    logger.info("tracing on", extra={"kv": {"service": service, "sampler":
-                                            os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")}})
+    log_event(logger, "tracing on", service=service,
+              sampler=os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
     return True
 
 

@@ -82,7 +82,7 @@ def test_metrics_move_with_traffic(deployment, workers):
 
     node_samples = scrape(node_metrics)
     assert metric(node_samples, "openengine_node_step_duration_seconds_count") >= 20
-    # every request waited for its first token once (the stack's probe requests too)
+    # each request sent reported its wait for a batch slot once
     assert metric(node_samples, "openengine_node_request_queue_time_seconds_count") >= sent
     assert metric(node_samples, "openengine_node_batch_slot_usage") == 0
     coord_samples = wait_for(lambda: (s := scrape(coord_metrics)) and

@@ -143,3 +143,16 @@ def test_a_call_without_traceparent_starts_a_trace_and_a_refusal_is_an_error_spa
     assert rejected.attributes["rpc.grpc.status_code"] == "NOT_FOUND"
     assert rejected.events == []  # refused before it was queued
     assert traced.receiver.spans(rejected.span.trace_id) == [rejected]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_trace_the_client_did_not_sample_is_recorded_nowhere(traced, server):
+    """flags 00: the frontend records nothing and passes the unsampled context on, so neither the coordinator
+    nor the node records its part (spans of a later sampled call arriving show the pipeline was flushed)."""
+    unsampled, sampled = os.urandom(16), os.urandom(16)
+    with Client(traced.frontend(server).target) as client:
+        for trace_id, flags in ((unsampled, "00"), (sampled, "01")):
+            list(client.inference.Generate(request(max_tokens=4), timeout=30, metadata=(
+                ("traceparent", f"00-{trace_id.hex()}-{os.urandom(8).hex()}-{flags}"),)))
+    assert len(traced.receiver.wait_for(sampled, 5)) == 5
+    assert traced.receiver.spans(unsampled) == []

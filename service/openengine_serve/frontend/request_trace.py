@@ -22,17 +22,25 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 class RequestTrace:
-    __slots__ = ("span",)
+    """`span` is None while tracing is off and for a call the sampler left out; such a call still passes
+    its unsampled context (`forward`) on, so the coordinator and node leave it out too."""
 
-    def __init__(self, span) -> None:
+    __slots__ = ("span", "forward")
+
+    def __init__(self, span, forward: Metadata = ()) -> None:
         self.span = span
+        self.forward = forward
 
     @classmethod
     def start(cls, metadata: Sequence[tuple[str, str | bytes]], server_implementation: str) -> RequestTrace:
         span = tracing.start_server_span(GENERATE_SPAN, metadata, {
             "rpc.system": "grpc", "rpc.service": "openengine.v1.Inference", "rpc.method": "Generate",
             "openengine.grpc_server": server_implementation})
-        return NO_TRACE if span is None else cls(span)
+        if span is None:
+            return NO_TRACE
+        if not span.is_recording():  # not sampled: no span work at all, only its context goes on
+            return cls(None, tracing.inject(span))
+        return cls(span)
 
     def set_attributes(self, **attributes) -> None:
         if self.span is not None:
@@ -52,7 +60,7 @@ class RequestTrace:
         """A CLIENT span around one internal call; yields the metadata that carries it (`untraced`, the
         client's own trace context, while tracing is off)."""
         if self.span is None:
-            yield untraced
+            yield self.forward or untraced
             return
         child = tracing.start_child_span(self.span, name, {"rpc.system": "grpc", **attributes})
         try:

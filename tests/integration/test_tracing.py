@@ -25,24 +25,30 @@ class TracedCluster:
 
     def __init__(self, receiver: Receiver, coordinator: processes.Component) -> None:
         self.receiver, self.coordinator = receiver, coordinator
-        self.frontends: dict[str, processes.Component] = {}
+        self.frontends: dict[tuple[str, str], processes.Component] = {}
 
-    def frontend(self, server: str) -> processes.Component:
-        if server not in self.frontends:
-            self.frontends[server] = processes.frontend(self.coordinator.target, server,
-                                                        **self.receiver.env()).start()
-            self.frontends[server].wait_ready(60)
+    def frontend(self, server: str, keys_file: str = "") -> processes.Component:
+        """The frontend on `server` (API keys on with `keys_file`)."""
+        if (server, keys_file) not in self.frontends:
+            env = {**self.receiver.env(), **({"OPENENGINE_API_KEYS_FILE": keys_file} if keys_file else {})}
+            fe = processes.frontend(self.coordinator.target, server, **env).start()
+            self.frontends[(server, keys_file)] = fe
+            fe.wait_ready(60)
             # the node is known to the frontend: the first request is not refused for want of one
-            processes.wait_for(lambda: _ready_ranks(self.frontends[server].target) == 1, 20, "the node ready")
-        return self.frontends[server]
+            processes.wait_for(lambda: _ready_ranks(fe.target, keys_file) == 1, 20, "the node ready")
+        return self.frontends[(server, keys_file)]
 
 
-def _ready_ranks(target: str) -> int:
+KEY_NAME, KEY_SECRET = "team-a", "s3cret-team-a"
+KEY_METADATA = (("authorization", f"Bearer {KEY_SECRET}"),)
+
+
+def _ready_ranks(target: str, keys_file: str = "") -> int:
     from openengine_serve.api.openengine.v1 import server_pb2
 
     with Client(target) as client:
-        return client.control.GetServerInfo(server_pb2.GetServerInfoRequest(),
-                                            timeout=2).parallelism.data_parallel_size
+        return client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=2,
+                                            metadata=KEY_METADATA if keys_file else ()).parallelism.data_parallel_size
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +162,16 @@ def test_a_trace_the_client_did_not_sample_is_recorded_nowhere(traced, server):
                 ("traceparent", f"00-{trace_id.hex()}-{os.urandom(8).hex()}-{flags}"),)))
     assert len(traced.receiver.wait_for(sampled, 5)) == 5
     assert traced.receiver.spans(unsampled) == []
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_the_callers_key_name_is_on_the_span_when_keys_are_on(traced, server, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"user {KEY_NAME} {KEY_SECRET}\n")
+    trace_id = os.urandom(16)
+    with Client(traced.frontend(server, str(keys)).target) as client:
+        list(client.inference.Generate(request(max_tokens=3), timeout=30, metadata=KEY_METADATA + (
+            ("traceparent", f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"),)))
+    spans = traced.receiver.wait_for(trace_id, 5)
+    assert by_name(spans, GENERATE, "openengine-frontend").attributes["openengine.key_name"] == KEY_NAME
+    assert KEY_SECRET not in repr([s.span for s in spans])  # the name, never the secret

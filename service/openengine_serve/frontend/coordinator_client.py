@@ -37,7 +37,8 @@ class CoordinatorUnreachable(Exception):
 class CoordinatorClient:
     def __init__(self, frontend_id: str, address: str, advertised_address: str, heartbeat_s: float,
                  call_timeout_s: float, tasks: BackgroundTasks, live_requests: Callable[[], int],
-                 on_node_table: Callable[[dict[str, cluster_pb2.NodeEntry]], None]) -> None:
+                 on_node_table: Callable[[dict[str, cluster_pb2.NodeEntry]], None],
+                 open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:
         self.frontend_id = frontend_id
         self.address = address
         self.advertised_address = advertised_address
@@ -46,7 +47,7 @@ class CoordinatorClient:
         self.reachable = False
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}  # the last known table
         self.table_updated = asyncio.Event()  # set at each node table the coordinator sends (readiness follows it)
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = open_channel(address)
         self._stub = cluster_pb2_grpc.CoordinatorStub(self._channel)
         self._tasks = tasks
         self._live_requests = live_requests
@@ -88,11 +89,13 @@ class CoordinatorClient:
         self.table_updated.set()
 
     async def reserve(self, request_id: str, routing_key: str, target_rank: int | None, prompt_tokens: int,
-                      num_sequences: int, trace: tuple[tuple[str, str], ...] = ()) -> cluster_pb2.NodeEntry:
-        """The node the coordinator picked; raises a Refusal, or CoordinatorUnreachable."""
+                      num_sequences: int, trace: tuple[tuple[str, str], ...] = (),
+                      owner: str = "") -> cluster_pb2.NodeEntry:
+        """The node the coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API key
+        name that starts the request, so that only it (or an admin) can abort it."""
         request = cluster_pb2.ReserveRequest(request_id=request_id, frontend_id=self.frontend_id,
                                              routing_key=routing_key, prompt_tokens=prompt_tokens,
-                                             num_sequences=num_sequences)
+                                             num_sequences=num_sequences, owner=owner)
         if target_rank is not None:
             request.target_rank = target_rank
         try:

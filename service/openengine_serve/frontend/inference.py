@@ -19,7 +19,7 @@ from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
 from ..common.health import Health
 from ..common.logging_setup import log_event
-from . import metrics
+from . import auth, metrics
 from .nodes import LaneFailure
 from .refusal import DuplicateRequest, InvalidRequest, NotServed, Overloaded, Refusal, Unavailable, Unsupported
 from .request_trace import RequestTrace
@@ -42,16 +42,13 @@ REFUSAL_CODES: dict[type[Refusal], grpc.StatusCode] = {
 }
 
 Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
-# The name of the API key a call authenticated with, None while keys are off (wired by the server).
-KeyNameOf = Callable[[object], str | None]
 
 
 class Inference(openengine_pb2_grpc.InferenceServicer):
     def __init__(self, config: FrontendConfig, encoding, requests: Requests, health: Health,
-                 server_implementation: str = "", key_name_of: KeyNameOf | None = None) -> None:
+                 server_implementation: str = "") -> None:
         self.encoding = encoding
         self.server_implementation = server_implementation  # for the request span
-        self.key_name_of = key_name_of
         self.strings = TokenStrings(encoding)
         self.requests = requests
         self.health = health
@@ -77,18 +74,17 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         if trace.span is not None:
             trace.set_attributes(**{"openengine.request_id": request.request_id,
                                     "gen_ai.request.model": request.model})
-            if self.key_name_of is not None:
-                trace.set_key_name(self.key_name_of(context))
+            trace.set_key_name(auth.owner())  # the caller's API key name; absent when keys are off
         try:
             if self.health.draining:
                 raise Unavailable("this frontend is draining; retry on another frontend")
             plan = self.plan(request, parse_metadata(invocation_metadata))
             trace.set_attributes(**{"gen_ai.usage.input_tokens": len(plan.prompt_token_ids)})
-            async with self.requests.open(plan, trace) as accepted:
+            async with self.requests.open(plan, owner=auth.owner(), trace=trace) as accepted:
                 await self.stream(plan, accepted, started, context.write)
         except Refusal as exc:
             code = REFUSAL_CODES[type(exc)]
-            metrics.REQUESTS.labels(status="rejected", code=code.name).inc()
+            metrics.REQUESTS.labels(status="rejected", code=code.name, key=auth.caller_label()).inc()
             metrics.REFUSALS.labels(reason=refusal_reason(type(exc))).inc()
             trace.end(status="rejected", code=code.name, error=exc.message)
             await context.abort(code, exc.message)
@@ -168,11 +164,12 @@ def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[Outpu
     duration = time.perf_counter() - started
     completion_tokens = sum(o.generated for o in outputs)
     metrics.IN_FLIGHT.dec()
-    metrics.REQUESTS.labels(status=status, code=code).inc()
+    key = auth.key_label(accepted.owner)  # security hook: the key name, never the secret
+    metrics.REQUESTS.labels(status=status, code=code, key=key).inc()
     metrics.E2E.observe(duration)
     accepted.trace.event("finished", status=status)
     accepted.trace.end(status=status, code=code, completion_tokens=completion_tokens, finish_reasons=finish_reasons)
-    log_event(logger, "request ended", request_id=plan.request_id, trace_id=trace_id(plan.metadata),
+    log_event(logger, "request ended", request_id=plan.request_id, key=key, trace_id=trace_id(plan.metadata),
               node_id=accepted.node.node_id, status=status, completion_tokens=completion_tokens,
               duration_s=f"{duration:.3f}")
 

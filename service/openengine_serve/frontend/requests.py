@@ -29,13 +29,15 @@ from .validation import GenerationPlan, RequestMetadata
 
 
 class OpenRequest:
-    """An accepted request: its node, its sink, its trace, and the call that stops one of its outputs on the node."""
+    """An accepted request: its node, its sink, its owner, its trace, and the call that stops one of its outputs
+    on the node."""
 
-    __slots__ = ("request_id", "node", "sink", "ended", "trace", "_conn", "_nodes")
+    __slots__ = ("request_id", "owner", "node", "sink", "ended", "trace", "_conn", "_nodes")
 
     def __init__(self, request_id: str, conn: NodeConnection, sink: RequestSink, nodes: NodeConnections,
-                 trace: RequestTrace = NO_TRACE) -> None:
+                 owner: str = "", trace: RequestTrace = NO_TRACE) -> None:
         self.request_id = request_id
+        self.owner = owner  # the API key name that started it ("" when keys are off)
         self.trace = trace
         self.node = conn.entry
         self.sink = sink
@@ -77,7 +79,10 @@ class Requests:
         self.nodes.fail_all(failure)
 
     @contextlib.asynccontextmanager
-    async def open(self, plan: GenerationPlan, trace: RequestTrace = NO_TRACE) -> AsyncIterator[OpenRequest]:
+    async def open(self, plan: GenerationPlan, owner: str = "",
+                   trace: RequestTrace = NO_TRACE) -> AsyncIterator[OpenRequest]:
+        """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
+        a user aborts only its own requests. `trace`: the call's span (request_trace.py)."""
         request_id = plan.request_id
         forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
         self._open += 1
@@ -85,7 +90,7 @@ class Requests:
         self._idle.clear()
         try:
             try:
-                node = await self._reserve(plan, trace, forwarded)
+                node = await self._reserve(plan, trace, forwarded, owner)
             except asyncio.CancelledError:
                 self.coordinator.release(request_id)  # the client left during Reserve, which may have gone through
                 raise
@@ -100,7 +105,7 @@ class Requests:
                     conn = None  # the node did not take the request: nothing to cancel
                     raise submit_refusal(exc, node) from None
                 trace.event("queued", **{"openengine.node_id": node.node_id})
-                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes, trace)
+                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes, owner, trace)
                 yield request
             finally:
                 if conn is not None and not (request is not None and request.ended):
@@ -113,14 +118,15 @@ class Requests:
             if not self._open:
                 self._idle.set()
 
-    async def _reserve(self, plan: GenerationPlan, trace: RequestTrace,
-                       forwarded: tuple[tuple[str, str], ...]) -> cluster_pb2.NodeEntry:
+    async def _reserve(self, plan: GenerationPlan, trace: RequestTrace, forwarded: tuple[tuple[str, str], ...],
+                       owner: str) -> cluster_pb2.NodeEntry:
         """The node for the request: the coordinator's reservation (one span), else the fallback routing's."""
         metadata = plan.metadata
         try:
             with trace.call(RESERVE_SPAN, forwarded) as call_metadata:
                 return await self.coordinator.reserve(plan.request_id, metadata.routing_key, metadata.target_rank,
-                                                      len(plan.prompt_token_ids), plan.num_sequences, call_metadata)
+                                                      len(plan.prompt_token_ids), plan.num_sequences, call_metadata,
+                                                      owner)
         except CoordinatorUnreachable:
             trace.event("fallback_routing")
             # Duplicates are caught on this frontend only until the coordinator is back.

@@ -131,20 +131,22 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences")
+    __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     TARGET_RANK_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     frontend_id: str
     routing_key: str
     target_rank: int
     prompt_tokens: int
     num_sequences: int
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., target_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., target_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("node",)
@@ -165,12 +167,14 @@ class ReleaseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterAbortRequest(_message.Message):
-    __slots__ = ("request_id", "all_requests")
+    __slots__ = ("request_id", "all_requests", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     all_requests: bool
-    def __init__(self, request_id: _Optional[str] = ..., all_requests: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., all_requests: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ClusterAbortReply(_message.Message):
     __slots__ = ("outcome", "aborted")

@@ -20,6 +20,8 @@ from ..common.health import Health
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
+from ..common import tracing
+from ..common.tracing import RESERVE_SPAN
 from . import metrics
 from .state import (ClusterState, DeploymentFull, DuplicateRequest, NoNodeAvailable, RankConflict, RankNotFound)
 
@@ -64,11 +66,14 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         return cluster_pb2.HeartbeatReply(known=known, nodes=self.state.node_entries())
 
     async def Reserve(self, request, context) -> cluster_pb2.ReserveReply:
-        try:
-            node = self.state.reserve(request)
-        except tuple(REFUSAL_CODES) as exc:
-            await context.abort(REFUSAL_CODES[type(exc)], str(exc))
-        return cluster_pb2.ReserveReply(node=node)
+        with tracing.server_span(RESERVE_SPAN, context, **{"openengine.request_id": request.request_id}) as span:
+            try:
+                node = self.state.reserve(request)
+            except tuple(REFUSAL_CODES) as exc:
+                await context.abort(REFUSAL_CODES[type(exc)], str(exc))
+            if span is not None:
+                span.set_attribute("openengine.node_id", node.node_id)
+            return cluster_pb2.ReserveReply(node=node)
 
     async def Release(self, request, context) -> cluster_pb2.ReleaseReply:
         self.state.release(request.request_id, request.frontend_id)

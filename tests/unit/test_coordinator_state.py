@@ -374,3 +374,27 @@ def test_returned_entries_are_copies(state: ClusterState) -> None:
 def test_invalid_parameters_are_refused(clock: FakeClock) -> None:
     with pytest.raises(ValueError, match="finished_memory must be > 0"):
         ClusterState(now=clock, finished_memory=0)
+
+
+def test_a_batch_applies_its_releases_first_then_answers_each_reservation_in_order(state: ClusterState):
+    import grpc  # the status code numbers the outcomes carry are grpc.StatusCode values
+
+    add_node(state, "n0", 0, max_running=1, max_queued=0)
+    add_node(state, "n1", 1)
+    state.register_frontend("fe-1", "fe-1:1")
+    state.reserve(cluster_pb2.ReserveRequest(request_id="old", frontend_id="fe-1", target_rank=0))
+    batch = cluster_pb2.ReservationBatch(frontend_id="fe-1", release=["old", "never-reserved"], reserve=[
+        cluster_pb2.ReserveRequest(request_id="a", target_rank=0, owner="key-a"),  # rank 0 is free again
+        cluster_pb2.ReserveRequest(request_id="a"),  # duplicate of the entry just before
+        cluster_pb2.ReserveRequest(request_id="b", target_rank=7),
+        cluster_pb2.ReserveRequest(request_id="c", target_rank=0),  # rank 0 is full again
+    ])
+    outcomes = state.apply_batch(batch)
+    assert outcomes[0].node.node_id == "n0" and not outcomes[0].refusal_code
+    assert [o.refusal_code for o in outcomes[1:]] == [grpc.StatusCode.ALREADY_EXISTS.value[0],
+                                                     grpc.StatusCode.NOT_FOUND.value[0],
+                                                     grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+    assert "'a' is already in flight (owned by frontend 'fe-1')" in outcomes[1].refusal
+    assert "no ready node has rank 7" in outcomes[2].refusal
+    assert state.lookup("old")[0] == "finished" and state.lookup("a")[0] == "live"
+    assert state.release("a", "fe-1")  # the batch's frontend owns its reservations

@@ -152,6 +152,7 @@ async def test_a_client_leaving_during_reserve_still_releases(deployment: Deploy
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    deployment.coordinator_stub.reserve_gate.set()  # the coordinator answers the batch: the release goes next
     await settle()
     deployment.assert_cleaned_up("r1")
 

@@ -20,17 +20,12 @@ from ..common.health import Health
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.logging_setup import log_event
 from . import metrics
-from .state import (ClusterState, DeploymentFull, DuplicateRequest, NoNodeAvailable, RankConflict, RankNotFound)
+from .state import REFUSAL_STATUS, ClusterState, RankConflict
 
 logger = logging.getLogger("openengine_serve.coordinator")
 
-REFUSAL_CODES = {
-    DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
-    NoNodeAvailable: grpc.StatusCode.UNAVAILABLE,
-    RankNotFound: grpc.StatusCode.NOT_FOUND,
-    DeploymentFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RankConflict: grpc.StatusCode.ALREADY_EXISTS,
-}
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+REFUSAL_CODES = {kind: STATUS_BY_NUMBER[number] for kind, number in REFUSAL_STATUS.items()}
 
 
 class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
@@ -72,6 +67,15 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
     async def Release(self, request, context) -> cluster_pb2.ReleaseReply:
         self.state.release(request.request_id, request.frontend_id)
         return cluster_pb2.ReleaseReply()
+
+    async def Reservations(self, request_iterator, context):
+        """The batched Reserve/Release of one frontend: one answer per batch, same rules as the unary calls.
+
+        A stream that ends (frontend gone, connection lost) changes nothing here:
+        its accepted reservations stay until released or until the frontend expires.
+        """
+        async for batch in request_iterator:
+            yield cluster_pb2.ReservationReplies(outcome=self.state.apply_batch(batch))
 
     async def Abort(self, request, context) -> cluster_pb2.ClusterAbortReply:
         if request.WhichOneof("target") == "all_requests":

@@ -68,6 +68,17 @@ class DeploymentFull(CoordinatorError):
     """Every eligible READY node is at capacity."""
 
 
+# The gRPC status code (grpc.StatusCode value) of each refusal, for the unary
+# calls' abort and the batched outcomes alike; state.py imports no gRPC.
+REFUSAL_STATUS: dict[type[CoordinatorError], int] = {
+    DuplicateRequest: 6,  # ALREADY_EXISTS
+    NoNodeAvailable: 14,  # UNAVAILABLE
+    RankNotFound: 5,  # NOT_FOUND
+    DeploymentFull: 8,  # RESOURCE_EXHAUSTED
+    RankConflict: 6,  # ALREADY_EXISTS
+}
+
+
 def state_label(state: int) -> str:
     """`NODE_STATE_READY` -> `ready` (metric labels, messages)."""
     return NodeState.Name(state).removeprefix("NODE_STATE_").lower()
@@ -321,6 +332,24 @@ class ClusterState:
         frontend.request_ids.add(request_id)
         self._routing_decisions[reason] += 1
         return _copy(node.entry)
+
+    def apply_batch(self, batch: cluster_pb2.ReservationBatch) -> list[cluster_pb2.ReservationOutcome]:
+        """One frontend's batch: its releases first, then each reservation as `reserve` would take it.
+
+        Returns one outcome per reservation, in order: the node, or the refusal's
+        gRPC status code (REFUSAL_STATUS) and message.
+        """
+        frontend_id = batch.frontend_id
+        for request_id in batch.release:
+            self.release(request_id, frontend_id)
+        outcomes = []
+        for request in batch.reserve:
+            request.frontend_id = frontend_id
+            try:
+                outcomes.append(cluster_pb2.ReservationOutcome(node=self.reserve(request)))
+            except CoordinatorError as exc:
+                outcomes.append(cluster_pb2.ReservationOutcome(refusal_code=REFUSAL_STATUS[type(exc)], refusal=str(exc)))
+        return outcomes
 
     def release(self, request_id: str, frontend_id: str) -> bool:
         """Ends a reservation (finished, failed or cancelled) and remembers the id as finished.

@@ -77,7 +77,7 @@ class Requests:
         self._idle.clear()
         try:
             try:
-                node = await self._reserve(plan, trace)
+                node = await self._reserve(plan)
             except asyncio.CancelledError:
                 self.coordinator.release(request_id)  # the client left during Reserve, which may have gone through
                 raise
@@ -102,11 +102,11 @@ class Requests:
             if not self._open:
                 self._idle.set()
 
-    async def _reserve(self, plan: GenerationPlan, trace: tuple[tuple[str, str], ...]) -> cluster_pb2.NodeEntry:
+    async def _reserve(self, plan: GenerationPlan) -> cluster_pb2.NodeEntry:
         metadata = plan.metadata
         try:
             return await self.coordinator.reserve(plan.request_id, metadata.routing_key, metadata.target_rank,
-                                                  len(plan.prompt_token_ids), plan.num_sequences, trace)
+                                                  len(plan.prompt_token_ids), plan.num_sequences)
         except CoordinatorUnreachable:
             # Duplicates are caught on this frontend only until the coordinator is back.
             if plan.request_id in self.nodes.sinks:

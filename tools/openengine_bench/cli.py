@@ -107,6 +107,9 @@ def rerender(out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and "--coordinator" in argv:
+        from .coordinator import main as coordinator_main
+        return coordinator_main(argv)
     args = build_parser().parse_args(argv)
     if args.rerender:
         return rerender(Path(args.output))

@@ -398,3 +398,34 @@ def test_a_batch_applies_its_releases_first_then_answers_each_reservation_in_ord
     assert "no ready node has rank 7" in outcomes[2].refusal
     assert state.lookup("old")[0] == "finished" and state.lookup("a")[0] == "live"
     assert state.release("a", "fe-1")  # the batch's frontend owns its reservations
+
+
+def test_least_loaded_through_the_load_index_matches_a_scan_over_every_node(state: ClusterState) -> None:
+    import random
+
+    rng = random.Random(17)
+    ids = [f"n{i}" for i in range(12)]
+    for node_id in ids:
+        add_node(state, node_id, max_running=rng.randint(1, 6), max_queued=rng.randint(0, 2))
+    live: list[str] = []
+    for step in range(600):
+        action = rng.random()
+        if action < 0.15:
+            node_id = rng.choice(ids)
+            state.node_heartbeat(node_id, rng.choice([READY, READY, READY, DRAINING]),
+                                 load(running=rng.randint(0, 4), max_running=rng.randint(1, 6),
+                                      max_queued=rng.randint(0, 2)))
+        elif action < 0.45 and live:
+            assert state.release(live.pop(rng.randrange(len(live))), "fe-1")
+        else:
+            eligible = [n for n in state._nodes.values() if n.entry.state == READY and not n.is_full()]
+            if not eligible:
+                with pytest.raises(DeploymentFull):
+                    reserve(state, f"r{step}")
+                continue
+            lowest = min(n.load_score() for n in eligible)
+            chosen = reserve(state, f"r{step}")
+            live.append(f"r{step}")
+            assert chosen in {n.entry.node_id for n in eligible}
+            assert state._nodes[chosen].load_score() - 1 / max(1, state._nodes[chosen].entry.load.max_running_requests) \
+                == pytest.approx(lowest)  # its score before this reservation was the lowest

@@ -50,6 +50,9 @@ SETTLE_S = 0.5           # pause after a window (saturation: the frontend cleans
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openengine-serve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--coordinator", action="store_true",
+                   help="benchmark the coordinator instead: unary vs batched reservations with simulated frontends "
+                        "and nodes (`bench --coordinator --help`)")
     p.add_argument("--quick", action="store_true", help="one round each, short windows (a smoke run, < 2 min)")
     p.add_argument("--output", default="bench-results", help="directory for bench.json, bench.png, report.md, "
                                                              "logs/ (default bench-results/)")

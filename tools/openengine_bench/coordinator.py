@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=40.0, help="fixed load: requests/s (default 40)")
     p.add_argument("--window-s", type=float, default=5.0, help="measured window per scenario (default 5)")
     p.add_argument("--warmup-s", type=float, default=1.0)
+    p.add_argument("--paths", default="unary,batched", help="which paths to measure (default unary,batched)")
+    p.add_argument("--coordinator-pythonpath", default="",
+                   help="run the coordinator from this source tree instead (e.g. an older checkout's service/, "
+                        "to measure its unary path: --paths unary)")
     p.add_argument("--output", default="bench-results", help="directory for coordinator.json (default bench-results/)")
     return p
 
@@ -258,7 +262,9 @@ async def drive(target: str, pid: int, args: argparse.Namespace) -> dict:
         "heartbeat_only_cores": await heartbeat_only(pid, args.window_s),
         "scenarios": [],
     }
-    paths = [UnaryPath(target, args.channels, deployment.frontend_ids), BatchedPath(target, deployment.frontend_ids)]
+    known = {"unary": lambda: UnaryPath(target, args.channels, deployment.frontend_ids),
+             "batched": lambda: BatchedPath(target, deployment.frontend_ids)}
+    paths = [known[name.strip()]() for name in args.paths.split(",") if name.strip()]
     try:
         for rate in (None, args.rate):
             for path in paths:
@@ -285,7 +291,7 @@ def render(result: dict) -> str:
         f"{result['heartbeat_only_cores']:.2f} cores",
         "",
         "| path | load | reservations/s | coordinator cores | CPU µs/request (all) | CPU µs/request (beyond "
-        "heartbeats) | p50 ms | p99 ms | req/batch | load-gen cores | errors |",
+        "heartbeats) | p50 ms | p99 ms | requests/message | load-gen cores | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in result["scenarios"]:
@@ -304,10 +310,13 @@ def main(argv: list[str]) -> int:
     port = free_port()
     expiry = max(3.0, 5 * args.heartbeat_s)
     log = open(out / "coordinator-bench.log", "ab")
+    env = dict(os.environ)
+    if args.coordinator_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.coordinator_pythonpath, env.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "coordinator", "--host", "127.0.0.1",
                              "--port", str(port), "--metrics-port", "0", "--heartbeat-s", str(args.heartbeat_s),
                              "--node-expiry-s", str(expiry), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     target = f"127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30

@@ -51,13 +51,30 @@ class FakeCoordinatorStub:
         return FakeReservationCall(self)
 
 
-class FakeReservationCall:
+class QueuedReplies:
+    """The reading side of a fake stream-stream call: `read` returns (or raises) what was queued."""
+
+    def __init__(self) -> None:
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    async def read(self):
+        item = await self.replies.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeReservationCall(QueuedReplies):
     """A Reservations stream-stream call over a FakeCoordinatorStub."""
 
     def __init__(self, stub: FakeCoordinatorStub) -> None:
+        super().__init__()
         self.stub = stub
-        self.replies: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
 
     async def write(self, batch: cluster_pb2.ReservationBatch) -> None:
         if self.cancelled:
@@ -77,16 +94,6 @@ class FakeReservationCall:
                     return
                 reply.outcome.add(refusal_code=exc.code().value[0], refusal=exc.details())
         self.replies.put_nowait(reply)
-
-    async def read(self):
-        item = await self.replies.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
 
 
 class FakeNodeStub:

@@ -10,31 +10,20 @@ import pytest
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.frontend.reservation_stream import ReservationBatcher, ReservationRefused, StreamBroken
 
-from .frontend_fakes import node_entry, rpc_error, settle
+from .frontend_fakes import QueuedReplies, node_entry, rpc_error, settle
 
 
-class ScriptedCall:
+class ScriptedCall(QueuedReplies):
     """Records every batch written; the test answers them (`answer`) or breaks the stream (`fail`)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.written: list[cluster_pb2.ReservationBatch] = []
-        self.replies: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
 
     async def write(self, batch) -> None:
         if self.cancelled:
             raise rpc_error(grpc.StatusCode.CANCELLED)
         self.written.append(batch)
-
-    async def read(self):
-        item = await self.replies.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
 
     def answer(self, *outcomes: cluster_pb2.ReservationOutcome) -> None:
         self.replies.put_nowait(cluster_pb2.ReservationReplies(outcome=outcomes))

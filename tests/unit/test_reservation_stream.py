@@ -189,3 +189,21 @@ async def test_the_coordinator_ending_the_stream_fails_what_it_did_not_answer(ba
     streams.calls[0].replies.put_nowait(grpc.aio.EOF)
     with pytest.raises(StreamBroken, match="ended the stream"):
         await waiting
+
+
+async def test_releases_are_split_like_reservations_and_only_so_many_are_kept_after_a_break(streams, monkeypatch):
+    from openengine_serve.frontend import reservation_stream
+
+    monkeypatch.setattr(reservation_stream, "MAX_KEPT_RELEASES", 3)
+    batcher = ReservationBatcher("fe-1", streams.open, max_batch=2)
+    for i in range(5):
+        batcher.release(f"r{i}")
+    await settle()
+    assert [list(b.release) for b in streams.calls[0].written] == [["r0", "r1"], ["r2", "r3"], ["r4"]]
+    streams.calls[0].fail()
+    await settle()
+    assert batcher.pending_releases == 3  # the newest three of five unacknowledged releases
+    batcher.flush()
+    await settle()
+    assert [list(b.release) for b in streams.calls[1].written] == [["r2", "r3"], ["r4"]]
+    await batcher.close()

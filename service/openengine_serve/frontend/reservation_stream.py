@@ -33,6 +33,9 @@ logger = logging.getLogger("openengine_serve.frontend")
 
 # Larger ticks are split: one message stays well under gRPC's default 4 MB limit.
 MAX_BATCH = 2048
+# Releases kept while the coordinator cannot be reached; beyond this the oldest are dropped (a coordinator
+# that restarted no longer knows them; one that did not keeps those reservations until this frontend expires).
+MAX_KEPT_RELEASES = 100_000
 
 
 class StreamBroken(Exception):
@@ -127,7 +130,7 @@ class ReservationBatcher:
 
     async def _send_one(self) -> bool:
         reserves, self._reserves = self._reserves[:self.max_batch], self._reserves[self.max_batch:]
-        releases, self._releases = self._releases, []
+        releases, self._releases = self._releases[:self.max_batch], self._releases[self.max_batch:]
         futures = []
         batch = cluster_pb2.ReservationBatch(frontend_id=self.frontend_id, release=releases)
         for request, future in reserves:
@@ -182,11 +185,13 @@ class ReservationBatcher:
         call.cancel()
         unanswered, self._unanswered = self._unanswered, collections.deque()
         failed = 0
-        for futures, releases in unanswered:
-            self._releases[:0] = releases
+        self._releases[:0] = [request_id for _, releases in unanswered for request_id in releases]  # oldest first
+        for futures, _ in unanswered:
             for future in futures:
                 if not future.done():
                     future.set_exception(StreamBroken(detail))
                     failed += 1
+        dropped = max(0, len(self._releases) - MAX_KEPT_RELEASES)
+        del self._releases[:dropped]
         log_event(logger, "reservation stream broken", logging.WARNING, detail=detail, reservations_failed=failed,
-                  releases_kept=len(self._releases))
+                  releases_kept=len(self._releases), releases_dropped=dropped)

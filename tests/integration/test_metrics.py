@@ -48,6 +48,9 @@ def test_metrics_move_with_traffic(deployment, workers):
     fe, fe_metrics = with_metrics(processes.frontend(coord.target, "pygrpc-native", "--workers", str(workers)))
     deployment.add(fe)
 
+    # every worker serving (each registers with the coordinator once it listens), not only the first one
+    wait_for(lambda: metric(scrape(coord_metrics), "openengine_coordinator_frontends", state="live") == workers,
+             30, f"{workers} frontend worker(s) registered")
     before = scrape(fe_metrics)
     assert metric(before, "openengine_frontend_grpc_server_info", implementation="pygrpc-native",
                   version=importlib.metadata.version("pygrpc-native")) == 1

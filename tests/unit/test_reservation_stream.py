@@ -207,3 +207,16 @@ async def test_releases_are_split_like_reservations_and_only_so_many_are_kept_af
     await settle()
     assert [list(b.release) for b in streams.calls[1].written] == [["r2", "r3"], ["r4"]]
     await batcher.close()
+
+
+async def test_a_stream_that_cannot_even_open_fails_the_batch_at_once():
+    def refuse():
+        raise RuntimeError("channel closed")
+
+    batcher = ReservationBatcher("fe-1", refuse)
+    waiting = asyncio.create_task(batcher.reserve(reservation("r0")))
+    batcher.release("old")
+    with pytest.raises(StreamBroken, match="channel closed"):
+        await asyncio.wait_for(waiting, 1.0)
+    assert batcher.pending_releases == 1
+    await batcher.close()

@@ -139,13 +139,18 @@ class ReservationBatcher:
             request.frontend_id = ""  # named once by the batch
             batch.reserve.append(request)
             futures.append(future)
+        if self._call is None:
+            try:
+                self._call = self._open_call()
+            except Exception as exc:  # noqa: BLE001 - e.g. the channel is closed: as a stream broken at once
+                self._unanswered.append((futures, releases))
+                self._fail_unanswered(repr(exc))
+                return False
+            self.streams_opened += 1
+            self._reader = asyncio.create_task(self._read_loop(self._call), name="reservation-reader")
         call = self._call
+        self._unanswered.append((futures, releases))
         try:
-            if call is None:
-                call = self._call = self._open_call()
-                self.streams_opened += 1
-                self._reader = asyncio.create_task(self._read_loop(call), name="reservation-reader")
-            self._unanswered.append((futures, releases))
             await call.write(batch)
         except Exception as exc:  # noqa: BLE001 - any failure to write ends this stream; the reader may have seen it first
             self._broken(call, repr(exc))
@@ -183,6 +188,9 @@ class ReservationBatcher:
             return  # already handled (the writer and the reader both see a failure)
         self._call = None
         call.cancel()
+        self._fail_unanswered(detail)
+
+    def _fail_unanswered(self, detail: str) -> None:
         unanswered, self._unanswered = self._unanswered, collections.deque()
         failed = 0
         self._releases[:0] = [request_id for _, releases in unanswered for request_id in releases]  # oldest first
@@ -193,5 +201,6 @@ class ReservationBatcher:
                     failed += 1
         dropped = max(0, len(self._releases) - MAX_KEPT_RELEASES)
         del self._releases[:dropped]
-        log_event(logger, "reservation stream broken", logging.WARNING, detail=detail, reservations_failed=failed,
-                  releases_kept=len(self._releases), releases_dropped=dropped)
+        log_event(logger, "reservation stream broken", logging.WARNING if failed or self._releases else logging.INFO,
+                  detail=detail, reservations_failed=failed, releases_kept=len(self._releases),
+                  releases_dropped=dropped)

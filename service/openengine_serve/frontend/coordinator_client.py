@@ -105,7 +105,8 @@ class CoordinatorClient:
         if target_rank is not None:
             request.target_rank = target_rank
         try:
-            node = await asyncio.wait_for(self.reservations.reserve(request), self.call_timeout_s)
+            async with asyncio.timeout(self.call_timeout_s):  # no extra task per call, unlike wait_for
+                node = await self.reservations.reserve(request)
         except ReservationRefused as exc:
             self._set_reachable(True)
             raise reserve_refusal(exc.code, exc.message) from None

@@ -65,3 +65,19 @@ def test_bench_coordinator_small(tmp_path):
     assert result["scenarios"][1]["requests_per_batch"] > 1  # 32 loops over 4 frontends do share batches
     assert result["memory"]["rss_registered_mb"] > 0
     assert "| batched | saturation (32 loops) |" in (out / "coordinator.md").read_text()
+
+
+def test_bench_one_token_short(tmp_path):
+    """`bench --one-token` for one server, short: requests flow through `up` and are counted with CPU per request."""
+    out = tmp_path / "one-token"
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # mpiexec for the nodes
+    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--one-token", "--servers", "grpcio",
+                           "--nodes", "1", "--inflight", "16", "--window-s", "1", "--warmup-s", "1",
+                           "--label", "smoke", "--output", str(out)], capture_output=True, text=True, timeout=200,
+                          env=env)
+    assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    [result] = [json.loads(line) for line in (out / "one-token.jsonl").read_text().splitlines()]
+    assert result["server"] == "grpcio" and result["label"] == "smoke"
+    assert result["requests_per_s"] > 0 and result["errors"] == 0, result
+    assert result["frontend_cpu_us_per_request"] > 0 and result["coordinator_cpu_us_per_request"] >= 0, result

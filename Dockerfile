@@ -114,6 +114,21 @@ HEALTHCHECK --interval=5s --timeout=4s --start-period=60s --retries=3 \
     CMD ["openengine-serve", "health", "--target", "127.0.0.1:50053", "--service", "readiness"]
 ENTRYPOINT ["openengine-serve", "node"]
 
+# TLS in front of the frontend (Compose profile `tls`): nginx from Debian's packages on the same base image.
+# pygrpc-native has no TLS; this proxy terminates it and passes gRPC on over plaintext HTTP/2.
+FROM ${BASE_IMAGE} AS tls-proxy
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends nginx \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --gid 10001 openengine \
+    && useradd --uid 10001 --gid openengine --no-create-home --shell /usr/sbin/nologin openengine
+COPY deploy/tls-proxy/nginx.conf /etc/nginx/nginx.conf
+EXPOSE 8443
+USER 10001:10001
+HEALTHCHECK --interval=5s --timeout=4s --start-period=10s --retries=3 \
+    CMD ["sh", "-c", "kill -0 $(cat /tmp/nginx.pid)"]
+ENTRYPOINT ["nginx", "-g", "daemon off;"]
+
 # Last, so that a plain `docker build .` yields the public frontend.
 FROM runtime AS frontend
 COPY --from=venv-frontend /opt/openengine /opt/openengine

@@ -16,6 +16,9 @@ def _component(name: str):
 
         config_cls = cfg.COMPONENT_CONFIGS[name]
         config = cfg.load(config_cls, args)
+        from .common.tls import check_internal_tls
+
+        check_internal_tls(config)  # security hook: exit 2 at start on incomplete or unreadable internal TLS files
         if name == "frontend":
             from .frontend.supervisor import run_frontend
 
@@ -43,6 +46,44 @@ def _quiet_broken_pipe() -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
 
+def add_credential_arguments(parser: argparse.ArgumentParser) -> None:
+    """Client flags for a secured frontend (TLS, mutual TLS, API key)."""
+    parser.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the "
+                                                             "system's roots (implied by --tls-ca-file)")
+    parser.add_argument("--tls-ca-file", default="", help="PEM CA that signed the frontend's certificate")
+    parser.add_argument("--tls-cert-file", default="", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key-file", default="", help="PEM key of --tls-cert-file")
+    parser.add_argument("--tls-server-name", default="", help="name expected in the frontend's certificate "
+                                                              "(default: the --target host)")
+    parser.add_argument("--api-key", default="", help="API key, sent as `authorization: Bearer <key>` "
+                                                      "[OPENENGINE_API_KEY]")
+
+
+def _uses_tls(args: argparse.Namespace) -> bool:
+    """As client.Credentials.uses_tls, without importing grpc."""
+    return bool(args.tls or args.tls_ca_file or args.tls_cert_file or args.tls_key_file)
+
+
+def credentials(args: argparse.Namespace):
+    from .client import Credentials
+
+    return Credentials.from_env(tls=args.tls, ca_file=args.tls_ca_file, cert_file=args.tls_cert_file,
+                                key_file=args.tls_key_file, api_key=args.api_key,
+                                server_name=args.tls_server_name)
+
+
+def add_up_security_arguments(up: argparse.ArgumentParser) -> None:
+    for flag, what in (("--tls-cert-file", "frontend TLS certificate [OPENENGINE_TLS_CERT_FILE]"),
+                       ("--tls-key-file", "its key [OPENENGINE_TLS_KEY_FILE]"),
+                       ("--tls-client-ca-file", "require client certificates this CA signed "
+                                                "[OPENENGINE_TLS_CLIENT_CA_FILE]"),
+                       ("--api-keys-file", "API key file [OPENENGINE_API_KEYS_FILE]"),
+                       ("--tls-ca-file", "CA `up` verifies the frontend with (default: --tls-cert-file)"),
+                       ("--client-cert-file", "client certificate of `up`'s readiness check (mutual TLS)"),
+                       ("--client-key-file", "its key")):
+        up.add_argument(flag, default="", help=what)
+
+
 def _generate(args: argparse.Namespace) -> int:
     _quiet_broken_pipe()
     import uuid
@@ -64,7 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     line_open = False  # streamed text not yet ended by a newline: an error message starts on its own line
 
-    with Client(args.target) as client:
+    with Client(args.target, credentials=credentials(args)) as client:
         try:
             for response in client.generate(request, timeout=args.timeout):
                 event = response.WhichOneof("event")
@@ -99,7 +140,7 @@ def _info(args: argparse.Namespace) -> int:
     from .api.openengine.v1 import model_pb2, server_pb2
     from .client import Client
 
-    with Client(args.target) as client:
+    with Client(args.target, credentials=credentials(args)) as client:
         try:
             server = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=args.timeout)
             model = client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model=server.supported_models[0]),
@@ -113,23 +154,30 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    """A standard-library Check first (health_probe.py); grpcio only when that gets no well-formed answer."""
+    """A standard-library Check first (health_probe.py); grpcio only when that gets no well-formed answer, or
+    for TLS (the standard-library probe speaks h2c only)."""
     from .common import health_probe
 
-    try:
-        status = health_probe.check(args.target, args.service, args.timeout)
-    except TimeoutError:
-        print(f"{args.service}: UNREACHABLE (DEADLINE_EXCEEDED: no answer within {args.timeout:g} s)")
-        return 1
-    except health_probe.ProbeInconclusive:
-        status = _health_grpcio(args)
-        if status is None:
-            return 1
-    except OSError as exc:
-        print(f"{args.service}: UNREACHABLE (UNAVAILABLE: {exc.strerror or exc})")
+    status = _health_grpcio(args) if _uses_tls(args) else _health_standard_library(args)
+    if status is None:
         return 1
     print(f"{args.service}: {health_probe.status_name(status)}")
     return 0 if status == health_probe.SERVING else 1
+
+
+def _health_standard_library(args: argparse.Namespace) -> int | None:
+    from .common import health_probe
+
+    try:
+        return health_probe.check(args.target, args.service, args.timeout)
+    except TimeoutError:
+        print(f"{args.service}: UNREACHABLE (DEADLINE_EXCEEDED: no answer within {args.timeout:g} s)")
+        return None
+    except health_probe.ProbeInconclusive:
+        return _health_grpcio(args)
+    except OSError as exc:
+        print(f"{args.service}: UNREACHABLE (UNAVAILABLE: {exc.strerror or exc})")
+        return None
 
 
 def _health_grpcio(args: argparse.Namespace) -> int | None:
@@ -138,7 +186,7 @@ def _health_grpcio(args: argparse.Namespace) -> int | None:
     from .client import check_health
 
     try:
-        return check_health(args.target, args.service, args.timeout)
+        return check_health(args.target, args.service, args.timeout, credentials(args))
     except grpc.RpcError as exc:
         print(f"{args.service}: UNREACHABLE ({exc.code().name}: {exc.details()})")
         return None
@@ -151,6 +199,7 @@ def _add_health_arguments(health: argparse.ArgumentParser) -> argparse.ArgumentP
     health.add_argument("--target", default="127.0.0.1:50051")
     health.add_argument("--service", default="readiness", help="liveness | readiness | a service name")
     health.add_argument("--timeout", type=float, default=3.0)
+    add_credential_arguments(health)
     health.set_defaults(func=_health)
     return health
 
@@ -172,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--node-port", type=int, default=0, help="first node's port, further nodes count up "
                                                              "(default: free ports)")
     up.add_argument("--metrics", action="store_true", help="serve metrics on 9091/9092/9093+ instead of off")
+    add_up_security_arguments(up)
     up.set_defaults(func=_up)
 
     for name, config_cls in cfg.COMPONENT_CONFIGS.items():
@@ -190,11 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-id", default=None)
     gen.add_argument("--timeout", type=float, default=300.0,
                      help="deadline of the whole call in seconds, retries included (default 300)")
+    add_credential_arguments(gen)
     gen.set_defaults(func=_generate)
 
     info = sub.add_parser("info", help="print ServerInfo and ModelInfo")
     info.add_argument("--target", default="127.0.0.1:50051")
     info.add_argument("--timeout", type=float, default=10.0)
+    add_credential_arguments(info)
     info.set_defaults(func=_info)
 
     _add_health_arguments(sub.add_parser("health", help=HEALTH_HELP))

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
 import grpc
@@ -133,16 +135,105 @@ def channel_options(retries: bool = True, target: str = "") -> list[tuple[str, o
     return options
 
 
-def check_health(target: str, service: str = "readiness", timeout: float = 1.0) -> int:
+@dataclass(frozen=True)
+class Credentials:
+    """How to reach a secured frontend: TLS (`ca_file` verifies the server; empty with `tls`: the system roots),
+    a client certificate for mutual TLS, and an API key sent as `authorization: Bearer <key>`."""
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    api_key: str = ""
+    tls: bool = False
+    server_name: str = ""  # the name checked in the server's certificate instead of the target's host
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or bool(self.ca_file or self.cert_file or self.key_file)
+
+    @classmethod
+    def from_env(cls, **overrides) -> "Credentials":
+        """OPENENGINE_API_KEY fills an api_key not given."""
+        values = {k: v for k, v in overrides.items() if v}
+        values.setdefault("api_key", os.environ.get("OPENENGINE_API_KEY", ""))
+        return cls(**values)
+
+
+NO_CREDENTIALS = Credentials()
+
+
+def _auth_metadata(credentials: Credentials) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {credentials.api_key}"),) if credentials.api_key else ()
+
+
+def _with_metadata(details, extra):
+    return details._replace(metadata=tuple(details.metadata or ()) + extra)
+
+
+class _ApiKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, metadata) -> None:
+        self.metadata = metadata
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(_with_metadata(details, self.metadata), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(_with_metadata(details, self.metadata), request)
+
+
+class _AsyncApiKey(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, metadata) -> None:
+        self.metadata = metadata
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_with_metadata(details, self.metadata), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_with_metadata(details, self.metadata), request)
+
+
+def _tls_options(options, credentials: Credentials) -> list:
+    extra = [("grpc.ssl_target_name_override", credentials.server_name)] if credentials.server_name else []
+    return list(options) + extra
+
+
+def open_channel(target: str, options=(), credentials: Credentials = NO_CREDENTIALS):
+    """A blocking channel with the TLS and API key of `credentials`."""
+    from .common.tls import channel_credentials
+
+    if credentials.uses_tls:
+        channel = grpc.secure_channel(target, channel_credentials(credentials.ca_file, credentials.cert_file,
+                                                                  credentials.key_file),
+                                      options=_tls_options(options, credentials))
+    else:
+        channel = grpc.insecure_channel(target, options=list(options))
+    metadata = _auth_metadata(credentials)
+    return grpc.intercept_channel(channel, _ApiKey(metadata)) if metadata else channel
+
+
+def open_async_channel(target: str, options=(), credentials: Credentials = NO_CREDENTIALS) -> grpc.aio.Channel:
+    from .common.tls import channel_credentials
+
+    metadata = _auth_metadata(credentials)
+    interceptors = [_AsyncApiKey(metadata)] if metadata else None
+    if credentials.uses_tls:
+        return grpc.aio.secure_channel(target, channel_credentials(
+            credentials.ca_file, credentials.cert_file, credentials.key_file),
+            options=_tls_options(options, credentials), interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
+
+
+def check_health(target: str, service: str = "readiness", timeout: float = 1.0,
+                 credentials: Credentials = NO_CREDENTIALS) -> int:
     """One grpc.health.v1 Check: the ServingStatus, or grpc.RpcError when the target does not answer."""
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, credentials=credentials) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
 
 
-def is_serving(target: str, service: str = "readiness", timeout: float = 1.0) -> bool:
+def is_serving(target: str, service: str = "readiness", timeout: float = 1.0,
+               credentials: Credentials = NO_CREDENTIALS) -> bool:
     try:
-        return check_health(target, service, timeout) == health_pb2.HealthCheckResponse.SERVING
+        return check_health(target, service, timeout, credentials) == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
 
@@ -151,13 +242,14 @@ class Client:
     """Blocking client: `Client(target).generate(request, timeout=30)`; the raw stubs are `.inference`,
     `.control` and `.health`."""
 
-    def __init__(self, target: str, *, retries: bool = True) -> None:
+    def __init__(self, target: str, *, retries: bool = True, credentials: Credentials = NO_CREDENTIALS) -> None:
         self.target = target
         self.retries = retries
+        self.credentials = credentials
         self._connect()
 
     def _connect(self) -> None:
-        self.channel = grpc.insecure_channel(self.target, options=channel_options(self.retries, self.target))
+        self.channel = open_channel(self.target, channel_options(self.retries, self.target), self.credentials)
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -198,13 +290,14 @@ class Client:
 class AsyncClient:
     """asyncio client with the same retry policy and the same `generate`."""
 
-    def __init__(self, target: str, *, retries: bool = True) -> None:
+    def __init__(self, target: str, *, retries: bool = True, credentials: Credentials = NO_CREDENTIALS) -> None:
         self.target = target
         self.retries = retries
+        self.credentials = credentials
         self._connect()
 
     def _connect(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.target, options=channel_options(self.retries, self.target))
+        self.channel = open_async_channel(self.target, channel_options(self.retries, self.target), self.credentials)
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

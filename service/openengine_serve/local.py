@@ -15,18 +15,19 @@ import subprocess
 import sys
 import time
 
-from .client import is_serving
+from .client import NO_CREDENTIALS, Credentials, is_serving
 from .common.net import free_port
 
 STOP_TIMEOUT_S = 40.0
 READY_TIMEOUT_S = 90.0
 
 
-def wait_serving(target: str, deadline: float, procs: list[subprocess.Popen]) -> bool:
+def wait_serving(target: str, deadline: float, procs: list[subprocess.Popen],
+                 credentials: Credentials = NO_CREDENTIALS) -> bool:
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             return False
-        if is_serving(target):
+        if is_serving(target, credentials=credentials):
             return True
         time.sleep(0.2)
     return False
@@ -53,6 +54,8 @@ def run_stack(args: argparse.Namespace) -> int:
         frontend += ["--grpc-server", args.grpc_server]
     if args.workers:
         frontend += ["--workers", str(args.workers)]
+    security = public_security(args)
+    frontend += security.frontend_flags
     plan.append(("frontend", frontend))
 
     procs: dict[str, subprocess.Popen] = {}
@@ -70,13 +73,13 @@ def run_stack(args: argparse.Namespace) -> int:
             # Own process group: a Ctrl-C in the terminal reaches `up` only, which then stops children in order.
             procs[name] = subprocess.Popen(command, start_new_session=True)
         public = f"{host}:{args.port}"
-        if not wait_serving(public, time.monotonic() + READY_TIMEOUT_S, list(procs.values())):
+        if not wait_serving(public, time.monotonic() + READY_TIMEOUT_S, list(procs.values()), security.check):
             dead = [f"{n} (exit {p.returncode})" for n, p in procs.items() if p.poll() is not None]
             print(f"openengine-serve up: the stack did not become ready: {', '.join(dead) or 'timed out'}",
                   file=sys.stderr)
             return 1
-        print(f"OpenEngine frontend ready on {public}  (coordinator {coordinator}, {args.nodes} node(s)); "
-              f"Ctrl-C stops the stack", flush=True)
+        print(f"OpenEngine frontend ready on {public}{security.describe()}  (coordinator {coordinator}, "
+              f"{args.nodes} node(s)); Ctrl-C stops the stack", flush=True)
         while not stop_requested:
             dead = [n for n, p in procs.items() if p.poll() is not None]
             if dead:
@@ -87,6 +90,39 @@ def run_stack(args: argparse.Namespace) -> int:
     finally:
         stop_all(procs)
     return exit_code
+
+
+class PublicSecurity:
+    """`up`'s TLS and API key settings: flags (or OPENENGINE_* variables) for the frontend, and the credentials
+    of its own readiness check (health needs no key; TLS is verified with --tls-ca-file, by default the
+    frontend's own certificate, which is right for a self-signed one)."""
+
+    def __init__(self, cert: str, key: str, client_ca: str, keys_file: str, ca: str, client_cert: str,
+                 client_key: str) -> None:
+        self.frontend_flags = [flag for name, value in (("--tls-cert-file", cert), ("--tls-key-file", key),
+                                                         ("--tls-client-ca-file", client_ca),
+                                                         ("--api-keys-file", keys_file)) if value
+                               for flag in (name, value)]
+        self.tls, self.mutual, self.keys = bool(cert), bool(client_ca), bool(keys_file)
+        self.check = Credentials(ca_file=ca or cert, cert_file=client_cert, key_file=client_key) if cert \
+            else NO_CREDENTIALS
+
+    def describe(self) -> str:
+        parts = [p for p, on in (("TLS", self.tls), ("mutual TLS", self.mutual), ("API key required", self.keys))
+                 if on]
+        return f" ({', '.join(parts)})" if parts else ""
+
+
+def public_security(args: argparse.Namespace) -> PublicSecurity:
+    def setting(flag: str, variable: str) -> str:
+        return getattr(args, flag, "") or os.environ.get(variable, "")
+
+    return PublicSecurity(setting("tls_cert_file", "OPENENGINE_TLS_CERT_FILE"),
+                          setting("tls_key_file", "OPENENGINE_TLS_KEY_FILE"),
+                          setting("tls_client_ca_file", "OPENENGINE_TLS_CLIENT_CA_FILE"),
+                          setting("api_keys_file", "OPENENGINE_API_KEYS_FILE"),
+                          getattr(args, "tls_ca_file", ""), getattr(args, "client_cert_file", ""),
+                          getattr(args, "client_key_file", ""))
 
 
 def stop_all(procs: dict[str, subprocess.Popen]) -> None:

@@ -170,6 +170,77 @@ def test_server_switch_recreates_only_the_frontend(stack: Stack):
     assert server_info(stack.target)["grpc_server"] == "grpcio"
 
 
+# --------------------------------------------------------------- security ---
+
+PUBLISHED = {"frontend": {50051, 9091}, "coordinator": {9092}, "node": {9093}, "tls-proxy": {8443}}
+
+
+def test_only_the_public_port_and_metrics_are_published_and_only_on_localhost(docker):
+    import json
+    import os
+    import subprocess
+
+    from .conftest import COMPOSE_FILES, REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENENGINE_BIND",) and not k.endswith("_PUBLISH")}
+    config = subprocess.run([docker, "compose", "-f", str(COMPOSE_FILES[0]), "--profile", "tls", "config",
+                             "--format", "json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert config.returncode == 0, config.stderr
+    services = json.loads(config.stdout)["services"]
+    assert set(services) == set(PUBLISHED)
+    for name, service in services.items():
+        ports = service.get("ports", [])
+        assert {int(p["target"]) for p in ports} == PUBLISHED[name], (name, ports)
+        assert all(p.get("host_ip") == "127.0.0.1" for p in ports), (name, ports)
+
+
+def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend(stack: Stack, tmp_path):
+    import os
+
+    import grpc
+    import trustme
+
+    from openengine_serve.api.openengine.v1 import generation_pb2, server_pb2
+    from openengine_serve.client import Client, Credentials
+    from openengine_serve.local import free_port
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    (tls_dir / "tls.crt").write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
+    (tls_dir / "tls.key").write_bytes(cert.private_key_pem.bytes())
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    for path in (tmp_path, tls_dir):  # the proxy runs as uid 10001
+        os.chmod(path, 0o755)
+    for path in tls_dir.iterdir():
+        os.chmod(path, 0o644)
+    tls_port = free_port()
+    env = {"OPENENGINE_GRPC_SERVER": "pygrpc-native", "OPENENGINE_TLS_DIR": str(tls_dir),
+           "OPENENGINE_TLS_PUBLISH": str(tls_port)}
+    try:
+        stack.compose("--profile", "tls", "up", "-d", "--wait", "--wait-timeout", "400", "frontend", "tls-proxy",
+                      "--no-deps", timeout=900, env=env)
+        target = f"127.0.0.1:{tls_port}"
+        credentials = Credentials(ca_file=str(tmp_path / "ca.pem"))
+        with Client(target, credentials=credentials) as client:
+            info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10)
+            assert info.extra["grpc_server"] == "pygrpc-native"
+            request = generation_pb2.GenerateRequest(request_id=f"tls-{time.time_ns()}", model="Qwen/Qwen3-0.6B",
+                                                     prompt=PROMPT, stopping=generation_pb2.StoppingOptions(
+                                                         max_tokens=24, ignore_eos=True))
+            responses = list(client.generate(request, timeout=60))
+        tokens = [r for r in responses if r.HasField("token")]
+        assert len(tokens) >= 2 and responses[-1].usage.completion_tokens == 24
+        with Client(target) as plaintext:  # the proxy speaks TLS only
+            with pytest.raises(grpc.RpcError):
+                plaintext.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
+    finally:
+        stack.compose("--profile", "tls", "rm", "-sf", "tls-proxy", check=False, env=env)
+        stack.up("--no-deps", "frontend")  # back to grpcio for the following tests
+    assert server_info(stack.target)["grpc_server"] == "grpcio"
+
+
 # ------------------------------------------------------------------- scale ---
 
 def test_scale_to_two_nodes_uses_both(stack: Stack):

@@ -73,6 +73,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "autoscaling": {"provider": "hpa", "hpa": {"metricType": "External"}, "node": {"enabled": True}}
     },
     "headless": {"frontend": {"service": {"headless": True}, "autoscaling": {"enabled": True}}},
+    "secured": {
+        "frontend": {
+            "tls": {"secretName": "oe-public-tls", "clientCaKey": "ca.crt",
+                    "certManager": {"issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"},
+                                    "dnsNames": ["openengine.example.com"]}},
+            "apiKeys": {"secretName": "oe-api-keys"},
+        },
+        "internalTls": {"secretName": "oe-internal-tls"},
+        "tests": {"apiKeySecret": {"name": "oe-test-key"}},
+        "networkPolicy": {"enabled": True},
+    },
     "everything": {
         "commonLabels": {"team": "inference"},
         "imagePullSecrets": [{"name": "registry"}],

@@ -32,11 +32,12 @@ pytestmark = pytest.mark.helm
 
 COMPONENTS = ("frontend", "coordinator", "node")
 PORTS = {"frontend": (50051, 9091), "coordinator": (50052, 9092), "node": (50053, 9093)}
-# Prometheus Operator and KEDA CRDs: kubernetes-validate ships no schema for
-# them, so they are checked structurally in test_service_monitor /
-# test_pod_monitor and test_monitoring.py.
+# Prometheus Operator, KEDA and cert-manager CRDs: kubernetes-validate ships no
+# schema for them, so they are checked structurally in test_service_monitor /
+# test_pod_monitor, test_monitoring.py and the security tests.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor"),
-             ("monitoring.coreos.com/v1", "PrometheusRule"), ("keda.sh/v1alpha1", "ScaledObject")}
+             ("monitoring.coreos.com/v1", "PrometheusRule"), ("keda.sh/v1alpha1", "ScaledObject"),
+             ("cert-manager.io/v1", "Certificate")}
 VARIANT_IDS = list(VARIANTS)
 
 
@@ -300,8 +301,12 @@ def test_grpc_probes(render, chart, variant: str) -> None:
         services = {"startupProbe": "liveness", "livenessProbe": "liveness", "readinessProbe": "readiness"}
         for probe, service in services.items():
             spec = container[probe]
-            assert spec["grpc"] == {"port": grpc_port, "service": service}, (component, probe)
             assert "initialDelaySeconds" not in spec, (component, probe)
+            if variant == "secured":  # TLS ports: exec probes, see test_probes_on_a_tls_port_use_the_cli_over_tls
+                command = spec["exec"]["command"]
+                assert command[3:6] == [f"127.0.0.1:{grpc_port}", "--service", service], (component, probe)
+                continue
+            assert spec["grpc"] == {"port": grpc_port, "service": service}, (component, probe)
             assert not {"httpGet", "tcpSocket", "exec"} & spec.keys()
         startup = container["startupProbe"]
         budget = values[component]["startupTimeoutSeconds"]
@@ -610,3 +615,119 @@ def test_labels_and_names(render) -> None:
         assert len(doc["metadata"]["name"]) <= 63, doc["metadata"]["name"]
         assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
 
+
+
+# --------------------------------------------------------------------------
+# TLS, API keys, internal mutual TLS
+# --------------------------------------------------------------------------
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, str]:
+    return {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+
+
+def _secret_volumes(spec: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+
+
+def test_secured_release_mounts_secrets_and_sets_the_variables(render) -> None:
+    r = render(VARIANTS["secured"])
+    fe_env = r.env("frontend")
+    assert fe_env["OPENENGINE_TLS_CERT_FILE"] == "/etc/openengine/tls/tls.crt"
+    assert fe_env["OPENENGINE_TLS_KEY_FILE"] == "/etc/openengine/tls/tls.key"
+    assert fe_env["OPENENGINE_TLS_CLIENT_CA_FILE"] == "/etc/openengine/tls/ca.crt"
+    assert fe_env["OPENENGINE_API_KEYS_FILE"] == "/etc/openengine/api-keys/api-keys"
+    assert _secret_volumes(r.deployment("frontend")["spec"]["template"]["spec"]) == {
+        "tls": "oe-public-tls", "api-keys": "oe-api-keys", "internal-tls": "oe-internal-tls"}
+    for component in COMPONENTS:
+        env = r.env(component)
+        assert env["OPENENGINE_INTERNAL_TLS_CA_FILE"] == "/etc/openengine/internal-tls/ca.crt"
+        assert env["OPENENGINE_INTERNAL_TLS_SERVER_NAME"] == "openengine-internal"
+        assert _mounts(r.container(component))["/etc/openengine/internal-tls"] == "internal-tls"
+        assert all(m.get("readOnly") for m in r.container(component)["volumeMounts"] if m["name"] != "tmp")
+    for component in ("coordinator", "node"):
+        assert "OPENENGINE_TLS_CERT_FILE" not in r.env(component)
+        assert "OPENENGINE_API_KEYS_FILE" not in r.env(component)
+    default = render()
+    for component in COMPONENTS:
+        assert not any(k.startswith(("OPENENGINE_TLS", "OPENENGINE_INTERNAL_TLS", "OPENENGINE_API_KEYS"))
+                       for k in default.env(component))
+
+
+def test_probes_on_a_tls_port_use_the_cli_over_tls(render) -> None:
+    r = render(VARIANTS["secured"])
+    frontend = r.container("frontend")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        command = frontend[probe]["exec"]["command"]
+        assert command[:4] == ["openengine-serve", "health", "--target", "127.0.0.1:50051"]
+        assert command[command.index("--tls-ca-file") + 1] == "/etc/openengine/tls/ca.crt"
+        assert command[command.index("--tls-server-name") + 1] == name("frontend")
+        assert "--tls-cert-file" in command  # mutual TLS: the probe presents a certificate
+        node = r.container("node")[probe]["exec"]["command"]
+        assert node[node.index("--tls-server-name") + 1] == "openengine-internal"
+        assert "grpc" not in frontend[probe]
+    # only internal TLS: the frontend's public port stays plaintext with native probes
+    internal_only = render({"internalTls": {"secretName": "x"}})
+    assert internal_only.container("frontend")["readinessProbe"]["grpc"]["service"] == "readiness"
+    assert "exec" in internal_only.container("coordinator")["readinessProbe"]
+
+
+def test_cert_manager_certificate(render) -> None:
+    r = render(VARIANTS["secured"])
+    (cert,) = r.of_kind("Certificate")
+    assert cert["spec"]["secretName"] == "oe-public-tls"
+    assert cert["spec"]["issuerRef"] == {"name": "internal-ca", "kind": "ClusterIssuer"}
+    assert name("frontend") in cert["spec"]["dnsNames"]
+    assert f"{name('frontend')}.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
+    assert "openengine.example.com" in cert["spec"]["dnsNames"]
+    assert not render({"frontend": {"tls": {"secretName": "s"}}}).of_kind("Certificate")
+
+
+def test_helm_test_sends_an_api_key_and_speaks_tls(render) -> None:
+    r = render(VARIANTS["secured"])
+    (pod,) = r.of_kind("Pod")
+    (health,) = pod["spec"]["initContainers"]
+    (generate,) = pod["spec"]["containers"]
+    key = {e["name"]: e for e in generate["env"]}["OPENENGINE_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "oe-test-key", "key": "api-key"}
+    for container in (health, generate):
+        assert "--tls-ca-file" in container["args"] and "--tls-cert-file" in container["args"]
+        assert _mounts(container)["/etc/openengine/tls"] == "tls"
+    assert _secret_volumes(pod["spec"]) == {"tls": "oe-public-tls"}
+
+
+def test_notes_say_how_to_call_with_tls_and_a_key(render) -> None:
+    notes = render(VARIANTS["secured"]).notes
+    assert "--tls-ca-file" in notes and "--api-key" in notes and "OPENENGINE_API_KEY" in notes
+    assert "oe-public-tls" in notes and "--tls-cert-file" in notes
+    assert "--api-key" not in render().notes
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"frontend": {"grpcServer": "pygrpc-native", "tls": {"secretName": "s"}}},
+         "terminate TLS in front"),
+        ({"frontend": {"apiKeys": {"secretName": "k"}}}, "set tests.apiKeySecret.name"),
+        ({"frontend": {"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Issuer"}}}}},
+         "needs frontend.tls.secretName"),
+    ],
+)
+def test_security_template_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
+    with pytest.raises(helm.HelmError) as info:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert complaint in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"frontend": {"tls": {"secret": "x"}}}, "'secret' not allowed"),
+        ({"internalTls": {"secretname": "x"}}, "'secretname' not allowed"),
+        ({"frontend": {"apiKeys": {"secretKey": ""}}}, "/frontend/apiKeys/secretKey"),
+    ],
+)
+def test_security_schema_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as info:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert complaint in str(info.value)

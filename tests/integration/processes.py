@@ -14,7 +14,7 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from openengine_serve.client import is_serving
+from openengine_serve.client import NO_CREDENTIALS, Credentials, is_serving
 from openengine_serve.common.net import free_port
 
 LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
@@ -39,6 +39,7 @@ class Component:
     proc: subprocess.Popen | None = None
     preexec_fn: Callable[[], None] | None = None  # runs in the child before exec (e.g. to enter a cgroup)
     host: str = "127.0.0.1"  # any loopback address (127.0.0.0/8)
+    credentials: Credentials = NO_CREDENTIALS  # what its readiness check needs (TLS)
 
     @property
     def target(self) -> str:
@@ -57,7 +58,7 @@ class Component:
         def ready():
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode}; see {LOG_DIR}")
-            return is_serving(self.target)
+            return is_serving(self.target, credentials=self.credentials)
         wait_for(ready, timeout, f"{self.name} readiness")
         return self
 

@@ -19,6 +19,11 @@ from .processes import metric, scrape, wait_for, with_metrics
 REQUESTS = "openengine_frontend_requests_total"
 
 
+def finished_ok(samples) -> float:
+    """Requests that finished normally; `key` is "-" with API keys off."""
+    return metric(samples, REQUESTS, status="finished", code="OK", key="-")
+
+
 def generate_on_fresh_connections(target: str, instances: int, per_instance: int) -> tuple[collections.Counter, int]:
     """Generations over fresh connections until each of `instances` frontend processes (told apart by
     ServerInfo.instance_id on the same connection) has finished `per_instance`; returns the count by process
@@ -60,9 +65,8 @@ def test_metrics_move_with_traffic(deployment, workers):
     after = scrape(fe_metrics)
     sent = sum(served.values())
     # one scrape counts every worker's requests: with two workers, each served some of them
-    assert metric(after, REQUESTS, status="finished", code="OK") - metric(before, REQUESTS, status="finished",
-                                                                           code="OK") == sent
-    assert metric(after, REQUESTS, status="rejected", code="INVALID_ARGUMENT") == 1
+    assert finished_ok(after) - finished_ok(before) == sent
+    assert metric(after, REQUESTS, status="rejected", code="INVALID_ARGUMENT", key="-") == 1
     assert metric(after, "openengine_frontend_generated_tokens_total") - \
         metric(before, "openengine_frontend_generated_tokens_total") == 20 * sent
     assert metric(after, "openengine_frontend_prompt_tokens_total") == sent * 4
@@ -122,10 +126,9 @@ def test_gauges_and_counters_follow_a_running_request(deployment):
     assert metric(coord_samples, refusals, reason="duplicate") == 1
     assert metric(coord_samples, refusals, reason="rank_not_found") == 1
     after = wait_for(lambda: (s := scrape(fe_metrics)) and
-                     metric(s, REQUESTS, status="cancelled", code="CANCELLED") == 1 and s, 5,
+                     metric(s, REQUESTS, status="cancelled", code="CANCELLED", key="-") == 1 and s, 5,
                      "the cancelled request counted")
-    assert metric(after, REQUESTS, status="finished", code="OK") == metric(before, REQUESTS, status="finished",
-                                                                            code="OK")
+    assert finished_ok(after) == finished_ok(before)
 
 
 def listening_ports(pid: int) -> set[int]:

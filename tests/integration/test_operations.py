@@ -194,7 +194,7 @@ def _load(port: int, stop: threading.Event, ledger: LoadLedger, *, retries: bool
 
 def finished_on(metrics_port: int) -> float:
     return processes.metric(processes.scrape(metrics_port), "openengine_frontend_requests_total",
-                            status="finished", code="OK")
+                            status="finished", code="OK", key="-")
 
 
 def wait_instance_ready(fe: processes.Component, instance_id: str, timeout: float = 60.0) -> None:
@@ -317,7 +317,7 @@ def test_engine_worker_killed_node_respawns(deployment):
     watch.close()
     assert processes.metric(processes.scrape(node_metrics), restarts) == 1
     assert processes.metric(processes.scrape(fe_metrics), "openengine_frontend_requests_total",
-                            status="failed", code="OK") == 1, "the stream that ended with an EngineError"
+                            status="failed", code="OK", key="-") == 1, "the stream that ended with an EngineError"
 
 
 def _generates(client) -> bool:

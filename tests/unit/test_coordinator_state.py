@@ -212,6 +212,20 @@ def test_release_then_lookup_says_finished_and_the_id_may_be_reused(state: Clust
     assert state.lookup("r1")[0] == "live"
 
 
+def test_lookup_with_an_owner_sees_only_that_owners_requests(state: ClusterState) -> None:
+    add_node(state, "a")
+    state.reserve(cluster_pb2.ReserveRequest(request_id="mine", frontend_id="fe-1", owner="alice"))
+    state.reserve(cluster_pb2.ReserveRequest(request_id="theirs", frontend_id="fe-2", owner="bob"))
+    assert state.lookup("mine", "alice")[0] == "live"
+    assert state.lookup("theirs", "alice") == ("unknown", None)  # exactly as an id never seen
+    assert state.lookup("theirs")[0] == "live"  # no owner filter: an admin
+    state.release("theirs", "fe-2")
+    state.release("mine", "fe-1")
+    assert state.lookup("mine", "alice") == ("finished", None)
+    assert state.lookup("theirs", "alice") == ("unknown", None)
+    assert state.lookup("theirs") == ("finished", None)
+
+
 def test_release_by_another_frontend_is_ignored(state: ClusterState) -> None:
     add_node(state, "a")
     reserve(state, "r1", frontend="fe-1")
@@ -397,6 +411,8 @@ def test_a_batch_applies_its_releases_first_then_answers_each_reservation_in_ord
     assert "'a' is already in flight (owned by frontend 'fe-1')" in outcomes[1].refusal
     assert "no ready node has rank 7" in outcomes[2].refusal
     assert state.lookup("old")[0] == "finished" and state.lookup("a")[0] == "live"
+    assert state.lookup("a", "key-a")[0] == "live"  # the batched owner is kept as the unary one is
+    assert state.lookup("a", "key-b")[0] == "unknown"
     assert state.release("a", "fe-1")  # the batch's frontend owns its reservations
 
 

@@ -51,6 +51,24 @@ def test_health_of_an_unreachable_target_imports_nothing_heavy():
     assert not heavy(names), heavy(names)
 
 
+def test_health_with_an_api_key_stays_on_the_standard_library_probe():
+    """grpc.health.v1 needs no key: the flag changes nothing and costs no import."""
+    result, names = imported_modules("health", "--target", f"127.0.0.1:{closed_port()}", "--timeout", "2",
+                                     "--api-key", "k-unused")
+    assert result.returncode == 1
+    assert result.stdout.startswith("readiness: UNREACHABLE (UNAVAILABLE"), result.stdout
+    assert not heavy(names), heavy(names)
+
+
+def test_health_over_tls_goes_through_grpcio():
+    """The standard-library probe speaks h2c only: a TLS flag hands the check to grpcio."""
+    result, names = imported_modules("health", "--target", f"127.0.0.1:{closed_port()}", "--timeout", "2",
+                                     "--tls")
+    assert result.returncode == 1
+    assert result.stdout.startswith("readiness: UNREACHABLE (UNAVAILABLE"), result.stdout
+    assert {"grpc", "openengine_serve.client"} <= names
+
+
 def test_the_other_commands_still_load_their_configuration():
     result, names = imported_modules("frontend", "--help")
     assert result.returncode == 0 and "OPENENGINE_NATIVE_IO_THREADS" in result.stdout

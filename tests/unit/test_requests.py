@@ -80,6 +80,19 @@ async def test_an_accepted_request_is_submitted_then_released(deployment: Deploy
     assert deployment.node_stubs["n1"].cancelled == []
 
 
+async def test_the_owner_goes_with_the_reservation(deployment: Deployment):
+    """The API key name that starts a request reaches the coordinator (Abort is scoped by it)."""
+    async with deployment.requests.open(plan("r-owned"), owner="team-a") as accepted:
+        assert accepted.owner == "team-a"
+        accepted.ended = True
+    async with deployment.requests.open(plan("r-anonymous")) as accepted:
+        assert accepted.owner == ""
+        accepted.ended = True
+    await settle()
+    assert [(r.request_id, r.owner) for r in deployment.coordinator_stub.reserved] == \
+        [("r-owned", "team-a"), ("r-anonymous", "")]
+
+
 async def test_a_stream_that_did_not_end_is_cancelled_on_its_node(deployment: Deployment):
     with pytest.raises(RuntimeError, match="client went away"):
         async with deployment.requests.open(plan()) as accepted:

@@ -131,6 +131,7 @@ Chart-level consistency checks the JSON schema cannot express readably.
 {{- fail (printf "%s.autoscaling.minReplicas (%d) is greater than %s.autoscaling.maxReplicas (%d)" $component (int $hpa.minReplicas) $component (int $hpa.maxReplicas)) }}
 {{- end }}
 {{- end }}
+{{- include "oes.validateSecurity" . }}
 {{- end }}
 
 {{/*
@@ -231,27 +232,24 @@ spec:
             {{- with .env | trim }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with include "oes.securityEnv" $args | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- with $c.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
           startupProbe:
-            grpc:
-              port: {{ $c.port }}
-              service: liveness
+            {{- include "oes.probeHandler" (dict "root" $root "component" $component "service" "liveness") | trim | nindent 12 }}
             periodSeconds: {{ $root.Values.probes.startup.periodSeconds }}
             timeoutSeconds: {{ $root.Values.probes.startup.timeoutSeconds }}
             failureThreshold: {{ divf $c.startupTimeoutSeconds $root.Values.probes.startup.periodSeconds | ceil | int }}
           livenessProbe:
-            grpc:
-              port: {{ $c.port }}
-              service: liveness
+            {{- include "oes.probeHandler" (dict "root" $root "component" $component "service" "liveness") | trim | nindent 12 }}
             periodSeconds: {{ $root.Values.probes.liveness.periodSeconds }}
             timeoutSeconds: {{ $root.Values.probes.liveness.timeoutSeconds }}
             failureThreshold: {{ $root.Values.probes.liveness.failureThreshold }}
           readinessProbe:
-            grpc:
-              port: {{ $c.port }}
-              service: readiness
+            {{- include "oes.probeHandler" (dict "root" $root "component" $component "service" "readiness") | trim | nindent 12 }}
             periodSeconds: {{ $root.Values.probes.readiness.periodSeconds }}
             timeoutSeconds: {{ $root.Values.probes.readiness.timeoutSeconds }}
             failureThreshold: {{ $root.Values.probes.readiness.failureThreshold }}
@@ -268,12 +266,18 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- with include "oes.securityMounts" $args | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir:
             {{- with $c.tmpSizeLimit }}
             sizeLimit: {{ . }}
             {{- end }}
+        {{- with include "oes.securityVolumes" $args | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
       {{- with $c.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}

@@ -57,6 +57,13 @@ class CommonConfig:
     log_level: str = knob("info", "log level", choices=LOG_LEVELS)
     drain_timeout_s: float = knob(30.0, "on SIGTERM: readiness turns NOT_SERVING, then in-flight work gets this "
                                         "long to finish", minimum=0)
+    internal_tls_cert_file: str = knob("", "PEM certificate this component presents on the internal plane "
+                                           "(with _KEY_FILE and _CA_FILE: mutual TLS between all components)")
+    internal_tls_key_file: str = knob("", "PEM private key of OPENENGINE_INTERNAL_TLS_CERT_FILE")
+    internal_tls_ca_file: str = knob("", "PEM CA that signs every component's internal certificate; peers "
+                                         "without one are refused")
+    internal_tls_server_name: str = knob("", "name checked in the peers' internal certificates instead of the "
+                                             "host dialled (default: the host dialled)")
 
     @classmethod
     def component(cls) -> str:
@@ -146,6 +153,19 @@ class FrontendConfig(CommonConfig):
     max_connection_age_s: float = knob(0.0, "grpcio only: a client connection older than this gets GOAWAY and "
                                             "reconnects (spreads load over frontends added later); calls still "
                                             "open get OPENENGINE_DRAIN_TIMEOUT_S to finish (0: off)", minimum=0)
+    tls_cert_file: str = knob("", "PEM certificate chain of the public port: TLS only (grpcio; reloaded when "
+                                  "the file changes)")
+    tls_key_file: str = knob("", "PEM private key of OPENENGINE_TLS_CERT_FILE")
+    tls_client_ca_file: str = knob("", "PEM CA: clients must present a certificate it signed (mutual TLS)")
+    max_request_bytes: int = knob(16 * 1024 * 1024, "largest request message accepted (RESOURCE_EXHAUSTED "
+                                                     "beyond)", minimum=1024)
+    max_metadata_bytes: int = knob(16 * 1024, "largest request metadata (header names + values + 32 bytes "
+                                              "each) accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024)
+    max_concurrent_streams: int = knob(1024, "calls open at once on one client connection (RESOURCE_EXHAUSTED "
+                                             "beyond)", minimum=1)
+    api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET` a line (ROLE user|admin, SECRET the key "
+                                  "or sha256:<hex>); set: every call needs `authorization: Bearer <key>`; "
+                                  "re-read when it changes")
 
     @classmethod
     def component(cls) -> str:

@@ -100,10 +100,12 @@ def resolve_implementation(name: str, io_threads: int = 0, sharing: int = 1) -> 
 
 
 def create_server(implementation: ServerImplementation = ServerImplementation(GRPCIO, grpc.__version__),
-                  interceptors=(), max_connection_age_s: float = 0.0,
+                  interceptors=(), options: tuple[tuple[str, int], ...] = (), max_connection_age_s: float = 0.0,
                   max_connection_age_grace_s: float = 0.0) -> grpc.aio.Server:
-    """max_connection_age_s > 0 (grpc.aio only): connections older than that get GOAWAY, so clients reconnect
+    """`options` override SERVER_OPTIONS entries of the same name (the frontend's stated limits).
+    max_connection_age_s > 0 (grpc.aio only): connections older than that get GOAWAY, so clients reconnect
     and reach frontends added since; open calls get max_connection_age_grace_s to finish."""
+    common = tuple(dict(SERVER_OPTIONS + tuple(options)).items())
     if implementation.name == NATIVE:
         if max_connection_age_s:
             raise ValueError("pygrpc-native has no maximum connection age (grpc.max_connection_age_ms)")
@@ -111,12 +113,12 @@ def create_server(implementation: ServerImplementation = ServerImplementation(GR
 
         # Its Rust I/O threads share the CPUs with the Python loop: sized from the CPU budget (cpu_budget.py).
         io_threads = implementation.io_threads or native_io_threads(cpu_budget())
-        return pygrpc_native.aio.Server(options=list(SERVER_OPTIONS), interceptors=list(interceptors),
+        return pygrpc_native.aio.Server(options=list(common), interceptors=list(interceptors),
                                         io_threads=io_threads)
     age_options = ((("grpc.max_connection_age_ms", round(max_connection_age_s * 1000)),
                     ("grpc.max_connection_age_grace_ms", round(max_connection_age_grace_s * 1000)))
                    if max_connection_age_s else ())
-    return grpc.aio.server(options=list(SERVER_OPTIONS + GRPCIO_ONLY_OPTIONS + age_options),
+    return grpc.aio.server(options=list(common + GRPCIO_ONLY_OPTIONS + age_options),
                            interceptors=list(interceptors))
 
 

@@ -18,6 +18,7 @@ from ..common.config import CoordinatorConfig
 from ..common.grpc_server import create_internal_server
 from ..common.health import Health
 from ..common.lifecycle import bind_address, start_metrics
+from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
 from . import metrics
 from .state import REFUSAL_STATUS, ClusterState, RankConflict
@@ -81,7 +82,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         if request.WhichOneof("target") == "all_requests":
             targets = self.state.live_requests()
         else:
-            where, node = self.state.lookup(request.request_id)
+            where, node = self.state.lookup(request.request_id, request.owner)
             if where == "finished":
                 return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED)
             if where == "unknown":
@@ -93,7 +94,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
     async def _cancel_on_node(self, request_id: str, node: cluster_pb2.NodeEntry) -> bool:
         channel = self.node_channels.get(node.address)
         if channel is None:
-            channel = self.node_channels[node.address] = grpc.aio.insecure_channel(node.address)
+            channel = self.node_channels[node.address] = internal_channel(node.address, self.config)
         try:
             reply = await cluster_pb2_grpc.NodeStub(channel).Cancel(
                 cluster_pb2.CancelRequest(request_id=request_id), timeout=self.config.rpc_timeout_s)
@@ -119,7 +120,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     server = create_internal_server()
     cluster_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     health.register(server)
-    server.add_insecure_port(bind_address(config.host, config.port))
+    add_internal_port(server, bind_address(config.host, config.port), config)
     await server.start()
     start_metrics(config.metrics_port)
     await health.start()

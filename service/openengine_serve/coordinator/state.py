@@ -136,6 +136,7 @@ class _Reservation:
     node_id: str
     reserved_at: float
     load_epoch: int
+    owner: str = ""  # API key name that started it ("" when keys are off)
 
 
 class ClusterState:
@@ -168,7 +169,7 @@ class ClusterState:
         self._frontends: dict[str, _Frontend] = {}
         self._live: dict[str, _Reservation] = {}  # insertion order = reservation order
         # Ids in the order they finished; the oldest are forgotten first.
-        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> owner
         self._least_loaded = LeastLoadedIndex()
         # The READY nodes, by rank, and the routing keys' rendezvous nodes: rebuilt when the READY set changes.
         self._ready_changes = 0
@@ -340,7 +341,7 @@ class ClusterState:
             self._touch_frontend(frontend)
 
         node_id = node.entry.node_id
-        self._live[request_id] = _Reservation(request.frontend_id, node_id, now, node.load_epoch)
+        self._live[request_id] = _Reservation(request.frontend_id, node_id, now, node.load_epoch, request.owner)
         self._finished.pop(request_id, None)  # an id may be reused once finished
         node.request_ids.add(request_id)
         node.reserved_since_load += 1
@@ -378,12 +379,15 @@ class ClusterState:
         self._end_reservation(request_id)
         return True
 
-    def lookup(self, request_id: str) -> LookupResult:
-        """For Abort: ("live", node entry), ("finished", None) or ("unknown", None)."""
+    def lookup(self, request_id: str, owner: str = "") -> LookupResult:
+        """For Abort: ("live", node entry), ("finished", None) or ("unknown", None).
+
+        With `owner` set, another owner's request is "unknown", so ids do not leak across API keys.
+        """
         reservation = self._live.get(request_id)
-        if reservation is not None:
+        if reservation is not None and (not owner or reservation.owner == owner):
             return "live", _copy(self._nodes[reservation.node_id].entry)
-        if request_id in self._finished:
+        if request_id in self._finished and (not owner or self._finished[request_id] == owner):
             return "finished", None
         return "unknown", None
 
@@ -518,7 +522,7 @@ class ClusterState:
         frontend = self._frontends.get(reservation.frontend_id)
         if frontend is not None:
             frontend.request_ids.discard(request_id)
-        self._finished[request_id] = None
+        self._finished[request_id] = reservation.owner
         if len(self._finished) > self._finished_memory:
             self._finished.popitem(last=False)
 

@@ -14,6 +14,7 @@ from ..common.config import FrontendConfig
 from ..common.grpc_server import ServerImplementation
 from ..common.health import Health
 from ..common.logging_setup import log_event
+from . import auth
 from .coordinator_client import CoordinatorClient
 from .inference import MAX_TOP_N
 from .probe import InferenceProbe
@@ -136,8 +137,12 @@ class Control(openengine_pb2_grpc.ControlServicer):
         if target == "request_id" and not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
             return
+        owner, refusal = auth.abort_scope(target == "all_requests")  # security hook: a user aborts only its own
+        if refusal:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+            return
         cluster_request = (cluster_pb2.ClusterAbortRequest(all_requests=True) if target == "all_requests"
-                           else cluster_pb2.ClusterAbortRequest(request_id=request.request_id))
+                           else cluster_pb2.ClusterAbortRequest(request_id=request.request_id, owner=owner))
         try:
             reply = await self.coordinator.abort(cluster_request)
         except grpc.aio.AioRpcError as exc:
@@ -150,7 +155,8 @@ class Control(openengine_pb2_grpc.ControlServicer):
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED:
             return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED,
                                                message=f"request_id {request.request_id!r} already finished")
-        log_event(logger, "abort", target=target, request_id=request.request_id, aborted=reply.aborted)
+        log_event(logger, "abort", target=target, request_id=request.request_id, key=auth.caller_label(),
+                  aborted=reply.aborted)
         return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED,
                                            message=f"aborted {reply.aborted} request(s)")
 

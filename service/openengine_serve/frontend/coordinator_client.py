@@ -41,7 +41,8 @@ class CoordinatorUnreachable(Exception):
 class CoordinatorClient:
     def __init__(self, frontend_id: str, address: str, advertised_address: str, heartbeat_s: float,
                  call_timeout_s: float, tasks: BackgroundTasks, live_requests: Callable[[], int],
-                 on_node_table: Callable[[dict[str, cluster_pb2.NodeEntry]], None]) -> None:
+                 on_node_table: Callable[[dict[str, cluster_pb2.NodeEntry]], None],
+                 open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:
         self.frontend_id = frontend_id
         self.address = address
         self.advertised_address = advertised_address
@@ -50,7 +51,7 @@ class CoordinatorClient:
         self.reachable = False
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}  # the last known table
         self.table_updated = asyncio.Event()  # set at each node table the coordinator sends (readiness follows it)
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = open_channel(address)
         self._stub = cluster_pb2_grpc.CoordinatorStub(self._channel)
         # The stub is looked up at each stream opening (unit tests replace it).
         self.reservations = ReservationBatcher(frontend_id, lambda: self._stub.Reservations())
@@ -96,7 +97,8 @@ class CoordinatorClient:
 
     async def reserve(self, request_id: str, routing_key: str, target_rank: int | None, prompt_tokens: int,
                       num_sequences: int, owner: str = "") -> cluster_pb2.NodeEntry:
-        """The node the coordinator picked; raises a Refusal, or CoordinatorUnreachable.
+        """The node the coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API key
+        name that starts the request, so that only it (or an admin) can abort it.
 
         Batched with the other reservations of this event-loop tick; the deadline is per reservation.
         """

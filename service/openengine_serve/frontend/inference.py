@@ -19,7 +19,7 @@ from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
 from ..common.health import Health
 from ..common.logging_setup import log_event
-from . import metrics
+from . import auth, metrics
 from .nodes import LaneFailure
 from .refusal import DuplicateRequest, InvalidRequest, NotServed, Overloaded, Refusal, Unavailable, Unsupported
 from .requests import OpenRequest, Requests
@@ -70,11 +70,11 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             if self.health.draining:
                 raise Unavailable("this frontend is draining; retry on another frontend")
             plan = self.plan(request, parse_metadata(context.invocation_metadata() or ()))
-            async with self.requests.open(plan) as accepted:
+            async with self.requests.open(plan, owner=auth.owner()) as accepted:  # security hook: the owner
                 await self.stream(plan, accepted, started, context.write)
         except Refusal as exc:
             code = REFUSAL_CODES[type(exc)]
-            metrics.REQUESTS.labels(status="rejected", code=code.name).inc()
+            metrics.REQUESTS.labels(status="rejected", code=code.name, key=auth.caller_label()).inc()
             await context.abort(code, exc.message)
             return
 
@@ -141,9 +141,10 @@ def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[Outpu
                 started: float) -> None:
     duration = time.perf_counter() - started
     metrics.IN_FLIGHT.dec()
-    metrics.REQUESTS.labels(status=status, code=code).inc()
+    key = auth.key_label(accepted.owner)  # security hook: the key name, never the secret
+    metrics.REQUESTS.labels(status=status, code=code, key=key).inc()
     metrics.E2E.observe(duration)
-    log_event(logger, "request ended", request_id=plan.request_id, trace_id=trace_id(plan.metadata),
+    log_event(logger, "request ended", request_id=plan.request_id, key=key, trace_id=trace_id(plan.metadata),
               node_id=accepted.node.node_id, status=status, completion_tokens=sum(o.generated for o in outputs),
               duration_s=f"{duration:.3f}")
 

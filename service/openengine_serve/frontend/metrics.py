@@ -12,8 +12,8 @@ from prometheus_client import Counter, Gauge, Histogram
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _DURATION = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-REQUESTS = Counter("openengine_frontend_requests", "Generate calls by final status and gRPC code",
-                   ["status", "code"])
+REQUESTS = Counter("openengine_frontend_requests", "Generate calls by final status, gRPC code and API key name "
+                   "(`-` when keys are off)", ["status", "code", "key"])
 TTFT = Histogram("openengine_frontend_time_to_first_token_seconds", "time to first token", buckets=_LATENCY)
 ITL = Histogram("openengine_frontend_inter_token_latency_seconds", "time between token deltas of a stream",
                 buckets=_LATENCY)

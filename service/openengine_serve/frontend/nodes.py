@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -75,8 +76,10 @@ class NodeConnection:
 
 class NodeConnections:
     def __init__(self, frontend_id: str, tasks: BackgroundTasks, connect_timeout_s: float,
-                 call_timeout_s: float) -> None:
+                 call_timeout_s: float,
+                 open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:
         self.frontend_id = frontend_id
+        self._open_channel = open_channel
         self.connect_timeout_s = connect_timeout_s
         self.call_timeout_s = call_timeout_s
         self.connections: dict[str, NodeConnection] = {}
@@ -92,7 +95,7 @@ class NodeConnections:
         """The node's connection with its result lane open (opened on first use)."""
         conn = self.connections.get(entry.node_id)
         if conn is None:
-            channel = grpc.aio.insecure_channel(entry.address)
+            channel = self._open_channel(entry.address)
             conn = NodeConnection(entry, channel, cluster_pb2_grpc.NodeStub(channel))
             self.connections[entry.node_id] = conn
         if conn.lane_task is None:

@@ -26,12 +26,14 @@ from .validation import GenerationPlan, RequestMetadata
 
 
 class OpenRequest:
-    """An accepted request: its node, its sink, and the call that stops one of its outputs on the node."""
+    """An accepted request: its node, its sink, its owner, and the call that stops one of its outputs on the node."""
 
-    __slots__ = ("request_id", "node", "sink", "ended", "_conn", "_nodes")
+    __slots__ = ("request_id", "owner", "node", "sink", "ended", "_conn", "_nodes")
 
-    def __init__(self, request_id: str, conn: NodeConnection, sink: RequestSink, nodes: NodeConnections) -> None:
+    def __init__(self, request_id: str, conn: NodeConnection, sink: RequestSink, nodes: NodeConnections,
+                 owner: str = "") -> None:
         self.request_id = request_id
+        self.owner = owner  # the API key name that started it ("" when keys are off)
         self.node = conn.entry
         self.sink = sink
         self.ended = False  # set by the stream once every output finished: nothing left to cancel
@@ -70,14 +72,16 @@ class Requests:
         self.nodes.fail_all(failure)
 
     @contextlib.asynccontextmanager
-    async def open(self, plan: GenerationPlan) -> AsyncIterator[OpenRequest]:
+    async def open(self, plan: GenerationPlan, owner: str = "") -> AsyncIterator[OpenRequest]:
+        """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
+        a user aborts only its own requests."""
         request_id = plan.request_id
         trace = trace_metadata(plan.metadata)
         self._open += 1
         self._idle.clear()
         try:
             try:
-                node = await self._reserve(plan)
+                node = await self._reserve(plan, owner)
             except asyncio.CancelledError:
                 self.coordinator.release(request_id)  # the client left during Reserve, which may have gone through
                 raise
@@ -90,7 +94,7 @@ class Requests:
                 except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
                     conn = None  # the node did not take the request: nothing to cancel
                     raise submit_refusal(exc, node) from None
-                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes)
+                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes, owner)
                 yield request
             finally:
                 if conn is not None and not (request is not None and request.ended):
@@ -102,11 +106,11 @@ class Requests:
             if not self._open:
                 self._idle.set()
 
-    async def _reserve(self, plan: GenerationPlan) -> cluster_pb2.NodeEntry:
+    async def _reserve(self, plan: GenerationPlan, owner: str) -> cluster_pb2.NodeEntry:
         metadata = plan.metadata
         try:
             return await self.coordinator.reserve(plan.request_id, metadata.routing_key, metadata.target_rank,
-                                                  len(plan.prompt_token_ids), plan.num_sequences)
+                                                  len(plan.prompt_token_ids), plan.num_sequences, owner)
         except CoordinatorUnreachable:
             # Duplicates are caught on this frontend only until the coordinator is back.
             if plan.request_id in self.nodes.sinks:

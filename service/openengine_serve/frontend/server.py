@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -16,8 +17,9 @@ from ..common.grpc_server import GRPCIO, ServerImplementation, create_server
 from ..common.health import Health
 from ..common.lifecycle import bind_address
 from ..common.logging_setup import log_event
+from ..common.tls import add_public_port, internal_channel
 from ..common.vocab import load_encoding
-from . import metrics
+from . import auth, limits, metrics
 from .control import Control
 from .coordinator_client import CoordinatorClient
 from .fallback_routing import FallbackRouter
@@ -40,23 +42,28 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     frontend_id = config.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}"
     encoding = load_encoding()
     tasks = BackgroundTasks()
-    nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s)
+    open_internal_channel = functools.partial(internal_channel, config=config)  # security hook: internal TLS
+    nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s,
+                            open_channel=open_internal_channel)
     coordinator = CoordinatorClient(
         frontend_id, config.coordinator_address, f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
-        config.coordinator_timeout_s, tasks, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only)
+        config.coordinator_timeout_s, tasks, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only,
+        open_channel=open_internal_channel)
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
     health = Health(readiness_aliases=PUBLIC_SERVICES)
     inference = Inference(config, encoding, requests, health)
     probe = InferenceProbe(frontend_id, config.model, inference, config.probe_timeout_s)
 
-    server = create_server(implementation, max_connection_age_s=config.max_connection_age_s,
+    # security hook: API keys, then the stated limits
+    server = create_server(implementation, interceptors=auth.interceptors(config) + limits.interceptors(config),
+                           options=limits.transport_options(config), max_connection_age_s=config.max_connection_age_s,
                            max_connection_age_grace_s=config.drain_timeout_s)
     add_inference_service(inference, server)
     openengine_pb2_grpc.add_ControlServicer_to_server(
         Control(config, frontend_id, implementation, coordinator, health, probe), server)
     health.register(server)
     reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-    server.add_insecure_port(bind_address(config.host, config.port))
+    add_public_port(server, bind_address(config.host, config.port), config)  # security hook: TLS
     await server.start()
     await health.start()
     mark_worker_ready()

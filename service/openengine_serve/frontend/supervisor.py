@@ -23,6 +23,8 @@ from ..common.config import FrontendConfig, env_name
 from ..common.grpc_server import resolve_implementation
 from ..common.lifecycle import logger, run_component, start_metrics
 from ..common.logging_setup import log_event, setup_logging
+from ..common.tls import check_public_tls
+from .auth import parse_keys
 from .ready_file import READY_FILE_VARIABLE
 
 RESTART_BACKOFF_S = 1.0
@@ -34,6 +36,7 @@ def run_frontend(config: FrontendConfig) -> int:
     # Before anything heavy (tokenizer, coordinator, binding): fails with the install command.
     implementation = resolve_implementation(config.grpc_server, config.native_io_threads,
                                             sharing=int(os.environ.get(WORKERS_SHARING_VARIABLE, "1")))
+    check_security(config)  # security hook: TLS files, the native+TLS conflict, the API key file
     if config.workers == 1:
         from .server import serve
 
@@ -43,6 +46,13 @@ def run_frontend(config: FrontendConfig) -> int:
 
         return run_component(config, main)
     return Supervisor(config).run()
+
+
+def check_security(config: FrontendConfig) -> None:
+    """ConfigError (exit 2) at start for TLS or key settings that cannot work."""
+    check_public_tls(config, config.grpc_server)
+    if config.api_keys_file:
+        parse_keys(config.api_keys_file)
 
 
 class Supervisor:

@@ -22,6 +22,7 @@ from ..common.config import NodeConfig
 from ..common.grpc_server import create_internal_server
 from ..common.health import Health
 from ..common.lifecycle import bind_address, start_metrics
+from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
 from . import metrics
 from .engine_link import EngineFull, EngineLink, EngineUnavailable
@@ -141,7 +142,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
 
     async def coordinator_loop(self) -> None:
         """Registers, then heartbeats load; registers again whenever the coordinator forgot us."""
-        async with grpc.aio.insecure_channel(self.config.coordinator_address) as channel:
+        async with internal_channel(self.config.coordinator_address, self.config) as channel:
             stub = cluster_pb2_grpc.CoordinatorStub(channel)
             registered = False
             interval = 1.0
@@ -199,7 +200,7 @@ async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
     server = create_internal_server()
     cluster_pb2_grpc.add_NodeServicer_to_server(service, server)
     service.health.register(server)
-    server.add_insecure_port(bind_address(config.host, config.port))
+    add_internal_port(server, bind_address(config.host, config.port), config)
     await server.start()
     await service.health.start()
     start_metrics(config.metrics_port)

@@ -193,12 +193,14 @@ class ReleaseReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterAbortRequest(_message.Message):
-    __slots__ = ("request_id", "all_requests")
+    __slots__ = ("request_id", "all_requests", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     all_requests: bool
-    def __init__(self, request_id: _Optional[str] = ..., all_requests: _Optional[bool] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., all_requests: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ClusterAbortReply(_message.Message):
     __slots__ = ("outcome", "aborted")

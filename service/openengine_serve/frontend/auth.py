@@ -1,0 +1,244 @@
+"""API keys and roles on the public port (both gRPC servers): a key file and an `aio.ServerInterceptor`.
+
+The key file (OPENENGINE_API_KEYS_FILE) holds one key a line, `ROLE NAME SECRET`:
+ROLE is `user` or `admin`, NAME labels the key in logs and metrics, SECRET is
+the key itself or `sha256:<hex>` of it; `#` starts a comment. Only SHA-256
+digests are kept in memory; a presented key is hashed and compared with every
+stored digest in constant time. Secrets never reach a log or an error message.
+
+The interceptor refuses a call without a known key (UNAUTHENTICATED) before the
+request is even deserialized, so no validation, routing or engine work happens.
+`grpc.health.v1` and reflection stay open for probes. The caller's key travels
+to the handler in a context variable (`caller()`), which the frontend uses for
+the ownership of its requests, its log line and its metrics.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import inspect
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from ..common.config import ConfigError
+from ..common.logging_setup import log_event
+
+logger = logging.getLogger("openengine_serve.frontend")
+
+ROLES = ("user", "admin")
+RELOAD_CHECK_S = 0.5  # how often a call may look at the file; a removed key stops within this (plus the write)
+OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+USER_METHODS = frozenset({
+    "/openengine.v1.Inference/Generate",
+    "/openengine.v1.Control/GetServerInfo",
+    "/openengine.v1.Control/GetModelInfo",
+    "/openengine.v1.Control/GetLoad",
+    "/openengine.v1.Control/Health",
+    "/openengine.v1.Control/Abort",  # only of its own requests, and not all_requests (see abort_refusal)
+})
+NO_KEY_LABEL = "-"  # the key label of requests when keys are off
+_HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    role: str
+    name: str
+    digest: bytes  # sha256 of the secret
+
+    @property
+    def admin(self) -> bool:
+        return self.role == "admin"
+
+
+_CALLER: contextvars.ContextVar[ApiKey | None] = contextvars.ContextVar("openengine_api_key", default=None)
+
+
+def caller() -> ApiKey | None:
+    """The key of the call being handled (None when keys are off)."""
+    return _CALLER.get()
+
+
+def owner() -> str:
+    """The owner recorded with a request this call starts ("" when keys are off)."""
+    key = _CALLER.get()
+    return "" if key is None else key.name
+
+
+def key_label(owner_name: str) -> str:
+    """The key label of logs and metrics for a request's owner."""
+    return owner_name or NO_KEY_LABEL
+
+
+def caller_label() -> str:
+    return key_label(owner())
+
+
+def abort_scope(all_requests: bool) -> tuple[str, str | None]:
+    """(owner filter for the coordinator, refusal message or None) of an Abort by the current caller.
+    An admin (or no keys) may abort anything; a user only its own requests, never all of them."""
+    key = _CALLER.get()
+    if key is None or key.admin:
+        return "", None
+    if all_requests:
+        return key.name, f"API key {key.name!r} has role user; Abort with all_requests needs role admin"
+    return key.name, None
+
+
+def parse_keys(path: str) -> tuple[ApiKey, ...]:
+    """Reads a key file; any malformed line fails with the file's name and the line number (never the secret)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"OPENENGINE_API_KEYS_FILE {path!r} cannot be read: {exc}") from None
+    keys: list[ApiKey] = []
+    seen: dict[bytes, str] = {}
+    for number, raw in enumerate(lines, 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{path}:{number}"
+        fields = line.split()
+        if len(fields) != 3:
+            raise ConfigError(f"{where}: expected `ROLE NAME SECRET` (3 fields), found {len(fields)}")
+        role, name, secret = fields
+        if role not in ROLES:
+            raise ConfigError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        if secret.startswith("sha256:"):
+            hexdigest = secret[len("sha256:"):]
+            if not _HEX_DIGEST.fullmatch(hexdigest):
+                raise ConfigError(f"{where}: a sha256: secret must be 64 hexadecimal digits")
+            digest = bytes.fromhex(hexdigest)
+        else:
+            digest = hashlib.sha256(secret.encode()).digest()
+        if digest in seen:
+            raise ConfigError(f"{where}: the same secret is already the key {seen[digest]!r}")
+        seen[digest] = name
+        keys.append(ApiKey(role, name, digest))
+    if not keys:
+        raise ConfigError(f"OPENENGINE_API_KEYS_FILE {path!r} holds no key: every call would be refused")
+    return tuple(keys)
+
+
+class KeyStore:
+    """The keys of one file, re-read when the file changes (checked at most every RELOAD_CHECK_S, on use).
+    A reload that fails (a malformed or half-written file) keeps the previous keys and logs the reason."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.keys = parse_keys(path)
+        self._state = self._file_state()
+        self._checked_at = time.monotonic()
+
+    def _file_state(self):
+        try:
+            st = os.stat(self.path)
+            return st.st_ino, st.st_mtime_ns, st.st_size
+        except OSError:
+            return None
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked_at < RELOAD_CHECK_S:
+            return
+        self._checked_at = now
+        state = self._file_state()
+        if state == self._state:
+            return
+        try:
+            keys = parse_keys(self.path)
+        except ConfigError as exc:
+            log_event(logger, "API key file reload failed; keeping the previous keys", logging.ERROR,
+                      error=str(exc))
+            return  # _state unchanged: tried again at the next check
+        self._state = state
+        self.keys = keys
+        log_event(logger, "API key file reloaded", path=self.path, keys=len(keys))
+
+    def authenticate(self, secret: str) -> ApiKey | None:
+        self._maybe_reload()
+        digest = hashlib.sha256(secret.encode()).digest()
+        found = None
+        for key in self.keys:  # every key is compared: the time does not depend on which one matches
+            if hmac.compare_digest(key.digest, digest):
+                found = key
+        return found
+
+
+def bearer_token(metadata) -> str | None:
+    for name, value in metadata or ():
+        if name == "authorization":
+            if isinstance(value, bytes):
+                value = value.decode("latin-1")
+            scheme, _, token = value.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+_HANDLER_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+
+
+def handler_kind(handler) -> str:
+    return next(k for k in _HANDLER_KINDS if getattr(handler, k) is not None)
+
+
+def refusal(handler, code: grpc.StatusCode, message: str):
+    """The same kind of handler, answering `code`; the request is not even deserialized."""
+    async def refuse(request, context):
+        await context.abort(code, message)
+
+    return handler._replace(request_deserializer=_skip, **{handler_kind(handler): refuse})
+
+
+def _skip(_data: bytes) -> None:
+    return None
+
+
+def _as_caller(handler, key: ApiKey):
+    kind = handler_kind(handler)
+    behavior = getattr(handler, kind)
+    if inspect.isasyncgenfunction(behavior):
+        async def bound(request, context):
+            _CALLER.set(key)
+            async for item in behavior(request, context):
+                yield item
+    else:
+        async def bound(request, context):
+            _CALLER.set(key)  # each call runs in its own task: its own copy of the context
+            return await behavior(request, context)
+    return handler._replace(**{kind: bound})
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, store: KeyStore) -> None:
+        self.store = store
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(OPEN_PREFIXES):
+            return handler
+        token = bearer_token(handler_call_details.invocation_metadata)
+        if not token:
+            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+                            "an API key is required: send the metadata `authorization: Bearer <key>`")
+        key = self.store.authenticate(token)
+        if key is None:
+            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "the API key is not valid")
+        if not key.admin and method not in USER_METHODS:
+            return refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
+                            f"API key {key.name!r} has role user; {method} needs role admin")
+        return _as_caller(handler, key)
+
+
+def interceptors(config) -> tuple[ApiKeyInterceptor, ...]:
+    """The frontend server's interceptors: the key check when OPENENGINE_API_KEYS_FILE is set."""
+    return (ApiKeyInterceptor(KeyStore(config.api_keys_file)),) if config.api_keys_file else ()

@@ -1,0 +1,85 @@
+"""Stated limits of the public port, enforced the same way on both gRPC servers.
+
+- request message size: the gRPC transport's own limit (`grpc.max_receive_message_length`); both servers
+  answer RESOURCE_EXHAUSTED "Received message larger than max (<size> vs. <limit>)";
+- request metadata size and concurrent calls per connection: checked by an interceptor, which answers
+  RESOURCE_EXHAUSTED naming the knob. The transports get twice these limits as a backstop (beyond it
+  grpcio answers RESOURCE_EXHAUSTED, pygrpc-native HTTP 431 / a queued stream), so the interceptor's
+  clear answer is the one clients normally see.
+Probes (`grpc.health.v1`) and reflection are not counted.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import grpc
+
+from .auth import OPEN_PREFIXES, handler_kind, refusal
+
+HPACK_ENTRY_OVERHEAD = 32  # bytes HTTP/2 adds per header field when it counts a header list's size
+
+
+def metadata_size(metadata) -> int:
+    return sum(len(k) + len(v) + HPACK_ENTRY_OVERHEAD for k, v in metadata or ())
+
+
+def transport_options(config) -> tuple[tuple[str, int], ...]:
+    return (("grpc.max_receive_message_length", config.max_request_bytes),
+            ("grpc.max_metadata_size", 2 * config.max_metadata_bytes),
+            ("grpc.absolute_max_metadata_size", 2 * config.max_metadata_bytes),
+            ("grpc.max_concurrent_streams", 2 * config.max_concurrent_streams))
+
+
+class LimitsInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, max_metadata_bytes: int, max_concurrent_streams: int) -> None:
+        self.max_metadata_bytes = max_metadata_bytes
+        self.max_concurrent_streams = max_concurrent_streams
+        self.open_calls: collections.Counter[str] = collections.Counter()  # by connection (peer address)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_PREFIXES):
+            return handler
+        size = metadata_size(handler_call_details.invocation_metadata)
+        if size > self.max_metadata_bytes:
+            return refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"request metadata is {size} bytes, over the limit of {self.max_metadata_bytes} "
+                           "(OPENENGINE_MAX_METADATA_BYTES)")
+        return self._counted(handler)
+
+    def _counted(self, handler):
+        kind = handler_kind(handler)
+        behavior = getattr(handler, kind)
+        limit = self.max_concurrent_streams
+        open_calls = self.open_calls
+        over = (f"more than {limit} concurrent calls on one connection (OPENENGINE_MAX_CONCURRENT_STREAMS); "
+                "open another connection or wait for a call to end")
+
+        async def counted(request, context):
+            peer = context.peer()
+            if open_calls[peer] >= limit:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, over)
+            open_calls[peer] += 1
+            try:
+                return await behavior(request, context)
+            finally:
+                remaining = open_calls[peer] - 1
+                if remaining:
+                    open_calls[peer] = remaining
+                else:
+                    del open_calls[peer]
+
+        # Public handlers are coroutines (Generate writes with context.write); async generators
+        # (SubscribeKvEvents) are passed through uncounted: they end at once.
+        return handler._replace(**{kind: counted}) if not _is_async_gen(behavior) else handler
+
+
+def _is_async_gen(behavior) -> bool:
+    import inspect
+
+    return inspect.isasyncgenfunction(behavior)
+
+
+def interceptors(config) -> tuple[LimitsInterceptor, ...]:
+    return (LimitsInterceptor(config.max_metadata_bytes, config.max_concurrent_streams),)

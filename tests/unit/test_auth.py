@@ -1,0 +1,75 @@
+"""The API key file: parsing, hashing, reload (the interceptor itself runs in tests/integration/test_security.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+
+from openengine_serve.common.config import ConfigError
+from openengine_serve.frontend import auth
+
+
+def write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_parses_plain_and_hashed_secrets_comments_and_blank_lines(tmp_path):
+    digest = hashlib.sha256(b"s3cret-admin").hexdigest()
+    path = write(tmp_path / "keys", f"# team keys\n\nuser alice alice-key   # trailing comment\n"
+                                    f"admin ops sha256:{digest}\n")
+    store = auth.KeyStore(path)
+    assert [(k.role, k.name) for k in store.keys] == [("user", "alice"), ("admin", "ops")]
+    assert store.authenticate("alice-key").name == "alice"
+    assert store.authenticate("s3cret-admin").admin
+    assert store.authenticate("alice-key ") is None
+    assert store.authenticate("") is None
+    # only digests are kept
+    assert all(len(k.digest) == 32 for k in store.keys)
+    assert b"alice-key" not in repr(store.keys).encode()
+
+
+@pytest.mark.parametrize(("text", "line", "message"), [
+    ("user alice\n", 1, "expected `ROLE NAME SECRET` (3 fields), found 2"),
+    ("# c\nroot alice k\n", 2, "role must be one of user, admin, got 'root'"),
+    ("user a k1\n\nadmin b sha256:abc\n", 3, "a sha256: secret must be 64 hexadecimal digits"),
+    ("user a same\nadmin b same\n", 2, "the same secret is already the key 'a'"),
+    ("user a k extra\n", 1, "found 4"),
+])
+def test_malformed_line_names_file_and_line_never_the_secret(tmp_path, text, line, message):
+    path = write(tmp_path / "keys", text)
+    with pytest.raises(ConfigError) as err:
+        auth.parse_keys(path)
+    assert str(err.value).startswith(f"{path}:{line}: ")
+    assert message in str(err.value)
+    assert "same" not in str(err.value).replace("the same secret", "")
+
+
+def test_empty_or_missing_file_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="holds no key"):
+        auth.parse_keys(write(tmp_path / "keys", "# nothing\n"))
+    with pytest.raises(ConfigError, match="cannot be read"):
+        auth.parse_keys(str(tmp_path / "absent"))
+
+
+def test_reload_on_change_keeps_old_keys_when_the_new_file_is_malformed(tmp_path, monkeypatch):
+    monkeypatch.setattr(auth, "RELOAD_CHECK_S", 0.0)
+    path = write(tmp_path / "keys", "user alice k-alice\nuser bob k-bob\n")
+    store = auth.KeyStore(path)
+    assert store.authenticate("k-bob").name == "bob"
+    write(tmp_path / "keys", "user alice k-alice\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    assert store.authenticate("k-bob") is None
+    assert store.authenticate("k-alice").name == "alice"
+    write(tmp_path / "keys", "user alice\n")  # half-written: the previous keys stay
+    assert store.authenticate("k-alice").name == "alice"
+
+
+def test_bearer_token():
+    assert auth.bearer_token((("x", "1"), ("authorization", "Bearer abc"))) == "abc"
+    assert auth.bearer_token((("authorization", "bearer  abc "),)) == "abc"
+    assert auth.bearer_token((("authorization", "Basic abc"),)) is None
+    assert auth.bearer_token(()) is None

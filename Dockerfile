@@ -15,9 +15,9 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 # Dependencies first, from pyproject.toml alone, so that editing the code does not
 # re-download them: the requirement lists are read with tomllib (Python >= 3.11).
 # Each image gets the base dependencies plus its component's extras only:
-#   coordinator  base                          (no MPI, no ZMQ, no tokenizer)
-#   node         base + node (MPI, ZMQ, tokenizer)
-#   frontend     base + frontend (tokenizer, reflection) + native (pygrpc-native)
+#   coordinator  base + coordinator (tracing)   (no MPI, no ZMQ, no tokenizer)
+#   node         base + node (MPI, ZMQ, tokenizer, tracing)
+#   frontend     base + frontend (tokenizer, reflection, tracing) + native (pygrpc-native)
 FROM ${BASE_IMAGE} AS deps
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -29,7 +29,7 @@ RUN python3 -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"
 extras = p["optional-dependencies"]; \
 expand = lambda reqs: [r for q in reqs for r in (expand([x for e in re.match(r"openengine-serve\[(.*)\]", q)[1].split(",") for x in extras[e]]) if q.startswith("openengine-serve[") else [q])]; \
 print("\n".join(p["dependencies"]), file=open("/src/requirements-core.txt", "w")); \
-[print("\n".join(expand(extras[e])), file=open(f"/src/requirements-{e}.txt", "w")) for e in ("frontend", "node", "native")]'
+[print("\n".join(expand(extras[e])), file=open(f"/src/requirements-{e}.txt", "w")) for e in ("coordinator", "frontend", "node", "native")]'
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && python3 -m venv /opt/openengine \
@@ -55,6 +55,9 @@ RUN --mount=type=secret,id=pip_cert \
 # One virtualenv per component: its extras, then the project wheel; no pip or
 # setuptools left in the runtime venv.
 FROM deps AS venv-coordinator
+RUN --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-coordinator.txt
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \

@@ -24,6 +24,7 @@ class StepLog:
 
     def __init__(self) -> None:
         self.steps: list[cluster_pb2.EngineStep] = []
+        self.queue_times: list[float] = []  # on_queue_time target
         self._changed = asyncio.Event()
 
     def __call__(self, step: cluster_pb2.EngineStep) -> None:
@@ -55,7 +56,7 @@ def long_request(request_id: str, **fields) -> cluster_pb2.EngineRequest:
 async def engine():
     log = StepLog()
     link = EngineLink(step_ms=2, max_batch=4, max_queue=2, ranks=1, on_step=log,
-                      start_timeout_s=START_TIMEOUT_S)
+                      on_queue_time=log.queue_times.append, start_timeout_s=START_TIMEOUT_S)
     async with asyncio.timeout(START_TIMEOUT_S + 5):
         await link.start()
     yield link, log
@@ -135,6 +136,7 @@ async def test_cancel_frees_the_slot_within_a_few_steps(engine):
 
 async def test_engine_full_counts_running_and_queued_sequences(engine):
     link, log = engine
+    queue_times = len(log.queue_times)
     async with asyncio.timeout(20):
         link.submit(long_request("full-a", num_sequences=3))
         link.submit(long_request("full-b", num_sequences=2))
@@ -148,6 +150,8 @@ async def test_engine_full_counts_running_and_queued_sequences(engine):
             link.cancel(request_id)
         await log.until(lambda: not link.outstanding)
     assert link.load.running == 0
+    # a queue time for full-a's first token; none for full-b and full-c, cancelled while queued
+    assert len(log.queue_times) == queue_times + 1 and 0 < log.queue_times[-1] < 5
 
 
 async def test_higher_priority_is_admitted_first(engine):

@@ -75,9 +75,20 @@ def test_metrics_move_with_traffic(deployment, workers):
     assert metric(after, "openengine_frontend_inter_token_latency_seconds_count") == deltas - sent
     assert metric(after, "openengine_frontend_request_duration_seconds_count") == sent
     assert metric(after, "openengine_frontend_in_flight_requests") == 0
+    # one in-flight series per worker, each back at 0; refusals by reason, every reason present from the start
+    per_worker = {labels: value for (name, labels), value in after.items()
+                  if name == "openengine_frontend_worker_in_flight_requests"}
+    assert len(per_worker) == workers and set(per_worker.values()) == {0}
+    refusals = {dict(labels)["reason"]: value for (name, labels), value in after.items()
+                if name == "openengine_frontend_refusals_total"}
+    assert refusals == {"invalid_request": 1, "not_served": 0, "unsupported": 0, "duplicate_request": 0,
+                        "unavailable": 0, "overloaded": 0}
 
     node_samples = scrape(node_metrics)
     assert metric(node_samples, "openengine_node_step_duration_seconds_count") >= 20
+    # each request sent reported its wait for a batch slot once
+    assert metric(node_samples, "openengine_node_request_queue_time_seconds_count") >= sent
+    assert metric(node_samples, "openengine_node_batch_slot_usage") == 0
     coord_samples = wait_for(lambda: (s := scrape(coord_metrics)) and
                              metric(s, "openengine_coordinator_nodes", state="ready") == 1 and s, 5,
                              "the coordinator's node gauge")
@@ -110,6 +121,9 @@ def test_gauges_and_counters_follow_a_running_request(deployment):
         assert next(stream).WhichOneof("event") == "token"
         wait_for(lambda: metric(scrape(node_metrics), "openengine_node_running_requests") == 1, 5,
                  "the node's running_requests gauge at 1")
+        assert metric(scrape(node_metrics), "openengine_node_batch_slot_usage") == 1 / 256  # the default batch
+        assert sum(value for (name, _), value in scrape(fe_metrics).items()
+                   if name == "openengine_frontend_worker_in_flight_requests") == 1
         assert metric(scrape(coord_metrics), live) == 1
         with pytest.raises(grpc.RpcError) as duplicate:
             list(client.inference.Generate(long, timeout=10))
@@ -129,6 +143,9 @@ def test_gauges_and_counters_follow_a_running_request(deployment):
                      metric(s, REQUESTS, status="cancelled", code="CANCELLED", key="-") == 1 and s, 5,
                      "the cancelled request counted")
     assert finished_ok(after) == finished_ok(before)
+    frontend_refusals = "openengine_frontend_refusals_total"
+    assert metric(after, frontend_refusals, reason="duplicate_request") == 1
+    assert metric(after, frontend_refusals, reason="not_served") == 1
 
 
 def listening_ports(pid: int) -> set[int]:

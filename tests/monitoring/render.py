@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .prom import Prometheus, dashboard
 
-_UNITS = {"s": "seconds", "reqps": "requests/s", "short": ""}
+_UNITS = {"s": "seconds", "reqps": "requests/s", "short": "", "percentunit": "fraction"}
 
 
 def legend(template: str, labels: dict[str, str]) -> str:

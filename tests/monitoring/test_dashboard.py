@@ -95,3 +95,18 @@ def test_compose_profile_wires_grafana_to_prometheus_and_the_dashboard():
     prom_mounts = dict(v.removesuffix(":ro").split(":", 1) for v in prometheus["volumes"])
     assert prom_mounts["./deploy/monitoring/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
     assert prom_mounts["./deploy/monitoring/openengine-alerts.yml"] == "/etc/prometheus/openengine-alerts.yml"
+
+
+def test_compose_passes_the_tracing_variables_and_offers_a_trace_backend():
+    """Every component takes OTEL_EXPORTER_OTLP_ENDPOINT from the environment (empty: tracing off); the
+    observability profile's Jaeger receives OTLP/gRPC on the port the docs name."""
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    for component in ("coordinator", "node", "frontend"):
+        env = services[component]["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}", component
+        assert env["OTEL_TRACES_SAMPLER"].startswith("${OTEL_TRACES_SAMPLER:-"), component
+    jaeger = services["jaeger"]
+    assert jaeger["profiles"] == ["observability"]
+    assert jaeger["image"].startswith("${OPENENGINE_JAEGER_IMAGE:-jaegertracing/all-in-one:")
+    assert any(p.endswith(":16686") for p in jaeger["ports"])
+    assert "http://jaeger:4317" in (REPO / "docs" / "observability.md").read_text()

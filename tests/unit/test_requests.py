@@ -71,6 +71,7 @@ async def test_an_accepted_request_is_submitted_then_released(deployment: Deploy
         [reserve] = deployment.coordinator_stub.reserved
         assert (reserve.request_id, reserve.prompt_tokens, reserve.num_sequences, reserve.HasField("target_rank")) \
             == ("r1", 3, 2, False)
+        assert reserve.traceparent == "00-" + "a" * 32 + "-" + "b" * 16 + "-01"  # rides in the batched reservation
         event = cluster_pb2.OutputEvent(request_id="r1")
         deployment.nodes.sinks["r1"].put(event)
         assert await accepted.sink.take() == [event]

@@ -16,6 +16,7 @@ except ImportError:  # not built for this platform (Windows)
 
 from .config import CommonConfig
 from .logging_setup import log_event, setup_logging
+from .tracing import setup_tracing, shutdown_tracing
 
 logger = logging.getLogger("openengine_serve")
 
@@ -38,6 +39,7 @@ def run(main: Awaitable[int | None]) -> int:
 def run_component(config: CommonConfig, main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int:
     """Runs `main(stop)` on a fresh event loop; SIGTERM/SIGINT set `stop` (the component then drains)."""
     setup_logging(config.component(), config.log_level)
+    setup_tracing(config.component())
 
     async def runner() -> int | None:
         stop = asyncio.Event()
@@ -46,7 +48,10 @@ def run_component(config: CommonConfig, main: Callable[[asyncio.Event], Awaitabl
             loop.add_signal_handler(sig, stop.set)
         return await main(stop)
 
-    return run(runner())
+    try:
+        return run(runner())
+    finally:
+        shutdown_tracing()  # the spans of the last requests
 
 
 def start_metrics(port: int, registry=None) -> None:

@@ -20,6 +20,8 @@ from ..common.health import Health
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
+from ..common import tracing
+from ..common.tracing import RESERVE_SPAN
 from . import metrics
 from .state import REFUSAL_STATUS, ClusterState, RankConflict
 
@@ -59,11 +61,14 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         return cluster_pb2.HeartbeatReply(known=known, nodes=self.state.node_entries())
 
     async def Reserve(self, request, context) -> cluster_pb2.ReserveReply:
-        try:
-            node = self.state.reserve(request)
-        except tuple(REFUSAL_CODES) as exc:
-            await context.abort(REFUSAL_CODES[type(exc)], str(exc))
-        return cluster_pb2.ReserveReply(node=node)
+        with tracing.server_span(RESERVE_SPAN, context, **{"openengine.request_id": request.request_id}) as span:
+            try:
+                node = self.state.reserve(request)
+            except tuple(REFUSAL_CODES) as exc:
+                await context.abort(REFUSAL_CODES[type(exc)], str(exc))
+            if span is not None:
+                span.set_attribute("openengine.node_id", node.node_id)
+            return cluster_pb2.ReserveReply(node=node)
 
     async def Release(self, request, context) -> cluster_pb2.ReleaseReply:
         self.state.release(request.request_id, request.frontend_id)
@@ -76,7 +81,26 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         its accepted reservations stay until released or until the frontend expires.
         """
         async for batch in request_iterator:
-            yield cluster_pb2.ReservationReplies(outcome=self.state.apply_batch(batch))
+            if not tracing.enabled():
+                yield cluster_pb2.ReservationReplies(outcome=self.state.apply_batch(batch))
+                continue
+            self.state.apply_releases(batch)
+            yield cluster_pb2.ReservationReplies(outcome=[self._traced_outcome(r, batch.frontend_id)
+                                                          for r in batch.reserve])
+
+    def _traced_outcome(self, request: cluster_pb2.ReserveRequest, frontend_id: str) -> cluster_pb2.ReservationOutcome:
+        """A batched reservation in its own SERVER span, parented by the trace context it carries (as the unary
+        Reserve's span is by its call metadata)."""
+        carried = (("traceparent", request.traceparent), ("tracestate", request.tracestate)) if request.traceparent else ()
+        span = tracing.start_server_span(RESERVE_SPAN, carried, {"rpc.system": "grpc",
+                                                                 "openengine.request_id": request.request_id})
+        outcome = self.state.reservation_outcome(request, frontend_id)
+        if outcome.refusal_code:
+            tracing.end_span(span, outcome.refusal)
+        else:
+            span.set_attribute("openengine.node_id", outcome.node.node_id)
+            tracing.end_span(span)
+        return outcome
 
     async def Abort(self, request, context) -> cluster_pb2.ClusterAbortReply:
         if request.WhichOneof("target") == "all_requests":

@@ -356,17 +356,21 @@ class ClusterState:
         Returns one outcome per reservation, in order: the node, or the refusal's
         gRPC status code (REFUSAL_STATUS) and message.
         """
-        frontend_id = batch.frontend_id
+        self.apply_releases(batch)
+        return [self.reservation_outcome(request, batch.frontend_id) for request in batch.reserve]
+
+    def apply_releases(self, batch: cluster_pb2.ReservationBatch) -> None:
         for request_id in batch.release:
-            self.release(request_id, frontend_id)
-        outcomes = []
-        for request in batch.reserve:
-            request.frontend_id = frontend_id
-            try:
-                outcomes.append(cluster_pb2.ReservationOutcome(node=self.reserve(request)))
-            except CoordinatorError as exc:
-                outcomes.append(cluster_pb2.ReservationOutcome(refusal_code=REFUSAL_STATUS[type(exc)], refusal=str(exc)))
-        return outcomes
+            self.release(request_id, batch.frontend_id)
+
+    def reservation_outcome(self, request: cluster_pb2.ReserveRequest,
+                            frontend_id: str) -> cluster_pb2.ReservationOutcome:
+        """One reservation of a batch (whose entries leave frontend_id empty) as its outcome."""
+        request.frontend_id = frontend_id
+        try:
+            return cluster_pb2.ReservationOutcome(node=self.reserve(request))
+        except CoordinatorError as exc:
+            return cluster_pb2.ReservationOutcome(refusal_code=REFUSAL_STATUS[type(exc)], refusal=str(exc))
 
     def release(self, request_id: str, frontend_id: str) -> bool:
         """Ends a reservation (finished, failed or cancelled) and remembers the id as finished.

@@ -96,14 +96,19 @@ class CoordinatorClient:
         self.table_updated.set()
 
     async def reserve(self, request_id: str, routing_key: str, target_rank: int | None, prompt_tokens: int,
-                      num_sequences: int, owner: str = "") -> cluster_pb2.NodeEntry:
+                      num_sequences: int, trace: tuple[tuple[str, str], ...] = (),
+                      owner: str = "") -> cluster_pb2.NodeEntry:
         """The node the coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API key
         name that starts the request, so that only it (or an admin) can abort it.
 
-        Batched with the other reservations of this event-loop tick; the deadline is per reservation.
+        Batched with the other reservations of this event-loop tick; the deadline is per reservation. `trace`
+        (traceparent/tracestate pairs) rides in the reservation, since a batch has no per-request metadata.
         """
         request = cluster_pb2.ReserveRequest(request_id=request_id, routing_key=routing_key,
                                              prompt_tokens=prompt_tokens, num_sequences=num_sequences, owner=owner)
+        for key, value in trace:
+            if key in ("traceparent", "tracestate"):
+                setattr(request, key, value)
         if target_rank is not None:
             request.target_rank = target_rank
         try:

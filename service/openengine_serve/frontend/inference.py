@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -22,6 +22,7 @@ from ..common.logging_setup import log_event
 from . import auth, metrics
 from .nodes import LaneFailure
 from .refusal import DuplicateRequest, InvalidRequest, NotServed, Overloaded, Refusal, Unavailable, Unsupported
+from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests
 from .stream import ENGINE_ERROR, OutputStream, TokenStrings, engine_error, prompt_output
 from .text import encode_prompt
@@ -44,8 +45,10 @@ Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
 
 
 class Inference(openengine_pb2_grpc.InferenceServicer):
-    def __init__(self, config: FrontendConfig, encoding, requests: Requests, health: Health) -> None:
+    def __init__(self, config: FrontendConfig, encoding, requests: Requests, health: Health,
+                 server_implementation: str = "") -> None:
         self.encoding = encoding
+        self.server_implementation = server_implementation  # for the request span
         self.strings = TokenStrings(encoding)
         self.requests = requests
         self.health = health
@@ -66,17 +69,32 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         # cancellation lands in `stream` and the request owner's cleanup (free the engine slot, release the id)
         # runs at once, not whenever the garbage collector finalizes an abandoned generator.
         started = time.perf_counter()
+        invocation_metadata = context.invocation_metadata() or ()
+        trace = RequestTrace.start(invocation_metadata, self.server_implementation)
+        if trace.span is not None:
+            trace.set_attributes(**{"openengine.request_id": request.request_id,
+                                    "gen_ai.request.model": request.model})
+            trace.set_key_name(auth.owner())  # the caller's API key name; absent when keys are off
         try:
             if self.health.draining:
                 raise Unavailable("this frontend is draining; retry on another frontend")
-            plan = self.plan(request, parse_metadata(context.invocation_metadata() or ()))
-            async with self.requests.open(plan, owner=auth.owner()) as accepted:  # security hook: the owner
+            plan = self.plan(request, parse_metadata(invocation_metadata))
+            trace.set_attributes(**{"gen_ai.usage.input_tokens": len(plan.prompt_token_ids)})
+            async with self.requests.open(plan, owner=auth.owner(), trace=trace) as accepted:
                 await self.stream(plan, accepted, started, context.write)
         except Refusal as exc:
             code = REFUSAL_CODES[type(exc)]
             metrics.REQUESTS.labels(status="rejected", code=code.name, key=auth.caller_label()).inc()
+            metrics.REFUSALS.labels(reason=refusal_reason(type(exc))).inc()
+            trace.end(status="rejected", code=code.name, error=exc.message)
             await context.abort(code, exc.message)
             return
+        except BaseException as exc:
+            # Before the stream took over (it ends the span itself): the client left during Reserve or Submit.
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            trace.end(status="cancelled" if cancelled else "error", code="CANCELLED" if cancelled else "INTERNAL",
+                      error=None if cancelled else exc)
+            raise
 
     async def stream(self, plan: GenerationPlan, accepted: OpenRequest, started: float, write: Write) -> None:
         """Streams the request's engine events to `write` until every output finished (or the stream failed)."""
@@ -90,6 +108,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         metrics.IN_FLIGHT.inc()
         metrics.PROMPT_TOKENS.inc(len(plan.prompt_token_ids))
         first_token_at = last_token_at = None
+        trace = accepted.trace
+        finish_reasons: list[int] = []
         try:
             while open_outputs:
                 items = await sink.take()
@@ -116,6 +136,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                         await write(delta)
                     if finished is not None:
                         open_outputs -= 1
+                        finish_reasons.append(finished.finished.reason)
                         if not open_outputs:
                             finished.usage.CopyFrom(_usage(plan, outputs))
                         await write(finished)
@@ -124,6 +145,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                     if first_token_at is None:
                         first_token_at = now
                         metrics.TTFT.observe(now - started)
+                        trace.event("first_token")
                     else:
                         metrics.ITL.observe(now - last_token_at)
                     last_token_at = now
@@ -134,19 +156,31 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             raise
         finally:
             accepted.ended = not open_outputs
-            _record_end(plan, accepted, outputs, status, code, started)
+            _record_end(plan, accepted, outputs, status, code, started, finish_reasons)
 
 
 def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[OutputStream], status: str, code: str,
-                started: float) -> None:
+                started: float, finish_reasons: Sequence[int]) -> None:
     duration = time.perf_counter() - started
+    completion_tokens = sum(o.generated for o in outputs)
     metrics.IN_FLIGHT.dec()
     key = auth.key_label(accepted.owner)  # security hook: the key name, never the secret
     metrics.REQUESTS.labels(status=status, code=code, key=key).inc()
     metrics.E2E.observe(duration)
+    accepted.trace.event("finished", status=status)
+    accepted.trace.end(status=status, code=code, completion_tokens=completion_tokens, finish_reasons=finish_reasons)
     log_event(logger, "request ended", request_id=plan.request_id, key=key, trace_id=trace_id(plan.metadata),
-              node_id=accepted.node.node_id, status=status, completion_tokens=sum(o.generated for o in outputs),
+              node_id=accepted.node.node_id, status=status, completion_tokens=completion_tokens,
               duration_s=f"{duration:.3f}")
+
+
+def refusal_reason(kind: type[Refusal]) -> str:
+    """The refusal kind as a metric label: DuplicateRequest -> duplicate_request."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in kind.__name__).lstrip("_")
+
+
+for _kind in REFUSAL_CODES:  # every reason is a series from the start (0), for rate() and the dashboard
+    metrics.REFUSALS.labels(reason=refusal_reason(_kind))
 
 
 def trace_id(metadata: RequestMetadata) -> str:

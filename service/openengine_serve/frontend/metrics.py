@@ -21,5 +21,12 @@ E2E = Histogram("openengine_frontend_request_duration_seconds", "Generate call d
 PROMPT_TOKENS = Counter("openengine_frontend_prompt_tokens", "prompt tokens of accepted requests")
 GENERATED_TOKENS = Counter("openengine_frontend_generated_tokens", "tokens streamed to clients")
 IN_FLIGHT = Gauge("openengine_frontend_in_flight_requests", "Generate streams open", multiprocess_mode="livesum")
+# Per worker process (label: its frontend id, <frontend>-w<i> with --workers), to see one worker saturated;
+# counts from the reservation on, so a request stuck reserving or submitting shows too.
+WORKER_IN_FLIGHT = Gauge("openengine_frontend_worker_in_flight_requests",
+                         "Generate requests open in this worker (reserving, submitting or streaming)",
+                         ["worker"], multiprocess_mode="livesum")
+REFUSALS = Counter("openengine_frontend_refusals", "Generate calls refused before acceptance, by reason",
+                   ["reason"])
 SERVER_INFO = Gauge("openengine_frontend_grpc_server_info", "the public gRPC server implementation",
                     ["implementation", "version"], multiprocess_mode="max")

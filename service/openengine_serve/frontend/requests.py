@@ -21,19 +21,24 @@ from ..api.openengine_internal.v1 import cluster_pb2
 from .coordinator_client import CoordinatorClient, CoordinatorUnreachable
 from .fallback_routing import FallbackRouter
 from .nodes import LaneFailure, NodeConnection, NodeConnections, RequestSink
+from ..common.tracing import RESERVE_SPAN, SUBMIT_SPAN
+from . import metrics
+from .request_trace import NO_TRACE, RequestTrace
 from .refusal import DuplicateRequest, Overloaded, Refusal, Unavailable
 from .validation import GenerationPlan, RequestMetadata
 
 
 class OpenRequest:
-    """An accepted request: its node, its sink, its owner, and the call that stops one of its outputs on the node."""
+    """An accepted request: its node, its sink, its owner, its trace, and the call that stops one of its outputs
+    on the node."""
 
-    __slots__ = ("request_id", "owner", "node", "sink", "ended", "_conn", "_nodes")
+    __slots__ = ("request_id", "owner", "node", "sink", "ended", "trace", "_conn", "_nodes")
 
     def __init__(self, request_id: str, conn: NodeConnection, sink: RequestSink, nodes: NodeConnections,
-                 owner: str = "") -> None:
+                 owner: str = "", trace: RequestTrace = NO_TRACE) -> None:
         self.request_id = request_id
         self.owner = owner  # the API key name that started it ("" when keys are off)
+        self.trace = trace
         self.node = conn.entry
         self.sink = sink
         self.ended = False  # set by the stream once every output finished: nothing left to cancel
@@ -52,6 +57,8 @@ class Requests:
         self.nodes = nodes
         self.router = router
         self._open = 0
+        self._open_gauge = metrics.WORKER_IN_FLIGHT.labels(worker=frontend_id)
+        self._open_gauge.set(0)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -72,16 +79,18 @@ class Requests:
         self.nodes.fail_all(failure)
 
     @contextlib.asynccontextmanager
-    async def open(self, plan: GenerationPlan, owner: str = "") -> AsyncIterator[OpenRequest]:
+    async def open(self, plan: GenerationPlan, owner: str = "",
+                   trace: RequestTrace = NO_TRACE) -> AsyncIterator[OpenRequest]:
         """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
-        a user aborts only its own requests."""
+        a user aborts only its own requests. `trace`: the call's span (request_trace.py)."""
         request_id = plan.request_id
-        trace = trace_metadata(plan.metadata)
+        forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
         self._open += 1
+        self._open_gauge.set(self._open)
         self._idle.clear()
         try:
             try:
-                node = await self._reserve(plan, owner)
+                node = await self._reserve(plan, trace, forwarded, owner)
             except asyncio.CancelledError:
                 self.coordinator.release(request_id)  # the client left during Reserve, which may have gone through
                 raise
@@ -90,11 +99,13 @@ class Requests:
             try:
                 try:
                     conn = await self.nodes.connect(node)
-                    await self.nodes.submit(conn, engine_request(plan, self.frontend_id), trace)
+                    with trace.call(SUBMIT_SPAN, forwarded, **{"openengine.node_id": node.node_id}) as metadata:
+                        await self.nodes.submit(conn, engine_request(plan, self.frontend_id), metadata)
                 except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
                     conn = None  # the node did not take the request: nothing to cancel
                     raise submit_refusal(exc, node) from None
-                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes, owner)
+                trace.event("queued", **{"openengine.node_id": node.node_id})
+                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes, owner, trace)
                 yield request
             finally:
                 if conn is not None and not (request is not None and request.ended):
@@ -103,15 +114,21 @@ class Requests:
                 self.coordinator.release(request_id)
         finally:
             self._open -= 1
+            self._open_gauge.set(self._open)
             if not self._open:
                 self._idle.set()
 
-    async def _reserve(self, plan: GenerationPlan, owner: str) -> cluster_pb2.NodeEntry:
+    async def _reserve(self, plan: GenerationPlan, trace: RequestTrace, forwarded: tuple[tuple[str, str], ...],
+                       owner: str) -> cluster_pb2.NodeEntry:
+        """The node for the request: the coordinator's reservation (one span), else the fallback routing's."""
         metadata = plan.metadata
         try:
-            return await self.coordinator.reserve(plan.request_id, metadata.routing_key, metadata.target_rank,
-                                                  len(plan.prompt_token_ids), plan.num_sequences, owner)
+            with trace.call(RESERVE_SPAN, forwarded) as call_metadata:
+                return await self.coordinator.reserve(plan.request_id, metadata.routing_key, metadata.target_rank,
+                                                      len(plan.prompt_token_ids), plan.num_sequences, call_metadata,
+                                                      owner)
         except CoordinatorUnreachable:
+            trace.event("fallback_routing")
             # Duplicates are caught on this frontend only until the coordinator is back.
             if plan.request_id in self.nodes.sinks:
                 raise DuplicateRequest(f"request_id {plan.request_id!r} is already in flight") from None

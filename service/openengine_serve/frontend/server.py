@@ -51,7 +51,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         open_channel=open_internal_channel)
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
     health = Health(readiness_aliases=PUBLIC_SERVICES)
-    inference = Inference(config, encoding, requests, health)
+    inference = Inference(config, encoding, requests, health, implementation.name)
     probe = InferenceProbe(frontend_id, config.model, inference, config.probe_timeout_s)
 
     # security hook: API keys, then the stated limits

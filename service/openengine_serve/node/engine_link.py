@@ -86,6 +86,7 @@ class EngineLink:
     def __init__(self, *, step_ms: float, max_batch: int, max_queue: int, ranks: int,
                  on_step: Callable[[cluster_pb2.EngineStep], None],
                  on_ready_change: Callable[[], None] = lambda: None,
+                 on_queue_time: Callable[[float], None] = lambda seconds: None,
                  stall_timeout_s: float = 3.0, start_timeout_s: float = 60.0) -> None:
         if max_batch < 1 or max_queue < 0 or ranks < 1 or step_ms <= 0:
             raise ValueError("need max_batch >= 1, max_queue >= 0, ranks >= 1 and step_ms > 0")
@@ -97,6 +98,9 @@ class EngineLink:
         self._start_timeout_s = start_timeout_s
         self._on_step = on_step
         self._on_ready_change = on_ready_change
+        self._on_queue_time = on_queue_time
+        # request_id -> when it was submitted, until its first token: the time it waited for a batch slot
+        self._waiting_since: dict[str, float] = {}
         self._idle = asyncio.Event()  # set while no request is outstanding
         self._idle.set()
         self._zmq: zmq.asyncio.Context | None = None
@@ -237,6 +241,7 @@ class EngineLink:
         except zmq.Again as error:
             raise EngineUnavailable("the engine worker is not connected") from error
         self._requests[request.request_id] = _Outstanding(request.frontend_id, set(range(sequences)))
+        self._waiting_since[request.request_id] = time.monotonic()
         self._open_sequences += sequences
         self._requests_changed()
 
@@ -292,10 +297,21 @@ class EngineLink:
             self._last_step = step.step
             self._load = EngineLoad(step.running, step.queued, step.running_tokens,
                                     step.waiting_tokens, step.step_seconds)
+            if self._waiting_since:
+                self._note_first_tokens(step)
             for event in step.events:
                 if event.finish:
                     self._close_output(event.request_id, event.output_index)
             self._deliver(step)
+
+    def _note_first_tokens(self, step: cluster_pb2.EngineStep) -> None:
+        """Reports the queue time of each request whose first token is in `step` (one that ended without a
+        token, cancelled while queued, reports none)."""
+        now = time.monotonic()
+        for event in step.events:
+            submitted = self._waiting_since.pop(event.request_id, None)
+            if submitted is not None and event.tokens:
+                self._on_queue_time(now - submitted)
 
     def _close_output(self, request_id: str, output_index: int) -> None:
         entry = self._requests.get(request_id)
@@ -305,6 +321,7 @@ class EngineLink:
         self._open_sequences -= 1
         if not entry.open_outputs:
             del self._requests[request_id]
+            self._waiting_since.pop(request_id, None)
             self._requests_changed()
 
     def _without_failed_requests(self, step: cluster_pb2.EngineStep) -> cluster_pb2.EngineStep:
@@ -342,6 +359,7 @@ class EngineLink:
                                 finish=cluster_pb2.ENGINE_FINISH_ERROR, message=message,
                                 retryable=retryable)
         self._requests.clear()
+        self._waiting_since.clear()
         self._open_sequences = 0
         self._requests_changed()
         self._deliver(step)

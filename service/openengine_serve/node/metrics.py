@@ -12,10 +12,15 @@ BATCH_SIZE = Gauge("openengine_node_batch_size", "sequences stepped in the last 
 STEP_SECONDS = Histogram("openengine_node_step_duration_seconds", "engine step duration",
                          buckets=(0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25))
 WORKER_RESTARTS = Gauge("openengine_node_worker_restarts", "times the engine worker was respawned")
+QUEUE_SECONDS = Histogram("openengine_node_request_queue_time_seconds",
+                          "from the node accepting a request to its first token (waiting for a batch slot)",
+                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+SLOT_USAGE = Gauge("openengine_node_batch_slot_usage", "running sequences / max batch (0..1) of the last step")
 
 
-def observe_step(step: cluster_pb2.EngineStep) -> None:
+def observe_step(step: cluster_pb2.EngineStep, max_batch: int) -> None:
     RUNNING.set(step.running)
+    SLOT_USAGE.set(step.running / max_batch)
     QUEUED.set(step.queued)
     if step.events:  # idle heartbeats are not steps
         BATCH_SIZE.set(step.running)

@@ -24,6 +24,8 @@ from ..common.health import Health
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
+from ..common import tracing
+from ..common.tracing import SUBMIT_SPAN
 from . import metrics
 from .engine_link import EngineFull, EngineLink, EngineUnavailable
 
@@ -42,6 +44,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         self.link = EngineLink(step_ms=config.step_ms, max_batch=config.max_batch, max_queue=config.max_queue,
                                ranks=config.engine_ranks, on_step=self._on_step,
                                on_ready_change=self.readiness_changed.set,
+                               on_queue_time=metrics.QUEUE_SECONDS.observe,
                                stall_timeout_s=config.engine_stall_timeout_s,
                                start_timeout_s=config.engine_start_timeout_s)
         self.health = Health()
@@ -51,7 +54,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     # ---------------------------------------------------------------- engine -> lanes
 
     def _on_step(self, step: cluster_pb2.EngineStep) -> None:
-        metrics.observe_step(step)
+        metrics.observe_step(step, self.config.max_batch)
         if not step.events:
             return
         by_lane: dict[str, list[cluster_pb2.OutputEvent]] = {}
@@ -79,15 +82,21 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         if logger.isEnabledFor(logging.DEBUG):
             log_event(logger, "request submitted", logging.DEBUG, request_id=engine_request.request_id,
                       traceparent=dict(context.invocation_metadata() or ()).get("traceparent", "-"))
-        try:
-            self.link.submit(engine_request)
-        except EngineFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except EngineUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except ValueError as exc:  # a request this engine cannot take (duplicate id, too many sequences)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return cluster_pb2.SubmitReply()
+        with tracing.server_span(SUBMIT_SPAN, context, **{"openengine.request_id": engine_request.request_id,
+                                                          "openengine.node_id": self.node_id}) as span:
+            try:
+                self.link.submit(engine_request)
+            except EngineFull as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except EngineUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except ValueError as exc:  # a request this engine cannot take (duplicate id, too many sequences)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            if span is not None:
+                load = self.link.load
+                span.set_attributes({"openengine.engine.running": load.running,
+                                     "openengine.engine.queued": load.queued})
+            return cluster_pb2.SubmitReply()
 
     async def Cancel(self, request: cluster_pb2.CancelRequest, context) -> cluster_pb2.CancelReply:
         output_index = request.output_index if request.HasField("output_index") else None

@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 
+from openengine_serve.api.openengine.v1 import lifecycle_pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from openengine_serve.client import Client
 
@@ -67,6 +68,9 @@ def test_after_a_coordinator_restart_the_frontend_reopens_the_stream_and_reserve
         view = CoordinatorView(coord.target)
         try:
             wait_for(view.node_ready, 20, "the node registered again")
+            # The frontend's channel may still be in its reconnect backoff: wait until it heartbeats there again.
+            wait_for(lambda: client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
+                     == lifecycle_pb2.HEALTH_STATE_READY, 20, "the frontend reaching the new coordinator")
             # The frontend's next reservation opens a new stream to the new process.
             assert list(client.generate(request(max_tokens=2), timeout=10))[-1].HasField("usage")
             first_token(before)  # in flight across the restart: still streaming

@@ -238,9 +238,8 @@ def is_serving(target: str, service: str = "readiness", timeout: float = 1.0,
         return False
 
 
-class Client:
-    """Blocking client: `Client(target).generate(request, timeout=30)`; the raw stubs are `.inference`,
-    `.control` and `.health`."""
+class _Connection:
+    """A channel to `target` and the stubs on it; `_connect()` replaces both (a fresh connection)."""
 
     def __init__(self, target: str, *, retries: bool = True, credentials: Credentials = NO_CREDENTIALS) -> None:
         self.target = target
@@ -248,11 +247,22 @@ class Client:
         self.credentials = credentials
         self._connect()
 
+    def _open(self, options):
+        raise NotImplementedError
+
     def _connect(self) -> None:
-        self.channel = open_channel(self.target, channel_options(self.retries, self.target), self.credentials)
+        self.channel = self._open(channel_options(self.retries, self.target))
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+
+
+class Client(_Connection):
+    """Blocking client: `Client(target).generate(request, timeout=30)`; the raw stubs are `.inference`,
+    `.control` and `.health`."""
+
+    def _open(self, options):
+        return open_channel(self.target, options, self.credentials)
 
     def generate(self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None,
                  metadata=()) -> Iterator[generation_pb2.GenerateResponse]:
@@ -287,20 +297,11 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client with the same retry policy and the same `generate`."""
 
-    def __init__(self, target: str, *, retries: bool = True, credentials: Credentials = NO_CREDENTIALS) -> None:
-        self.target = target
-        self.retries = retries
-        self.credentials = credentials
-        self._connect()
-
-    def _connect(self) -> None:
-        self.channel = open_async_channel(self.target, channel_options(self.retries, self.target), self.credentials)
-        self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
-        self.control = openengine_pb2_grpc.ControlStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+    def _open(self, options):
+        return open_async_channel(self.target, options, self.credentials)
 
     def generate(self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None,
                  metadata=()) -> AsyncIterator[generation_pb2.GenerateResponse]:

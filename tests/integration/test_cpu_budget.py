@@ -82,7 +82,10 @@ def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, workers, io_threads
         assert extra["cpu_budget"] == budget, extra
         if server == "pygrpc-native":
             assert extra["io_threads"] == expected_io_threads, extra
-            assert [_threads_named(pid, NATIVE_IO_THREAD_NAME) for pid in serving] == [expected_io_threads] * workers
+            # the port answers as soon as one worker serves; the others may still be building their servers
+            processes.wait_for(lambda: [_threads_named(pid, NATIVE_IO_THREAD_NAME) for pid in serving]
+                               == [expected_io_threads] * workers, 30,
+                               f"{expected_io_threads} native I/O thread(s) in each of {workers} worker(s)")
         else:
             assert "io_threads" not in extra, extra
     finally:

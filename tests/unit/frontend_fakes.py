@@ -44,6 +44,57 @@ class FakeCoordinatorStub:
         self.released.append(request.request_id)
         return cluster_pb2.ReleaseReply()
 
+    def Reservations(self) -> FakeReservationCall:
+        """The batched path, answering each reservation as Reserve would: `reserve_error` UNAVAILABLE or
+        DEADLINE_EXCEEDED breaks the stream (as a coordinator that cannot be reached does), another code is a
+        refusal in the outcome."""
+        return FakeReservationCall(self)
+
+
+class QueuedReplies:
+    """The reading side of a fake stream-stream call: `read` returns (or raises) what was queued."""
+
+    def __init__(self) -> None:
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    async def read(self):
+        item = await self.replies.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeReservationCall(QueuedReplies):
+    """A Reservations stream-stream call over a FakeCoordinatorStub."""
+
+    def __init__(self, stub: FakeCoordinatorStub) -> None:
+        super().__init__()
+        self.stub = stub
+
+    async def write(self, batch: cluster_pb2.ReservationBatch) -> None:
+        if self.cancelled:
+            raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+        self.stub.released.extend(batch.release)
+        reply = cluster_pb2.ReservationReplies()
+        for request in batch.reserve:
+            unary = cluster_pb2.ReserveRequest()
+            unary.CopyFrom(request)
+            unary.frontend_id = batch.frontend_id
+            try:
+                node = (await self.stub.Reserve(unary, timeout=None)).node
+                reply.outcome.add(node=node)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.replies.put_nowait(exc)
+                    return
+                reply.outcome.add(refusal_code=exc.code().value[0], refusal=exc.details())
+        self.replies.put_nowait(reply)
+
 
 class FakeNodeStub:
     """Submit records the EngineRequest (or raises `submit_error`); Cancel calls are recorded; Results plays

@@ -388,3 +388,60 @@ def test_returned_entries_are_copies(state: ClusterState) -> None:
 def test_invalid_parameters_are_refused(clock: FakeClock) -> None:
     with pytest.raises(ValueError, match="finished_memory must be > 0"):
         ClusterState(now=clock, finished_memory=0)
+
+
+def test_a_batch_applies_its_releases_first_then_answers_each_reservation_in_order(state: ClusterState):
+    import grpc  # the status code numbers the outcomes carry are grpc.StatusCode values
+
+    add_node(state, "n0", 0, max_running=1, max_queued=0)
+    add_node(state, "n1", 1)
+    state.register_frontend("fe-1", "fe-1:1")
+    state.reserve(cluster_pb2.ReserveRequest(request_id="old", frontend_id="fe-1", target_rank=0))
+    batch = cluster_pb2.ReservationBatch(frontend_id="fe-1", release=["old", "never-reserved"], reserve=[
+        cluster_pb2.ReserveRequest(request_id="a", target_rank=0, owner="key-a"),  # rank 0 is free again
+        cluster_pb2.ReserveRequest(request_id="a"),  # duplicate of the entry just before
+        cluster_pb2.ReserveRequest(request_id="b", target_rank=7),
+        cluster_pb2.ReserveRequest(request_id="c", target_rank=0),  # rank 0 is full again
+    ])
+    outcomes = state.apply_batch(batch)
+    assert outcomes[0].node.node_id == "n0" and not outcomes[0].refusal_code
+    assert [o.refusal_code for o in outcomes[1:]] == [grpc.StatusCode.ALREADY_EXISTS.value[0],
+                                                     grpc.StatusCode.NOT_FOUND.value[0],
+                                                     grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+    assert "'a' is already in flight (owned by frontend 'fe-1')" in outcomes[1].refusal
+    assert "no ready node has rank 7" in outcomes[2].refusal
+    assert state.lookup("old")[0] == "finished" and state.lookup("a")[0] == "live"
+    assert state.lookup("a", "key-a")[0] == "live"  # the batched owner is kept as the unary one is
+    assert state.lookup("a", "key-b")[0] == "unknown"
+    assert state.release("a", "fe-1")  # the batch's frontend owns its reservations
+
+
+def test_least_loaded_through_the_load_index_matches_a_scan_over_every_node(state: ClusterState) -> None:
+    import random
+
+    rng = random.Random(17)
+    ids = [f"n{i}" for i in range(12)]
+    for node_id in ids:
+        add_node(state, node_id, max_running=rng.randint(1, 6), max_queued=rng.randint(0, 2))
+    live: list[str] = []
+    for step in range(600):
+        action = rng.random()
+        if action < 0.15:
+            node_id = rng.choice(ids)
+            state.node_heartbeat(node_id, rng.choice([READY, READY, READY, DRAINING]),
+                                 load(running=rng.randint(0, 4), max_running=rng.randint(1, 6),
+                                      max_queued=rng.randint(0, 2)))
+        elif action < 0.45 and live:
+            assert state.release(live.pop(rng.randrange(len(live))), "fe-1")
+        else:
+            eligible = [n for n in state._nodes.values() if n.entry.state == READY and not n.is_full()]
+            if not eligible:
+                with pytest.raises(DeploymentFull):
+                    reserve(state, f"r{step}")
+                continue
+            lowest = min(n.load_score() for n in eligible)
+            chosen = reserve(state, f"r{step}")
+            live.append(f"r{step}")
+            assert chosen in {n.entry.node_id for n in eligible}
+            assert state._nodes[chosen].load_score() - 1 / max(1, state._nodes[chosen].entry.load.max_running_requests) \
+                == pytest.approx(lowest)  # its score before this reservation was the lowest

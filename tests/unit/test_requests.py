@@ -71,6 +71,7 @@ async def test_an_accepted_request_is_submitted_then_released(deployment: Deploy
         [reserve] = deployment.coordinator_stub.reserved
         assert (reserve.request_id, reserve.prompt_tokens, reserve.num_sequences, reserve.HasField("target_rank")) \
             == ("r1", 3, 2, False)
+        assert reserve.traceparent == "00-" + "a" * 32 + "-" + "b" * 16 + "-01"  # rides in the batched reservation
         event = cluster_pb2.OutputEvent(request_id="r1")
         deployment.nodes.sinks["r1"].put(event)
         assert await accepted.sink.take() == [event]
@@ -165,6 +166,7 @@ async def test_a_client_leaving_during_reserve_still_releases(deployment: Deploy
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    deployment.coordinator_stub.reserve_gate.set()  # the coordinator answers the batch: the release goes next
     await settle()
     deployment.assert_cleaned_up("r1")
 

@@ -50,6 +50,11 @@ SETTLE_S = 0.5           # pause after a window (saturation: the frontend cleans
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openengine-serve bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--coordinator", action="store_true",
+                   help="benchmark the coordinator instead: unary vs batched reservations with simulated frontends "
+                        "and nodes (`bench --coordinator --help`)")
+    p.add_argument("--one-token", action="store_true",
+                   help="measure 1-token requests/s per frontend worker instead (`bench --one-token --help`)")
     p.add_argument("--quick", action="store_true", help="one round each, short windows (a smoke run, < 2 min)")
     p.add_argument("--output", default="bench-results", help="directory for bench.json, bench.png, report.md, "
                                                              "logs/ (default bench-results/)")
@@ -107,6 +112,12 @@ def rerender(out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and "--coordinator" in argv:
+        from .coordinator import main as coordinator_main
+        return coordinator_main(argv)
+    if argv and "--one-token" in argv:
+        from .one_token import main as one_token_main
+        return one_token_main(argv)
     args = build_parser().parse_args(argv)
     if args.rerender:
         return rerender(Path(args.output))

@@ -23,17 +23,12 @@ from ..common.logging_setup import log_event
 from ..common import tracing
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
-from .state import (ClusterState, DeploymentFull, DuplicateRequest, NoNodeAvailable, RankConflict, RankNotFound)
+from .state import REFUSAL_STATUS, ClusterState, RankConflict
 
 logger = logging.getLogger("openengine_serve.coordinator")
 
-REFUSAL_CODES = {
-    DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
-    NoNodeAvailable: grpc.StatusCode.UNAVAILABLE,
-    RankNotFound: grpc.StatusCode.NOT_FOUND,
-    DeploymentFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    RankConflict: grpc.StatusCode.ALREADY_EXISTS,
-}
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+REFUSAL_CODES = {kind: STATUS_BY_NUMBER[number] for kind, number in REFUSAL_STATUS.items()}
 
 
 class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
@@ -78,6 +73,34 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
     async def Release(self, request, context) -> cluster_pb2.ReleaseReply:
         self.state.release(request.request_id, request.frontend_id)
         return cluster_pb2.ReleaseReply()
+
+    async def Reservations(self, request_iterator, context):
+        """The batched Reserve/Release of one frontend: one answer per batch, same rules as the unary calls.
+
+        A stream that ends (frontend gone, connection lost) changes nothing here:
+        its accepted reservations stay until released or until the frontend expires.
+        """
+        async for batch in request_iterator:
+            if not tracing.enabled():
+                yield cluster_pb2.ReservationReplies(outcome=self.state.apply_batch(batch))
+                continue
+            self.state.apply_releases(batch)
+            yield cluster_pb2.ReservationReplies(outcome=[self._traced_outcome(r, batch.frontend_id)
+                                                          for r in batch.reserve])
+
+    def _traced_outcome(self, request: cluster_pb2.ReserveRequest, frontend_id: str) -> cluster_pb2.ReservationOutcome:
+        """A batched reservation in its own SERVER span, parented by the trace context it carries (as the unary
+        Reserve's span is by its call metadata)."""
+        carried = (("traceparent", request.traceparent), ("tracestate", request.tracestate)) if request.traceparent else ()
+        span = tracing.start_server_span(RESERVE_SPAN, carried, {"rpc.system": "grpc",
+                                                                 "openengine.request_id": request.request_id})
+        outcome = self.state.reservation_outcome(request, frontend_id)
+        if outcome.refusal_code:
+            tracing.end_span(span, outcome.refusal)
+        else:
+            span.set_attribute("openengine.node_id", outcome.node.node_id)
+            tracing.end_span(span)
+        return outcome
 
     async def Abort(self, request, context) -> cluster_pb2.ClusterAbortReply:
         if request.WhichOneof("target") == "all_requests":

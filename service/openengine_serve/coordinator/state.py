@@ -28,10 +28,15 @@ from typing import Literal
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.routing import rendezvous_pick
 
+from .load_index import LeastLoadedIndex
+
 NodeState = cluster_pb2.NodeState
 READY = cluster_pb2.NODE_STATE_READY
 DOWN = cluster_pb2.NODE_STATE_DOWN
 STARTING = cluster_pb2.NODE_STATE_STARTING
+
+# Routing keys whose rendezvous node is remembered (until the READY set changes); beyond, the memory starts over.
+AFFINITY_MEMORY = 100_000
 
 # A DOWN node or an expired frontend is forgotten after this many expiry periods
 # without a heartbeat; until then it keeps its rank / id and may come back.
@@ -66,6 +71,17 @@ class RankNotFound(CoordinatorError):
 
 class DeploymentFull(CoordinatorError):
     """Every eligible READY node is at capacity."""
+
+
+# The gRPC status code (grpc.StatusCode value) of each refusal, for the unary
+# calls' abort and the batched outcomes alike; state.py imports no gRPC.
+REFUSAL_STATUS: dict[type[CoordinatorError], int] = {
+    DuplicateRequest: 6,  # ALREADY_EXISTS
+    NoNodeAvailable: 14,  # UNAVAILABLE
+    RankNotFound: 5,  # NOT_FOUND
+    DeploymentFull: 8,  # RESOURCE_EXHAUSTED
+    RankConflict: 6,  # ALREADY_EXISTS
+}
 
 
 def state_label(state: int) -> str:
@@ -154,7 +170,13 @@ class ClusterState:
         self._live: dict[str, _Reservation] = {}  # insertion order = reservation order
         # Ids in the order they finished; the oldest are forgotten first.
         self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> owner
-        self._round_robin = 0
+        self._least_loaded = LeastLoadedIndex()
+        # The READY nodes, by rank, and the routing keys' rendezvous nodes: rebuilt when the READY set changes.
+        self._ready_changes = 0
+        self._ready_view_at = -1
+        self._ready: list[_Node] = []
+        self._ready_by_rank: dict[int, _Node] = {}
+        self._affinity: dict[str, _Node] = {}
         self._routing_decisions = {ROUTE_TARGET_RANK: 0, ROUTE_AFFINITY: 0, ROUTE_LEAST_LOADED: 0}
         self._refusals = {"duplicate": 0, "no_node": 0, "rank_not_found": 0, "deployment_full": 0}
 
@@ -201,6 +223,8 @@ class ClusterState:
         if stored.state == cluster_pb2.NODE_STATE_UNSPECIFIED:
             stored.state = STARTING
         self._nodes[node_id] = _Node(entry=stored, last_heartbeat=self._now())
+        self._ready_changes += 1
+        self._rescore(self._nodes[node_id])
         return _copy(stored)
 
     def node_heartbeat(self, node_id: str, state: int, load: cluster_pb2.NodeLoad | None) -> bool:
@@ -218,6 +242,8 @@ class ClusterState:
             node.reserved_since_load = 0
         if state != cluster_pb2.NODE_STATE_UNSPECIFIED:
             self._set_node_state(node, state)
+        if load is not None or state != cluster_pb2.NODE_STATE_UNSPECIFIED:
+            self._rescore(node)
         return True
 
     def node_entries(self) -> list[cluster_pb2.NodeEntry]:
@@ -289,7 +315,7 @@ class ClusterState:
                 f"request id {request_id!r} is already in flight (owned by frontend "
                 f"{owner.frontend_id!r}); use an id that is not in flight"
             )
-        ready = [node for node in self._nodes.values() if node.entry.state == READY]
+        ready = self._ready_nodes()
         if not ready:
             self._refusals["no_node"] += 1
             raise NoNodeAvailable(f"no node is ready to take requests: {self._describe_nodes()}")
@@ -319,9 +345,32 @@ class ClusterState:
         self._finished.pop(request_id, None)  # an id may be reused once finished
         node.request_ids.add(request_id)
         node.reserved_since_load += 1
+        self._rescore(node)
         frontend.request_ids.add(request_id)
         self._routing_decisions[reason] += 1
         return _copy(node.entry)
+
+    def apply_batch(self, batch: cluster_pb2.ReservationBatch) -> list[cluster_pb2.ReservationOutcome]:
+        """One frontend's batch: its releases first, then each reservation as `reserve` would take it.
+
+        Returns one outcome per reservation, in order: the node, or the refusal's
+        gRPC status code (REFUSAL_STATUS) and message.
+        """
+        self.apply_releases(batch)
+        return [self.reservation_outcome(request, batch.frontend_id) for request in batch.reserve]
+
+    def apply_releases(self, batch: cluster_pb2.ReservationBatch) -> None:
+        for request_id in batch.release:
+            self.release(request_id, batch.frontend_id)
+
+    def reservation_outcome(self, request: cluster_pb2.ReserveRequest,
+                            frontend_id: str) -> cluster_pb2.ReservationOutcome:
+        """One reservation of a batch (whose entries leave frontend_id empty) as its outcome."""
+        request.frontend_id = frontend_id
+        try:
+            return cluster_pb2.ReservationOutcome(node=self.reserve(request))
+        except CoordinatorError as exc:
+            return cluster_pb2.ReservationOutcome(refusal_code=REFUSAL_STATUS[type(exc)], refusal=str(exc))
 
     def release(self, request_id: str, frontend_id: str) -> bool:
         """Ends a reservation (finished, failed or cancelled) and remembers the id as finished.
@@ -382,8 +431,16 @@ class ClusterState:
 
     # ---------------------------------------------------------------- routing
 
+    def _ready_nodes(self) -> list[_Node]:
+        if self._ready_view_at != self._ready_changes:
+            self._ready = [node for node in self._nodes.values() if node.entry.state == READY]
+            self._ready_by_rank = {node.entry.rank: node for node in self._ready}
+            self._affinity.clear()
+            self._ready_view_at = self._ready_changes
+        return self._ready
+
     def _pick_target_rank(self, ready: list[_Node], rank: int) -> _Node:
-        node = next((n for n in ready if n.entry.rank == rank), None)
+        node = self._ready_by_rank.get(rank)
         if node is None:
             self._refusals["rank_not_found"] += 1
             not_ready = next((n for n in self._nodes.values() if n.entry.rank == rank), None)
@@ -396,8 +453,7 @@ class ClusterState:
             raise DeploymentFull(f"node rank {rank} is at capacity ({self._describe_capacity(node)}); retry later")
         return node
 
-    @staticmethod
-    def _pick_by_affinity(ready: list[_Node], routing_key: str) -> _Node | None:
+    def _pick_by_affinity(self, ready: list[_Node], routing_key: str) -> _Node | None:
         """The key's node by the shared routing rule (rendezvous hashing over the READY nodes,
         common/routing.py), or None without a key or when that node is full.
 
@@ -408,41 +464,46 @@ class ClusterState:
         """
         if not routing_key:
             return None
-        node = rendezvous_pick(routing_key, ready, _node_id)
+        node = self._affinity.get(routing_key)
+        if node is None:  # O(ready nodes) hashes: remembered until the READY set changes
+            if len(self._affinity) >= AFFINITY_MEMORY:
+                self._affinity.clear()
+            node = self._affinity[routing_key] = rendezvous_pick(routing_key, ready, _node_id)
         return None if node.is_full() else node
 
     def _pick_least_loaded(self, ready: list[_Node]) -> _Node:
-        # Scanning from a rotating start and keeping the first strict minimum
-        # breaks ties round-robin, so equally idle nodes all get traffic.
-        start = self._round_robin % len(ready)
-        self._round_robin += 1
-        best: _Node | None = None
-        best_score = 0.0
-        for i in range(len(ready)):
-            node = ready[(start + i) % len(ready)]
-            if node.is_full():
-                continue
-            score = node.load_score()
-            if best is None or score < best_score:
-                best, best_score = node, score
-        if best is None:
+        # The load index (load_index.py) holds exactly the READY nodes with room, by score; ties take turns.
+        node_id = self._least_loaded.least_loaded()
+        if node_id is None:
             self._refusals["deployment_full"] += 1
             raise DeploymentFull(
                 "every ready node is at capacity: "
                 + ", ".join(f"rank {n.entry.rank} {self._describe_capacity(n)}" for n in ready)
                 + "; retry later"
             )
-        return best
+        self._least_loaded.picked(node_id)
+        return self._nodes[node_id]
 
     # -------------------------------------------------------------- internals
 
     def _set_node_state(self, node: _Node, state: int) -> None:
         if state == DOWN and node.entry.state != DOWN:
             self._drop_reservations(node.request_ids)
+        if (state == READY) != (node.entry.state == READY):
+            self._ready_changes += 1
         node.entry.state = state
+        self._rescore(node)
+
+    def _rescore(self, node: _Node) -> None:
+        """Tells the load index the node's score (or that it cannot take a request): after any change of its
+        state, load, limits or reservations."""
+        eligible = node.entry.state == READY and not node.is_full()
+        self._least_loaded.update(node.entry.node_id, node.load_score() if eligible else None)
 
     def _forget_node(self, node_id: str) -> None:
         node = self._nodes.pop(node_id)
+        self._ready_changes += 1
+        self._least_loaded.forget(node_id)
         self._drop_reservations(node.request_ids)
 
     def _touch_frontend(self, frontend: _Frontend) -> None:
@@ -461,6 +522,7 @@ class ClusterState:
             node.request_ids.discard(request_id)
             if reservation.load_epoch == node.load_epoch:
                 node.reserved_since_load -= 1
+                self._rescore(node)
         frontend = self._frontends.get(reservation.frontend_id)
         if frontend is not None:
             frontend.request_ids.discard(request_id)

@@ -3,6 +3,9 @@
 When the coordinator cannot be reached the frontend keeps serving from its last
 known node table (health reports DEGRADED); `reserve` then raises
 `CoordinatorUnreachable` and the caller routes on its own.
+
+Reserve and Release go over the batched `Reservations` stream
+(`reservation_stream.py`); the other calls are unary.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import grpc
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.logging_setup import log_event
 from .refusal import DuplicateRequest, NotServed, Overloaded, Refusal, Unavailable
+from .reservation_stream import ReservationBatcher, ReservationRefused, StreamBroken
 from .tasks import BackgroundTasks
 
 logger = logging.getLogger("openengine_serve.frontend")
@@ -49,6 +53,8 @@ class CoordinatorClient:
         self.table_updated = asyncio.Event()  # set at each node table the coordinator sends (readiness follows it)
         self._channel = open_channel(address)
         self._stub = cluster_pb2_grpc.CoordinatorStub(self._channel)
+        # The stub is looked up at each stream opening (unit tests replace it).
+        self.reservations = ReservationBatcher(frontend_id, lambda: self._stub.Reservations())
         self._tasks = tasks
         self._live_requests = live_requests
         self._on_node_table = on_node_table
@@ -71,16 +77,17 @@ class CoordinatorClient:
                 registered = reply.known
                 self._set_nodes(reply.nodes)
                 self._set_reachable(True)
+                self.reservations.flush()  # releases kept since a broken stream, when no request came since
             except grpc.aio.AioRpcError as exc:
                 self._set_reachable(False, exc)
                 registered = False
             await asyncio.sleep(self.heartbeat_s)
 
-    def _set_reachable(self, reachable: bool, exc: grpc.aio.AioRpcError | None = None) -> None:
+    def _set_reachable(self, reachable: bool, exc: grpc.aio.AioRpcError | None = None, detail: str = "") -> None:
         if reachable != self.reachable:
             log_event(logger, "coordinator reachable" if reachable else "coordinator unreachable",
                       logging.INFO if reachable else logging.WARNING, coordinator=self.address,
-                      **({"code": exc.code().name} if exc else {}))
+                      **({"code": exc.code().name} if exc else {"detail": detail} if detail else {}))
         self.reachable = reachable
 
     def _set_nodes(self, entries) -> None:
@@ -92,25 +99,33 @@ class CoordinatorClient:
                       num_sequences: int, trace: tuple[tuple[str, str], ...] = (),
                       owner: str = "") -> cluster_pb2.NodeEntry:
         """The node the coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API key
-        name that starts the request, so that only it (or an admin) can abort it."""
-        request = cluster_pb2.ReserveRequest(request_id=request_id, frontend_id=self.frontend_id,
-                                             routing_key=routing_key, prompt_tokens=prompt_tokens,
-                                             num_sequences=num_sequences, owner=owner)
+        name that starts the request, so that only it (or an admin) can abort it.
+
+        Batched with the other reservations of this event-loop tick; the deadline is per reservation. `trace`
+        (traceparent/tracestate pairs) rides in the reservation, since a batch has no per-request metadata.
+        """
+        request = cluster_pb2.ReserveRequest(request_id=request_id, routing_key=routing_key,
+                                             prompt_tokens=prompt_tokens, num_sequences=num_sequences, owner=owner)
+        for key, value in trace:
+            if key in ("traceparent", "tracestate"):
+                setattr(request, key, value)
         if target_rank is not None:
             request.target_rank = target_rank
         try:
-            reply = await self._stub.Reserve(request, timeout=self.call_timeout_s, metadata=trace)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in UNREACHABLE_CODES:
-                self._set_reachable(False, exc)
-                raise CoordinatorUnreachable(exc.code().name) from None
-            raise RESERVE_REFUSALS.get(exc.code(), Unavailable)(exc.details() or exc.code().name) from None
+            async with asyncio.timeout(self.call_timeout_s):  # no extra task per call, unlike wait_for
+                node = await self.reservations.reserve(request)
+        except ReservationRefused as exc:
+            self._set_reachable(True)
+            raise reserve_refusal(exc.code, exc.message) from None
+        except (StreamBroken, TimeoutError) as exc:
+            self._set_reachable(False, detail=str(exc) or "reserve deadline exceeded")
+            raise CoordinatorUnreachable(str(exc) or "DEADLINE_EXCEEDED") from None
         self._set_reachable(True)
-        return reply.node
+        return node
 
     def release(self, request_id: str) -> None:
-        self._tasks.spawn(self._stub.Release(cluster_pb2.ReleaseRequest(
-            request_id=request_id, frontend_id=self.frontend_id), timeout=self.call_timeout_s))
+        """Rides on the next batch (this tick's, or the next reservation's)."""
+        self.reservations.release(request_id)
 
     async def abort(self, request: cluster_pb2.ClusterAbortRequest) -> cluster_pb2.ClusterAbortReply:
         return await self._stub.Abort(request, timeout=self.call_timeout_s)
@@ -123,4 +138,13 @@ class CoordinatorClient:
             return cluster_pb2.ClusterLoad(nodes=list(self.nodes.values()))
 
     async def close(self) -> None:
+        await self.reservations.close()
         await self._channel.close()
+
+
+def reserve_refusal(code: grpc.StatusCode, message: str) -> Exception:
+    """A refused reservation as the caller sees it: UNAVAILABLE (no node ready) counts as unreachable, as it
+    always did for the unary Reserve (the caller routes from its own table); the others keep their kind."""
+    if code in UNREACHABLE_CODES:
+        return CoordinatorUnreachable(f"{code.name}: {message}")
+    return RESERVE_REFUSALS.get(code, Unavailable)(message or code.name)

@@ -131,7 +131,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner")
+    __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner", "traceparent", "tracestate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,8 @@ class ReserveRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     frontend_id: str
     routing_key: str
@@ -146,13 +148,41 @@ class ReserveRequest(_message.Message):
     prompt_tokens: int
     num_sequences: int
     owner: str
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., target_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    tracestate: str
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., target_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., owner: _Optional[str] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("node",)
     NODE_FIELD_NUMBER: _ClassVar[int]
     node: NodeEntry
     def __init__(self, node: _Optional[_Union[NodeEntry, _Mapping]] = ...) -> None: ...
+
+class ReservationBatch(_message.Message):
+    __slots__ = ("frontend_id", "reserve", "release")
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    frontend_id: str
+    reserve: _containers.RepeatedCompositeFieldContainer[ReserveRequest]
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, frontend_id: _Optional[str] = ..., reserve: _Optional[_Iterable[_Union[ReserveRequest, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReservationOutcome(_message.Message):
+    __slots__ = ("node", "refusal_code", "refusal")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_CODE_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    node: NodeEntry
+    refusal_code: int
+    refusal: str
+    def __init__(self, node: _Optional[_Union[NodeEntry, _Mapping]] = ..., refusal_code: _Optional[int] = ..., refusal: _Optional[str] = ...) -> None: ...
+
+class ReservationReplies(_message.Message):
+    __slots__ = ("outcome",)
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    outcome: _containers.RepeatedCompositeFieldContainer[ReservationOutcome]
+    def __init__(self, outcome: _Optional[_Iterable[_Union[ReservationOutcome, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "frontend_id")

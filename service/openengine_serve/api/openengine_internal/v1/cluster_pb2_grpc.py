@@ -66,6 +66,11 @@ class CoordinatorStub:
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Reservations = channel.stream_stream(
+                '/openengine_internal.v1.Coordinator/Reservations',
+                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ReservationBatch.SerializeToString,
+                response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ReservationReplies.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/openengine_internal.v1.Coordinator/Abort',
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ClusterAbortRequest.SerializeToString,
@@ -121,6 +126,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reservations(self, request_iterator, context):
+        """The frontends' path for both: one stream per frontend; each message carries
+        the reservations and releases of one event-loop tick, and the coordinator
+        answers every message with exactly one ReservationReplies, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Abort from any frontend: reaches the node that runs the request.
         """
@@ -166,6 +180,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ReleaseRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Reservations': grpc.stream_stream_rpc_method_handler(
+                    servicer.Reservations,
+                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ReservationBatch.FromString,
+                    response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ReservationReplies.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -342,6 +361,33 @@ class Coordinator:
             '/openengine_internal.v1.Coordinator/Release',
             openengine__internal_dot_v1_dot_cluster__pb2.ReleaseRequest.SerializeToString,
             openengine__internal_dot_v1_dot_cluster__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reservations(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/openengine_internal.v1.Coordinator/Reservations',
+            openengine__internal_dot_v1_dot_cluster__pb2.ReservationBatch.SerializeToString,
+            openengine__internal_dot_v1_dot_cluster__pb2.ReservationReplies.FromString,
             options,
             channel_credentials,
             insecure,

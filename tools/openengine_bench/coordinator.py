@@ -1,0 +1,335 @@
+"""`openengine-serve bench --coordinator`: one coordinator driven by simulated frontends and nodes.
+
+A real coordinator process; one load-generator process simulates --nodes nodes
+(register, then heartbeat with their load every --heartbeat-s) and --frontends
+frontends (register, heartbeat). Then, in one run and side by side:
+
+- unary: --concurrency loops, each Reserve then Release of a fresh id (today's
+  path before the batched stream: two unary calls per request), spread over the
+  frontends' ids and --channels channels;
+- batched: the same loops through each simulated frontend's own
+  `ReservationBatcher` (the frontend's class): one stream per frontend,
+  reservations and releases coalesced per event-loop tick;
+- each path also at a fixed --rate (requests/s, open loop) for the latency a
+  request sees at ordinary load.
+
+Reported: reservations/s, coordinator CPU per request (utime+stime from
+/proc/<pid>/stat over the window), latency p50/p99 of the reservation, and the
+coordinator's resident memory per registered node and frontend. The load
+generator shares the machine: at saturation it may be the limit, which the
+report shows as its own CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from openengine_serve.client import is_serving
+from openengine_serve.common.net import free_port
+from openengine_serve.frontend.reservation_stream import ReservationBatcher
+
+TICKS = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openengine-serve bench --coordinator", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--coordinator", action="store_true", help="(selects this benchmark)")
+    p.add_argument("--nodes", type=int, default=1000, help="simulated nodes (default 1000)")
+    p.add_argument("--frontends", type=int, default=100, help="simulated frontends (default 100)")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval of every simulated "
+                                                                   "node and frontend (default 1.0)")
+    p.add_argument("--concurrency", type=int, default=512, help="saturation: request loops (default 512)")
+    p.add_argument("--channels", type=int, default=8, help="unary path: client channels (default 8)")
+    p.add_argument("--rate", type=float, default=40.0, help="fixed load: requests/s (default 40)")
+    p.add_argument("--window-s", type=float, default=5.0, help="measured window per scenario (default 5)")
+    p.add_argument("--warmup-s", type=float, default=1.0)
+    p.add_argument("--paths", default="unary,batched", help="which paths to measure (default unary,batched)")
+    p.add_argument("--coordinator-pythonpath", default="",
+                   help="run the coordinator from this source tree instead (e.g. an older checkout's service/, "
+                        "to measure its unary path: --paths unary)")
+    p.add_argument("--output", default="bench-results", help="directory for coordinator.json (default bench-results/)")
+    return p
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+
+
+def rss_bytes(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class SimulatedDeployment:
+    def __init__(self, target: str, args: argparse.Namespace) -> None:
+        self.args = args
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = cluster_pb2_grpc.CoordinatorStub(self.channel)
+        self.frontend_ids = [f"bench-fe-{i}" for i in range(args.frontends)]
+        self.tasks: list[asyncio.Task] = []
+
+    async def register(self) -> None:
+        for rank in range(self.args.nodes):
+            node = cluster_pb2.NodeEntry(node_id=f"bench-node-{rank}", address=f"127.0.0.1:{10000 + rank}",
+                                         rank=rank, load=self.load())
+            await self.stub.RegisterNode(cluster_pb2.RegisterNodeRequest(node=node), timeout=10)
+        for frontend_id in self.frontend_ids:
+            await self.stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
+                frontend_id=frontend_id, address="127.0.0.1:1"), timeout=10)
+
+    @staticmethod
+    def load() -> cluster_pb2.NodeLoad:
+        return cluster_pb2.NodeLoad(max_running_requests=1_000_000, max_queued_requests=1_000_000)
+
+    def start_heartbeats(self) -> None:
+        """Every node and frontend heartbeats once per interval, spread evenly over it."""
+        count = self.args.nodes + self.args.frontends
+        gap = self.args.heartbeat_s / max(1, count)
+
+        async def beat() -> None:
+            while True:
+                started = time.monotonic()
+                for rank in range(self.args.nodes):
+                    await self.stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
+                        node_id=f"bench-node-{rank}", state=cluster_pb2.NODE_STATE_READY, load=self.load()),
+                        timeout=10)
+                    await asyncio.sleep(gap)
+                for frontend_id in self.frontend_ids:
+                    await self.stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
+                        frontend_id=frontend_id), timeout=10)
+                    await asyncio.sleep(gap)
+                await asyncio.sleep(max(0.0, self.args.heartbeat_s - (time.monotonic() - started)))
+        self.tasks.append(asyncio.create_task(beat()))
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await self.channel.close()
+
+
+class UnaryPath:
+    name = "unary"
+
+    def __init__(self, target: str, channels: int, frontend_ids: list[str]) -> None:
+        self.channels = [grpc.aio.insecure_channel(target) for _ in range(channels)]
+        self.stubs = [cluster_pb2_grpc.CoordinatorStub(c) for c in self.channels]
+        self.frontend_ids = frontend_ids
+
+    async def one(self, i: int) -> float:
+        stub = self.stubs[i % len(self.stubs)]
+        frontend_id = self.frontend_ids[i % len(self.frontend_ids)]
+        request_id = uuid.uuid4().hex
+        started = time.perf_counter()
+        await stub.Reserve(cluster_pb2.ReserveRequest(request_id=request_id, frontend_id=frontend_id), timeout=10)
+        latency = time.perf_counter() - started
+        await stub.Release(cluster_pb2.ReleaseRequest(request_id=request_id, frontend_id=frontend_id), timeout=10)
+        return latency
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+class BatchedPath:
+    name = "batched"
+
+    def __init__(self, target: str, frontend_ids: list[str]) -> None:
+        # One channel and one stream per simulated frontend, as each frontend process has.
+        self.channels = [grpc.aio.insecure_channel(target) for _ in frontend_ids]
+        self.batchers = [ReservationBatcher(fid, cluster_pb2_grpc.CoordinatorStub(c).Reservations)
+                         for fid, c in zip(frontend_ids, self.channels)]
+
+    async def one(self, i: int) -> float:
+        batcher = self.batchers[i % len(self.batchers)]
+        request_id = uuid.uuid4().hex
+        started = time.perf_counter()
+        await batcher.reserve(cluster_pb2.ReserveRequest(request_id=request_id))
+        latency = time.perf_counter() - started
+        batcher.release(request_id)
+        return latency
+
+    def batches(self) -> int:
+        return sum(b.batches_sent for b in self.batchers)
+
+    async def close(self) -> None:
+        for batcher in self.batchers:
+            await batcher.close()
+        for channel in self.channels:
+            await channel.close()
+
+
+async def measure(path, coordinator_pid: int, args: argparse.Namespace, rate: float | None) -> dict:
+    """Saturation (rate None: --concurrency closed loops) or an open loop at `rate` requests/s."""
+    latencies: list[float] = []
+    done = 0
+    recording = False
+    stop = False
+    errors: collections.Counter[str] = collections.Counter()
+
+    async def run_one(i: int) -> None:
+        nonlocal done
+        try:
+            latency = await path.one(i)
+        except Exception as exc:  # noqa: BLE001 - counted and reported by kind
+            errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__] += 1
+            return
+        if recording:
+            latencies.append(latency)
+            done += 1
+
+    async def closed_loop(i: int) -> None:
+        while not stop:
+            await run_one(i)
+
+    async def open_loop() -> None:
+        i = 0
+        next_at = time.monotonic()
+        pending = set()
+        while not stop:
+            task = asyncio.create_task(run_one(i))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            i += 1
+            next_at += 1.0 / rate
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    loops = ([asyncio.create_task(open_loop())] if rate else
+             [asyncio.create_task(closed_loop(i)) for i in range(args.concurrency)])
+    await asyncio.sleep(args.warmup_s)
+    batches_before = path.batches() if hasattr(path, "batches") else 0
+    recording = True
+    cpu0, own0, t0 = cpu_seconds(coordinator_pid), time.process_time(), time.monotonic()
+    await asyncio.sleep(args.window_s)
+    cpu1, own1, t1 = cpu_seconds(coordinator_pid), time.process_time(), time.monotonic()
+    recording = False
+    stop = True
+    await asyncio.gather(*loops, return_exceptions=True)
+    elapsed = t1 - t0
+    result = {
+        "path": path.name, "load": f"{rate:g}/s" if rate else f"saturation ({args.concurrency} loops)",
+        "reservations_per_s": done / elapsed,
+        "coordinator_cores": (cpu1 - cpu0) / elapsed,
+        "coordinator_cpu_us_per_request": 1e6 * (cpu1 - cpu0) / max(1, done),
+        "load_generator_cores": (own1 - own0) / elapsed,
+        "latency_p50_ms": 1e3 * percentile(latencies, 0.50),
+        "latency_p99_ms": 1e3 * percentile(latencies, 0.99),
+        "errors": sum(errors.values()),
+        "error_kinds": dict(errors),
+    }
+    if hasattr(path, "batches"):
+        result["requests_per_batch"] = done / max(1, path.batches() - batches_before)
+    return result
+
+
+async def heartbeat_only(coordinator_pid: int, window_s: float) -> float:
+    cpu0, t0 = cpu_seconds(coordinator_pid), time.monotonic()
+    await asyncio.sleep(window_s)
+    return (cpu_seconds(coordinator_pid) - cpu0) / (time.monotonic() - t0)
+
+
+async def drive(target: str, pid: int, args: argparse.Namespace) -> dict:
+    rss_empty = rss_bytes(pid)
+    deployment = SimulatedDeployment(target, args)
+    await deployment.register()
+    rss_registered = rss_bytes(pid)
+    deployment.start_heartbeats()
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("coordinator", "output")},
+        "cpus": os.cpu_count(),
+        "memory": {"rss_empty_mb": rss_empty / 2**20, "rss_registered_mb": rss_registered / 2**20,
+                   "bytes_per_registered_peer": (rss_registered - rss_empty) / max(1, args.nodes + args.frontends)},
+        "heartbeat_only_cores": await heartbeat_only(pid, args.window_s),
+        "scenarios": [],
+    }
+    known = {"unary": lambda: UnaryPath(target, args.channels, deployment.frontend_ids),
+             "batched": lambda: BatchedPath(target, deployment.frontend_ids)}
+    paths = [known[name.strip()]() for name in args.paths.split(",") if name.strip()]
+    try:
+        for rate in (None, args.rate):
+            for path in paths:
+                scenario = await measure(path, pid, args, rate)
+                # What the requests add on top of the heartbeats (measured alone before).
+                extra_cores = max(0.0, scenario["coordinator_cores"] - result["heartbeat_only_cores"])
+                scenario["marginal_cpu_us_per_request"] = 1e6 * extra_cores / max(1e-9, scenario["reservations_per_s"])
+                result["scenarios"].append(scenario)
+                print(json.dumps(scenario), flush=True)
+    finally:
+        for path in paths:
+            await path.close()
+        await deployment.close()
+    return result
+
+
+def render(result: dict) -> str:
+    mem = result["memory"]
+    lines = [
+        f"Coordinator benchmark: {result['config']['nodes']} nodes, {result['config']['frontends']} frontends "
+        f"(heartbeat {result['config']['heartbeat_s']} s), {result['cpus']} CPUs shared with the load generator",
+        f"memory: {mem['rss_empty_mb']:.1f} MB empty, {mem['rss_registered_mb']:.1f} MB registered "
+        f"({mem['bytes_per_registered_peer'] / 1024:.1f} KiB per node/frontend); heartbeats alone: "
+        f"{result['heartbeat_only_cores']:.2f} cores",
+        "",
+        "| path | load | reservations/s | coordinator cores | CPU µs/request (all) | CPU µs/request (beyond "
+        "heartbeats) | p50 ms | p99 ms | requests/message | load-gen cores | errors |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in result["scenarios"]:
+        lines.append(f"| {s['path']} | {s['load']} | {s['reservations_per_s']:,.0f} | {s['coordinator_cores']:.2f} | "
+                     f"{s['coordinator_cpu_us_per_request']:,.0f} | {s['marginal_cpu_us_per_request']:,.0f} | "
+                     f"{s['latency_p50_ms']:.2f} | "
+                     f"{s['latency_p99_ms']:.2f} | {s.get('requests_per_batch', 1):.1f} | "
+                     f"{s['load_generator_cores']:.2f} | {s['errors']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    expiry = max(3.0, 5 * args.heartbeat_s)
+    log = open(out / "coordinator-bench.log", "ab")
+    env = dict(os.environ)
+    if args.coordinator_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.coordinator_pythonpath, env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "coordinator", "--host", "127.0.0.1",
+                             "--port", str(port), "--metrics-port", "0", "--heartbeat-s", str(args.heartbeat_s),
+                             "--node-expiry-s", str(expiry), "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    target = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not is_serving(target):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the coordinator did not start; see {out / 'coordinator-bench.log'}")
+            time.sleep(0.2)
+        result = asyncio.run(drive(target, proc.pid, args))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+    (out / "coordinator.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    text = render(result)
+    (out / "coordinator.md").write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0

@@ -1,0 +1,140 @@
+"""`openengine-serve bench --one-token`: 1-token requests/s through one frontend worker, per gRPC server.
+
+Starts `openengine-serve up --nodes N --workers 1 --grpc-server S` for each
+server in turn, keeps --inflight 1-token Generate calls in flight over 8
+client channels, and reports requests/s and the CPU per request of the
+frontend worker and of the coordinator (from /proc/<pid>/stat over the window).
+Short requests are bound by what each request costs, not by tokens.
+
+`--pythonpath DIR` runs the deployment from another source tree (an older
+checkout's service/), for before/after figures on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2_grpc
+from openengine_serve.client import is_serving
+from openengine_serve.common.net import free_port
+
+from .coordinator import cpu_seconds
+
+MODEL = "Qwen/Qwen3-0.6B"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openengine-serve bench --one-token", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--one-token", action="store_true", help="(selects this benchmark)")
+    p.add_argument("--servers", default="grpcio,pygrpc-native")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--inflight", type=int, default=256)
+    p.add_argument("--window-s", type=float, default=6.0)
+    p.add_argument("--warmup-s", type=float, default=2.0)
+    p.add_argument("--pythonpath", default="", help="run the deployment from this source tree")
+    p.add_argument("--label", default="", help="a name for this run in the output (e.g. before, after)")
+    p.add_argument("--output", default="bench-results", help="directory for one-token.jsonl (appended)")
+    return p
+
+
+def child_named(parent: int, command: str) -> int:
+    """The pid of `parent`'s child running `openengine_serve <command>`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and command.encode() in args[:4]:
+            return int(entry.name)
+    raise RuntimeError(f"no `{command}` process under pid {parent}")
+
+
+async def drive(target: str, frontend: int, coordinator: int, args: argparse.Namespace) -> dict:
+    channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
+    stubs = [openengine_pb2_grpc.InferenceStub(c) for c in channels]
+    state = {"done": 0, "errors": 0, "stop": False, "record": False}
+
+    async def loop(i: int) -> None:
+        stub = stubs[i % len(stubs)]
+        while not state["stop"]:
+            request = generation_pb2.GenerateRequest(
+                request_id=uuid.uuid4().hex, model=MODEL, prompt="Hi",
+                stopping=generation_pb2.StoppingOptions(max_tokens=1, ignore_eos=True))
+            try:
+                async for _ in stub.Generate(request, timeout=30):
+                    pass
+            except grpc.aio.AioRpcError:
+                state["errors"] += 1
+                continue
+            if state["record"]:
+                state["done"] += 1
+
+    tasks = [asyncio.create_task(loop(i)) for i in range(args.inflight)]
+    await asyncio.sleep(args.warmup_s)
+    state["record"] = True
+    f0, c0, t0 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
+    await asyncio.sleep(args.window_s)
+    f1, c1, t1 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
+    state["record"], state["stop"] = False, True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for channel in channels:
+        await channel.close()
+    done = max(1, state["done"])
+    return {"requests_per_s": state["done"] / (t1 - t0), "frontend_cores": (f1 - f0) / (t1 - t0),
+            "frontend_cpu_us_per_request": 1e6 * (f1 - f0) / done,
+            "coordinator_cpu_us_per_request": 1e6 * (c1 - c0) / done, "errors": state["errors"]}
+
+
+def run_server(server: str, args: argparse.Namespace) -> dict:
+    port = free_port()
+    env = dict(os.environ)
+    if args.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.pythonpath, env.get("PYTHONPATH")]))
+    up = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--nodes", str(args.nodes),
+                           "--grpc-server", server, "--port", str(port), "--workers", "1"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    target = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not is_serving(target):
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"`openengine-serve up --grpc-server {server}` did not become ready")
+            time.sleep(0.5)
+        result = asyncio.run(drive(target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"), args))
+    finally:
+        up.terminate()
+        try:
+            up.wait(120)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+    return {"server": server, "label": args.label, **result}
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    for server in (s.strip() for s in args.servers.split(",") if s.strip()):
+        result = run_server(server, args)
+        with open(out / "one-token.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"{server:14} {args.label:8} {result['requests_per_s']:8.0f} req/s  frontend "
+              f"{result['frontend_cpu_us_per_request']:6.0f} µs/req ({result['frontend_cores']:.2f} cores)  "
+              f"coordinator {result['coordinator_cpu_us_per_request']:5.0f} µs/req  errors {result['errors']}",
+              flush=True)
+    return 0

@@ -27,9 +27,10 @@ class ConfigError(ValueError):
 
 
 def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None, minimum: float | None = None,
-         maximum: float | None = None, env: str | None = None) -> Any:
+         maximum: float | None = None, env: str | None = None, unset: str = "(derived)") -> Any:
+    """`unset`: what the README table says for an empty default (derived from other settings, or off)."""
     return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum,
-                                            "maximum": maximum, "env": env})
+                                            "maximum": maximum, "env": env, "unset": unset})
 
 
 def env_name(f: dataclasses.Field) -> str:
@@ -58,10 +59,11 @@ class CommonConfig:
     drain_timeout_s: float = knob(30.0, "on SIGTERM: readiness turns NOT_SERVING, then in-flight work gets this "
                                         "long to finish", minimum=0)
     internal_tls_cert_file: str = knob("", "PEM certificate this component presents on the internal plane "
-                                           "(with _KEY_FILE and _CA_FILE: mutual TLS between all components)")
-    internal_tls_key_file: str = knob("", "PEM private key of OPENENGINE_INTERNAL_TLS_CERT_FILE")
+                                           "(with _KEY_FILE and _CA_FILE: mutual TLS between all components)",
+                                       unset="(none: off)")
+    internal_tls_key_file: str = knob("", "PEM private key of OPENENGINE_INTERNAL_TLS_CERT_FILE", unset="(none: off)")
     internal_tls_ca_file: str = knob("", "PEM CA that signs every component's internal certificate; peers "
-                                         "without one are refused")
+                                         "without one are refused", unset="(none: off)")
     internal_tls_server_name: str = knob("", "name checked in the peers' internal certificates instead of the "
                                              "host dialled (default: the host dialled)")
 
@@ -163,9 +165,10 @@ class FrontendConfig(CommonConfig):
                                             "reconnects (spreads load over frontends added later); calls still "
                                             "open get OPENENGINE_DRAIN_TIMEOUT_S to finish (0: off)", minimum=0)
     tls_cert_file: str = knob("", "PEM certificate chain of the public port: TLS only (grpcio; reloaded when "
-                                  "the file changes)")
-    tls_key_file: str = knob("", "PEM private key of OPENENGINE_TLS_CERT_FILE")
-    tls_client_ca_file: str = knob("", "PEM CA: clients must present a certificate it signed (mutual TLS)")
+                                  "the file changes)", unset="(none: off)")
+    tls_key_file: str = knob("", "PEM private key of OPENENGINE_TLS_CERT_FILE", unset="(none: off)")
+    tls_client_ca_file: str = knob("", "PEM CA: clients must present a certificate it signed (mutual TLS)",
+                                   unset="(none: off)")
     max_request_bytes: int = knob(16 * 1024 * 1024, "largest request message accepted (RESOURCE_EXHAUSTED "
                                                      "beyond)", minimum=1024)
     max_metadata_bytes: int = knob(16 * 1024, "largest request metadata (header names + values + 32 bytes "
@@ -174,7 +177,7 @@ class FrontendConfig(CommonConfig):
                                              "beyond)", minimum=1)
     api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET` a line (ROLE user|admin, SECRET the key "
                                   "or sha256:<hex>); set: every call needs `authorization: Bearer <key>`; "
-                                  "re-read when it changes")
+                                  "re-read when it changes", unset="(none: off)")
 
     @classmethod
     def component(cls) -> str:
@@ -249,7 +252,7 @@ def markdown_table() -> str:
                 continue
             done.add(key)
             allowed = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
-            default = f"`{f.default}`" if f.default != "" else "(derived)"
+            default = f"`{f.default}`" if f.default != "" else f.metadata["unset"]
             rows.append(f"| `{env_name(f)}` | `{flag_name(f)}` | {', '.join(seen[key])} | {default} | "
                         f"{f.metadata['help']}{allowed} |")
     return "\n".join(rows)

@@ -9,7 +9,6 @@ import grpc
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.frontend.coordinator_client import CoordinatorClient
 from openengine_serve.frontend.nodes import NodeConnection, NodeConnections
-from openengine_serve.frontend.tasks import BackgroundTasks
 
 READY = cluster_pb2.NODE_STATE_READY
 
@@ -135,10 +134,10 @@ class FakeChannel:
         self.closed = True
 
 
-def coordinator_client(stub: FakeCoordinatorStub, tasks: BackgroundTasks, nodes: NodeConnections,
+def coordinator_client(stub: FakeCoordinatorStub, nodes: NodeConnections,
                        live_requests=lambda: 0) -> CoordinatorClient:
     client = CoordinatorClient("fe-test", "coordinator.test:1", "fe.test:1", heartbeat_s=1.0, call_timeout_s=1.0,
-                               tasks=tasks, live_requests=live_requests, on_node_table=nodes.keep_only)
+                               live_requests=live_requests, on_node_table=nodes.keep_only)
     client._stub = stub
     return client
 

@@ -30,7 +30,7 @@ class Deployment:
         self.entries = [node_entry(f"n{i}", rank=i) for i in range(3)]
         self.node_stubs = {e.node_id: add_fake_node(self.nodes, e)[1] for e in self.entries}
         self.coordinator_stub = FakeCoordinatorStub(self.entries[1])
-        self.coordinator = coordinator_client(self.coordinator_stub, self.tasks, self.nodes)
+        self.coordinator = coordinator_client(self.coordinator_stub, self.nodes)
         self.coordinator._set_nodes(self.entries)
         self.requests = Requests("fe-test", self.coordinator, self.nodes, FallbackRouter())
 

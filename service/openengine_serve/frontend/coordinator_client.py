@@ -20,7 +20,6 @@ from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.logging_setup import log_event
 from .refusal import DuplicateRequest, NotServed, Overloaded, Refusal, Unavailable
 from .reservation_stream import ReservationBatcher, ReservationRefused, StreamBroken
-from .tasks import BackgroundTasks
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -40,7 +39,7 @@ class CoordinatorUnreachable(Exception):
 
 class CoordinatorClient:
     def __init__(self, frontend_id: str, address: str, advertised_address: str, heartbeat_s: float,
-                 call_timeout_s: float, tasks: BackgroundTasks, live_requests: Callable[[], int],
+                 call_timeout_s: float, live_requests: Callable[[], int],
                  on_node_table: Callable[[dict[str, cluster_pb2.NodeEntry]], None],
                  open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:
         self.frontend_id = frontend_id
@@ -55,7 +54,6 @@ class CoordinatorClient:
         self._stub = cluster_pb2_grpc.CoordinatorStub(self._channel)
         # The stub is looked up at each stream opening (unit tests replace it).
         self.reservations = ReservationBatcher(frontend_id, lambda: self._stub.Reservations())
-        self._tasks = tasks
         self._live_requests = live_requests
         self._on_node_table = on_node_table
 

@@ -202,6 +202,23 @@ def _skip(_data: bytes) -> None:
     return None
 
 
+MAX_CACHED_WRAPPERS = 256  # handlers wrapped per method (and key): a bound, should handlers ever be made per call
+
+
+def cached_wrapper(cache: dict, cache_key, wrap, *args):
+    """`wrap(*args)`, built once per `cache_key` (an interceptor's wrapper of a handler, asked for at every call);
+    past MAX_CACHED_WRAPPERS entries, or for an unhashable key, built per call."""
+    try:
+        wrapped = cache.get(cache_key)
+    except TypeError:
+        return wrap(*args)
+    if wrapped is None:
+        wrapped = wrap(*args)
+        if len(cache) < MAX_CACHED_WRAPPERS:
+            cache[cache_key] = wrapped
+    return wrapped
+
+
 def _as_caller(handler, key: ApiKey):
     kind = handler_kind(handler)
     behavior = getattr(handler, kind)
@@ -220,6 +237,7 @@ def _as_caller(handler, key: ApiKey):
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, store: KeyStore) -> None:
         self.store = store
+        self._bound: dict = {}  # (handler, key) -> the handler bound to that caller
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -236,7 +254,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if not key.admin and method not in USER_METHODS:
             return refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
                             f"API key {key.name!r} has role user; {method} needs role admin")
-        return _as_caller(handler, key)
+        return cached_wrapper(self._bound, (handler, key), _as_caller, handler, key)
 
 
 def interceptors(config) -> tuple[ApiKeyInterceptor, ...]:

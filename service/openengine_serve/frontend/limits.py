@@ -12,10 +12,11 @@ Probes (`grpc.health.v1`) and reflection are not counted.
 from __future__ import annotations
 
 import collections
+import inspect
 
 import grpc
 
-from .auth import OPEN_PREFIXES, handler_kind, refusal
+from .auth import OPEN_PREFIXES, cached_wrapper, handler_kind, refusal
 
 HPACK_ENTRY_OVERHEAD = 32  # bytes HTTP/2 adds per header field when it counts a header list's size
 
@@ -36,6 +37,9 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         self.max_metadata_bytes = max_metadata_bytes
         self.max_concurrent_streams = max_concurrent_streams
         self.open_calls: collections.Counter[str] = collections.Counter()  # by connection (peer address)
+        # The counting wrapper of each handler, built once: the servers hand the same handler object for every
+        # call of a method (and the key check one per method and key).
+        self._counted_by_handler: dict = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -46,7 +50,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             return refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"request metadata is {size} bytes, over the limit of {self.max_metadata_bytes} "
                            "(OPENENGINE_MAX_METADATA_BYTES)")
-        return self._counted(handler)
+        return cached_wrapper(self._counted_by_handler, handler, self._counted, handler)
 
     def _counted(self, handler):
         kind = handler_kind(handler)
@@ -76,8 +80,6 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _is_async_gen(behavior) -> bool:
-    import inspect
-
     return inspect.isasyncgenfunction(behavior)
 
 

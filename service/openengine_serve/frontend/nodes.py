@@ -28,6 +28,10 @@ class LaneFailure:
     draining: bool = False
 
 
+def _succeeded(future: asyncio.Future | None) -> bool:
+    return future is not None and future.done() and not future.cancelled() and future.exception() is None
+
+
 COMPACT_AT = 256  # queued events that make a sink merge its plain token events (see RequestSink.put)
 
 
@@ -139,6 +143,8 @@ class NodeConnections:
     async def connect(self, entry: cluster_pb2.NodeEntry) -> NodeConnection:
         """The node's connection with its result lane open (opened on first use)."""
         conn = self.connections.get(entry.node_id)
+        if conn is not None and conn.lane_task is not None and _succeeded(conn.lane_ready):
+            return conn  # the common case: no timer, no shield per request
         if conn is None:
             channel = self._open_channel(entry.address)
             conn = NodeConnection(entry, channel, cluster_pb2_grpc.NodeStub(channel))

@@ -103,7 +103,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 await self._end_stalled(plan, context)
         except Refusal as exc:
             code = REFUSAL_CODES[type(exc)]
-            metrics.REQUESTS.labels(status="rejected", code=code.name, key=auth.caller_label()).inc()
+            metrics.requests_counter("rejected", code.name, auth.caller_label()).inc()
             metrics.REFUSALS.labels(reason=refusal_reason(type(exc))).inc()
             trace.end(status="rejected", code=code.name, error=exc.message)
             await context.abort(code, exc.message)
@@ -201,7 +201,7 @@ def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[Outpu
     completion_tokens = sum(o.generated for o in outputs)
     metrics.IN_FLIGHT.dec()
     key = auth.key_label(accepted.owner)  # security hook: the key name, never the secret
-    metrics.REQUESTS.labels(status=status, code=code, key=key).inc()
+    metrics.requests_counter(status, code, key).inc()
     metrics.E2E.observe(duration)
     accepted.trace.event("finished", status=status)
     accepted.trace.end(status=status, code=code, completion_tokens=completion_tokens, finish_reasons=finish_reasons)

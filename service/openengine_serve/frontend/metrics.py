@@ -7,6 +7,8 @@ aggregates all of them.
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -37,3 +39,9 @@ IN_FLIGHT_REFUSALS = Counter("openengine_frontend_in_flight_refusals",
 EVENT_LOOP_LAG = Gauge("openengine_frontend_event_loop_lag_seconds",
                        "how late the event loop woke a periodic timer, last measurement (the worst worker)",
                        multiprocess_mode="livemax")
+
+
+@functools.lru_cache(maxsize=1024)
+def requests_counter(status: str, code: str, key: str):
+    """REQUESTS' series for these labels, looked up once (every Generate call ends by counting itself)."""
+    return REQUESTS.labels(status=status, code=code, key=key)

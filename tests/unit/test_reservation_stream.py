@@ -192,9 +192,7 @@ async def test_the_coordinator_ending_the_stream_fails_what_it_did_not_answer(ba
 
 
 async def test_releases_are_split_like_reservations_and_only_so_many_are_kept_after_a_break(streams, monkeypatch):
-    from openengine_serve.frontend import reservation_stream
-
-    monkeypatch.setattr(reservation_stream, "MAX_KEPT_RELEASES", 3)
+    monkeypatch.setattr(ReservationBatcher, "max_kept_riders", 3)
     batcher = ReservationBatcher("fe-1", streams.open, max_batch=2)
     for i in range(5):
         batcher.release(f"r{i}")

@@ -111,6 +111,10 @@ class FakeNodeStub:
         self.submitted.append(request.request)
         return cluster_pb2.SubmitReply()
 
+    def Submissions(self) -> FakeSubmissionCall:
+        """The batched path: each submission answered as Submit would, `submit_error` as a refusal outcome."""
+        return FakeSubmissionCall(self)
+
     async def Cancel(self, request, timeout):
         self.cancelled.append((request.request_id, request.output_index if request.HasField("output_index") else None))
         return cluster_pb2.CancelReply(found=True)
@@ -124,6 +128,26 @@ class FakeNodeStub:
                     raise item
                 yield item
         return stream()
+
+
+class FakeSubmissionCall(QueuedReplies):
+    """A Submissions stream-stream call over a FakeNodeStub."""
+
+    def __init__(self, stub: FakeNodeStub) -> None:
+        super().__init__()
+        self.stub = stub
+
+    async def write(self, batch: cluster_pb2.SubmitBatch) -> None:
+        if self.cancelled:
+            raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+        reply = cluster_pb2.SubmitOutcomes()
+        for request in batch.submit:
+            try:
+                await self.stub.Submit(request, timeout=None)
+                reply.outcome.add()
+            except grpc.aio.AioRpcError as exc:
+                reply.outcome.add(refusal_code=exc.code().value[0], refusal=exc.details())
+        self.replies.put_nowait(reply)
 
 
 class FakeChannel:

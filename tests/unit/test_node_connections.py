@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import grpc
@@ -10,11 +11,11 @@ import pytest
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.coordinator.state import ClusterState
 from openengine_serve.frontend.fallback_routing import FallbackRouter
-from openengine_serve.frontend.nodes import LaneFailure, NodeConnections
+from openengine_serve.frontend.nodes import LaneFailure, NodeConnections, SubmitRefused
 from openengine_serve.frontend.refusal import NotServed, Unavailable
 from openengine_serve.frontend.tasks import BackgroundTasks
 
-from .frontend_fakes import add_fake_node, node_entry, rpc_error, settle
+from .frontend_fakes import FakeSubmissionCall, add_fake_node, node_entry, rpc_error, settle
 
 # ------------------------------------------------------------------ fallback routing
 
@@ -129,6 +130,57 @@ async def test_submit_and_cancel_reach_the_node_and_count_in_flight(nodes: NodeC
     nodes.open_sink("r")
     nodes.close_sink("r", "n0")
     assert nodes.in_flight("n0") == 0 and nodes.sinks == {}
+
+
+async def test_submissions_of_one_tick_go_to_the_node_in_one_batch_and_refusals_keep_their_code(
+        nodes: NodeConnections):
+    conn, stub = add_fake_node(nodes, node_entry("n0"))
+    batches = []
+    open_submissions = stub.Submissions
+
+    def recording_submissions():
+        call = open_submissions()
+        write = call.write
+
+        async def recorded(batch):
+            batches.append([s.request.request_id for s in batch.submit])
+            await write(batch)
+        call.write = recorded
+        return call
+    stub.Submissions = recording_submissions
+    trace = (("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),)
+    await asyncio.gather(*(nodes.submit(conn, cluster_pb2.EngineRequest(request_id=f"r{i}"), trace)
+                           for i in range(3)))
+    assert batches == [["r0", "r1", "r2"]] and [r.request_id for r in stub.submitted] == ["r0", "r1", "r2"]
+    stub.submit_error = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+    with pytest.raises(SubmitRefused) as refused:
+        await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r3"))
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refused.value.message == "queue full"
+
+
+async def test_a_node_without_the_submissions_call_gets_unary_submits(nodes: NodeConnections):
+    conn, stub = add_fake_node(nodes, node_entry("n0"))
+    unary_metadata = []
+    submit = stub.Submit
+
+    async def unary(request, timeout, metadata=()):
+        unary_metadata.append(metadata)
+        return await submit(request, timeout, metadata)
+    stub.Submit = unary
+
+    def unimplemented():
+        call = FakeSubmissionCall(stub)
+
+        async def refuse(batch):
+            call.replies.put_nowait(rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"))
+        call.write = refuse
+        return call
+    stub.Submissions = unimplemented
+    trace = (("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),)
+    await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r0"), trace)
+    await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r1"))
+    assert conn.submissions is None
+    assert [r.request_id for r in stub.submitted] == ["r0", "r1"] and unary_metadata == [trace, ()]
 
 
 async def test_a_node_whose_lane_does_not_open_is_a_connection_error(nodes: NodeConnections):

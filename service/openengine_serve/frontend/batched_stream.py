@@ -1,5 +1,5 @@
 """Calls coalesced per event-loop tick onto one bidirectional stream: the shape of the frontend's batched
-Reserve/Release (`reservation_stream.py`) and Submit (`node_submissions.py`).
+Reserve/Release (`reservation_stream.py`) and Submit (`nodes.py : SubmissionBatcher`).
 
 Every call asked for during one tick of the event loop goes out in one batch message;
 the server answers each batch with one message holding one outcome per call, in

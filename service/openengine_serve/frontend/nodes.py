@@ -4,6 +4,11 @@ Per-token traffic never touches the coordinator: a node streams one
 StepResults message per engine step on this frontend's lane, and the lane
 reader hands each event to the waiting request's sink. A lane that breaks
 ends every request on that node with a retryable failure.
+
+Requests reach a node over its `Submissions` stream, every submission of one
+event-loop tick in one message (`SubmissionBatcher`), answered per submission
+with the code the unary Submit would end with. A node without that call (an
+older release) is sent unary Submit calls instead.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from .batched_stream import BatchedStream, StreamBroken
+from .reservation_stream import STATUS_BY_NUMBER
 from .tasks import BackgroundTasks
 
 
@@ -113,6 +120,38 @@ class RequestSink:
         return items
 
 
+class SubmitRefused(Exception):
+    """The node did not take the request; `code` is the status the unary Submit would end with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class SubmissionBatcher(BatchedStream):
+    """One node's Submit calls of a tick in one SubmitBatch on its Submissions stream (batched_stream.py)."""
+
+    kind = "submission"
+    calls_name = "submissions"
+
+    async def submit(self, request: cluster_pb2.SubmitRequest) -> None:
+        """Returns once the node took the request; raises SubmitRefused or StreamBroken."""
+        await self._call_batched(request)
+
+    def _batch(self, requests: list[cluster_pb2.SubmitRequest], riders: list) -> cluster_pb2.SubmitBatch:
+        return cluster_pb2.SubmitBatch(submit=requests)
+
+    def _outcomes(self, reply: cluster_pb2.SubmitOutcomes):
+        return reply.outcome
+
+    def _settle(self, future: asyncio.Future, outcome: cluster_pb2.SubmitOutcome) -> None:
+        if outcome.refusal_code:
+            future.set_exception(SubmitRefused(STATUS_BY_NUMBER[outcome.refusal_code], outcome.refusal))
+        else:
+            future.set_result(None)
+
+
 @dataclass
 class NodeConnection:
     entry: cluster_pb2.NodeEntry
@@ -121,6 +160,11 @@ class NodeConnection:
     lane_ready: asyncio.Future | None = None
     lane_task: asyncio.Task | None = None
     requests: set[str] = field(default_factory=set)
+    submissions: SubmissionBatcher | None = None  # None: the node has no Submissions call, Submit is unary
+
+    def __post_init__(self) -> None:
+        # The stub is looked up at each stream opening (unit tests replace it).
+        self.submissions = SubmissionBatcher(lambda: self.stub.Submissions())
 
 
 class NodeConnections:
@@ -194,6 +238,8 @@ class NodeConnections:
         conn = self.connections.pop(node_id)
         if conn.lane_task is not None:
             conn.lane_task.cancel()
+        if conn.submissions is not None:
+            self._tasks.spawn(conn.submissions.close())
         self._fail_requests(conn, reason)
         self._tasks.spawn(conn.channel.close())
 
@@ -209,9 +255,30 @@ class NodeConnections:
 
     async def submit(self, conn: NodeConnection, engine_request: cluster_pb2.EngineRequest,
                      trace: tuple[tuple[str, str], ...] = ()) -> None:
+        """Returns once the node took the request; raises SubmitRefused, StreamBroken, TimeoutError or the unary
+        call's AioRpcError. `trace`: traceparent/tracestate pairs (metadata of the unary call, fields of the
+        batched submission)."""
         conn.requests.add(engine_request.request_id)
-        await conn.stub.Submit(cluster_pb2.SubmitRequest(request=engine_request), timeout=self.call_timeout_s,
-                               metadata=trace)
+        request = cluster_pb2.SubmitRequest(request=engine_request)
+        if conn.submissions is None:
+            await conn.stub.Submit(request, timeout=self.call_timeout_s, metadata=trace)
+            return
+        for key, value in trace:
+            if key in ("traceparent", "tracestate"):
+                setattr(request, key, value)
+        try:
+            async with asyncio.timeout(self.call_timeout_s):  # no extra task per call, unlike wait_for
+                await conn.submissions.submit(request)
+        except StreamBroken as exc:
+            if "UNIMPLEMENTED" not in str(exc):
+                raise
+            # A node of an older release: unary calls from now on (this one too).
+            submissions, conn.submissions = conn.submissions, None
+            if submissions is not None:
+                await submissions.close()
+            request.ClearField("traceparent")
+            request.ClearField("tracestate")
+            await conn.stub.Submit(request, timeout=self.call_timeout_s, metadata=trace)
 
     def cancel(self, conn: NodeConnection, request_id: str, output_index: int | None = None) -> None:
         request = cluster_pb2.CancelRequest(request_id=request_id)
@@ -227,4 +294,6 @@ class NodeConnections:
         for conn in self.connections.values():
             if conn.lane_task is not None:
                 conn.lane_task.cancel()
+            if conn.submissions is not None:
+                await conn.submissions.close()
             await conn.channel.close()

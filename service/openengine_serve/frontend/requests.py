@@ -20,7 +20,8 @@ import grpc
 from ..api.openengine_internal.v1 import cluster_pb2
 from .coordinator_client import CoordinatorClient, CoordinatorUnreachable
 from .fallback_routing import FallbackRouter
-from .nodes import LaneFailure, NodeConnection, NodeConnections, RequestSink
+from .batched_stream import StreamBroken
+from .nodes import LaneFailure, NodeConnection, NodeConnections, RequestSink, SubmitRefused
 from ..common.tracing import RESERVE_SPAN, SUBMIT_SPAN
 from . import metrics
 from .request_trace import NO_TRACE, RequestTrace
@@ -101,7 +102,7 @@ class Requests:
                     conn = await self.nodes.connect(node)
                     with trace.call(SUBMIT_SPAN, forwarded, **{"openengine.node_id": node.node_id}) as metadata:
                         await self.nodes.submit(conn, engine_request(plan, self.frontend_id), metadata)
-                except (grpc.aio.AioRpcError, ConnectionError, TimeoutError) as exc:
+                except (grpc.aio.AioRpcError, SubmitRefused, StreamBroken, ConnectionError, TimeoutError) as exc:
                     conn = None  # the node did not take the request: nothing to cancel
                     raise submit_refusal(exc, node) from None
                 trace.event("queued", **{"openengine.node_id": node.node_id})
@@ -138,9 +139,14 @@ class Requests:
 
 def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry) -> Refusal:
     """A node that did not take the request: full (retry later) or unreachable (retry)."""
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(f"node {node.node_id} is full: {exc.details()}; retry later")
-    detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code, detail = exc.code(), exc.details()
+    elif isinstance(exc, SubmitRefused):
+        code, detail = exc.code, exc.message
+    else:
+        code, detail = None, repr(exc)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(f"node {node.node_id} is full: {detail}; retry later")
     return Unavailable(f"node {node.node_id} at {node.address} did not take the request: {detail}")
 
 

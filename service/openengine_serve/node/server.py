@@ -32,6 +32,7 @@ from .engine_link import EngineFull, EngineLink, EngineUnavailable
 logger = logging.getLogger("openengine_serve.node")
 
 _LANE_OPENED = cluster_pb2.StepResults(step=0)  # first message of every lane: "you are subscribed"
+_SUBMITTED = cluster_pb2.SubmitOutcome()
 
 
 class ResultLane:
@@ -133,29 +134,67 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
 
     async def Submit(self, request: cluster_pb2.SubmitRequest, context) -> cluster_pb2.SubmitReply:
         engine_request = request.request
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is draining")
-        if engine_request.frontend_id not in self.lanes:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"frontend {engine_request.frontend_id!r} has no open result lane on this node")
+        refusal = self._not_taken(engine_request)
+        if refusal is not None:
+            await context.abort(*refusal)
         if logger.isEnabledFor(logging.DEBUG):
             log_event(logger, "request submitted", logging.DEBUG, request_id=engine_request.request_id,
                       traceparent=dict(context.invocation_metadata() or ()).get("traceparent", "-"))
         with tracing.server_span(SUBMIT_SPAN, context, **{"openengine.request_id": engine_request.request_id,
                                                           "openengine.node_id": self.node_id}) as span:
-            try:
-                self.link.submit(engine_request)
-            except EngineFull as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            except EngineUnavailable as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except ValueError as exc:  # a request this engine cannot take (duplicate id, too many sequences)
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            if span is not None:
-                load = self.link.load
-                span.set_attributes({"openengine.engine.running": load.running,
-                                     "openengine.engine.queued": load.queued})
+            refusal = self._submit(engine_request, span)
+            if refusal is not None:
+                await context.abort(*refusal)
             return cluster_pb2.SubmitReply()
+
+    async def Submissions(self, request_iterator, context):
+        """The batched Submit of one frontend: one SubmitOutcomes per SubmitBatch, each submission taken as the
+        unary Submit takes it (same checks, same codes, its own span parented by the trace context it carries)."""
+        async for batch in request_iterator:
+            yield cluster_pb2.SubmitOutcomes(outcome=[self._batched_outcome(submit) for submit in batch.submit])
+
+    def _batched_outcome(self, submit: cluster_pb2.SubmitRequest) -> cluster_pb2.SubmitOutcome:
+        engine_request = submit.request
+        refusal = self._not_taken(engine_request)
+        if refusal is None:
+            if logger.isEnabledFor(logging.DEBUG):
+                log_event(logger, "request submitted", logging.DEBUG, request_id=engine_request.request_id,
+                          traceparent=submit.traceparent or "-")
+            carried = (("traceparent", submit.traceparent), ("tracestate", submit.tracestate)) \
+                if submit.traceparent else ()
+            span = tracing.start_server_span(SUBMIT_SPAN, carried, {
+                "rpc.system": "grpc", "openengine.request_id": engine_request.request_id,
+                "openengine.node_id": self.node_id})
+            refusal = self._submit(engine_request, span)
+            tracing.end_span(span, None if refusal is None else f"{refusal[0].name}: {refusal[1]}")
+        if refusal is None:
+            return _SUBMITTED
+        return cluster_pb2.SubmitOutcome(refusal_code=refusal[0].value[0], refusal=refusal[1])
+
+    def _not_taken(self, engine_request: cluster_pb2.EngineRequest) -> tuple[grpc.StatusCode, str] | None:
+        """Why this node takes no request from this frontend now (the code and message Submit ends with)."""
+        if self.draining:
+            return grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is draining"
+        if engine_request.frontend_id not in self.lanes:
+            return (grpc.StatusCode.FAILED_PRECONDITION,
+                    f"frontend {engine_request.frontend_id!r} has no open result lane on this node")
+        return None
+
+    def _submit(self, engine_request: cluster_pb2.EngineRequest, span) -> tuple[grpc.StatusCode, str] | None:
+        """Hands the request to the engine; the refusal (code, message) when it does not take it."""
+        try:
+            self.link.submit(engine_request)
+        except EngineFull as exc:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        except EngineUnavailable as exc:
+            return grpc.StatusCode.UNAVAILABLE, str(exc)
+        except ValueError as exc:  # a request this engine cannot take (duplicate id, too many sequences)
+            return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+        if span is not None:
+            load = self.link.load
+            span.set_attributes({"openengine.engine.running": load.running,
+                                 "openengine.engine.queued": load.queued})
+        return None
 
     async def Cancel(self, request: cluster_pb2.CancelRequest, context) -> cluster_pb2.CancelReply:
         output_index = request.output_index if request.HasField("output_index") else None

@@ -227,14 +227,38 @@ class ClusterLoad(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., live_reservations: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request",)
+    __slots__ = ("request", "traceparent", "tracestate")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
     request: EngineRequest
-    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ...) -> None: ...
+    traceparent: str
+    tracestate: str
+    def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SubmitBatch(_message.Message):
+    __slots__ = ("submit",)
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    submit: _containers.RepeatedCompositeFieldContainer[SubmitRequest]
+    def __init__(self, submit: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ...) -> None: ...
+
+class SubmitOutcome(_message.Message):
+    __slots__ = ("refusal_code", "refusal")
+    REFUSAL_CODE_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    refusal_code: int
+    refusal: str
+    def __init__(self, refusal_code: _Optional[int] = ..., refusal: _Optional[str] = ...) -> None: ...
+
+class SubmitOutcomes(_message.Message):
+    __slots__ = ("outcome",)
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    outcome: _containers.RepeatedCompositeFieldContainer[SubmitOutcome]
+    def __init__(self, outcome: _Optional[_Iterable[_Union[SubmitOutcome, _Mapping]]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id", "output_index")

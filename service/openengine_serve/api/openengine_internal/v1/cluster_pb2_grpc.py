@@ -469,6 +469,11 @@ class NodeStub:
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.Submissions = channel.stream_stream(
+                '/openengine_internal.v1.Node/Submissions',
+                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitBatch.SerializeToString,
+                response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitOutcomes.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/openengine_internal.v1.Node/Cancel',
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.CancelRequest.SerializeToString,
@@ -493,6 +498,15 @@ class NodeServicer:
 
     def Submit(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Submissions(self, request_iterator, context):
+        """The batched Submit of one frontend: its submissions of one event-loop tick
+        in one SubmitBatch; one SubmitOutcomes per batch, one outcome per
+        submission in order, with the code the unary Submit would end with.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -526,6 +540,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitReply.SerializeToString,
+            ),
+            'Submissions': grpc.stream_stream_rpc_method_handler(
+                    servicer.Submissions,
+                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitBatch.FromString,
+                    response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitOutcomes.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -572,6 +591,33 @@ class Node:
             '/openengine_internal.v1.Node/Submit',
             openengine__internal_dot_v1_dot_cluster__pb2.SubmitRequest.SerializeToString,
             openengine__internal_dot_v1_dot_cluster__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submissions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/openengine_internal.v1.Node/Submissions',
+            openengine__internal_dot_v1_dot_cluster__pb2.SubmitBatch.SerializeToString,
+            openengine__internal_dot_v1_dot_cluster__pb2.SubmitOutcomes.FromString,
             options,
             channel_credentials,
             insecure,

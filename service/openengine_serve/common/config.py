@@ -172,7 +172,8 @@ class FrontendConfig(CommonConfig):
     max_request_bytes: int = knob(16 * 1024 * 1024, "largest request message accepted (RESOURCE_EXHAUSTED "
                                                      "beyond)", minimum=1024)
     max_metadata_bytes: int = knob(16 * 1024, "largest request metadata (header names + values + 32 bytes "
-                                              "each) accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024)
+                                              "each) accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024,
+                                    maximum=256 * 1024)
     max_concurrent_streams: int = knob(1024, "calls open at once on one client connection (RESOURCE_EXHAUSTED "
                                              "beyond)", minimum=1)
     api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET` a line (ROLE user|admin, SECRET the key "

@@ -3,9 +3,13 @@
 - request message size: the gRPC transport's own limit (`grpc.max_receive_message_length`); both servers
   answer RESOURCE_EXHAUSTED "Received message larger than max (<size> vs. <limit>)";
 - request metadata size and concurrent calls per connection: checked by an interceptor, which answers
-  RESOURCE_EXHAUSTED naming the knob. The transports get twice these limits as a backstop (beyond it
-  grpcio answers RESOURCE_EXHAUSTED, pygrpc-native HTTP 431 / a queued stream), so the interceptor's
-  clear answer is the one clients normally see.
+  RESOURCE_EXHAUSTED naming the knob. The transports get a backstop above these limits so that the
+  interceptor's clear answer is the one clients see: twice the stream limit, and for metadata a fixed
+  TRANSPORT_MAX_METADATA_BYTES (1 MiB, at least 4x the largest allowed OPENENGINE_MAX_METADATA_BYTES).
+  Only a header block above that cap is refused by the transport itself, differently by the two servers
+  (grpcio: RESOURCE_EXHAUSTED "received metadata size exceeds hard limit"; pygrpc-native's HTTP/2 layer:
+  HTTP 431, a stream reset or a GOAWAY of the connection). The cap bounds what one connection's header
+  block can hold in memory (the default request message limit is 16 times as much).
 Probes (`grpc.health.v1`) and reflection are not counted.
 """
 
@@ -18,6 +22,9 @@ import grpc
 from .auth import OPEN_PREFIXES, handler_kind, refusal
 
 HPACK_ENTRY_OVERHEAD = 32  # bytes HTTP/2 adds per header field when it counts a header list's size
+# The transports' header-list limit. Both count more than the interceptor does (pseudo-headers, HPACK
+# framing), so it must stay well above the knob's maximum (config: 256 KiB).
+TRANSPORT_MAX_METADATA_BYTES = 1024 * 1024
 
 
 def metadata_size(metadata) -> int:
@@ -26,8 +33,8 @@ def metadata_size(metadata) -> int:
 
 def transport_options(config) -> tuple[tuple[str, int], ...]:
     return (("grpc.max_receive_message_length", config.max_request_bytes),
-            ("grpc.max_metadata_size", 2 * config.max_metadata_bytes),
-            ("grpc.absolute_max_metadata_size", 2 * config.max_metadata_bytes),
+            ("grpc.max_metadata_size", TRANSPORT_MAX_METADATA_BYTES),
+            ("grpc.absolute_max_metadata_size", TRANSPORT_MAX_METADATA_BYTES),
             ("grpc.max_concurrent_streams", 2 * config.max_concurrent_streams))
 
 

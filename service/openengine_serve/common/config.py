@@ -176,9 +176,13 @@ class FrontendConfig(CommonConfig):
                                     maximum=256 * 1024)
     max_concurrent_streams: int = knob(1024, "calls open at once on one client connection (RESOURCE_EXHAUSTED "
                                              "beyond)", minimum=1)
-    api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET` a line (ROLE user|admin, SECRET the key "
-                                  "or sha256:<hex>); set: every call needs `authorization: Bearer <key>`; "
-                                  "re-read when it changes", unset="(none: off)")
+    api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET [max_in_flight=N]` a line (ROLE user|admin, "
+                                  "SECRET the key or sha256:<hex>, N this key's api_key_max_in_flight); set: every "
+                                  "call needs `authorization: Bearer <key>`; re-read when it changes",
+                              unset="(none: off)")
+    api_key_max_in_flight: int = knob(0, "Generate streams one API key keeps open on one frontend worker when its "
+                                         "key file line has no `max_in_flight=N`; beyond it Generate is refused at "
+                                         "once (RESOURCE_EXHAUSTED, retry hint); 0: no limit", minimum=0)
 
     @classmethod
     def component(cls) -> str:

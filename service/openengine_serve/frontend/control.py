@@ -18,6 +18,8 @@ from . import auth
 from .coordinator_client import CoordinatorClient
 from .inference import MAX_TOP_N
 from .probe import InferenceProbe
+from .refusal import InvalidRequest
+from .validation import check_request_id, shown
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -62,7 +64,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
             return
         if request.model not in names:
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {request.model!r} is not served; served: {', '.join(names)}")
+                                f"model {shown(request.model)} is not served; served: {', '.join(names)}")
             return
         logprobs = model_pb2.LogprobCapabilities(
             supported=True, max_top_n=MAX_TOP_N,
@@ -134,9 +136,12 @@ class Control(openengine_pb2_grpc.ControlServicer):
         if target == "kv_session":
             await context.abort(grpc.StatusCode.NOT_FOUND, "no KV sessions exist in an aggregated deployment")
             return
-        if target == "request_id" and not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
-            return
+        if target == "request_id":
+            try:
+                check_request_id(request.request_id)  # the rule of Generate: an id it refuses is never running
+            except InvalidRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                return
         owner, refusal = auth.abort_scope(target == "all_requests")  # security hook: a user aborts only its own
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
@@ -150,11 +155,11 @@ class Control(openengine_pb2_grpc.ControlServicer):
                                 f"abort needs the coordinator, which is unreachable ({exc.code().name})")
             return
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_NOT_FOUND:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not known")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {shown(request.request_id)} is not known")
             return
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED:
             return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED,
-                                               message=f"request_id {request.request_id!r} already finished")
+                                               message=f"request_id {shown(request.request_id)} already finished")
         log_event(logger, "abort", target=target, request_id=request.request_id, key=auth.caller_label(),
                   aborted=reply.aborted)
         return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED,

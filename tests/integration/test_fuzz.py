@@ -35,13 +35,13 @@ Code = grpc.StatusCode
 # What a Generate call may end with (README, error handling): anything else is a defect.
 DOCUMENTED = {Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.UNIMPLEMENTED, Code.ALREADY_EXISTS,
               Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE}
-# What each public method may end with (docs/protocol.md); INVALID_ARGUMENT is every method's answer to
-# undecodable bytes.
+# What each public method may end with (docs/protocol.md, "Status codes of each call"); INVALID_ARGUMENT is
+# every method's answer to undecodable bytes.
 METHOD_CODES = {
     "Generate": DOCUMENTED,
     "GetServerInfo": {Code.OK},
     "GetModelInfo": {Code.OK, Code.NOT_FOUND},
-    "GetLoad": {Code.OK, Code.UNAVAILABLE},
+    "GetLoad": {Code.OK},
     "Health": {Code.OK},
     "Abort": {Code.OK, Code.NOT_FOUND, Code.UNAVAILABLE},
     "LoadLora": {Code.FAILED_PRECONDITION},

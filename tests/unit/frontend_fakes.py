@@ -136,9 +136,9 @@ class FakeChannel:
 
 def coordinator_client(stub: FakeCoordinatorStub, nodes: NodeConnections,
                        live_requests=lambda: 0) -> CoordinatorClient:
-    client = CoordinatorClient("fe-test", "coordinator.test:1", "fe.test:1", heartbeat_s=1.0, call_timeout_s=1.0,
+    client = CoordinatorClient("fe-test", ["coordinator.test:1"], "fe.test:1", heartbeat_s=1.0, call_timeout_s=1.0,
                                live_requests=live_requests, on_node_table=nodes.keep_only)
-    client._stub = stub
+    client.shards[0].stub = stub
     return client
 
 

@@ -4,7 +4,8 @@ more than the checks)."""
 
 from __future__ import annotations
 
-import uuid
+import os
+import signal
 
 import grpc
 import pytest
@@ -135,4 +136,9 @@ def test_two_coordinators_share_the_ids_and_each_node_and_frontend_uses_both(ser
     finally:
         for v in views:
             v.close()
+        # Their shutdown is not under test here, and a node's SIGTERM stop currently outlasts the 15 s stop timeout.
+        for node in nodes:
+            for pid in [*processes.descendants(node.proc.pid), node.proc.pid]:
+                os.kill(pid, signal.SIGKILL)
+            node.proc.wait()
 

@@ -89,10 +89,17 @@ async def test_the_load_counts_each_coordinators_reservations_and_the_nodes_once
     assert load.live_reservations == 6 and [n.node_id for n in load.nodes] == ["n0"]
 
 
-def test_the_node_table_is_every_coordinators_and_the_first_listed_wins(client):
+def test_the_node_table_is_every_answering_coordinators_and_the_first_listed_wins(client):
     first, second = client.shards
     client._set_nodes(second, [node_entry("n0", rank=0, state=cluster_pb2.NODE_STATE_DOWN), node_entry("n1", 1)])
     client._set_nodes(first, [node_entry("n0", rank=0)])
+    # Neither has answered yet: every last known table.
     assert {n.node_id: n.state for n in client.nodes.values()} == {"n0": cluster_pb2.NODE_STATE_READY,
                                                                    "n1": cluster_pb2.NODE_STATE_READY}
+    first.reachable = second.reachable = True
+    client._set_nodes(first, [node_entry("n0", rank=0)])
     assert sorted(n.node_id for n in client.ready_nodes()) == ["n0", "n1"]
+    # A coordinator that stopped answering no longer speaks for the nodes; the others' tables are complete.
+    first.reachable = False
+    client._set_nodes(second, [node_entry("n0", rank=0, state=cluster_pb2.NODE_STATE_DOWN), node_entry("n1", 1)])
+    assert [n.node_id for n in client.ready_nodes()] == ["n1"]

@@ -116,6 +116,7 @@ class CoordinatorClient:
                 if not registered:
                     reply = await shard.stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
                         frontend_id=self.frontend_id, address=self.advertised_address), timeout=self.call_timeout_s)
+                    self._set_reachable(shard, True)
                     self._set_nodes(shard, reply.nodes)
                     registered = True
                     log_event(logger, "registered with coordinator", frontend_id=self.frontend_id,
@@ -124,8 +125,8 @@ class CoordinatorClient:
                 reply = await shard.stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
                     frontend_id=self.frontend_id, live_requests=self._live_requests()), timeout=self.call_timeout_s)
                 registered = reply.known
-                self._set_nodes(shard, reply.nodes)
                 self._set_reachable(shard, True)
+                self._set_nodes(shard, reply.nodes)
                 shard.reservations.flush()  # releases kept since a broken stream, when no request came since
             except grpc.aio.AioRpcError as exc:
                 self._set_reachable(shard, False, exc)
@@ -145,9 +146,10 @@ class CoordinatorClient:
         if len(self.shards) == 1:
             self.nodes = shard.nodes
         else:
-            # Every coordinator has every node (nodes register with all); the first listed that knows a node wins.
+            # Every coordinator has every node (nodes register with all): the tables of those that answer (of all,
+            # as last known, when none does); for a node in several, the first listed coordinator's entry.
             self.nodes = {}
-            for other in reversed(self.shards):
+            for other in reversed([s for s in self.shards if s.reachable] or self.shards):
                 self.nodes.update(other.nodes)
         self._on_node_table(self.nodes)
         self.table_updated.set()

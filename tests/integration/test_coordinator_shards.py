@@ -113,6 +113,8 @@ def test_two_coordinators_share_the_ids_and_each_node_and_frontend_uses_both(ser
             coords[1].proc.kill()
             coords[1].proc.wait()
             assert refused_code(other, kept) == grpc.StatusCode.ALREADY_EXISTS
+            # The lost coordinator's in-flight id: its duplicate is caught on the frontend that runs it.
+            assert refused_code(owner, across) == grpc.StatusCode.ALREADY_EXISTS
             # Its ids route from the last known node table meanwhile, and are served.
             served = list(other.generate(request_owned_by(targets, targets[1], max_tokens=2), timeout=10))
             assert served[-1].HasField("usage")
@@ -121,13 +123,17 @@ def test_two_coordinators_share_the_ids_and_each_node_and_frontend_uses_both(ser
             views[1] = CoordinatorView(targets[1])
             wait_for(lambda: len(ready_ranks(views[1])) == 2, 20, "both nodes registered again")
             assert ready_ranks(views[1]) == table, "each node kept its rank"
-            wait_for(lambda: other.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
-                     == lifecycle_pb2.HEALTH_STATE_READY, 20, "the frontend reaching the restarted coordinator")
+            for client in (owner, other):  # their channels may still be in a reconnect backoff
+                wait_for(lambda: client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
+                         == lifecycle_pb2.HEALTH_STATE_READY, 20, "the frontends reaching the restarted coordinator")
             fresh = request_owned_by(targets, targets[1], max_tokens=1000)
             fresh_stream = owner.inference.Generate(fresh, timeout=60)
             first_token(fresh_stream)
             assert views[1].live_reservations() == 1, "reserved on the restarted coordinator"
             assert refused_code(other, fresh) == grpc.StatusCode.ALREADY_EXISTS
+            with pytest.raises(grpc.RpcError) as forgotten:  # in flight across the restart: not known there
+                other.control.Abort(lifecycle_pb2.AbortRequest(request_id=across.request_id), timeout=10)
+            assert forgotten.value.code() == grpc.StatusCode.NOT_FOUND
             for s in (kept_stream, across_stream):
                 first_token(s)  # in flight across the restart: still streaming
             for s in (kept_stream, across_stream, fresh_stream):

@@ -34,8 +34,6 @@ def test_frontend_workers_variable_name():
     ({"OPENENGINE_FRONTEND_WORKERS": "0"}, "OPENENGINE_FRONTEND_WORKERS must be between 1 and 64"),
     ({"OPENENGINE_NATIVE_IO_THREADS": "-1"}, "OPENENGINE_NATIVE_IO_THREADS must be between 0 and 64"),
     ({"OPENENGINE_MAX_CONNECTION_AGE_S": "-5"}, "OPENENGINE_MAX_CONNECTION_AGE_S must be >= 0"),
-    ({"OPENENGINE_MAX_CONNECTION_AGE_S": "60", "OPENENGINE_GRPC_SERVER": "pygrpc-native"},
-     "OPENENGINE_MAX_CONNECTION_AGE_S is grpcio only"),
 ])
 def test_invalid_values_name_the_variable(env, needle):
     with pytest.raises(cfg.ConfigError, match=needle.replace("(", r"\(")):
@@ -57,8 +55,8 @@ def test_advertise_address_defaults():
     assert cfg.NodeConfig(advertise_address="n1:1").resolved_advertise_address() == "n1:1"
 
 
-def test_max_connection_age_on_grpcio_and_off_on_native():
+def test_max_connection_age_on_both_servers():
     assert cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60"}).max_connection_age_s == 60
-    native = cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "0",
+    native = cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60",
                                                  "OPENENGINE_GRPC_SERVER": "pygrpc-native"})
-    assert (native.grpc_server, native.max_connection_age_s) == ("pygrpc-native", 0)
+    assert (native.grpc_server, native.max_connection_age_s) == ("pygrpc-native", 60)

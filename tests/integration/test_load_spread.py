@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
 
 import grpc
@@ -28,18 +29,29 @@ CALLS = 30
 
 
 def start_frontends(server: str, hosts: list[str], port: int, *extra: str) -> list[processes.Component]:
-    """Frontends without a coordinator (Control and liveness answer without one); each has its metrics port
-    in `.metrics_port`."""
+    """Frontends without a coordinator (Control and liveness answer without one); each has its id (ServerInfo's
+    instance_id) in `.instance_id` and its metrics port in `.metrics_port`."""
     frontends = []
     for host in hosts:
+        instance_id = f"frontend-{uuid.uuid4().hex[:8]}"
         frontend, frontend.metrics_port = processes.with_metrics(
-            processes.frontend(f"127.0.0.1:{free_port()}", server, *extra))
-        frontend.host, frontend.port = host, port
+            processes.frontend(f"127.0.0.1:{free_port()}", server, *extra, "--frontend-id", instance_id))
+        frontend.host, frontend.port, frontend.instance_id = host, port, instance_id
         frontends.append(frontend.start())
     for frontend in frontends:
-        processes.wait_for(lambda: frontend.proc.poll() is None and is_serving(frontend.target, "liveness"), 60,
-                           f"{frontend.target} liveness")
+        # this very process answers (frontends sharing an address and port answer in turn, by connection)
+        processes.wait_for(lambda: (frontend.proc.poll() is None
+                                    and answering_id(frontend.target) == frontend.instance_id),
+                           60, f"{frontend.instance_id} at {frontend.target}")
     return frontends
+
+
+def answering_id(target: str) -> str | None:
+    """The instance_id of the frontend a new connection to `target` reaches."""
+    try:
+        return processes_id(target)
+    except grpc.RpcError:
+        return None
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -49,7 +61,7 @@ def test_dns_target_spreads_calls_over_every_address(server):
     frontends = start_frontends(server, hosts, port)
     try:
         instance_ids = {processes_id(f.target) for f in frontends}
-        assert len(instance_ids) == 3
+        assert instance_ids == {f.instance_id for f in frontends}
         with LoopbackDns(NAME, hosts) as dns, Client(dns.target(port)) as client:
             seen = Counter(client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5).instance_id
                            for _ in range(CALLS))
@@ -123,16 +135,24 @@ def test_max_connection_age_moves_clients_on_grpcio():
 
 
 # Scale-out under steady load: two frontends behind one name, long-lived clients calling all the time, then a
-# third frontend joins the name. With OPENENGINE_MAX_CONNECTION_AGE_S=AGE_S the clients' connections are made to
-# reconnect (GOAWAY on grpcio, close at a quiet moment on pygrpc-native); reconnecting re-resolves the name, so
-# the third gets its share. Fair share: at least FAIR_SHARE of the calls of a FAIR_WINDOW_S window (a third is
-# 33 %), reached within FAIR_WITHIN_S of the third being live.
+# third frontend joins. With OPENENGINE_MAX_CONNECTION_AGE_S=AGE_S the clients' connections are made to reconnect
+# (GOAWAY on grpcio; refusal, then close once quiet, on pygrpc-native), and the reconnection is balanced anew.
+# Two ways behind one name:
+# - "headless": one address per frontend in a DNS name (a headless Service), clients balancing round_robin;
+#   reconnecting makes them re-resolve the name and find the third;
+# - "service": every frontend on one address and port (SO_REUSEPORT: the kernel spreads new connections over
+#   the processes, as a ClusterIP Service's proxy spreads them over pods); clients use pick_first.
+# Fair share: at least FAIR_SHARE of the calls of a FAIR_WINDOW_S window (a third is 33 %), reached within
+# FAIR_WITHIN_S of the third being live.
 AGE_S = 1.0
 FAIR_SHARE = 0.20
 FAIR_WINDOW_S = 1.0
 FAIR_WITHIN_S = 8.0
 # grpc-core re-resolves a name at most every 30 s by default; a test cannot wait for that (see docs/kubernetes.md)
 RESOLVE_OPTIONS = (("grpc.dns_min_time_between_resolutions_ms", 200),)
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)  # channels with equal options would share one
+ROUTES = {"headless": (["127.0.0.1", "127.0.0.2", "127.0.0.3"], ("grpc.lb_policy_name", "round_robin")),
+          "service": (["127.0.0.1"] * 3, ("grpc.lb_policy_name", "pick_first"))}
 
 
 class CallLog:
@@ -167,36 +187,41 @@ def fair_share_after(calls, newcomer: str, since: float) -> float | None:
     return None
 
 
+def open_callers(target: str, policy) -> tuple[list, list[tuple[str, object]]]:
+    """(what to close, (client kind, GetServerInfo)): the project's client (round_robin for dns: targets,
+    pick_first otherwise) and standard grpc channels with and without a retry policy for UNAVAILABLE."""
+    clients = [Client(target, options=RESOLVE_OPTIONS) for _ in range(3)]
+    standard = [policy, *RESOLVE_OPTIONS, *OWN_CONNECTION]
+    retrying = [grpc.insecure_channel(target, options=standard + [("grpc.enable_retries", 1),
+                                                                  ("grpc.service_config", SERVICE_CONFIG)])
+                for _ in range(3)]
+    bare = grpc.insecure_channel(target, options=standard + [("grpc.enable_retries", 0)])
+    callers = ([("project", c.control.GetServerInfo) for c in clients]
+               + [("retrying", ControlStub(c).GetServerInfo) for c in retrying]
+               + [("no-retries", ControlStub(bare).GetServerInfo)])
+    return clients + retrying + [bare], callers
+
+
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("server", SERVERS)
-def test_third_frontend_gets_a_fair_share_under_steady_load(server):
-    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+def test_third_frontend_gets_a_fair_share_under_steady_load(server, route):
+    hosts, policy = ROUTES[route]
     port = free_port()
     age = ("--max-connection-age-s", str(AGE_S), "--drain-timeout-s", "2")
     frontends = start_frontends(server, hosts[:2], port, *age)
     log = CallLog()
-    channels = []
+    to_close = []
     try:
         with LoopbackDns(NAME, hosts[:2]) as dns:
-            target = dns.target(port)
-            clients = [Client(target, options=RESOLVE_OPTIONS) for _ in range(3)]  # the project's: round_robin
-            # standard gRPC channels: round_robin with and without a retry policy for UNAVAILABLE
-            standard = {"retrying": [("grpc.lb_policy_name", "round_robin"), ("grpc.enable_retries", 1),
-                                     ("grpc.service_config", SERVICE_CONFIG), *RESOLVE_OPTIONS],
-                        "no-retries": [("grpc.lb_policy_name", "round_robin"), ("grpc.enable_retries", 0),
-                                       *RESOLVE_OPTIONS]}
-            channels = [grpc.insecure_channel(target, options=standard["retrying"]) for _ in range(3)]
-            bare = grpc.insecure_channel(target, options=standard["no-retries"])
-            channels.append(bare)
-            callers = ([("project", c.control.GetServerInfo) for c in clients]
-                       + [("retrying", ControlStub(c).GetServerInfo) for c in channels[:3]]
-                       + [("no-retries", ControlStub(bare).GetServerInfo)])
+            to_close, callers = open_callers(dns.target(port) if route == "headless" else f"127.0.0.1:{port}",
+                                             policy)
             threads = [threading.Thread(target=log.run, args=caller, daemon=True) for caller in callers]
             for thread in threads:
                 thread.start()
             time.sleep(2.0)
             third = start_frontends(server, hosts[2:], port, *age)[0]
             frontends.append(third)
-            newcomer = processes_id(third.target)
+            newcomer = third.instance_id
             dns.addresses.append(hosts[2])
             joined = log.now()
             processes.wait_for(lambda: (log.calls and log.calls[-1][0] > joined + FAIR_WINDOW_S
@@ -205,20 +230,19 @@ def test_third_frontend_gets_a_fair_share_under_steady_load(server):
             log.stop.set()
             for thread in threads:
                 thread.join(timeout=10)
-            moved = sum(processes.metric(processes.scrape(f.metrics_port), "openengine_frontend_connections_moved_total")
-                        for f in frontends)
-        for client in clients:
-            client.close()
+            moved = sum(processes.metric(processes.scrape(f.metrics_port),
+                                         "openengine_frontend_connections_moved_total") for f in frontends)
     finally:
         log.stop.set()
-        for channel in channels:
-            channel.close()
+        for closable in to_close:
+            closable.close()
         for frontend in frontends:
             frontend.stop()
     after = fair_share_after(log.calls, newcomer, joined)
     errors = Counter((kind, outcome) for _, kind, outcome in log.calls if outcome.isupper())
-    served = Counter(outcome for _, _, outcome in log.calls if not outcome.isupper())
-    print(f"{server}: fair share after {after:.1f} s; calls by frontend {dict(served)}; errors {dict(errors)}; "
+    served = Counter(outcome for t, _, outcome in log.calls if not outcome.isupper() and t >= joined)
+    print(f"{server}/{route}: fair share after {after:.1f} s; calls by frontend since the third joined "
+          f"{dict(served)} (third: {newcomer}); errors {dict(errors)} of {len(log.calls)} calls; "
           f"connections moved {moved:g}")
     assert after is not None and after <= FAIR_WITHIN_S, (after, served)
     # clients with retries see no error; one without sees only retry-safe refusals

@@ -44,23 +44,26 @@ def test_an_aged_connection_refuses_new_calls_and_waits_for_its_open_ones():
     assert ages.due([PEER]) == [PEER]
 
 
-def test_refused_calls_do_not_keep_a_connection_from_closing():
+def one_call_ended() -> tuple[Clock, ConnectionAges]:
+    """A connection with a maximum age of 1 s whose one call has ended."""
     clock = Clock()
     ages = ConnectionAges(1.0, 50051, clock)
     assert ages.open(PEER)
     ages.close(PEER)
+    return clock, ages
+
+
+def test_refused_calls_do_not_keep_a_connection_from_closing():
+    clock, ages = one_call_ended()
     clock.now += 1.0
     for _ in range(5):
-        clock.now += QUIET_S / 5
+        clock.now += QUIET_S / 4
         assert not ages.open(PEER)
     assert ages.due([PEER]) == [PEER]
 
 
 def test_closed_connections_refuse_late_calls_then_are_forgotten():
-    clock = Clock()
-    ages = ConnectionAges(1.0, 50051, clock)
-    assert ages.open(PEER)
-    ages.close(PEER)
+    clock, ages = one_call_ended()
     clock.now += 2.0
     ages._mark_closed(PEER)
     assert not ages.open(PEER)             # a call that was already on its way

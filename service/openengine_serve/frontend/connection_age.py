@@ -11,6 +11,9 @@ address):
    Service's new connection, or a `dns:///` client re-resolving).
 Shutting down a socket the Rust server owns is what a client's disconnect looks like to it: it ends the
 connection normally.
+Neither half works alone: under steady load a connection is never quiet long enough to be closed safely
+(a response handed to the Rust side may not have reached the kernel yet), and a refusal alone leaves the
+connection up, so a standard client's retry lands on it again.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class Deployment:
         self.node_stubs = {e.node_id: add_fake_node(self.nodes, e)[1] for e in self.entries}
         self.coordinator_stub = FakeCoordinatorStub(self.entries[1])
         self.coordinator = coordinator_client(self.coordinator_stub, self.nodes)
-        self.coordinator._set_nodes(self.entries)
+        self.coordinator._set_nodes(self.coordinator.shards[0], self.entries)
         self.requests = Requests("fe-test", self.coordinator, self.nodes, FallbackRouter())
 
     def coordinator_unreachable(self) -> None:

@@ -46,6 +46,26 @@ def _stop_grace_knob() -> Any:
                      "before the server closes them", minimum=0)
 
 
+def _coordinator_address_knob() -> Any:
+    """One definition for the node's and the frontend's field (one row in the README table)."""
+    return knob("127.0.0.1:50052", "host:port of the coordinator; a comma-separated list shards the request ids "
+                                   "over several coordinators (every node and frontend must list the same "
+                                   "addresses, spelled the same; docs/coordinator.md)")
+
+
+def coordinator_addresses(value: str) -> tuple[str, ...]:
+    """OPENENGINE_COORDINATOR_ADDRESS as its list of coordinators; ConfigError names what is wrong."""
+    addresses = tuple(a.strip() for a in value.split(","))
+    if not all(addresses):
+        raise ConfigError(f"OPENENGINE_COORDINATOR_ADDRESS must be host:port, or a comma-separated list of them "
+                          f"without empty entries; got {value!r}")
+    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
+    if repeated:
+        raise ConfigError(f"OPENENGINE_COORDINATOR_ADDRESS lists {', '.join(repeated)} more than once; each "
+                          f"coordinator once (got {value!r})")
+    return addresses
+
+
 def _rpc_timeout_knob() -> Any:
     """One definition for the coordinator's and the node's field (one row in the README table)."""
     return knob(5.0, "deadline of each call this component makes to another one (node: register and heartbeat; "
@@ -91,7 +111,7 @@ class CoordinatorConfig(CommonConfig):
 class NodeConfig(CommonConfig):
     port: int = knob(50053, "node gRPC port (internal protocol)", minimum=1, maximum=65535)
     metrics_port: int = knob(9093, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
-    coordinator_address: str = knob("127.0.0.1:50052", "host:port of the coordinator")
+    coordinator_address: str = _coordinator_address_knob()
     advertise_address: str = knob("", "host:port frontends dial for this node (default: this host's name, "
                                       "or --host when it is not a wildcard, and --port)")
     node_rank: int = knob(-1, "this node's rank, the `openengine-target-dp-rank` routing target "
@@ -119,6 +139,12 @@ class NodeConfig(CommonConfig):
     def component(cls) -> str:
         return "node"
 
+    def __post_init__(self) -> None:
+        coordinator_addresses(self.coordinator_address)
+
+    def coordinators(self) -> tuple[str, ...]:
+        return coordinator_addresses(self.coordinator_address)
+
     def resolved_advertise_address(self) -> str:
         if self.advertise_address:
             return self.advertise_address
@@ -130,7 +156,7 @@ class NodeConfig(CommonConfig):
 class FrontendConfig(CommonConfig):
     port: int = knob(50051, "public OpenEngine gRPC port", minimum=1, maximum=65535)
     metrics_port: int = knob(9091, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
-    coordinator_address: str = knob("127.0.0.1:50052", "host:port of the coordinator")
+    coordinator_address: str = _coordinator_address_knob()
     grpc_server: str = knob("grpcio", "gRPC server of the public frontend", choices=GRPC_SERVERS)
     workers: int = knob(1, "frontend processes sharing the public port (SO_REUSEPORT)", minimum=1, maximum=64,
                         env="OPENENGINE_FRONTEND_WORKERS")
@@ -185,6 +211,12 @@ class FrontendConfig(CommonConfig):
     @classmethod
     def component(cls) -> str:
         return "frontend"
+
+    def __post_init__(self) -> None:
+        coordinator_addresses(self.coordinator_address)
+
+    def coordinators(self) -> tuple[str, ...]:
+        return coordinator_addresses(self.coordinator_address)
 
     def aliases(self) -> tuple[str, ...]:
         return tuple(a.strip() for a in self.model_aliases.split(",") if a.strip())

@@ -15,7 +15,7 @@ from ..common.grpc_server import ServerImplementation
 from ..common.health import Health
 from ..common.logging_setup import log_event
 from . import auth
-from .coordinator_client import CoordinatorClient
+from .coordinator_client import AbortIncomplete, CoordinatorClient
 from .inference import MAX_TOP_N
 from .probe import InferenceProbe
 
@@ -116,7 +116,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
         else:
             checks.append(lifecycle_pb2.HealthCheck(
                 name="coordinator", state=DEGRADED if ready_nodes else NOT_READY,
-                message=f"coordinator {coordinator.address} unreachable; "
+                message=f"coordinator {', '.join(coordinator.unreachable_addresses())} unreachable; "
                         f"serving from the last known node table ({len(ready_nodes)} ready nodes)"))
         checks.append(lifecycle_pb2.HealthCheck(
             name="scheduler", state=READY if ready_nodes else NOT_READY,
@@ -148,6 +148,11 @@ class Control(openengine_pb2_grpc.ControlServicer):
         except grpc.aio.AioRpcError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"abort needs the coordinator, which is unreachable ({exc.code().name})")
+            return
+        except AbortIncomplete as exc:  # several coordinators, some unreachable: what the others aborted stays
+            log_event(logger, "abort incomplete", logging.WARNING, target=target, key=auth.caller_label(),
+                      aborted=exc.aborted, unreachable=[address for address, _ in exc.unreachable])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; retry the Abort")
             return
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_NOT_FOUND:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not known")

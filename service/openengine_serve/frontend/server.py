@@ -47,7 +47,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s,
                             open_channel=open_internal_channel)
     coordinator = CoordinatorClient(
-        frontend_id, config.coordinator_address, f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
+        frontend_id, config.coordinators(), f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
         config.coordinator_timeout_s, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only,
         open_channel=open_internal_channel)
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())

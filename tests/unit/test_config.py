@@ -36,8 +36,6 @@ def test_frontend_workers_variable_name():
     ({"OPENENGINE_MAX_CONNECTION_AGE_S": "-5"}, "OPENENGINE_MAX_CONNECTION_AGE_S must be >= 0"),
     ({"OPENENGINE_COORDINATOR_ADDRESS": "c0:50052,,c1:50052"}, "without empty entries; got 'c0:50052,,c1:50052'"),
     ({"OPENENGINE_COORDINATOR_ADDRESS": "c0:1, c1:1,c0:1"}, "lists c0:1 more than once"),
-    ({"OPENENGINE_MAX_CONNECTION_AGE_S": "60", "OPENENGINE_GRPC_SERVER": "pygrpc-native"},
-     "OPENENGINE_MAX_CONNECTION_AGE_S is grpcio only"),
 ])
 def test_invalid_values_name_the_variable(env, needle):
     with pytest.raises(cfg.ConfigError, match=needle.replace("(", r"\(")):
@@ -67,8 +65,8 @@ def test_advertise_address_defaults():
     assert cfg.NodeConfig(advertise_address="n1:1").resolved_advertise_address() == "n1:1"
 
 
-def test_max_connection_age_on_grpcio_and_off_on_native():
+def test_max_connection_age_on_both_servers():
     assert cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60"}).max_connection_age_s == 60
-    native = cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "0",
+    native = cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60",
                                                  "OPENENGINE_GRPC_SERVER": "pygrpc-native"})
-    assert (native.grpc_server, native.max_connection_age_s) == ("pygrpc-native", 0)
+    assert (native.grpc_server, native.max_connection_age_s) == ("pygrpc-native", 60)

@@ -187,9 +187,12 @@ class FrontendConfig(CommonConfig):
     native_io_threads: int = knob(0, "pygrpc-native's Rust I/O threads per worker (0: derived from the worker's "
                                      "CPU budget, the smaller of CPU affinity and cgroup CPU quota divided by the "
                                      "workers: 1 when it is at most one CPU, else 2)", minimum=0, maximum=64)
-    max_connection_age_s: float = knob(0.0, "grpcio only: a client connection older than this gets GOAWAY and "
-                                            "reconnects (spreads load over frontends added later); calls still "
-                                            "open get OPENENGINE_DRAIN_TIMEOUT_S to finish (0: off)", minimum=0)
+    max_connection_age_s: float = knob(0.0, "a client connection older than this is made to reconnect, which "
+                                            "spreads load over frontends added later (0: off). grpcio: GOAWAY, "
+                                            "calls still open get OPENENGINE_DRAIN_TIMEOUT_S to finish. "
+                                            "pygrpc-native: age from the connection's first call; new calls on "
+                                            "it are refused (UNAVAILABLE, not started) and it is closed once "
+                                            "its open calls have ended", minimum=0)
     tls_cert_file: str = knob("", "PEM certificate chain of the public port: TLS only (grpcio; reloaded when "
                                   "the file changes)", unset="(none: off)")
     tls_key_file: str = knob("", "PEM private key of OPENENGINE_TLS_CERT_FILE", unset="(none: off)")
@@ -216,9 +219,6 @@ class FrontendConfig(CommonConfig):
 
     def __post_init__(self) -> None:
         coordinator_addresses(self.coordinator_address)
-        if self.max_connection_age_s and self.grpc_server == "pygrpc-native":
-            raise ConfigError("OPENENGINE_MAX_CONNECTION_AGE_S is grpcio only: pygrpc-native has no maximum "
-                              "connection age; unset it (0) or use OPENENGINE_GRPC_SERVER=grpcio")
 
     def coordinators(self) -> tuple[str, ...]:
         return coordinator_addresses(self.coordinator_address)

@@ -19,7 +19,9 @@ import collections
 
 import grpc
 
+from . import metrics
 from .auth import OPEN_PREFIXES, handler_kind, refusal
+from .connection_age import REFUSAL, ConnectionAges
 
 HPACK_ENTRY_OVERHEAD = 32  # bytes HTTP/2 adds per header field when it counts a header list's size
 # The transports' header-list limit. Both count more than the interceptor does (pseudo-headers, HPACK
@@ -39,9 +41,11 @@ def transport_options(config) -> tuple[tuple[str, int], ...]:
 
 
 class LimitsInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, max_metadata_bytes: int, max_concurrent_streams: int) -> None:
+    def __init__(self, max_metadata_bytes: int, max_concurrent_streams: int,
+                 ages: ConnectionAges | None = None) -> None:
         self.max_metadata_bytes = max_metadata_bytes
         self.max_concurrent_streams = max_concurrent_streams
+        self.ages = ages  # pygrpc-native with OPENENGINE_MAX_CONNECTION_AGE_S (connection_age.py)
         self.open_calls: collections.Counter[str] = collections.Counter()  # by connection (peer address)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -60,6 +64,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         behavior = getattr(handler, kind)
         limit = self.max_concurrent_streams
         open_calls = self.open_calls
+        ages = self.ages
         over = (f"more than {limit} concurrent calls on one connection (OPENENGINE_MAX_CONCURRENT_STREAMS); "
                 "open another connection or wait for a call to end")
 
@@ -67,10 +72,15 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             peer = context.peer()
             if open_calls[peer] >= limit:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, over)
+            if ages is not None and not ages.open(peer):
+                metrics.CONNECTION_AGE_REFUSALS.inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
             open_calls[peer] += 1
             try:
                 return await behavior(request, context)
             finally:
+                if ages is not None:
+                    ages.close(peer)
                 remaining = open_calls[peer] - 1
                 if remaining:
                     open_calls[peer] = remaining
@@ -88,5 +98,5 @@ def _is_async_gen(behavior) -> bool:
     return inspect.isasyncgenfunction(behavior)
 
 
-def interceptors(config) -> tuple[LimitsInterceptor, ...]:
-    return (LimitsInterceptor(config.max_metadata_bytes, config.max_concurrent_streams),)
+def interceptors(config, ages: ConnectionAges | None = None) -> tuple[LimitsInterceptor, ...]:
+    return (LimitsInterceptor(config.max_metadata_bytes, config.max_concurrent_streams, ages),)

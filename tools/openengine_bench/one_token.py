@@ -4,7 +4,10 @@ Starts `openengine-serve up --nodes N --workers 1 --grpc-server S` for each
 server in turn, keeps --inflight 1-token Generate calls in flight over 8
 client channels, and reports requests/s and the CPU per request of the
 frontend worker and of the coordinator (from /proc/<pid>/stat over the window).
-Short requests are bound by what each request costs, not by tokens.
+Short requests are bound by what each request costs, not by tokens. `--rounds N`
+measures N windows per stack; "req/s per core" (1 s / frontend CPU per request) is
+what the worker would serve with a core to itself, which a machine that runs the
+load generator and the backend beside it cannot show directly.
 
 `--pythonpath DIR` runs the deployment from another source tree (an older
 checkout's service/), for before/after figures on the same machine.
@@ -41,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--inflight", type=int, default=256)
     p.add_argument("--window-s", type=float, default=6.0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measured windows per server, one after the other on the same stack (one line each)")
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--pythonpath", default="", help="run the deployment from this source tree")
     p.add_argument("--label", default="", help="a name for this run in the output (e.g. before, after)")
@@ -63,7 +68,7 @@ def child_named(parent: int, command: str) -> int:
     raise RuntimeError(f"no `{command}` process under pid {parent}")
 
 
-async def drive(target: str, frontend: int, coordinator: int, args: argparse.Namespace) -> dict:
+async def drive(target: str, frontend: int, coordinator: int, args: argparse.Namespace) -> list[dict]:
     channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
     stubs = [openengine_pb2_grpc.InferenceStub(c) for c in channels]
     state = {"done": 0, "errors": 0, "stop": False, "record": False}
@@ -85,21 +90,28 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
 
     tasks = [asyncio.create_task(loop(i)) for i in range(args.inflight)]
     await asyncio.sleep(args.warmup_s)
-    state["record"] = True
-    f0, c0, t0 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
-    await asyncio.sleep(args.window_s)
-    f1, c1, t1 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
+    results = []
+    for _ in range(args.rounds):
+        done0, errors0 = state["done"], state["errors"]
+        state["record"] = True
+        f0, c0, t0 = cpu_seconds([frontend]), cpu_seconds([coordinator]), time.monotonic()
+        await asyncio.sleep(args.window_s)
+        f1, c1, t1 = cpu_seconds([frontend]), cpu_seconds([coordinator]), time.monotonic()
+        done = state["done"] - done0
+        results.append({"requests_per_s": done / (t1 - t0), "frontend_cores": (f1 - f0) / (t1 - t0),
+                        "frontend_cpu_us_per_request": 1e6 * (f1 - f0) / max(1, done),
+                        # what one worker would serve with a whole core to itself: bound by its CPU per request
+                        "requests_per_frontend_core_s": done / max(f1 - f0, 1e-9),
+                        "coordinator_cpu_us_per_request": 1e6 * (c1 - c0) / max(1, done),
+                        "errors": state["errors"] - errors0})
     state["record"], state["stop"] = False, True
     await asyncio.gather(*tasks, return_exceptions=True)
     for channel in channels:
         await channel.close()
-    done = max(1, state["done"])
-    return {"requests_per_s": state["done"] / (t1 - t0), "frontend_cores": (f1 - f0) / (t1 - t0),
-            "frontend_cpu_us_per_request": 1e6 * (f1 - f0) / done,
-            "coordinator_cpu_us_per_request": 1e6 * (c1 - c0) / done, "errors": state["errors"]}
+    return results
 
 
-def run_server(server: str, args: argparse.Namespace) -> dict:
+def run_server(server: str, args: argparse.Namespace) -> list[dict]:
     port = free_port()
     env = dict(os.environ)
     if args.pythonpath:
@@ -114,7 +126,7 @@ def run_server(server: str, args: argparse.Namespace) -> dict:
             if up.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"`openengine-serve up --grpc-server {server}` did not become ready")
             time.sleep(0.5)
-        result = asyncio.run(drive(target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"), args))
+        results = asyncio.run(drive(target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"), args))
     finally:
         up.terminate()
         try:
@@ -122,7 +134,7 @@ def run_server(server: str, args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             up.kill()
             up.wait()
-    return {"server": server, "label": args.label, **result}
+    return [{"server": server, "label": args.label, **result} for result in results]
 
 
 def main(argv: list[str]) -> int:
@@ -130,11 +142,12 @@ def main(argv: list[str]) -> int:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     for server in (s.strip() for s in args.servers.split(",") if s.strip()):
-        result = run_server(server, args)
-        with open(out / "one-token.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(result) + "\n")
-        print(f"{server:14} {args.label:8} {result['requests_per_s']:8.0f} req/s  frontend "
-              f"{result['frontend_cpu_us_per_request']:6.0f} µs/req ({result['frontend_cores']:.2f} cores)  "
-              f"coordinator {result['coordinator_cpu_us_per_request']:5.0f} µs/req  errors {result['errors']}",
-              flush=True)
+        for result in run_server(server, args):
+            with open(out / "one-token.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(result) + "\n")
+            print(f"{server:14} {args.label:8} {result['requests_per_s']:8.0f} req/s  frontend "
+                  f"{result['frontend_cpu_us_per_request']:6.0f} µs/req ({result['frontend_cores']:.2f} cores, "
+                  f"{result['requests_per_frontend_core_s']:5.0f} req/s per core)  "
+                  f"coordinator {result['coordinator_cpu_us_per_request']:5.0f} µs/req  errors {result['errors']}",
+                  flush=True)
     return 0

@@ -29,6 +29,7 @@ from openengine_serve.common.net import free_port
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 40.0
+CLUSTER_STOP_TIMEOUT_S = 10.0
 FRONTEND_DRAIN_S = 2.0
 
 
@@ -384,4 +385,5 @@ class Stack:
         for proc in (self.node, self.coordinator):
             if proc is not None:
                 with contextlib.suppress(Exception):
-                    proc.stop()
+                    # Shutdown is not measured: a node that has not exited after this long is killed.
+                    proc.stop(timeout=CLUSTER_STOP_TIMEOUT_S)

@@ -436,6 +436,7 @@ class Bench:
             "scenario": report.scenario_name(workload, connections), "workload": workload,
             "connections": connections, "server": server, "round": r, "window_s": window,
             "tokens": tokens, "messages": merged["window_messages"], "tokens_per_s": tokens / window,
+            "tokens_per_message": tokens / merged["window_messages"] if merged["window_messages"] else None,
             "frontend_cpu_s": front_cpu, "cpu_us_per_token": (front_cpu / tokens * 1e6) if tokens else None,
             "client_us_per_token": (client_cpu / tokens * 1e6) if tokens and client_cpu is not None else None,
             "frontend_util": frontend_util, "other_util": other_util,

@@ -332,10 +332,11 @@ def _saturation(run: _Run, job: dict[str, Any], calls: dict, tasks: list) -> Non
 
 # ---------------------------------------------------------------- worker processes
 
-def _worker_main(conn, cpus: list[int] | None) -> None:
+def _worker_main(conn, cpus: list[int] | None, loop_name: str = "") -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)  # before grpc starts its threads: they inherit the mask
-    loop = new_event_loop()  # the components' loop (uvloop where it exists)
+    # The components' loop (uvloop where it exists) unless asked for asyncio's own (as a plain grpc.aio client runs)
+    loop = asyncio.new_event_loop() if loop_name == "asyncio" else new_event_loop()
     asyncio.set_event_loop(loop)
     while True:
         job = conn.recv()
@@ -351,12 +352,13 @@ def _worker_main(conn, cpus: list[int] | None) -> None:
 class LoadPool:
     """P persistent load-generator processes (spawned, pinned), driven job by job."""
 
-    def __init__(self, procs: int, cpus: Sequence[int] | None) -> None:
+    def __init__(self, procs: int, cpus: Sequence[int] | None, loop_name: str = "") -> None:
         ctx = multiprocessing.get_context("spawn")
         self.workers = []
         for _ in range(procs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, list(cpus) if cpus else None), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(child, list(cpus) if cpus else None, loop_name),
+                               daemon=True)
             proc.start()
             self.workers.append((proc, parent))
 

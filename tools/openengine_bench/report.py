@@ -33,15 +33,16 @@ METRICS: dict[str, tuple[str, str]] = {
     "frontend_core_busy": ("frontend core busy", "fraction"),
     "other_core_busy": ("other cores busy", "fraction"),
     "foreign_frontend_core": ("foreign load on frontend core", "fraction"),
+    "tokens_per_message": ("tokens/message", "ratio"),
     "client_us_per_token": ("load generator CPU/token", "µs"),
     "errors": ("errors", "count"),
 }
 STACK_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                  "frontend_util", "frontend_core_busy", "foreign_frontend_core", "other_core_busy",
-                 "client_us_per_token", "errors")
+                 "tokens_per_message", "client_us_per_token", "errors")
 # Unpinned placements have no core of their own: the per-core columns do not apply.
 UNPINNED_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                    "frontend_util", "other_core_busy", "client_us_per_token", "errors")
+                    "frontend_util", "other_core_busy", "tokens_per_message", "client_us_per_token", "errors")
 BASELINE_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "frontend_util", "frontend_core_busy", "other_core_busy",
                     "errors")
 
@@ -342,7 +343,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def metric_title(metric: str) -> str:
     title, unit = METRICS[metric]
-    return f"{title} ({unit})" if unit not in ("count", "fraction", "1/s") else title
+    return f"{title} ({unit})" if unit not in ("count", "fraction", "1/s", "ratio") else title
 
 
 def scenario_table(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], mode: str,

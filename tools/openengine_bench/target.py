@@ -25,7 +25,7 @@ from typing import Any
 from . import report
 
 SCENARIO_COLUMNS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "cpu_us_per_token",
-                    "frontend_util", "client_us_per_token", "errors")
+                    "frontend_util", "tokens_per_message", "client_us_per_token", "errors")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-s", type=float, default=30.0, help="fixed load: wait this long for open requests")
     p.add_argument("--client-procs", type=int, default=1, help="load generator processes (default 1)")
     p.add_argument("--client-cpus", default="", help="pin the load generator to these CPUs (e.g. '1')")
+    p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
+                   help="the load generator's event loop (default uvloop, as the harness; asyncio: as a plain "
+                        "grpc.aio client)")
     p.add_argument("--output", default="bench-target", help="directory for target.json and target.md")
     return p
 
@@ -97,7 +100,7 @@ class TargetBench:
         plan = [("fixed", c) for c in self.connections]
         if self.args.saturation > 0:
             plan += [("saturation", c) for c in self.connections]
-        pool = LoadPool(self.args.client_procs, self.client_cpus)
+        pool = LoadPool(self.args.client_procs, self.client_cpus, self.args.client_loop)
         try:
             for r in range(1, self.args.rounds + 1):
                 for workload, c in plan:
@@ -149,6 +152,7 @@ class TargetBench:
             "mode": "target", "scenario": scenario, "workload": workload, "connections": connections,
             "server": "target", "round": r, "window_s": window, "tokens": tokens, "tokens_per_s": tokens / window,
             "messages": merged["window_messages"],
+            "tokens_per_message": tokens / merged["window_messages"] if merged["window_messages"] else None,
             "cpu_us_per_token": front / tokens * 1e6 if front is not None and tokens else None,
             "frontend_util": None if front is None else front / window,
             "client_us_per_token": cpu["load generator"] / tokens * 1e6 if tokens else None,
@@ -174,6 +178,7 @@ class TargetBench:
                 "prompt_tokens": self.args.prompt_tokens, "output_tokens": self.args.output_tokens,
                 "rounds": self.args.rounds, "warmup_s": self.args.warmup_s, "window_s": self.args.window_s,
                 "client_procs": self.args.client_procs, "client_cpus": self.client_cpus,
+                "client_loop": self.args.client_loop,
                 "tls": "tls" in self.extra, "api_key": bool(self.extra.get("api_key")), "nproc": os.cpu_count()}
         meta["server_info"] = self.server_info()
         return meta

@@ -288,7 +288,8 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _open_channel(job: dict[str, Any]) -> grpc.aio.Channel:
-    """One channel (its own TCP connection); TLS when the job carries a CA file or asks for the system roots."""
+    """One channel (its own TCP connection); TLS as the job's `tls` says (CA file or the system roots, a client
+    certificate for mutual TLS)."""
     tls = job.get("tls")
     if not tls:
         return grpc.aio.insecure_channel(job["target"], options=channel_options())
@@ -296,8 +297,8 @@ def _open_channel(job: dict[str, Any]) -> grpc.aio.Channel:
 
     options = channel_options() + ([("grpc.ssl_target_name_override", tls["server_name"])]
                                    if tls.get("server_name") else [])
-    return grpc.aio.secure_channel(job["target"], channel_credentials(tls.get("ca_file", ""), "", ""),
-                                   options=options)
+    return grpc.aio.secure_channel(job["target"], channel_credentials(tls.get("ca_file", ""), tls.get("cert_file", ""),
+                                                                      tls.get("key_file", "")), options=options)
 
 
 async def _fixed(run: _Run, job: dict[str, Any], calls: dict, tasks: list, prepared: dict[int, bytes]) -> None:

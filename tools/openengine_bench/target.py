@@ -22,6 +22,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from openengine_serve.cli import add_credential_arguments, credentials
+
 from . import report
 
 SCENARIO_COLUMNS = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "cpu_us_per_token",
@@ -35,11 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontend-pids", default="",
                    help="comma-separated pids of the frontend's processes on this machine (children included): "
                         "their CPU per token is reported")
-    p.add_argument("--tls", action="store_true", help="TLS with the system roots (or --ca-file)")
-    p.add_argument("--ca-file", default="", help="CA certificate that verifies the frontend (implies --tls)")
-    p.add_argument("--server-name", default="", help="name to check in the frontend's certificate")
-    p.add_argument("--api-key", default="", help="sent as `authorization: Bearer <key>` (default "
-                                                 "$OPENENGINE_API_KEY)")
+    add_credential_arguments(p)  # the same TLS / API key flags as the other client commands
     p.add_argument("--model", default="", help="model name in the requests (default: the harness's)")
     p.add_argument("--connections", default="32,1", help="client connection counts (default 32,1)")
     p.add_argument("--rate", type=float, default=40.0, help="fixed load: requests/s, open-loop (default 40)")
@@ -84,10 +82,11 @@ class TargetBench:
             if not os.path.exists(f"/proc/{pid}"):
                 raise SystemExit(f"--frontend-pids: no process {pid} on this machine")
         self.client_cpus = parse_cpus(args.client_cpus) if args.client_cpus else None
-        api_key = args.api_key or os.environ.get("OPENENGINE_API_KEY", "")
-        self.extra: dict[str, Any] = {"api_key": api_key}
-        if args.tls or args.ca_file:
-            self.extra["tls"] = {"ca_file": args.ca_file, "server_name": args.server_name}
+        self.credentials = credentials(args)
+        self.extra: dict[str, Any] = {"api_key": self.credentials.api_key}
+        if self.credentials.uses_tls:
+            self.extra["tls"] = {"ca_file": self.credentials.ca_file, "cert_file": self.credentials.cert_file,
+                                 "key_file": self.credentials.key_file, "server_name": self.credentials.server_name}
         if args.model:
             self.extra["model"] = args.model
         self.rounds: list[dict[str, Any]] = []
@@ -188,13 +187,10 @@ class TargetBench:
         from google.protobuf import json_format
 
         from openengine_serve.api.openengine.v1 import server_pb2
-        from openengine_serve.client import Client, Credentials
+        from openengine_serve.client import Client
 
-        tls = self.extra.get("tls") or {}
-        credentials = Credentials(ca_file=tls.get("ca_file", ""), tls=bool(tls), server_name=tls.get("server_name", ""),
-                                  api_key=self.extra.get("api_key", ""))
         with contextlib.suppress(Exception):
-            with Client(self.args.target, credentials=credentials) as client:
+            with Client(self.args.target, credentials=self.credentials) as client:
                 info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
             return json_format.MessageToDict(info)
         return {}

@@ -92,12 +92,13 @@ def test_bench_target_drives_a_running_stack(tmp_path):
             assert up.poll() is None and time.monotonic() < deadline, "the stack did not come up"
             time.sleep(0.3)
         [frontend] = [p for p in descendants(up.pid) if b"openengine_serve\x00frontend" in _cmdline(p)]
-        out = tmp_path / "target"
-        done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", f"127.0.0.1:{port}",
-                               "--frontend-pids", str(frontend), "--connections", "4", "--rate", "20",
-                               "--saturation", "16", "--rounds", "1", "--warmup-s", "0.5", "--window-s", "1.5",
-                               "--output", str(out)], capture_output=True, text=True, timeout=120, env=_bench_env())
-        assert done.returncode == 0, f"failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        for client in ("grpc-aio", "h2"):  # both load generator clients against the same frontend
+            done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", f"127.0.0.1:{port}",
+                                   "--frontend-pids", str(frontend), "--connections", "4", "--rate", "20",
+                                   "--saturation", "16", "--rounds", "1", "--warmup-s", "0.5", "--window-s", "1.5",
+                                   "--client", client, "--output", str(tmp_path / client)],
+                                  capture_output=True, text=True, timeout=120, env=_bench_env())
+            assert done.returncode == 0, f"{client} ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     finally:
         up.send_signal(signal.SIGTERM)
         try:
@@ -105,14 +106,15 @@ def test_bench_target_drives_a_running_stack(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
-    result = json.loads((out / "target.json").read_text())
-    assert [(r["scenario"], r["round"]) for r in result["rounds"]] == [("fixed-c4", 1), ("saturation-c4", 1)]
-    for r in result["rounds"]:
-        assert r["errors"] == 0 and r["tokens"] > 0, r
-        assert r["cpu_us_per_token"] > 0 and r["client_us_per_token"] > 0, r
-        assert r["ttft_p50_ms"] is not None and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0, r
-    assert result["meta"]["server_info"], result["meta"]
-    assert "| fixed-c4" in (out / "target.md").read_text()
+    for client in ("grpc-aio", "h2"):
+        result = json.loads((tmp_path / client / "target.json").read_text())
+        assert [(r["scenario"], r["round"]) for r in result["rounds"]] == [("fixed-c4", 1), ("saturation-c4", 1)]
+        for r in result["rounds"]:
+            assert r["errors"] == 0 and r["tokens"] > 0, (client, r)
+            assert r["cpu_us_per_token"] > 0 and r["client_us_per_token"] > 0, (client, r)
+            assert r["ttft_p50_ms"] is not None and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0, (client, r)
+        assert result["meta"]["server_info"]["extra"]["grpc_server"] == server, result["meta"]
+        assert "| fixed-c4" in (tmp_path / client / "target.md").read_text()
     bad = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", "127.0.0.1:1",
                           "--frontend-pids", "x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--frontend-pids 'x'" in bad.stderr

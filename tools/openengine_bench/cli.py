@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-procs", type=int, default=0,
                    help="load generator processes (default: one per non-frontend CPU, at most 4)")
     p.add_argument("--no-baseline", action="store_true", help="skip the bare-server baseline (pinned placement)")
+    p.add_argument("--client", choices=("grpc-aio", "h2"), default="grpc-aio",
+                   help="load generator client: grpc-aio (default) or h2, a minimal HTTP/2 client for this one call "
+                        "(experimental: several times less client CPU per token, see docs/benchmarks.md)")
     p.add_argument("--rerender", action="store_true",
                    help="measure nothing: rebuild report.md, the chart and the summaries in <output>/bench.json "
                         "from its rounds (and <output>/profiles/*.txt)")
@@ -330,7 +333,8 @@ class Bench:
         # No server in the ids or seeds: both servers get the same requests.
         common = dict(target=target.target, connections=connections, procs=self.pool.size, start_at=start_at,
                       t0=t0, t1=t1, stop_at=t1, id_prefix=tag, key_base=zlib.crc32(tag.encode()) << 24,
-                      prompt_tokens=self.args.prompt_tokens, output_tokens=self.args.output_tokens)
+                      prompt_tokens=self.args.prompt_tokens, output_tokens=self.args.output_tokens,
+                      extra={"client": self.args.client})
         if workload == "fixed":
             jobs = make_jobs(kind="fixed", drain_timeout_s=self.s["fixed_drain_s"],
                              arrivals=poisson_arrivals(self.args.rate, t1 - start_at, tag), **common)
@@ -473,6 +477,7 @@ class Bench:
             "frontend_cpus": self.frontend_cpus, "other_cpus": self.other_cpus, "client_procs": self.client_procs,
             "servers": self.servers, "connections": self.connections, "rate": self.args.rate,
             "placements": [p.name for p in self.placements], "quota_cpus": self.args.quota_cpus,
+            "client": self.args.client,
             "budget_cpus": self.budget.quota_cpus if self.budget else None,
             "budget_connections": self.budget_connections if self.budget else [],
             "inflight": self.args.inflight, "prompt_tokens": self.args.prompt_tokens,

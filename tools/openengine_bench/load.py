@@ -40,6 +40,9 @@ import grpc
 from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.common.lifecycle import new_event_loop
 
+from . import h2client
+from .h2client import StreamError
+
 MASK64 = (1 << 64) - 1
 MODEL = "Qwen/Qwen3-0.6B"
 GENERATE = "/openengine.v1.Inference/Generate"
@@ -179,6 +182,7 @@ class _Run:
         self.lag_max = 0.0
         self.closing = False       # set when the run cancels what is still open on purpose
         self.cancelled_at_end = 0
+        self.eof = h2client.EOF if job.get("client") == "h2" else grpc.aio.EOF
         api_key = job.get("api_key") or ""
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
@@ -200,7 +204,7 @@ class _Run:
         started = now_fn()
         ttft_counted = t0 <= started < t1
         ttft, itl = self.ttft, self.itl
-        eof = grpc.aio.EOF
+        eof = self.eof
         try:
             call = call_factory(request, timeout=RPC_TIMEOUT_S, metadata=self.metadata)
             read = call.read
@@ -224,6 +228,9 @@ class _Run:
                     return
         except grpc.aio.AioRpcError as exc:
             self.error(exc.code().name)
+            return
+        except StreamError as exc:
+            self.error(exc.kind)
             return
         except asyncio.CancelledError:
             if self.closing:
@@ -252,11 +259,20 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     run = _Run(job)
     connections, procs, index = job["connections"], job["procs"], job["index"]
     mine = [c for c in range(connections) if c % procs == index]
-    channels = {c: _open_channel(job) for c in mine}
+    channels: dict[int, Any] = {}
     try:
-        await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels.values())), 20.0)
-        # No serializer either way: requests go out as prepared bytes, responses come in as bytes.
-        calls = {c: ch.unary_stream(GENERATE) for c, ch in channels.items()}
+        if job.get("client") == "h2":
+            if job.get("tls"):
+                raise ValueError("the h2 load generator is plaintext only; use --client grpc-aio for TLS")
+            for c, opened in zip(mine, await asyncio.wait_for(asyncio.gather(
+                    *(h2client.Connection.open(job["target"], GENERATE, run.metadata or ()) for _ in mine)), 20.0)):
+                channels[c] = opened
+            calls = {c: ch.generate for c, ch in channels.items()}
+        else:
+            channels = {c: _open_channel(job) for c in mine}
+            await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels.values())), 20.0)
+            # No serializer either way: requests go out as prepared bytes, responses come in as bytes.
+            calls = {c: ch.unary_stream(GENERATE) for c, ch in channels.items()}
         # Fixed load: every request is serialized before the first arrival; the window pays only for sending.
         prepared = {k: run.request_bytes(f"{job['id_prefix']}-{k}", job["key_base"] + k)
                     for k, _ in job.get("arrivals", ())}

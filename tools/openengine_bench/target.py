@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-s", type=float, default=30.0, help="fixed load: wait this long for open requests")
     p.add_argument("--client-procs", type=int, default=1, help="load generator processes (default 1)")
     p.add_argument("--client-cpus", default="", help="pin the load generator to these CPUs (e.g. '1')")
+    p.add_argument("--client", choices=("grpc-aio", "h2"), default="grpc-aio",
+                   help="load generator client (h2: minimal HTTP/2, plaintext only, experimental)")
     p.add_argument("--client-loop", choices=("uvloop", "asyncio"), default="uvloop",
                    help="the load generator's event loop (default uvloop, as the harness; asyncio: as a plain "
                         "grpc.aio client)")
@@ -83,7 +85,7 @@ class TargetBench:
                 raise SystemExit(f"--frontend-pids: no process {pid} on this machine")
         self.client_cpus = parse_cpus(args.client_cpus) if args.client_cpus else None
         self.credentials = credentials(args)
-        self.extra: dict[str, Any] = {"api_key": self.credentials.api_key}
+        self.extra: dict[str, Any] = {"api_key": self.credentials.api_key, "client": args.client}
         if self.credentials.uses_tls:
             self.extra["tls"] = {"ca_file": self.credentials.ca_file, "cert_file": self.credentials.cert_file,
                                  "key_file": self.credentials.key_file, "server_name": self.credentials.server_name}

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -75,39 +73,28 @@ def test_bench_quick(tmp_path):
 
 
 def test_bench_target_drives_a_running_stack(tmp_path):
-    """`bench --target` against a stack started by `openengine-serve up`: tokens, latencies and the frontend's CPU.
+    """`bench --target` against a running stack (coordinator, node, frontend; started here as the harness starts
+    them, unpinned): tokens, latencies and the frontend's CPU, with both load generator clients.
 
     One server only: this tests the load generator's side; the server under it does not change what it checks
     (both servers are driven by the same load generator in test_bench_quick)."""
-    server = "pygrpc-native"
-    from openengine_bench.stack import descendants
-    from openengine_serve.client import is_serving
-    from openengine_serve.common.net import free_port
+    from openengine_bench.stack import Stack
 
-    port = free_port("127.0.0.1")
-    up = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--host", "127.0.0.1", "--port", str(port),
-                           "--grpc-server", server], env=_bench_env(), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, start_new_session=True)
+    server = "pygrpc-native"
+    cpus = sorted(os.sched_getaffinity(0))
+    stack = Stack(tmp_path / "stack", cpus, cpus, step_ms=2.0, max_batch=256, max_queue=1024)
     try:
-        deadline = time.monotonic() + 120
-        while not is_serving(f"127.0.0.1:{port}"):
-            assert up.poll() is None and time.monotonic() < deadline, "the stack did not come up"
-            time.sleep(0.3)
-        [frontend] = [p for p in descendants(up.pid) if b"openengine_serve\x00frontend" in _cmdline(p)]
+        stack.start_cluster()
+        frontend = stack.start_frontend(server, pinned=False)
         for client in ("grpc-aio", "h2"):  # both load generator clients against the same frontend
-            done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", f"127.0.0.1:{port}",
-                                   "--frontend-pids", str(frontend), "--connections", "4", "--rate", "20",
+            done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", frontend.target,
+                                   "--frontend-pids", str(frontend.pid), "--connections", "4", "--rate", "20",
                                    "--saturation", "16", "--rounds", "1", "--warmup-s", "0.5", "--window-s", "1.5",
                                    "--client", client, "--output", str(tmp_path / client)],
                                   capture_output=True, text=True, timeout=120, env=_bench_env())
             assert done.returncode == 0, f"{client} ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        stack.stop_all()
     for client in ("grpc-aio", "h2"):
         result = json.loads((tmp_path / client / "target.json").read_text())
         assert [(r["scenario"], r["round"]) for r in result["rounds"]] == [("fixed-c4", 1), ("saturation-c4", 1)]
@@ -120,14 +107,6 @@ def test_bench_target_drives_a_running_stack(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", "127.0.0.1:1",
                           "--frontend-pids", "x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--frontend-pids 'x'" in bad.stderr
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def test_bench_coordinator_small(tmp_path):

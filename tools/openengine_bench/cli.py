@@ -1,13 +1,17 @@
 """`openengine-serve bench`: the frontend's CPU per token and throughput on grpcio and on pygrpc-native.
 
 The real path runs as separate processes: load generator -> frontend (the
-server under test, one worker, pinned to --frontend-cpus) -> node -> MPI
-engine worker -> ZMQ -> back. Coordinator, node, engine worker and the load
-generator share the other CPUs. The coordinator and the node stay up for the
-whole run; only the frontend is restarted, alternating the servers round by
-round (grpcio, pygrpc-native, grpcio, ...) so slow drift hits both alike.
-A baseline (a trivial streaming servicer on the same server options, the same
-client and pacing) measures each server's bare cost per streamed message.
+server under test, one worker) -> node -> MPI engine worker -> ZMQ -> back.
+Coordinator, node, engine worker and the load generator share the other CPUs.
+The frontend is placed three ways (--placement): pinned to --frontend-cpus
+before it starts, in a cgroup CPU quota with every core visible (as under
+`docker --cpus` or a Kubernetes limit), or unconstrained. The coordinator and
+the node stay up for the whole run; only the frontend is restarted,
+alternating the servers (and placements) round by round so slow drift hits
+all alike. A baseline (a trivial streaming servicer on the same server
+options, the same client and pacing) measures each server's bare cost per
+streamed message; the budgeted saturation runs the frontend under a small
+quota so that it, not the rest of the machine, is the bottleneck.
 
 Results: <output>/bench.json, <output>/bench.png, <output>/report.md (also
 printed), component logs in <output>/logs/.

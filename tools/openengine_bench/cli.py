@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure 1-token requests/s per frontend worker instead (`bench --one-token --help`)")
     p.add_argument("--target", metavar="HOST:PORT",
                    help="drive an existing deployment instead of starting one (`bench --target X --help`)")
-    p.add_argument("--quick", action="store_true", help="one round each, short windows (a smoke run, ~3 min with "
+    p.add_argument("--quick", action="store_true", help="one round each, short windows (a smoke run, ~2.5 min with "
                                                         "every placement)")
     p.add_argument("--placement", default="pinned,quota,shared",
                    help="comma list of frontend placements, each measured with the same workload and alternation: "

@@ -233,10 +233,11 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                     log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name,
                               detail=exc.details(), coordinator=self.config.coordinator_address)
                 self.wake.clear()
-                try:
-                    await asyncio.wait_for(self.wake.wait(), interval)
-                except asyncio.TimeoutError:
-                    pass
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives just after `wake` was set
+                # (as the drain does), and the node's stop then waited for this loop until it was killed.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await self.wake.wait()
 
     async def health_loop(self) -> None:
         """Readiness follows the engine worker: NOT_SERVING while it is (re)spawning, and from the drain on."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import platform
 import sys
@@ -350,7 +351,8 @@ def main(argv: list[str]) -> int:
 
 def write_outputs(result: dict[str, Any], out: Path) -> int:
     """soak.json, soak.png, soak.md (printed); 0 when every server passed, else 1."""
-    report.write_json(result, out / "soak.json")
+    # One line: every sample of every process (the readable summary is soak.md).
+    (out / "soak.json").write_text(json.dumps(result, ensure_ascii=False) + "\n", encoding="utf-8")
     write_chart(result, out / "soak.png")
     text = render(result)
     (out / "soak.md").write_text(text + "\n", encoding="utf-8")

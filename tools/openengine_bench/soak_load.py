@@ -47,6 +47,7 @@ MIX = {"stream": 50, "cancel": 12, "abort": 8, "duplicate": 5, "malformed": 9, "
 DECK_SIZE = sum(MIX.values())
 STREAMS_PER_DISCONNECT = 2
 CHANNELS = 8
+VARIANTS = 16  # distinct (prompt, seed) pairs
 UNEXPECTED_KEPT = 50
 
 EXPECTED = {
@@ -210,10 +211,14 @@ class SoakLoad:
     # ---------------------------------------------------------------- helpers
 
     def request(self, i: int, max_tokens: int, suffix: str = "") -> G.GenerateRequest:
-        words = " ".join(f"w{(i * 7 + k) % 97}" for k in range(1 + i % 24))
+        # The simulated engine's tokens follow from prompt and seed, uniformly over the vocabulary; with a new
+        # prompt every time the frontend's per-token-id caches (bounded by the vocabulary) would fill across
+        # the whole run and hide a real leak behind them. A pool of VARIANTS fills them during the warm-up.
+        variant = i % VARIANTS
+        words = " ".join(f"w{(variant * 7 + k) % 97}" for k in range(1 + variant))
         return G.GenerateRequest(
-            request_id=f"{self.id_prefix}-{i}{suffix}", model=MODEL, prompt=f"soak {i}: {words}",
-            sampling=G.SamplingParams(seed=i),
+            request_id=f"{self.id_prefix}-{i}{suffix}", model=MODEL, prompt=f"soak {variant}: {words}",
+            sampling=G.SamplingParams(seed=variant),
             stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True))
 
     def next_case(self, kind: str, count: int) -> int:
@@ -284,14 +289,18 @@ class SoakLoad:
 
     async def op_abort(self, i: int) -> None:
         request = self.request(i, LONG_TOKENS)
+        started = time.monotonic()
         call = self.inference(i).Generate(request, timeout=CALL_TIMEOUT_S)
         try:
             tokens, ended = await self.read_tokens(call, self.rng.randint(1, 64))
+            read_s = time.monotonic() - started
             if ended:
-                self.tally.add("abort", f"stream ended before the abort ({ended})", f"after {tokens} tokens")
+                self.tally.add("abort", f"stream ended before the abort ({ended})",
+                               f"{request.request_id}: after {tokens} tokens in {read_s:.2f} s")
                 return
             reply = await self.control(i + 1).Abort(lifecycle_pb2.AbortRequest(request_id=request.request_id),
                                                     timeout=CALL_TIMEOUT_S)
+            timing = f"{tokens} tokens read in {read_s:.2f} s, Abort answered after {time.monotonic() - started:.2f} s"
             rest = await self.read_to_end(call)
         except grpc.aio.AioRpcError as exc:
             self.tally.add("abort", *_error_outcome(exc))
@@ -299,7 +308,8 @@ class SoakLoad:
             return
         finished = [r.finished.reason for r in rest if r.WhichOneof("event") == "finished"]
         if reply.status != lifecycle_pb2.ABORT_STATUS_ABORTED:
-            self.tally.add("abort", f"abort answered {lifecycle_pb2.AbortStatus.Name(reply.status)}", reply.message)
+            self.tally.add("abort", f"abort answered {lifecycle_pb2.AbortStatus.Name(reply.status)}",
+                           f"{reply.message}; {timing}")
         elif finished != [G.FINISH_REASON_CANCELLED]:
             self.tally.add("abort", "aborted stream did not end CANCELLED",
                            str([G.FinishReason.Name(f) for f in finished]))
@@ -308,16 +318,18 @@ class SoakLoad:
 
     async def op_duplicate(self, i: int) -> None:
         request = self.request(i, LONG_TOKENS)
+        started = time.monotonic()
         original = self.inference(i).Generate(request, timeout=CALL_TIMEOUT_S)
         try:
             tokens, ended = await self.read_tokens(original, 1)
+            timing = f"{request.request_id}: first token after {time.monotonic() - started:.2f} s"
             if ended:
-                self.tally.add("duplicate", f"original ended early ({ended})")
+                self.tally.add("duplicate", f"original ended early ({ended})", timing)
                 return
             try:
                 again = self.inference(i, offset=1).Generate(request, timeout=CALL_TIMEOUT_S)
                 await self.read_to_end(again)
-                self.tally.add("duplicate", "duplicate id accepted")
+                self.tally.add("duplicate", "duplicate id accepted", timing)
             except grpc.aio.AioRpcError as exc:
                 self.tally.add("duplicate", *_error_outcome(exc))
         except grpc.aio.AioRpcError as exc:

@@ -23,7 +23,7 @@ import grpc
 
 from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2_grpc
 
-from .coordinator import cpu_seconds
+from .stack import cpu_seconds  # one pid (coordinator.cpu_seconds sums a list of pids)
 
 MODEL = "Qwen/Qwen3-0.6B"
 

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure 1-token requests/s per frontend worker instead (`bench --one-token --help`)")
     p.add_argument("--target", metavar="HOST:PORT",
                    help="drive an existing deployment instead of starting one (`bench --target X --help`)")
+    p.add_argument("--soak", type=float, metavar="MINUTES",
+                   help="soak a whole deployment per server instead: steady mixed load (streams, cancels, aborts, "
+                        "bad requests, disconnects), RSS and open fds of every process (`bench --soak 1 --help`)")
     p.add_argument("--quick", action="store_true", help="one round each, short windows (a smoke run, ~2.5 min with "
                                                         "every placement)")
     p.add_argument("--placement", default="pinned,quota,shared",
@@ -137,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and "--coordinator" in argv:
         from .coordinator import main as coordinator_main
         return coordinator_main(argv)
+    if argv and "--soak" in argv:
+        from .soak import main as soak_main
+        return soak_main(argv)
     if argv and "--one-token" in argv:
         from .one_token import main as one_token_main
         return one_token_main(argv)

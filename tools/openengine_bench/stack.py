@@ -387,3 +387,76 @@ class Stack:
                 with contextlib.suppress(Exception):
                     # Shutdown is not measured: a node that has not exited after this long is killed.
                     proc.stop(timeout=CLUSTER_STOP_TIMEOUT_S)
+
+
+class UpStack:
+    """A whole deployment as `openengine-serve up --nodes N --workers W --grpc-server S`: one child process that
+    starts coordinator, nodes (each with its MPI engine worker) and frontend, and stops them in order."""
+
+    def __init__(self, server: str, *, nodes: int, workers: int, log_path: Path | None = None,
+                 pythonpath: str = "", coordinator_port: int = 0) -> None:
+        self.server = server
+        self.nodes = nodes
+        self.workers = workers
+        self.log_path = log_path
+        self.pythonpath = pythonpath
+        self.port = free_port(HOST)
+        self.coordinator_port = coordinator_port or free_port(HOST)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def coordinator_target(self) -> str:
+        return f"{HOST}:{self.coordinator_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 120.0) -> "UpStack":
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])  # mpiexec
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.pythonpath, env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "openengine_serve", "up", "--nodes", str(self.nodes),
+                   "--grpc-server", self.server, "--host", HOST, "--port", str(self.port),
+                   "--coordinator-port", str(self.coordinator_port), "--workers", str(self.workers)]
+        if self.log_path is None:
+            self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while not is_serving(self.target):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"`openengine-serve up --grpc-server {self.server}` did not become ready"
+                                   + (f"; see {self.log_path}" if self.log_path else ""))
+            time.sleep(0.5)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 120.0) -> int | None:
+        """SIGTERM to `up` (it stops frontend, nodes, coordinator in order). Each component runs in its own
+        session, so if `up` has to be killed, whatever it leaves behind is killed by pid."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                left = descendants(self.proc.pid)[1:]
+                self.proc.kill()
+                self.proc.wait()
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+        return self.proc.returncode

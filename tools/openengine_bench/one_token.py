@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -28,10 +25,8 @@ from pathlib import Path
 import grpc
 
 from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2_grpc
-from openengine_serve.client import is_serving
-from openengine_serve.common.net import free_port
 
-from .coordinator import cpu_seconds
+from .stack import cpu_seconds  # one pid (coordinator.cpu_seconds sums a list of pids)
 
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -94,9 +89,9 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
     for _ in range(args.rounds):
         done0, errors0 = state["done"], state["errors"]
         state["record"] = True
-        f0, c0, t0 = cpu_seconds([frontend]), cpu_seconds([coordinator]), time.monotonic()
+        f0, c0, t0 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
         await asyncio.sleep(args.window_s)
-        f1, c1, t1 = cpu_seconds([frontend]), cpu_seconds([coordinator]), time.monotonic()
+        f1, c1, t1 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
         done = state["done"] - done0
         results.append({"requests_per_s": done / (t1 - t0), "frontend_cores": (f1 - f0) / (t1 - t0),
                         "frontend_cpu_us_per_request": 1e6 * (f1 - f0) / max(1, done),
@@ -112,28 +107,14 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
 
 
 def run_server(server: str, args: argparse.Namespace) -> list[dict]:
-    port = free_port()
-    env = dict(os.environ)
-    if args.pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.pythonpath, env.get("PYTHONPATH")]))
-    up = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--nodes", str(args.nodes),
-                           "--grpc-server", server, "--port", str(port), "--workers", "1"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    target = f"127.0.0.1:{port}"
+    from .stack import UpStack
+
+    up = UpStack(server, nodes=args.nodes, workers=1, pythonpath=args.pythonpath).start()
     try:
-        deadline = time.monotonic() + 120
-        while not is_serving(target):
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"`openengine-serve up --grpc-server {server}` did not become ready")
-            time.sleep(0.5)
-        results = asyncio.run(drive(target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"), args))
+        results = asyncio.run(drive(up.target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"),
+                                    args))
     finally:
-        up.terminate()
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
+        up.stop()
     return [{"server": server, "label": args.label, **result} for result in results]
 
 

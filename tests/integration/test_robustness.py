@@ -237,3 +237,67 @@ def test_a_thousand_idle_connections_are_held_and_requests_still_work(stall_fron
         for s in sockets:
             s.close()
 
+
+
+WELL_BEHAVED = 8
+NON_READING = 64
+ITL_ROUNDS = 3  # alternating alone/beside windows: drift of a shared machine hits both alike
+
+
+async def itl_p99(target: str, streams: int = WELL_BEHAVED, tokens: int = 150) -> float:
+    """p99 of the gaps between token messages seen by `streams` clients reading as fast as they can."""
+    import asyncio
+
+    gaps: list[float] = []
+
+    async def one(stub):
+        last = None
+        async for response in stub.Generate(request(max_tokens=tokens), timeout=30):
+            now = time.perf_counter()
+            if response.WhichOneof("event") == "token":
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = openengine_pb2_grpc.InferenceStub(channel)
+        await asyncio.gather(*(one(stub) for _ in range(streams)))
+    gaps.sort()
+    return gaps[int(len(gaps) * 0.99)]
+
+
+def test_non_reading_streams_do_not_slow_well_behaved_ones(stall_frontend):
+    """ITL p99 of well-behaved streams, in windows alternating alone / beside 64 streams whose client stopped
+    reading (each beside-window with fresh non-reading streams); the medians over rounds are compared."""
+    import asyncio
+    import statistics
+
+    frontend, metrics_port = stall_frontend
+    # A 1 KiB receive window without BDP growth: a client that stops reading blocks its stream within ~40 tokens.
+    channel = grpc.insecure_channel(frontend.target, options=[("grpc.http2.bdp_probe", 0),
+                                                              ("grpc.http2.lookahead_bytes", 1024)])
+    generate = channel.unary_stream("/openengine.v1.Inference/Generate",
+                                    request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
+    alone, beside = [], []
+    try:
+        stalls_before = metric(scrape(metrics_port), "openengine_frontend_client_stalls_total")
+        for last_round in [False] * (ITL_ROUNDS - 1) + [True]:
+            alone.append(asyncio.run(itl_p99(frontend.target)))
+            hogs = [generate(request(max_tokens=8000), timeout=60) for _ in range(NON_READING)]
+            wait_for(lambda: running_requests(frontend.target) >= NON_READING, 20, "the non-reading streams running")
+            time.sleep(0.5)  # their windows are full: they are blocked, still holding engine slots
+            beside.append(asyncio.run(itl_p99(frontend.target)))
+            if not last_round:  # the last round's are left to the stall timeout
+                for hog in hogs:
+                    hog.cancel()
+                wait_for(lambda: running_requests(frontend.target) == 0, 10, "the cancelled streams ended")
+        wait_for(lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total") - stalls_before
+                 >= NON_READING, 2 * CLIENT_STALL_S + 10, "the non-reading streams ended by the stall timeout")
+        wait_for(lambda: running_requests(frontend.target) == 0, 15, "their engine slots freed")
+    finally:
+        channel.close()
+    baseline, loaded = statistics.median(alone), statistics.median(beside)
+    print(f"{frontend.name}: ITL p99 per window alone {[round(x * 1000, 1) for x in alone]} ms, beside "
+          f"{NON_READING} non-reading streams {[round(x * 1000, 1) for x in beside]} ms")
+    assert loaded <= 1.5 * max(baseline, 0.004), (alone, beside)

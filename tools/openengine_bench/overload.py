@@ -26,6 +26,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -508,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_batch": args.max_batch, "duration_s": args.duration_s, "probe_tokens": args.probe_tokens,
             "ttft_bound_ms": args.ttft_bound_ms, "cpus": len(os.sched_getaffinity(0)),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the deployment below is stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deployment = Deployment(args.out, args.nodes, args.step_ms, args.max_batch)
     runs = []
     try:

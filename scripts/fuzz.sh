@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OPENENGINE_FUZZ_SECONDS="${1:-600}"
-exec python -m pytest tests/integration/test_fuzz.py -q -p no:cacheprovider --timeout=$(( ${OPENENGINE_FUZZ_SECONDS%.*} * 2 + 300 ))
+exec python -m pytest tests/integration/test_fuzz.py -q -s -p no:cacheprovider --timeout=$(( ${OPENENGINE_FUZZ_SECONDS%.*} * 2 + 300 ))

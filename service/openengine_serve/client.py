@@ -241,17 +241,20 @@ def is_serving(target: str, service: str = "readiness", timeout: float = 1.0,
 class _Connection:
     """A channel to `target` and the stubs on it; `_connect()` replaces both (a fresh connection)."""
 
-    def __init__(self, target: str, *, retries: bool = True, credentials: Credentials = NO_CREDENTIALS) -> None:
+    def __init__(self, target: str, *, retries: bool = True, credentials: Credentials = NO_CREDENTIALS,
+                 options=()) -> None:
+        """`options`: more gRPC channel options (e.g. `grpc.dns_min_time_between_resolutions_ms`)."""
         self.target = target
         self.retries = retries
         self.credentials = credentials
+        self.extra_options = tuple(options)
         self._connect()
 
     def _open(self, options):
         raise NotImplementedError
 
     def _connect(self) -> None:
-        self.channel = self._open(channel_options(self.retries, self.target))
+        self.channel = self._open(channel_options(self.retries, self.target) + list(self.extra_options))
         self.inference = openengine_pb2_grpc.InferenceStub(self.channel)
         self.control = openengine_pb2_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)

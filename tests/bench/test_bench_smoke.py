@@ -48,9 +48,11 @@ def test_bench_quick(tmp_path):
 
 
 def test_bench_coordinator_small(tmp_path):
-    """`bench --coordinator` at a toy size: both paths measured against a real coordinator, no errors."""
+    """`bench --coordinator` at a toy size: both paths measured against two real coordinators sharing the ids (the
+    general case of one), no errors."""
     out = tmp_path / "coordinator"
-    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--nodes", "20",
+    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "2",
+                           "--nodes", "20",
                            "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "1",
                            "--warmup-s", "0.3", "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -65,6 +67,7 @@ def test_bench_coordinator_small(tmp_path):
     assert result["scenarios"][1]["requests_per_batch"] > 1  # 32 loops over 4 frontends do share batches
     assert result["memory"]["rss_registered_mb"] > 0
     assert "| batched | saturation (32 loops) |" in (out / "coordinator.md").read_text()
+    assert "Coordinator benchmark: 2 coordinator(s)" in (out / "coordinator.md").read_text()
 
 
 def test_bench_one_token_short(tmp_path):

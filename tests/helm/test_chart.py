@@ -188,6 +188,7 @@ def test_client_dry_run_install(helm, yaml, variant: str) -> None:
         ({"frontend": {"port": 70000}}, "/frontend/port"),
         ({"lifecycle": {"preStopSleepSeconds": 0}}, "/lifecycle/preStopSleepSeconds"),
         ({"frontend": {"service": {"headless": "yes"}}}, "/frontend/service/headless"),
+        ({"frontend": {"maxConnectionAgeSeconds": -1}}, "/frontend/maxConnectionAgeSeconds"),
     ],
 )
 def test_schema_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
@@ -266,6 +267,7 @@ def test_component_environment(render) -> None:
     assert "OPENENGINE_COORDINATOR_ADDRESS" not in co
     assert fe["OPENENGINE_FRONTEND_WORKERS"] == "2"
     assert fe["OPENENGINE_MODEL"] == "Qwen/Qwen3-0.6B"
+    assert fe["OPENENGINE_MAX_CONNECTION_AGE_S"] == "0"
     assert {"OPENENGINE_FRONTEND_WORKERS", "OPENENGINE_MODEL"}.isdisjoint(co.keys() | no.keys())
     # The node advertises its pod IP; POD_IP must be defined before it is referenced.
     names = [e["name"] for e in r.container("node")["env"]]
@@ -738,3 +740,10 @@ def test_security_schema_rejects(helm, chart, values: dict[str, Any], complaint:
     with pytest.raises(helm.HelmValuesError) as info:
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
     assert complaint in str(info.value)
+
+
+@pytest.mark.parametrize("age, expected", [(120, "120"), (2.5, "2.5")])
+def test_max_connection_age_reaches_the_frontend_on_either_server(render, age, expected) -> None:
+    r = render({"frontend": {"grpcServer": "pygrpc-native", "maxConnectionAgeSeconds": age}})
+    assert r.env("frontend")["OPENENGINE_MAX_CONNECTION_AGE_S"] == expected
+    assert "OPENENGINE_MAX_CONNECTION_AGE_S" not in r.env("node") | r.env("coordinator")

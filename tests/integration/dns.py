@@ -42,7 +42,10 @@ class LoopbackDns:
             reply = self.answer(query)
             if reply:
                 self.queries += 1
-                self.sock.sendto(reply, peer)
+                try:
+                    self.sock.sendto(reply, peer)
+                except OSError:
+                    return  # closed while answering
 
     def answer(self, query: bytes) -> bytes:
         if len(query) < 12:

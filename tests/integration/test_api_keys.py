@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from openengine_serve.api.openengine.v1 import (generation_pb2 as G, kv_pb2, lifecycle_pb2, lora_pb2, model_pb2,
                                                 server_pb2)
 from openengine_serve.client import Client, Credentials
+from openengine_serve.frontend import auth
 
 from . import processes
 from .conftest import SERVERS
@@ -23,8 +24,11 @@ KEYS = {"ops": ("admin", "k-admin-3f9"), "alice": ("user", "k-alice-77a"), "bob"
         "carol": ("user", "k-carol-5e2")}
 
 
-def key_file_text(names=tuple(KEYS)) -> str:
-    return "# role name secret\n" + "".join(f"{KEYS[n][0]} {n} {KEYS[n][1]}\n" for n in names)
+KEY_MAX_IN_FLIGHT = 2  # the frontends' default per-key limit (OPENENGINE_API_KEY_MAX_IN_FLIGHT)
+
+
+def key_file_text(names=tuple(KEYS), options: dict[str, str] = {}) -> str:
+    return "# role name secret\n" + "".join(f"{KEYS[n][0]} {n} {KEYS[n][1]} {options.get(n, '')}\n" for n in names)
 
 
 @pytest.fixture(scope="module", params=SERVERS)
@@ -34,8 +38,8 @@ def keyed(request, cluster, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "api-keys"
     path.write_text(key_file_text())
     metrics_port = processes.free_port()
-    frontends = [processes.frontend(coord.target, request.param, OPENENGINE_API_KEYS_FILE=str(path))
-                 for _ in range(2)]
+    frontends = [processes.frontend(coord.target, request.param, OPENENGINE_API_KEYS_FILE=str(path),
+                                    OPENENGINE_API_KEY_MAX_IN_FLIGHT=str(KEY_MAX_IN_FLIGHT)) for _ in range(2)]
     frontends[0].args[frontends[0].args.index("--metrics-port") + 1] = str(metrics_port)
     try:
         for f in frontends:
@@ -186,3 +190,67 @@ def test_key_name_labels_the_log_line_and_the_metric_and_secrets_are_never_logge
     assert any("request ended" in line and "key=bob" in line for line in log.splitlines())
     for _role, secret in KEYS.values():
         assert secret not in log
+
+
+def test_a_key_beyond_its_concurrency_limit_is_refused_at_once_and_every_ending_frees_its_count(keyed):
+    frontends, path, metrics_port = keyed
+    first, second = (f.target for f in frontends)
+    path.write_text(key_file_text(options={"alice": "max_in_flight=1"}))  # bob keeps the default (2)
+    time.sleep(auth.RELOAD_CHECK_S + 0.1)
+    before = processes.scrape(metrics_port)
+    try:
+        with client_for(first, "alice") as alice, client_for(first, "bob") as bob, \
+                client_for(first, "ops") as ops, client_for(second, "alice") as alice_elsewhere:
+            alice.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5)  # the first call after the change reloads
+            bob_requests = [long_request() for _ in range(2)]
+            streams = {"alice": [alice.inference.Generate(long_request(), timeout=60)],
+                       "bob": [bob.inference.Generate(r, timeout=60) for r in bob_requests]}
+            for stream in streams["alice"] + streams["bob"]:
+                assert next(stream).HasField("token")
+            for client, name, limit, source in ((alice, "alice", 1, "its max_in_flight in OPENENGINE_API_KEYS_FILE"),
+                                                (bob, "bob", 2, "OPENENGINE_API_KEY_MAX_IN_FLIGHT")):
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(client.inference.Generate(long_request(3), timeout=10))
+                assert time.monotonic() - started < 1.0
+                error = refused.value
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (error.code(), error.details())
+                assert error.details() == (f"API key {name!r} has its maximum of {limit} streams open on this frontend "
+                                           f"worker ({source}); retry in 1000 ms")
+                assert ("openengine-retry-after-ms", "1000") in (error.trailing_metadata() or ())
+            # counted per frontend worker: alice's stream on the first frontend does not count on the second
+            assert list(alice_elsewhere.inference.Generate(long_request(3), timeout=30))[-1].HasField("usage")
+            # every ending frees the count: a cancel (the client going away), an Abort, a finished stream
+            streams["alice"][0].cancel()
+            processes.wait_for(lambda: _generates(alice), 10, "alice's count freed by the cancel")
+            reply = ops.control.Abort(lifecycle_pb2.AbortRequest(request_id=bob_requests[0].request_id), timeout=5)
+            assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
+            assert [r.finished.reason for r in streams["bob"][0] if r.HasField("finished")] == \
+                [G.FINISH_REASON_CANCELLED]
+            processes.wait_for(lambda: _generates(bob), 10, "bob's count freed by the abort")
+            for _ in range(2):
+                assert _generates(alice)
+            streams["bob"][1].cancel()
+            processes.wait_for(lambda: _generates(bob), 10, "bob's count freed by the cancel")
+    finally:
+        path.write_text(key_file_text())
+    after = processes.scrape(metrics_port)
+    for name, refused_calls in (("alice", 1), ("bob", 1)):
+        labels = dict(status="rejected", code="RESOURCE_EXHAUSTED", key=name)
+        assert processes.metric(after, "openengine_frontend_requests_total", **labels) - \
+            processes.metric(before, "openengine_frontend_requests_total", **labels) == refused_calls
+    reason = dict(reason="key_at_limit")
+    assert processes.metric(after, "openengine_frontend_refusals_total", **reason) - \
+        processes.metric(before, "openengine_frontend_refusals_total", **reason) == 2
+    log = (processes.LOG_DIR / f"{frontends[0].name}-{frontends[0].port}.log").read_text()
+    for _role, secret in KEYS.values():
+        assert secret not in log
+
+
+def _generates(client: Client) -> bool:
+    """A short stream finished; False when refused because the key is at its limit."""
+    try:
+        return list(client.inference.Generate(long_request(3), timeout=30))[-1].HasField("usage")
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (exc.code(), exc.details())
+        return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import grpc
@@ -9,6 +10,8 @@ import pytest
 
 from openengine_serve.api.openengine.v1 import generation_pb2 as G, server_pb2
 from openengine_serve.client import Client
+
+from openengine_serve.frontend import limits
 
 from . import processes
 from .conftest import SERVERS
@@ -48,14 +51,38 @@ def test_an_oversized_request_message_is_refused_naming_the_limit(limited):
         assert list(client.inference.Generate(generate_request("word " * 100), timeout=30))[-1].HasField("usage")
 
 
+# From just over the limit to far beyond twice it (where pygrpc-native's HTTP/2 layer used to answer HTTP 431,
+# seen as UNKNOWN): every size gets the interceptor's answer, identical on both servers.
+OVER_LIMIT_PADDING = (2500, 2 * MAX_METADATA_BYTES + 100, 16 * 1024, 64 * 1024, 512 * 1024,
+                      limits.TRANSPORT_MAX_METADATA_BYTES - 2048)
+
+
 def test_oversized_metadata_is_refused_naming_the_limit(limited):
     with Client(limited.target, retries=False) as client:
-        err = refusal(lambda: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10,
-                                                           metadata=(("x-padding", "p" * 2500),)))
-        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "OPENENGINE_MAX_METADATA_BYTES" in err.details() and f"limit of {MAX_METADATA_BYTES}" in err.details()
+        for padding in OVER_LIMIT_PADDING:
+            for call in (lambda md: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10,
+                                                                 metadata=md),
+                         lambda md: list(client.inference.Generate(generate_request(), timeout=10, metadata=md))):
+                err = refusal(lambda: call((("x-padding", "p" * padding),)))
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (padding, err.code(), err.details())
+                size = int(re.fullmatch(rf"request metadata is (\d+) bytes, over the limit of {MAX_METADATA_BYTES} "
+                                        r"\(OPENENGINE_MAX_METADATA_BYTES\)", err.details()).group(1))
+                assert size > padding  # the client's own headers (user-agent) count too
         assert client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10,
                                             metadata=(("x-padding", "p" * 1000),)).instance_id
+
+
+def test_metadata_beyond_the_transport_cap_is_refused_and_the_server_keeps_serving(limited):
+    """Above TRANSPORT_MAX_METADATA_BYTES the transports answer themselves, differently (docs/robustness.md)."""
+    with Client(limited.target, retries=False) as client:
+        err = refusal(lambda: client.control.GetServerInfo(
+            server_pb2.GetServerInfoRequest(), timeout=10,
+            metadata=(("x-padding", "p" * (limits.TRANSPORT_MAX_METADATA_BYTES + 4096)),)))
+        assert err.code() != grpc.StatusCode.OK
+        if limited.name.endswith("grpcio"):
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
+    with Client(limited.target, retries=False) as client:
+        assert client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10).instance_id
 
 
 def test_concurrent_calls_per_connection_are_limited(limited):

@@ -56,6 +56,27 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(stack):
         assert collect(client, request(max_tokens=3))[-1].WhichOneof("event") == "finished"
 
 
+def test_long_client_strings_are_cut_short_in_control_errors(stack):
+    """An error status travels in trailers, which clients cap (16 KiB by default): a client's value is echoed cut
+    short, and an Abort request_id follows Generate's rule (found by the fuzz test: a 40,000-character model name
+    came back whole and the client saw RESOURCE_EXHAUSTED about its own metadata limit)."""
+    from openengine_serve.api.openengine.v1 import lifecycle_pb2, model_pb2
+
+    with stack.client() as client:
+        with pytest.raises(grpc.RpcError) as missing:
+            client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model="é" * 40_000), timeout=10)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        assert missing.value.details().startswith(f"model {'é' * 64!r}... is not served; served: ")
+        with pytest.raises(grpc.RpcError) as too_long:
+            client.control.Abort(lifecycle_pb2.AbortRequest(request_id="x" * 40_000), timeout=10)
+        assert too_long.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert too_long.value.details() == "request_id must be at most 1024 bytes of UTF-8, got 40000 bytes"
+        with pytest.raises(grpc.RpcError) as unknown:
+            client.control.Abort(lifecycle_pb2.AbortRequest(request_id="y" * 1024), timeout=10)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        assert unknown.value.details() == f"request_id {'y' * 64!r}... is not known"
+
+
 CLIENT_STALL_S = 5.0
 NOT_READING = 4
 

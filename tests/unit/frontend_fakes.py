@@ -30,6 +30,10 @@ class FakeCoordinatorStub:
         self.reserve_gate: asyncio.Event | None = None  # when set, Reserve waits for it
         self.reserved: list[cluster_pb2.ReserveRequest] = []
         self.released: list[str] = []
+        self.aborts: list[cluster_pb2.ClusterAbortRequest] = []
+        self.aborted = 0  # what Abort answers it aborted
+        self.load = cluster_pb2.ClusterLoad()  # what GetClusterLoad answers
+        self.unreachable: grpc.aio.AioRpcError | None = None  # when set, Abort and GetClusterLoad raise it
 
     async def Reserve(self, request, timeout, metadata=()):
         self.reserved.append(request)
@@ -42,6 +46,17 @@ class FakeCoordinatorStub:
     async def Release(self, request, timeout):
         self.released.append(request.request_id)
         return cluster_pb2.ReleaseReply()
+
+    async def Abort(self, request, timeout):
+        if self.unreachable is not None:
+            raise self.unreachable
+        self.aborts.append(request)
+        return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=self.aborted)
+
+    async def GetClusterLoad(self, request, timeout):
+        if self.unreachable is not None:
+            raise self.unreachable
+        return self.load
 
     def Reservations(self) -> FakeReservationCall:
         """The batched path, answering each reservation as Reserve would: `reserve_error` UNAVAILABLE or
@@ -134,11 +149,14 @@ class FakeChannel:
         self.closed = True
 
 
-def coordinator_client(stub: FakeCoordinatorStub, nodes: NodeConnections,
-                       live_requests=lambda: 0) -> CoordinatorClient:
-    client = CoordinatorClient("fe-test", "coordinator.test:1", "fe.test:1", heartbeat_s=1.0, call_timeout_s=1.0,
+def coordinator_client(stub: FakeCoordinatorStub, nodes: NodeConnections, live_requests=lambda: 0,
+                       more_shards: dict[str, FakeCoordinatorStub] | None = None) -> CoordinatorClient:
+    """A client of the coordinator `stub` ("coordinator.test:1"), and of `more_shards` (address -> stub)."""
+    shards = {"coordinator.test:1": stub, **(more_shards or {})}
+    client = CoordinatorClient("fe-test", list(shards), "fe.test:1", heartbeat_s=1.0, call_timeout_s=1.0,
                                live_requests=live_requests, on_node_table=nodes.keep_only)
-    client._stub = stub
+    for shard in client.shards:
+        shard.stub = shards[shard.address]
     return client
 
 

@@ -33,11 +33,15 @@ def test_parses_plain_and_hashed_secrets_comments_and_blank_lines(tmp_path):
 
 
 @pytest.mark.parametrize(("text", "line", "message"), [
-    ("user alice\n", 1, "expected `ROLE NAME SECRET` (3 fields), found 2"),
+    ("user alice\n", 1, "expected `ROLE NAME SECRET [max_in_flight=N]` (3 or 4 fields), found 2"),
     ("# c\nroot alice k\n", 2, "role must be one of user, admin, got 'root'"),
     ("user a k1\n\nadmin b sha256:abc\n", 3, "a sha256: secret must be 64 hexadecimal digits"),
     ("user a same\nadmin b same\n", 2, "the same secret is already the key 'a'"),
-    ("user a k extra\n", 1, "found 4"),
+    ("user a k same\n", 1, "the 4th field must be max_in_flight=N with N a positive integer"),
+    ("user a k max_in_flight=0\n", 1, "the 4th field must be max_in_flight=N"),
+    ("user a k max_in_flight=-3\n", 1, "the 4th field must be max_in_flight=N"),
+    ("user a k max_in_flight=２\n", 1, "the 4th field must be max_in_flight=N"),
+    ("user a k max_in_flight=2 x\n", 1, "found 5"),
 ])
 def test_malformed_line_names_file_and_line_never_the_secret(tmp_path, text, line, message):
     path = write(tmp_path / "keys", text)
@@ -46,6 +50,11 @@ def test_malformed_line_names_file_and_line_never_the_secret(tmp_path, text, lin
     assert str(err.value).startswith(f"{path}:{line}: ")
     assert message in str(err.value)
     assert "same" not in str(err.value).replace("the same secret", "")
+
+
+def test_an_optional_max_in_flight_per_key(tmp_path):
+    path = write(tmp_path / "keys", "user alice k-a max_in_flight=3\nadmin ops k-o  # no limit of its own\n")
+    assert [(k.name, k.max_in_flight) for k in auth.parse_keys(path)] == [("alice", 3), ("ops", 0)]
 
 
 def test_empty_or_missing_file_is_refused(tmp_path):
@@ -66,6 +75,9 @@ def test_reload_on_change_keeps_old_keys_when_the_new_file_is_malformed(tmp_path
     assert store.authenticate("k-alice").name == "alice"
     write(tmp_path / "keys", "user alice\n")  # half-written: the previous keys stay
     assert store.authenticate("k-alice").name == "alice"
+    write(tmp_path / "keys", "user alice k-alice max_in_flight=2\n")  # a limit added: applies from the reload
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2_000_000))
+    assert store.authenticate("k-alice").max_in_flight == 2
 
 
 def test_bearer_token():

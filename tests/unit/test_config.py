@@ -34,8 +34,8 @@ def test_frontend_workers_variable_name():
     ({"OPENENGINE_FRONTEND_WORKERS": "0"}, "OPENENGINE_FRONTEND_WORKERS must be between 1 and 64"),
     ({"OPENENGINE_NATIVE_IO_THREADS": "-1"}, "OPENENGINE_NATIVE_IO_THREADS must be between 0 and 64"),
     ({"OPENENGINE_MAX_CONNECTION_AGE_S": "-5"}, "OPENENGINE_MAX_CONNECTION_AGE_S must be >= 0"),
-    ({"OPENENGINE_MAX_CONNECTION_AGE_S": "60", "OPENENGINE_GRPC_SERVER": "pygrpc-native"},
-     "OPENENGINE_MAX_CONNECTION_AGE_S is grpcio only"),
+    ({"OPENENGINE_COORDINATOR_ADDRESS": "c0:50052,,c1:50052"}, "without empty entries; got 'c0:50052,,c1:50052'"),
+    ({"OPENENGINE_COORDINATOR_ADDRESS": "c0:1, c1:1,c0:1"}, "lists c0:1 more than once"),
 ])
 def test_invalid_values_name_the_variable(env, needle):
     with pytest.raises(cfg.ConfigError, match=needle.replace("(", r"\(")):
@@ -45,6 +45,14 @@ def test_invalid_values_name_the_variable(env, needle):
 def test_invalid_flag_names_the_flag():
     with pytest.raises(cfg.ConfigError, match="--max-batch must be >= 1"):
         cfg.load(cfg.NodeConfig, parse(cfg.NodeConfig, ["--max-batch", "0"]), {})
+
+
+def test_a_comma_separated_coordinator_address_lists_the_coordinators():
+    assert cfg.FrontendConfig().coordinators() == ("127.0.0.1:50052",)
+    node = cfg.load(cfg.NodeConfig, None, {"OPENENGINE_COORDINATOR_ADDRESS": "c0:50052, c1:50052"})
+    assert node.coordinators() == ("c0:50052", "c1:50052")
+    with pytest.raises(cfg.ConfigError, match="OPENENGINE_COORDINATOR_ADDRESS must be host:port"):
+        cfg.load(cfg.NodeConfig, None, {"OPENENGINE_COORDINATOR_ADDRESS": ""})
 
 
 def test_readme_documents_every_knob():
@@ -57,8 +65,8 @@ def test_advertise_address_defaults():
     assert cfg.NodeConfig(advertise_address="n1:1").resolved_advertise_address() == "n1:1"
 
 
-def test_max_connection_age_on_grpcio_and_off_on_native():
+def test_max_connection_age_on_both_servers():
     assert cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60"}).max_connection_age_s == 60
-    native = cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "0",
+    native = cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60",
                                                  "OPENENGINE_GRPC_SERVER": "pygrpc-native"})
-    assert (native.grpc_server, native.max_connection_age_s) == ("pygrpc-native", 0)
+    assert (native.grpc_server, native.max_connection_age_s) == ("pygrpc-native", 60)

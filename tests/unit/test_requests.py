@@ -31,7 +31,7 @@ class Deployment:
         self.node_stubs = {e.node_id: add_fake_node(self.nodes, e)[1] for e in self.entries}
         self.coordinator_stub = FakeCoordinatorStub(self.entries[1])
         self.coordinator = coordinator_client(self.coordinator_stub, self.nodes)
-        self.coordinator._set_nodes(self.entries)
+        self.coordinator._set_nodes(self.coordinator.shards[0], self.entries)
         self.requests = Requests("fe-test", self.coordinator, self.nodes, FallbackRouter())
 
     def coordinator_unreachable(self) -> None:
@@ -201,4 +201,45 @@ async def test_the_drain_deadline_fails_every_open_stream(deployment: Deployment
 def test_every_kind_of_refusal_has_its_grpc_code_at_the_edge():
     kinds = {c for c in vars(refusal).values() if isinstance(c, type) and issubclass(c, refusal.Refusal)}
     assert set(REFUSAL_CODES) == kinds - {refusal.Refusal}
-    assert len(set(REFUSAL_CODES.values())) == len(REFUSAL_CODES)
+    # one kind per code, but for "retry later": a full deployment and an API key at its limit (separate metric reasons)
+    codes = list(REFUSAL_CODES.values())
+    assert {code for code in codes if codes.count(code) > 1} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert [k for k, code in REFUSAL_CODES.items() if code == grpc.StatusCode.RESOURCE_EXHAUSTED] == \
+        [Overloaded, refusal.KeyAtLimit]
+
+
+async def test_the_count_per_owner_returns_to_zero_on_every_ending(deployment: Deployment):
+    """The API key concurrency limit reads this count: no ending may leak one."""
+    requests = deployment.requests
+    async with requests.open(plan("finished"), owner="alice") as accepted:
+        async with requests.open(plan("other"), owner="bob"):
+            assert (requests.open_count_of("alice"), requests.open_count_of("bob")) == (1, 1)
+            async with requests.open(plan("second"), owner="alice"):
+                assert requests.open_count_of("alice") == 2
+        accepted.ended = True
+    assert (requests.open_count_of("alice"), requests.open_count_of("bob")) == (0, 0)
+    with pytest.raises(RuntimeError):  # the stream failed or the client went away mid-stream
+        async with requests.open(plan("broken"), owner="alice"):
+            raise RuntimeError("client went away")
+    assert requests.open_count_of("alice") == 0
+    deployment.node_stubs["n1"].submit_error = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+    with pytest.raises(Overloaded):  # refused by the node after the reservation
+        async with requests.open(plan("refused"), owner="alice"):
+            pytest.fail("the body must not run")
+    assert requests.open_count_of("alice") == 0
+    deployment.node_stubs["n1"].submit_error = None
+    deployment.coordinator_stub.reserve_gate = asyncio.Event()
+
+    async def reserving():
+        async with requests.open(plan("cancelled"), owner="alice"):
+            pytest.fail("the body must not run")
+
+    task = asyncio.ensure_future(reserving())
+    await settle()
+    assert requests.open_count_of("alice") == 1
+    task.cancel()  # the client left during Reserve
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deployment.coordinator_stub.reserve_gate.set()
+    await settle()
+    assert requests.open_count_of("alice") == 0 and requests.open_count == 0

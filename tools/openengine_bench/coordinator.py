@@ -1,6 +1,7 @@
-"""`openengine-serve bench --coordinator`: one coordinator driven by simulated frontends and nodes.
+"""`openengine-serve bench --coordinator`: one coordinator (or --coordinators N sharing the request ids) driven by
+simulated frontends and nodes.
 
-A real coordinator process; one load-generator process simulates --nodes nodes
+Real coordinator processes; one load-generator process simulates --nodes nodes
 (register, then heartbeat with their load every --heartbeat-s) and --frontends
 frontends (register, heartbeat). Then, in one run and side by side:
 
@@ -13,8 +14,13 @@ frontends (register, heartbeat). Then, in one run and side by side:
 - each path also at a fixed --rate (requests/s, open loop) for the latency a
   request sees at ordinary load.
 
+With --coordinators N every simulated node and frontend registers and
+heartbeats with each coordinator, and each request goes to the coordinator that
+owns its id (the frontends' rule, `common/routing.py : owning_coordinator`): one
+stream per simulated frontend and coordinator on the batched path.
+
 Reported: reservations/s, coordinator CPU per request (utime+stime from
-/proc/<pid>/stat over the window), latency p50/p99 of the reservation, and the
+/proc/<pid>/stat over the window, summed over the coordinators), latency p50/p99 of the reservation, and the
 coordinator's resident memory per registered node and frontend. The load
 generator shares the machine: at saturation it may be the limit, which the
 report shows as its own CPU.
@@ -38,6 +44,7 @@ import grpc
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from openengine_serve.client import is_serving
 from openengine_serve.common.net import free_port
+from openengine_serve.common.routing import owning_coordinator
 from openengine_serve.frontend.reservation_stream import ReservationBatcher
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -48,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openengine-serve bench --coordinator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--coordinator", action="store_true", help="(selects this benchmark)")
+    p.add_argument("--coordinators", type=int, default=1, help="coordinator processes sharing the request ids "
+                                                                "(default 1)")
     p.add_argument("--nodes", type=int, default=1000, help="simulated nodes (default 1000)")
     p.add_argument("--frontends", type=int, default=100, help="simulated frontends (default 100)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval of every simulated "
@@ -65,9 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
+def cpu_seconds_each(pids: list[int]) -> list[float]:
+    each = []
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        each.append((int(fields[11]) + int(fields[12])) / TICKS)  # utime, stime
+    return each
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    return sum(cpu_seconds_each(pids))
 
 
 def rss_bytes(pid: int) -> int:
@@ -82,21 +98,24 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class SimulatedDeployment:
-    def __init__(self, target: str, args: argparse.Namespace) -> None:
+    """Every simulated node and frontend registers and heartbeats with every coordinator."""
+
+    def __init__(self, targets: list[str], args: argparse.Namespace) -> None:
         self.args = args
-        self.channel = grpc.aio.insecure_channel(target)
-        self.stub = cluster_pb2_grpc.CoordinatorStub(self.channel)
+        self.channels = [grpc.aio.insecure_channel(target) for target in targets]
+        self.stubs = [cluster_pb2_grpc.CoordinatorStub(channel) for channel in self.channels]
         self.frontend_ids = [f"bench-fe-{i}" for i in range(args.frontends)]
         self.tasks: list[asyncio.Task] = []
 
     async def register(self) -> None:
-        for rank in range(self.args.nodes):
-            node = cluster_pb2.NodeEntry(node_id=f"bench-node-{rank}", address=f"127.0.0.1:{10000 + rank}",
-                                         rank=rank, load=self.load())
-            await self.stub.RegisterNode(cluster_pb2.RegisterNodeRequest(node=node), timeout=10)
-        for frontend_id in self.frontend_ids:
-            await self.stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
-                frontend_id=frontend_id, address="127.0.0.1:1"), timeout=10)
+        for stub in self.stubs:
+            for rank in range(self.args.nodes):
+                node = cluster_pb2.NodeEntry(node_id=f"bench-node-{rank}", address=f"127.0.0.1:{10000 + rank}",
+                                             rank=rank, load=self.load())
+                await stub.RegisterNode(cluster_pb2.RegisterNodeRequest(node=node), timeout=10)
+            for frontend_id in self.frontend_ids:
+                await stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
+                    frontend_id=frontend_id, address="127.0.0.1:1"), timeout=10)
 
     @staticmethod
     def load() -> cluster_pb2.NodeLoad:
@@ -107,39 +126,43 @@ class SimulatedDeployment:
         count = self.args.nodes + self.args.frontends
         gap = self.args.heartbeat_s / max(1, count)
 
-        async def beat() -> None:
+        async def beat(stub: cluster_pb2_grpc.CoordinatorStub) -> None:
             while True:
                 started = time.monotonic()
                 for rank in range(self.args.nodes):
-                    await self.stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
+                    await stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
                         node_id=f"bench-node-{rank}", state=cluster_pb2.NODE_STATE_READY, load=self.load()),
                         timeout=10)
                     await asyncio.sleep(gap)
                 for frontend_id in self.frontend_ids:
-                    await self.stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
+                    await stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
                         frontend_id=frontend_id), timeout=10)
                     await asyncio.sleep(gap)
                 await asyncio.sleep(max(0.0, self.args.heartbeat_s - (time.monotonic() - started)))
-        self.tasks.append(asyncio.create_task(beat()))
+        self.tasks.extend(asyncio.create_task(beat(stub)) for stub in self.stubs)
 
     async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
 
 class UnaryPath:
     name = "unary"
 
-    def __init__(self, target: str, channels: int, frontend_ids: list[str]) -> None:
-        self.channels = [grpc.aio.insecure_channel(target) for _ in range(channels)]
-        self.stubs = [cluster_pb2_grpc.CoordinatorStub(c) for c in self.channels]
+    def __init__(self, targets: list[str], channels: int, frontend_ids: list[str]) -> None:
+        self.targets = targets
+        self.channels = {target: [grpc.aio.insecure_channel(target) for _ in range(channels)] for target in targets}
+        self.stubs = {target: [cluster_pb2_grpc.CoordinatorStub(c) for c in chans]
+                      for target, chans in self.channels.items()}
         self.frontend_ids = frontend_ids
 
     async def one(self, i: int) -> float:
-        stub = self.stubs[i % len(self.stubs)]
         frontend_id = self.frontend_ids[i % len(self.frontend_ids)]
         request_id = uuid.uuid4().hex
+        stubs = self.stubs[owning_coordinator(request_id, self.targets)]
+        stub = stubs[i % len(stubs)]
         started = time.perf_counter()
         await stub.Reserve(cluster_pb2.ReserveRequest(request_id=request_id, frontend_id=frontend_id), timeout=10)
         latency = time.perf_counter() - started
@@ -147,22 +170,25 @@ class UnaryPath:
         return latency
 
     async def close(self) -> None:
-        for channel in self.channels:
-            await channel.close()
+        for chans in self.channels.values():
+            for channel in chans:
+                await channel.close()
 
 
 class BatchedPath:
     name = "batched"
 
-    def __init__(self, target: str, frontend_ids: list[str]) -> None:
-        # One channel and one stream per simulated frontend, as each frontend process has.
-        self.channels = [grpc.aio.insecure_channel(target) for _ in frontend_ids]
-        self.batchers = [ReservationBatcher(fid, cluster_pb2_grpc.CoordinatorStub(c).Reservations)
-                         for fid, c in zip(frontend_ids, self.channels)]
+    def __init__(self, targets: list[str], frontend_ids: list[str]) -> None:
+        # One channel and one stream per simulated frontend and coordinator, as each frontend process has.
+        self.targets = targets
+        self.channels = [grpc.aio.insecure_channel(target) for _ in frontend_ids for target in targets]
+        channels = iter(self.channels)
+        self.batchers = [{target: ReservationBatcher(fid, cluster_pb2_grpc.CoordinatorStub(next(channels)).Reservations)
+                          for target in targets} for fid in frontend_ids]
 
     async def one(self, i: int) -> float:
-        batcher = self.batchers[i % len(self.batchers)]
         request_id = uuid.uuid4().hex
+        batcher = self.batchers[i % len(self.batchers)][owning_coordinator(request_id, self.targets)]
         started = time.perf_counter()
         await batcher.reserve(cluster_pb2.ReserveRequest(request_id=request_id))
         latency = time.perf_counter() - started
@@ -170,16 +196,17 @@ class BatchedPath:
         return latency
 
     def batches(self) -> int:
-        return sum(b.batches_sent for b in self.batchers)
+        return sum(b.batches_sent for per_frontend in self.batchers for b in per_frontend.values())
 
     async def close(self) -> None:
-        for batcher in self.batchers:
-            await batcher.close()
+        for per_frontend in self.batchers:
+            for batcher in per_frontend.values():
+                await batcher.close()
         for channel in self.channels:
             await channel.close()
 
 
-async def measure(path, coordinator_pid: int, args: argparse.Namespace, rate: float | None) -> dict:
+async def measure(path, coordinator_pids: list[int], args: argparse.Namespace, rate: float | None) -> dict:
     """Saturation (rate None: --concurrency closed loops) or an open loop at `rate` requests/s."""
     latencies: list[float] = []
     done = 0
@@ -219,9 +246,10 @@ async def measure(path, coordinator_pid: int, args: argparse.Namespace, rate: fl
     await asyncio.sleep(args.warmup_s)
     batches_before = path.batches() if hasattr(path, "batches") else 0
     recording = True
-    cpu0, own0, t0 = cpu_seconds(coordinator_pid), time.process_time(), time.monotonic()
+    each0, own0, t0 = cpu_seconds_each(coordinator_pids), time.process_time(), time.monotonic()
     await asyncio.sleep(args.window_s)
-    cpu1, own1, t1 = cpu_seconds(coordinator_pid), time.process_time(), time.monotonic()
+    each1, own1, t1 = cpu_seconds_each(coordinator_pids), time.process_time(), time.monotonic()
+    cpu0, cpu1 = sum(each0), sum(each1)
     recording = False
     stop = True
     await asyncio.gather(*loops, return_exceptions=True)
@@ -230,6 +258,8 @@ async def measure(path, coordinator_pid: int, args: argparse.Namespace, rate: fl
         "path": path.name, "load": f"{rate:g}/s" if rate else f"saturation ({args.concurrency} loops)",
         "reservations_per_s": done / elapsed,
         "coordinator_cores": (cpu1 - cpu0) / elapsed,
+        # With several coordinators: the one that caps the deployment first (each has its own core to go to).
+        "busiest_coordinator_cores": max(b - a for a, b in zip(each0, each1)) / elapsed,
         "coordinator_cpu_us_per_request": 1e6 * (cpu1 - cpu0) / max(1, done),
         "load_generator_cores": (own1 - own0) / elapsed,
         "latency_p50_ms": 1e3 * percentile(latencies, 0.50),
@@ -242,33 +272,34 @@ async def measure(path, coordinator_pid: int, args: argparse.Namespace, rate: fl
     return result
 
 
-async def heartbeat_only(coordinator_pid: int, window_s: float) -> float:
-    cpu0, t0 = cpu_seconds(coordinator_pid), time.monotonic()
+async def heartbeat_only(coordinator_pids: list[int], window_s: float) -> float:
+    cpu0, t0 = cpu_seconds(coordinator_pids), time.monotonic()
     await asyncio.sleep(window_s)
-    return (cpu_seconds(coordinator_pid) - cpu0) / (time.monotonic() - t0)
+    return (cpu_seconds(coordinator_pids) - cpu0) / (time.monotonic() - t0)
 
 
-async def drive(target: str, pid: int, args: argparse.Namespace) -> dict:
-    rss_empty = rss_bytes(pid)
-    deployment = SimulatedDeployment(target, args)
+async def drive(targets: list[str], pids: list[int], args: argparse.Namespace) -> dict:
+    """Memory is the first coordinator's (each holds the whole node and frontend table); CPU is all of theirs."""
+    rss_empty = rss_bytes(pids[0])
+    deployment = SimulatedDeployment(targets, args)
     await deployment.register()
-    rss_registered = rss_bytes(pid)
+    rss_registered = rss_bytes(pids[0])
     deployment.start_heartbeats()
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("coordinator", "output")},
         "cpus": os.cpu_count(),
         "memory": {"rss_empty_mb": rss_empty / 2**20, "rss_registered_mb": rss_registered / 2**20,
                    "bytes_per_registered_peer": (rss_registered - rss_empty) / max(1, args.nodes + args.frontends)},
-        "heartbeat_only_cores": await heartbeat_only(pid, args.window_s),
+        "heartbeat_only_cores": await heartbeat_only(pids, args.window_s),
         "scenarios": [],
     }
-    known = {"unary": lambda: UnaryPath(target, args.channels, deployment.frontend_ids),
-             "batched": lambda: BatchedPath(target, deployment.frontend_ids)}
+    known = {"unary": lambda: UnaryPath(targets, args.channels, deployment.frontend_ids),
+             "batched": lambda: BatchedPath(targets, deployment.frontend_ids)}
     paths = [known[name.strip()]() for name in args.paths.split(",") if name.strip()]
     try:
         for rate in (None, args.rate):
             for path in paths:
-                scenario = await measure(path, pid, args, rate)
+                scenario = await measure(path, pids, args, rate)
                 # What the requests add on top of the heartbeats (measured alone before).
                 extra_cores = max(0.0, scenario["coordinator_cores"] - result["heartbeat_only_cores"])
                 scenario["marginal_cpu_us_per_request"] = 1e6 * extra_cores / max(1e-9, scenario["reservations_per_s"])
@@ -284,18 +315,20 @@ async def drive(target: str, pid: int, args: argparse.Namespace) -> dict:
 def render(result: dict) -> str:
     mem = result["memory"]
     lines = [
-        f"Coordinator benchmark: {result['config']['nodes']} nodes, {result['config']['frontends']} frontends "
+        f"Coordinator benchmark: {result['config']['coordinators']} coordinator(s), {result['config']['nodes']} nodes, "
+        f"{result['config']['frontends']} frontends "
         f"(heartbeat {result['config']['heartbeat_s']} s), {result['cpus']} CPUs shared with the load generator",
         f"memory: {mem['rss_empty_mb']:.1f} MB empty, {mem['rss_registered_mb']:.1f} MB registered "
         f"({mem['bytes_per_registered_peer'] / 1024:.1f} KiB per node/frontend); heartbeats alone: "
         f"{result['heartbeat_only_cores']:.2f} cores",
         "",
-        "| path | load | reservations/s | coordinator cores | CPU µs/request (all) | CPU µs/request (beyond "
+        "| path | load | reservations/s | coordinator cores (busiest) | CPU µs/request (all) | CPU µs/request (beyond "
         "heartbeats) | p50 ms | p99 ms | requests/message | load-gen cores | errors |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in result["scenarios"]:
-        lines.append(f"| {s['path']} | {s['load']} | {s['reservations_per_s']:,.0f} | {s['coordinator_cores']:.2f} | "
+        lines.append(f"| {s['path']} | {s['load']} | {s['reservations_per_s']:,.0f} | {s['coordinator_cores']:.2f} "
+                     f"({s['busiest_coordinator_cores']:.2f}) | "
                      f"{s['coordinator_cpu_us_per_request']:,.0f} | {s['marginal_cpu_us_per_request']:,.0f} | "
                      f"{s['latency_p50_ms']:.2f} | "
                      f"{s['latency_p99_ms']:.2f} | {s.get('requests_per_batch', 1):.1f} | "
@@ -307,27 +340,34 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    if args.coordinators < 1:
+        raise SystemExit(f"--coordinators must be >= 1, got {args.coordinators}")
     expiry = max(3.0, 5 * args.heartbeat_s)
     log = open(out / "coordinator-bench.log", "ab")
     env = dict(os.environ)
     if args.coordinator_pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.coordinator_pythonpath, env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "coordinator", "--host", "127.0.0.1",
-                             "--port", str(port), "--metrics-port", "0", "--heartbeat-s", str(args.heartbeat_s),
-                             "--node-expiry-s", str(expiry), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    target = f"127.0.0.1:{port}"
+    targets, procs = [], []
     try:
+        for _ in range(args.coordinators):
+            port = free_port()
+            targets.append(f"127.0.0.1:{port}")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "openengine_serve", "coordinator", "--host", "127.0.0.1", "--port", str(port),
+                 "--metrics-port", "0", "--heartbeat-s", str(args.heartbeat_s), "--node-expiry-s", str(expiry),
+                 "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + 30
-        while not is_serving(target):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the coordinator did not start; see {out / 'coordinator-bench.log'}")
-            time.sleep(0.2)
-        result = asyncio.run(drive(target, proc.pid, args))
+        for target, proc in zip(targets, procs):
+            while not is_serving(target):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"a coordinator did not start; see {out / 'coordinator-bench.log'}")
+                time.sleep(0.2)
+        result = asyncio.run(drive(targets, [proc.pid for proc in procs], args))
     finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=15)
     (out / "coordinator.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     text = render(result)
     (out / "coordinator.md").write_text(text + "\n", encoding="utf-8")

@@ -46,6 +46,26 @@ def _stop_grace_knob() -> Any:
                      "before the server closes them", minimum=0)
 
 
+def _coordinator_address_knob() -> Any:
+    """One definition for the node's and the frontend's field (one row in the README table)."""
+    return knob("127.0.0.1:50052", "host:port of the coordinator; a comma-separated list shards the request ids "
+                                   "over several coordinators (every node and frontend must list the same "
+                                   "addresses, spelled the same; docs/coordinator.md)")
+
+
+def coordinator_addresses(value: str) -> tuple[str, ...]:
+    """OPENENGINE_COORDINATOR_ADDRESS as its list of coordinators; ConfigError names what is wrong."""
+    addresses = tuple(a.strip() for a in value.split(","))
+    if not all(addresses):
+        raise ConfigError(f"OPENENGINE_COORDINATOR_ADDRESS must be host:port, or a comma-separated list of them "
+                          f"without empty entries; got {value!r}")
+    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
+    if repeated:
+        raise ConfigError(f"OPENENGINE_COORDINATOR_ADDRESS lists {', '.join(repeated)} more than once; each "
+                          f"coordinator once (got {value!r})")
+    return addresses
+
+
 def _rpc_timeout_knob() -> Any:
     """One definition for the coordinator's and the node's field (one row in the README table)."""
     return knob(5.0, "deadline of each call this component makes to another one (node: register and heartbeat; "
@@ -91,7 +111,7 @@ class CoordinatorConfig(CommonConfig):
 class NodeConfig(CommonConfig):
     port: int = knob(50053, "node gRPC port (internal protocol)", minimum=1, maximum=65535)
     metrics_port: int = knob(9093, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
-    coordinator_address: str = knob("127.0.0.1:50052", "host:port of the coordinator")
+    coordinator_address: str = _coordinator_address_knob()
     advertise_address: str = knob("", "host:port frontends dial for this node (default: this host's name, "
                                       "or --host when it is not a wildcard, and --port)")
     node_rank: int = knob(-1, "this node's rank, the `openengine-target-dp-rank` routing target "
@@ -119,6 +139,12 @@ class NodeConfig(CommonConfig):
     def component(cls) -> str:
         return "node"
 
+    def __post_init__(self) -> None:
+        coordinator_addresses(self.coordinator_address)
+
+    def coordinators(self) -> tuple[str, ...]:
+        return coordinator_addresses(self.coordinator_address)
+
     def resolved_advertise_address(self) -> str:
         if self.advertise_address:
             return self.advertise_address
@@ -130,7 +156,7 @@ class NodeConfig(CommonConfig):
 class FrontendConfig(CommonConfig):
     port: int = knob(50051, "public OpenEngine gRPC port", minimum=1, maximum=65535)
     metrics_port: int = knob(9091, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
-    coordinator_address: str = knob("127.0.0.1:50052", "host:port of the coordinator")
+    coordinator_address: str = _coordinator_address_knob()
     grpc_server: str = knob("grpcio", "gRPC server of the public frontend", choices=GRPC_SERVERS)
     workers: int = knob(1, "frontend processes sharing the public port (SO_REUSEPORT)", minimum=1, maximum=64,
                         env="OPENENGINE_FRONTEND_WORKERS")
@@ -164,9 +190,12 @@ class FrontendConfig(CommonConfig):
     native_io_threads: int = knob(0, "pygrpc-native's Rust I/O threads per worker (0: derived from the worker's "
                                      "CPU budget, the smaller of CPU affinity and cgroup CPU quota divided by the "
                                      "workers: 1 when it is at most one CPU, else 2)", minimum=0, maximum=64)
-    max_connection_age_s: float = knob(0.0, "grpcio only: a client connection older than this gets GOAWAY and "
-                                            "reconnects (spreads load over frontends added later); calls still "
-                                            "open get OPENENGINE_DRAIN_TIMEOUT_S to finish (0: off)", minimum=0)
+    max_connection_age_s: float = knob(0.0, "a client connection older than this is made to reconnect, which "
+                                            "spreads load over frontends added later (0: off). grpcio: GOAWAY, "
+                                            "calls still open get OPENENGINE_DRAIN_TIMEOUT_S to finish. "
+                                            "pygrpc-native: age from the connection's first call; new calls on "
+                                            "it are refused (UNAVAILABLE, not started) and it is closed once "
+                                            "its open calls have ended", minimum=0)
     tls_cert_file: str = knob("", "PEM certificate chain of the public port: TLS only (grpcio; reloaded when "
                                   "the file changes)", unset="(none: off)")
     tls_key_file: str = knob("", "PEM private key of OPENENGINE_TLS_CERT_FILE", unset="(none: off)")
@@ -175,21 +204,27 @@ class FrontendConfig(CommonConfig):
     max_request_bytes: int = knob(16 * 1024 * 1024, "largest request message accepted (RESOURCE_EXHAUSTED "
                                                      "beyond)", minimum=1024)
     max_metadata_bytes: int = knob(16 * 1024, "largest request metadata (header names + values + 32 bytes "
-                                              "each) accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024)
+                                              "each) accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024,
+                                    maximum=256 * 1024)
     max_concurrent_streams: int = knob(1024, "calls open at once on one client connection (RESOURCE_EXHAUSTED "
                                              "beyond)", minimum=1)
-    api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET` a line (ROLE user|admin, SECRET the key "
-                                  "or sha256:<hex>); set: every call needs `authorization: Bearer <key>`; "
-                                  "re-read when it changes", unset="(none: off)")
+    api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET [max_in_flight=N]` a line (ROLE user|admin, "
+                                  "SECRET the key or sha256:<hex>, N this key's api_key_max_in_flight); set: every "
+                                  "call needs `authorization: Bearer <key>`; re-read when it changes",
+                              unset="(none: off)")
+    api_key_max_in_flight: int = knob(0, "Generate streams one API key keeps open on one frontend worker when its "
+                                         "key file line has no `max_in_flight=N`; beyond it Generate is refused at "
+                                         "once (RESOURCE_EXHAUSTED, retry hint); 0: no limit", minimum=0)
 
     @classmethod
     def component(cls) -> str:
         return "frontend"
 
     def __post_init__(self) -> None:
-        if self.max_connection_age_s and self.grpc_server == "pygrpc-native":
-            raise ConfigError("OPENENGINE_MAX_CONNECTION_AGE_S is grpcio only: pygrpc-native has no maximum "
-                              "connection age; unset it (0) or use OPENENGINE_GRPC_SERVER=grpcio")
+        coordinator_addresses(self.coordinator_address)
+
+    def coordinators(self) -> tuple[str, ...]:
+        return coordinator_addresses(self.coordinator_address)
 
     def aliases(self) -> tuple[str, ...]:
         return tuple(a.strip() for a in self.model_aliases.split(",") if a.strip())

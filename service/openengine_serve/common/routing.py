@@ -28,3 +28,12 @@ def rendezvous_pick(routing_key: str, nodes: Sequence[Node], node_id: Callable[[
     if not nodes:
         raise ValueError("rendezvous_pick needs at least one node")
     return max(nodes, key=lambda node: (rendezvous_weight(routing_key, node_id(node)), node_id(node)))
+
+
+def owning_coordinator(request_id: str, coordinators: Sequence[str]) -> str:
+    """The coordinator (address, as configured) that owns a request id when several share the deployment: the
+    same rendezvous rule over the addresses, so every frontend listing the same addresses (in any order) agrees,
+    and adding or removing one coordinator moves only the ids it gains or loses."""
+    if len(coordinators) == 1:
+        return coordinators[0]
+    return rendezvous_pick(request_id, coordinators, str)

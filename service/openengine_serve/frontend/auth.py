@@ -1,10 +1,13 @@
 """API keys and roles on the public port (both gRPC servers): a key file and an `aio.ServerInterceptor`.
 
-The key file (OPENENGINE_API_KEYS_FILE) holds one key a line, `ROLE NAME SECRET`:
-ROLE is `user` or `admin`, NAME labels the key in logs and metrics, SECRET is
-the key itself or `sha256:<hex>` of it; `#` starts a comment. Only SHA-256
-digests are kept in memory; a presented key is hashed and compared with every
-stored digest in constant time. Secrets never reach a log or an error message.
+The key file (OPENENGINE_API_KEYS_FILE) holds one key a line,
+`ROLE NAME SECRET [max_in_flight=N]`: ROLE is `user` or `admin`, NAME labels the
+key in logs and metrics, SECRET is the key itself or `sha256:<hex>` of it;
+`max_in_flight=N` (optional) caps the Generate streams the key keeps open on one
+frontend worker (else OPENENGINE_API_KEY_MAX_IN_FLIGHT; 0 there: no cap); `#`
+starts a comment. Only SHA-256 digests are kept in memory; a presented key is
+hashed and compared with every stored digest in constant time. Secrets never
+reach a log or an error message.
 
 The interceptor refuses a call without a known key (UNAUTHENTICATED) before the
 request is even deserialized, so no validation, routing or engine work happens.
@@ -45,6 +48,8 @@ USER_METHODS = frozenset({
 })
 NO_KEY_LABEL = "-"  # the key label of requests when keys are off
 _HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+LINE_FORMAT = "`ROLE NAME SECRET [max_in_flight=N]`"
+MAX_IN_FLIGHT_OPTION = "max_in_flight="
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class ApiKey:
     role: str
     name: str
     digest: bytes  # sha256 of the secret
+    max_in_flight: int = 0  # Generate streams open at once on one worker; 0: the default (api_key_max_in_flight)
 
     @property
     def admin(self) -> bool:
@@ -107,9 +113,10 @@ def parse_keys(path: str) -> tuple[ApiKey, ...]:
             continue
         where = f"{path}:{number}"
         fields = line.split()
-        if len(fields) != 3:
-            raise ConfigError(f"{where}: expected `ROLE NAME SECRET` (3 fields), found {len(fields)}")
-        role, name, secret = fields
+        if len(fields) not in (3, 4):
+            raise ConfigError(f"{where}: expected {LINE_FORMAT} (3 or 4 fields), found {len(fields)}")
+        role, name, secret = fields[:3]
+        max_in_flight = _max_in_flight(fields[3], where) if len(fields) == 4 else 0
         if role not in ROLES:
             raise ConfigError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
         if secret.startswith("sha256:"):
@@ -122,10 +129,18 @@ def parse_keys(path: str) -> tuple[ApiKey, ...]:
         if digest in seen:
             raise ConfigError(f"{where}: the same secret is already the key {seen[digest]!r}")
         seen[digest] = name
-        keys.append(ApiKey(role, name, digest))
+        keys.append(ApiKey(role, name, digest, max_in_flight))
     if not keys:
         raise ConfigError(f"OPENENGINE_API_KEYS_FILE {path!r} holds no key: every call would be refused")
     return tuple(keys)
+
+
+def _max_in_flight(option: str, where: str) -> int:
+    """The value of a `max_in_flight=N` field; the field is never echoed (it may be part of a mistyped secret)."""
+    value = option[len(MAX_IN_FLIGHT_OPTION):] if option.startswith(MAX_IN_FLIGHT_OPTION) else ""
+    if not (value.isascii() and value.isdigit() and int(value) > 0):
+        raise ConfigError(f"{where}: the 4th field must be max_in_flight=N with N a positive integer")
+    return int(value)
 
 
 class KeyStore:

@@ -15,9 +15,11 @@ from ..common.grpc_server import ServerImplementation
 from ..common.health import Health
 from ..common.logging_setup import log_event
 from . import auth
-from .coordinator_client import CoordinatorClient
+from .coordinator_client import AbortIncomplete, CoordinatorClient
 from .inference import MAX_TOP_N
 from .probe import InferenceProbe
+from .refusal import InvalidRequest
+from .validation import check_request_id, shown
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -62,7 +64,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
             return
         if request.model not in names:
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {request.model!r} is not served; served: {', '.join(names)}")
+                                f"model {shown(request.model)} is not served; served: {', '.join(names)}")
             return
         logprobs = model_pb2.LogprobCapabilities(
             supported=True, max_top_n=MAX_TOP_N,
@@ -116,7 +118,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
         else:
             checks.append(lifecycle_pb2.HealthCheck(
                 name="coordinator", state=DEGRADED if ready_nodes else NOT_READY,
-                message=f"coordinator {coordinator.address} unreachable; "
+                message=f"coordinator {', '.join(coordinator.unreachable_addresses())} unreachable; "
                         f"serving from the last known node table ({len(ready_nodes)} ready nodes)"))
         checks.append(lifecycle_pb2.HealthCheck(
             name="scheduler", state=READY if ready_nodes else NOT_READY,
@@ -134,9 +136,12 @@ class Control(openengine_pb2_grpc.ControlServicer):
         if target == "kv_session":
             await context.abort(grpc.StatusCode.NOT_FOUND, "no KV sessions exist in an aggregated deployment")
             return
-        if target == "request_id" and not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
-            return
+        if target == "request_id":
+            try:
+                check_request_id(request.request_id)  # the rule of Generate: an id it refuses is never running
+            except InvalidRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                return
         owner, refusal = auth.abort_scope(target == "all_requests")  # security hook: a user aborts only its own
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
@@ -149,12 +154,17 @@ class Control(openengine_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"abort needs the coordinator, which is unreachable ({exc.code().name})")
             return
+        except AbortIncomplete as exc:  # several coordinators, some unreachable: what the others aborted stays
+            log_event(logger, "abort incomplete", logging.WARNING, target=target, key=auth.caller_label(),
+                      aborted=exc.aborted, unreachable=[address for address, _ in exc.unreachable])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; retry the Abort")
+            return
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_NOT_FOUND:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r} is not known")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {shown(request.request_id)} is not known")
             return
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED:
             return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED,
-                                               message=f"request_id {request.request_id!r} already finished")
+                                               message=f"request_id {shown(request.request_id)} already finished")
         log_event(logger, "abort", target=target, request_id=request.request_id, key=auth.caller_label(),
                   aborted=reply.aborted)
         return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED,

@@ -5,19 +5,23 @@ known node table (health reports DEGRADED); `reserve` then raises
 `CoordinatorUnreachable` and the caller routes on its own.
 
 Reserve and Release go over the batched `Reservations` stream
-(`reservation_stream.py`); the other calls are unary.
+(`reservation_stream.py`); the other calls are unary. With several coordinators
+(a comma-separated OPENENGINE_COORDINATOR_ADDRESS) each request id belongs to
+one of them: its Reserve, Release and Abort go there; registration, heartbeats,
+Abort(all_requests) and GetClusterLoad go to all (docs/coordinator.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.logging_setup import log_event
+from ..common.routing import owning_coordinator
 from .refusal import DuplicateRequest, NotServed, Overloaded, Refusal, Unavailable
 from .reservation_stream import ReservationBatcher, ReservationRefused, StreamBroken
 
@@ -37,67 +41,124 @@ class CoordinatorUnreachable(Exception):
     """A Reserve found no coordinator (UNAVAILABLE or deadline): route from the last known node table."""
 
 
+class AbortIncomplete(Exception):
+    """Abort(all_requests) reached some of the coordinators only: `aborted` counts what those stopped."""
+
+    def __init__(self, aborted: int, unreachable: list[tuple[str, grpc.StatusCode]]) -> None:
+        super().__init__(f"aborted {aborted} request(s) on the reachable coordinators; "
+                         + ", ".join(f"{address} unreachable ({code.name})" for address, code in unreachable))
+        self.aborted = aborted
+        self.unreachable = unreachable
+
+
+class CoordinatorShard:
+    """One coordinator of the deployment as this frontend sees it: its channel, its reservation stream, whether
+    it answers, and the node table it last sent."""
+
+    def __init__(self, frontend_id: str, address: str, open_channel: Callable[[str], grpc.aio.Channel]) -> None:
+        self.address = address
+        self.reachable = False
+        self.nodes: dict[str, cluster_pb2.NodeEntry] = {}
+        self.channel = open_channel(address)
+        self.stub = cluster_pb2_grpc.CoordinatorStub(self.channel)
+        # The stub is looked up at each stream opening (unit tests replace it).
+        self.reservations = ReservationBatcher(frontend_id, lambda: self.stub.Reservations())
+
+    async def close(self) -> None:
+        await self.reservations.close()
+        await self.channel.close()
+
+
 class CoordinatorClient:
-    def __init__(self, frontend_id: str, address: str, advertised_address: str, heartbeat_s: float,
+    """The deployment's coordinators: usually one; with several, each request id belongs to one of them
+    (`common/routing.py : owning_coordinator`), and this frontend registers and heartbeats with all of them."""
+
+    def __init__(self, frontend_id: str, addresses: Sequence[str], advertised_address: str, heartbeat_s: float,
                  call_timeout_s: float, live_requests: Callable[[], int],
                  on_node_table: Callable[[dict[str, cluster_pb2.NodeEntry]], None],
                  open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:
+        if not addresses:
+            raise ValueError("at least one coordinator address is needed")
         self.frontend_id = frontend_id
-        self.address = address
+        self.addresses = tuple(addresses)
+        self.address = ",".join(self.addresses)
         self.advertised_address = advertised_address
         self.heartbeat_s = heartbeat_s
         self.call_timeout_s = call_timeout_s
-        self.reachable = False
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}  # the last known table
-        self.table_updated = asyncio.Event()  # set at each node table the coordinator sends (readiness follows it)
-        self._channel = open_channel(address)
-        self._stub = cluster_pb2_grpc.CoordinatorStub(self._channel)
-        # The stub is looked up at each stream opening (unit tests replace it).
-        self.reservations = ReservationBatcher(frontend_id, lambda: self._stub.Reservations())
+        self.table_updated = asyncio.Event()  # set at each node table a coordinator sends (readiness follows it)
+        self.shards = [CoordinatorShard(frontend_id, address, open_channel) for address in self.addresses]
+        self._shard_by_address = {shard.address: shard for shard in self.shards}
         self._live_requests = live_requests
         self._on_node_table = on_node_table
+
+    @property
+    def reachable(self) -> bool:
+        return all(shard.reachable for shard in self.shards)
+
+    def unreachable_addresses(self) -> list[str]:
+        return [shard.address for shard in self.shards if not shard.reachable]
+
+    def shard_for(self, request_id: str) -> CoordinatorShard:
+        """The coordinator that owns the id: its duplicate check, its Abort, its Release."""
+        return self._shard_by_address[owning_coordinator(request_id, self.addresses)]
 
     def ready_nodes(self) -> list[cluster_pb2.NodeEntry]:
         return [n for n in self.nodes.values() if n.state == READY]
 
     async def heartbeat_loop(self) -> None:
+        await asyncio.gather(*(self._heartbeat_loop(shard) for shard in self.shards))
+
+    async def _heartbeat_loop(self, shard: CoordinatorShard) -> None:
         registered = False
         while True:
             try:
                 if not registered:
-                    reply = await self._stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
+                    reply = await shard.stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
                         frontend_id=self.frontend_id, address=self.advertised_address), timeout=self.call_timeout_s)
-                    self._set_nodes(reply.nodes)
+                    self._set_reachable(shard, True)
+                    self._set_nodes(shard, reply.nodes)
                     registered = True
-                    log_event(logger, "registered with coordinator", frontend_id=self.frontend_id)
-                reply = await self._stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
+                    log_event(logger, "registered with coordinator", frontend_id=self.frontend_id,
+                              coordinator=shard.address)
+                # live_requests is this frontend's total on every coordinator (a gauge to read per coordinator).
+                reply = await shard.stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
                     frontend_id=self.frontend_id, live_requests=self._live_requests()), timeout=self.call_timeout_s)
                 registered = reply.known
-                self._set_nodes(reply.nodes)
-                self._set_reachable(True)
-                self.reservations.flush()  # releases kept since a broken stream, when no request came since
+                self._set_reachable(shard, True)
+                self._set_nodes(shard, reply.nodes)
+                shard.reservations.flush()  # releases kept since a broken stream, when no request came since
             except grpc.aio.AioRpcError as exc:
-                self._set_reachable(False, exc)
+                self._set_reachable(shard, False, exc)
                 registered = False
             await asyncio.sleep(self.heartbeat_s)
 
-    def _set_reachable(self, reachable: bool, exc: grpc.aio.AioRpcError | None = None, detail: str = "") -> None:
-        if reachable != self.reachable:
+    def _set_reachable(self, shard: CoordinatorShard, reachable: bool, exc: grpc.aio.AioRpcError | None = None,
+                       detail: str = "") -> None:
+        if reachable != shard.reachable:
             log_event(logger, "coordinator reachable" if reachable else "coordinator unreachable",
-                      logging.INFO if reachable else logging.WARNING, coordinator=self.address,
+                      logging.INFO if reachable else logging.WARNING, coordinator=shard.address,
                       **({"code": exc.code().name} if exc else {"detail": detail} if detail else {}))
-        self.reachable = reachable
+        shard.reachable = reachable
 
-    def _set_nodes(self, entries) -> None:
-        self.nodes = {n.node_id: n for n in entries}
+    def _set_nodes(self, shard: CoordinatorShard, entries) -> None:
+        shard.nodes = {n.node_id: n for n in entries}
+        if len(self.shards) == 1:
+            self.nodes = shard.nodes
+        else:
+            # Every coordinator has every node (nodes register with all): the tables of those that answer (of all,
+            # as last known, when none does); for a node in several, the first listed coordinator's entry.
+            self.nodes = {}
+            for other in reversed([s for s in self.shards if s.reachable] or self.shards):
+                self.nodes.update(other.nodes)
         self._on_node_table(self.nodes)
         self.table_updated.set()
 
     async def reserve(self, request_id: str, routing_key: str, target_rank: int | None, prompt_tokens: int,
                       num_sequences: int, trace: tuple[tuple[str, str], ...] = (),
                       owner: str = "") -> cluster_pb2.NodeEntry:
-        """The node the coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API key
-        name that starts the request, so that only it (or an admin) can abort it.
+        """The node the id's coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API
+        key name that starts the request, so that only it (or an admin) can abort it.
 
         Batched with the other reservations of this event-loop tick; the deadline is per reservation. `trace`
         (traceparent/tracestate pairs) rides in the reservation, since a batch has no per-request metadata.
@@ -109,35 +170,61 @@ class CoordinatorClient:
                 setattr(request, key, value)
         if target_rank is not None:
             request.target_rank = target_rank
+        shard = self.shard_for(request_id)
         try:
             async with asyncio.timeout(self.call_timeout_s):  # no extra task per call, unlike wait_for
-                node = await self.reservations.reserve(request)
+                node = await shard.reservations.reserve(request)
         except ReservationRefused as exc:
-            self._set_reachable(True)
+            self._set_reachable(shard, True)
             raise reserve_refusal(exc.code, exc.message) from None
         except (StreamBroken, TimeoutError) as exc:
-            self._set_reachable(False, detail=str(exc) or "reserve deadline exceeded")
+            self._set_reachable(shard, False, detail=str(exc) or "reserve deadline exceeded")
             raise CoordinatorUnreachable(str(exc) or "DEADLINE_EXCEEDED") from None
-        self._set_reachable(True)
+        self._set_reachable(shard, True)
         return node
 
     def release(self, request_id: str) -> None:
-        """Rides on the next batch (this tick's, or the next reservation's)."""
-        self.reservations.release(request_id)
+        """Rides on the next batch to the id's coordinator (this tick's, or the next reservation's)."""
+        self.shard_for(request_id).reservations.release(request_id)
 
     async def abort(self, request: cluster_pb2.ClusterAbortRequest) -> cluster_pb2.ClusterAbortReply:
-        return await self._stub.Abort(request, timeout=self.call_timeout_s)
+        """One request: its coordinator's answer. All requests: every coordinator's, summed; raises the error
+        when none answered, AbortIncomplete when some did."""
+        if request.WhichOneof("target") != "all_requests":
+            return await self.shard_for(request.request_id).stub.Abort(request, timeout=self.call_timeout_s)
+        replies = await self._each_shard(lambda stub: stub.Abort(request, timeout=self.call_timeout_s))
+        answered = [reply for reply in replies if not isinstance(reply, grpc.aio.AioRpcError)]
+        if not answered:
+            raise replies[0]
+        aborted = sum(reply.aborted for reply in answered)
+        if len(answered) < len(replies):
+            raise AbortIncomplete(aborted, [(shard.address, reply.code()) for shard, reply in zip(self.shards, replies)
+                                            if isinstance(reply, grpc.aio.AioRpcError)])
+        return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=aborted)
 
     async def cluster_load(self) -> cluster_pb2.ClusterLoad:
-        """The coordinator's view of load, or the last known node table when it cannot be reached."""
-        try:
-            return await self._stub.GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=self.call_timeout_s)
-        except grpc.aio.AioRpcError:
+        """The coordinators' view of load, or the last known node table when none can be reached. Nodes report
+        their load to every coordinator: the node entries are the first answering coordinator's; the live
+        reservations are the sum over coordinators (each counts the ids it owns)."""
+        replies = await self._each_shard(
+            lambda stub: stub.GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=self.call_timeout_s))
+        answered = [reply for reply in replies if not isinstance(reply, grpc.aio.AioRpcError)]
+        if not answered:
             return cluster_pb2.ClusterLoad(nodes=list(self.nodes.values()))
+        return cluster_pb2.ClusterLoad(nodes=answered[0].nodes,
+                                       live_reservations=sum(reply.live_reservations for reply in answered))
+
+    async def _each_shard(self, call) -> list:
+        """`call(stub)` on every coordinator at once; a coordinator's gRPC error is its entry in the list."""
+        replies = await asyncio.gather(*(call(shard.stub) for shard in self.shards), return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, BaseException) and not isinstance(reply, grpc.aio.AioRpcError):
+                raise reply
+        return replies
 
     async def close(self) -> None:
-        await self.reservations.close()
-        await self._channel.close()
+        for shard in self.shards:
+            await shard.close()
 
 
 def reserve_refusal(code: grpc.StatusCode, message: str) -> Exception:

@@ -21,7 +21,8 @@ from ..common.health import Health
 from ..common.logging_setup import log_event
 from . import auth, metrics
 from .nodes import LaneFailure
-from .refusal import DuplicateRequest, InvalidRequest, NotServed, Overloaded, Refusal, Unavailable, Unsupported
+from .refusal import (DuplicateRequest, InvalidRequest, KeyAtLimit, NotServed, Overloaded, Refusal, Unavailable,
+                      Unsupported)
 from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests
 from .stream import ENGINE_ERROR, OutputStream, TokenStrings, engine_error, prompt_output
@@ -39,6 +40,7 @@ REFUSAL_CODES: dict[type[Refusal], grpc.StatusCode] = {
     DuplicateRequest: grpc.StatusCode.ALREADY_EXISTS,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    KeyAtLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 RETRY_AFTER_KEY = "openengine-retry-after-ms"  # on RESOURCE_EXHAUSTED: when trying again may succeed
@@ -57,6 +59,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         self.requests = requests
         self.health = health
         self.max_in_flight = config.max_in_flight
+        self.key_max_in_flight = config.api_key_max_in_flight
         self.client_stall_timeout_s = config.client_stall_timeout_s
         self.limits = ModelLimits(
             served_model_name=config.model, aliases=config.aliases(), max_context_length=config.max_context_length,
@@ -86,9 +89,12 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 raise Unavailable("this frontend is draining; retry on another frontend")
             if self.requests.open_count >= self.max_in_flight:
                 metrics.IN_FLIGHT_REFUSALS.inc()
-                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
-                raise Overloaded(f"this frontend worker has its maximum of {self.max_in_flight} streams open "
-                                 f"(OPENENGINE_MAX_IN_FLIGHT); retry in {RETRY_AFTER_MS} ms or on another frontend")
+                raise _retry_later(context, Overloaded(
+                    f"this frontend worker has its maximum of {self.max_in_flight} streams open "
+                    f"(OPENENGINE_MAX_IN_FLIGHT); retry in {RETRY_AFTER_MS} ms or on another frontend"))
+            key_refusal = self._key_at_limit(auth.caller())
+            if key_refusal is not None:
+                raise _retry_later(context, key_refusal)
             plan = self.plan(request, parse_metadata(invocation_metadata))
             trace.set_attributes(**{"gen_ai.usage.input_tokens": len(plan.prompt_token_ids)})
             sink = None
@@ -114,6 +120,17 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             trace.end(status="cancelled" if cancelled else "error", code="CANCELLED" if cancelled else "INTERNAL",
                       error=None if cancelled else exc)
             raise
+
+    def _key_at_limit(self, key: auth.ApiKey | None) -> KeyAtLimit | None:
+        """The refusal of a caller whose API key has its maximum of streams open in this worker, else None."""
+        if key is None:
+            return None
+        limit, source = ((key.max_in_flight, "its max_in_flight in OPENENGINE_API_KEYS_FILE") if key.max_in_flight
+                         else (self.key_max_in_flight, "OPENENGINE_API_KEY_MAX_IN_FLIGHT"))
+        if not limit or self.requests.open_count_of(key.name) < limit:
+            return None
+        return KeyAtLimit(f"API key {key.name!r} has its maximum of {limit} streams open on this frontend worker "
+                          f"({source}); retry in {RETRY_AFTER_MS} ms")
 
     async def _end_stalled(self, plan: GenerationPlan, context) -> None:
         """A client that accepted no output for the stall timeout; its engine slot is already freed. One
@@ -208,6 +225,12 @@ def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[Outpu
     log_event(logger, "request ended", request_id=plan.request_id, key=key, trace_id=trace_id(plan.metadata),
               node_id=accepted.node.node_id, status=status, completion_tokens=completion_tokens,
               duration_s=f"{duration:.3f}")
+
+
+def _retry_later(context, refusal: Refusal) -> Refusal:
+    """`refusal` with the retry hint in the trailing metadata (a limit that frees up as streams end)."""
+    context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+    return refusal
 
 
 def refusal_reason(kind: type[Refusal]) -> str:

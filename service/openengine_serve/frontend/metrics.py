@@ -34,6 +34,12 @@ CLIENT_STALLS = Counter("openengine_frontend_client_stalls",
                         "streams ended because their client accepted no output for the client stall timeout")
 IN_FLIGHT_REFUSALS = Counter("openengine_frontend_in_flight_refusals",
                              "Generate calls refused because the worker had its maximum of streams open")
+CONNECTIONS_MOVED = Counter("openengine_frontend_connections_moved",
+                            "client connections closed at OPENENGINE_MAX_CONNECTION_AGE_S so that their client "
+                            "reconnects (pygrpc-native; grpcio's GOAWAYs are not counted here)")
+CONNECTION_AGE_REFUSALS = Counter("openengine_frontend_connection_age_refusals",
+                                  "calls refused (UNAVAILABLE, not started) on a connection past "
+                                  "OPENENGINE_MAX_CONNECTION_AGE_S while it waits to be closed (pygrpc-native)")
 EVENT_LOOP_LAG = Gauge("openengine_frontend_event_loop_lag_seconds",
                        "how late the event loop woke a periodic timer, last measurement (the worst worker)",
                        multiprocess_mode="livemax")

@@ -39,3 +39,7 @@ class Unavailable(Refusal):
 
 class Overloaded(Refusal):
     """The chosen node is at capacity; retry later."""
+
+
+class KeyAtLimit(Refusal):
+    """The caller's API key has its maximum of streams open; retry later."""

@@ -57,6 +57,7 @@ class Requests:
         self.nodes = nodes
         self.router = router
         self._open = 0
+        self._open_by_owner: dict[str, int] = {}  # per API key name, for its concurrency limit
         self._open_gauge = metrics.WORKER_IN_FLIGHT.labels(worker=frontend_id)
         self._open_gauge.set(0)
         self._idle = asyncio.Event()
@@ -65,6 +66,10 @@ class Requests:
     @property
     def open_count(self) -> int:
         return self._open
+
+    def open_count_of(self, owner: str) -> int:
+        """Requests of one owner (API key name) open in this worker."""
+        return self._open_by_owner.get(owner, 0)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is open, False when timeout_s passed first."""
@@ -86,6 +91,7 @@ class Requests:
         request_id = plan.request_id
         forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
         self._open += 1
+        self._open_by_owner[owner] = self._open_by_owner.get(owner, 0) + 1
         self._open_gauge.set(self._open)
         self._idle.clear()
         try:
@@ -114,6 +120,10 @@ class Requests:
                 self.coordinator.release(request_id)
         finally:
             self._open -= 1
+            if self._open_by_owner[owner] == 1:
+                del self._open_by_owner[owner]
+            else:
+                self._open_by_owner[owner] -= 1
             self._open_gauge.set(self._open)
             if not self._open:
                 self._idle.set()

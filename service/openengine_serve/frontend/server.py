@@ -19,6 +19,7 @@ from ..common.logging_setup import log_event
 from ..common.tls import add_public_port, internal_channel
 from ..common.vocab import load_encoding
 from . import auth, limits, metrics
+from .connection_age import ConnectionAges
 from .control import Control
 from .coordinator_client import CoordinatorClient
 from .fallback_routing import FallbackRouter
@@ -53,7 +54,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s,
                             open_channel=functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS))
     coordinator = CoordinatorClient(
-        frontend_id, config.coordinator_address, f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
+        frontend_id, config.coordinators(), f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
         config.coordinator_timeout_s, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only,
         open_channel=open_internal_channel)
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
@@ -61,9 +62,14 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     inference = Inference(config, encoding, requests, health, implementation.name)
     probe = InferenceProbe(frontend_id, config.model, inference, config.probe_timeout_s)
 
+    # grpcio sends GOAWAY at the maximum connection age itself; pygrpc-native cannot (connection_age.py)
+    ages = (ConnectionAges(config.max_connection_age_s, config.port)
+            if config.max_connection_age_s and implementation.name != GRPCIO else None)
     # security hook: API keys, then the stated limits
-    server = create_server(implementation, interceptors=auth.interceptors(config) + limits.interceptors(config),
-                           options=limits.transport_options(config), max_connection_age_s=config.max_connection_age_s,
+    server = create_server(implementation,
+                           interceptors=auth.interceptors(config) + limits.interceptors(config, ages),
+                           options=limits.transport_options(config),
+                           max_connection_age_s=0.0 if ages else config.max_connection_age_s,
                            max_connection_age_grace_s=config.drain_timeout_s)
     add_public_services(server, inference, Control(config, frontend_id, implementation, coordinator, health, probe))
     health.register(server)
@@ -81,6 +87,8 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
                   asyncio.create_task(stall_watchdog(nodes.sinks, config.stall_timeout_s,
                                                      config.client_stall_timeout_s)),
                   asyncio.create_task(measure_loop_lag())]
+    if ages is not None:
+        background.append(asyncio.create_task(ages.sweep_loop()))
     await stop.wait()
     await _drain(config, implementation, server, health, requests)
     for task in background:

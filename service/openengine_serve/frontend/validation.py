@@ -157,7 +157,7 @@ def _ascii_or_empty(value: str | bytes) -> str:
     return text if text.isascii() else ""
 
 
-def _shown(value: str | bytes) -> str:
+def shown(value: str | bytes) -> str:
     """A client's value for an error message, cut short: the status travels in size-limited trailers."""
     shown = repr(value[:64])
     return shown if len(value) <= 64 else shown + "..."
@@ -168,14 +168,14 @@ def _parse_routing_key(value: str | bytes) -> str:
         raise InvalidRequest(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got an empty value")
     text = _ascii_or_empty(value)
     if not text:
-        raise InvalidRequest(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got {_shown(value)}")
+        raise InvalidRequest(f"metadata {ROUTING_KEY_HEADER} must be non-empty ASCII, got {shown(value)}")
     return text
 
 
 def _parse_uint32(key: str, value: str | bytes) -> int:
     match = _UINT32_TEXT.fullmatch(_ascii_or_empty(value))
     if match is None or int(match[1]) > _UINT32_MAX:
-        raise InvalidRequest(f"metadata {key} must be a base-10 uint32 (0..{_UINT32_MAX}), got {_shown(value)}")
+        raise InvalidRequest(f"metadata {key} must be a base-10 uint32 (0..{_UINT32_MAX}), got {shown(value)}")
     return int(match[1])
 
 
@@ -184,7 +184,7 @@ def _parse_int32(key: str, value: str | bytes) -> int:
     number = None if match is None else int(match[1] + match[2])
     if number is None or not _INT32_MIN <= number <= _INT32_MAX:
         raise InvalidRequest(
-            f"metadata {key} must be a base-10 int32 ({_INT32_MIN}..{_INT32_MAX}), got {_shown(value)}"
+            f"metadata {key} must be a base-10 int32 ({_INT32_MIN}..{_INT32_MAX}), got {shown(value)}"
         )
     return number
 
@@ -212,7 +212,7 @@ def validate_generate(
     encode: Callable[[str], list[int]],
 ) -> GenerationPlan:
     """Checks a Generate request in the order of the module docstring and normalizes it."""
-    _check_request_id(request.request_id)
+    check_request_id(request.request_id)
     input_kind = _check_input_shape(request)
     model = _resolve_model(request.model, limits)
     _check_supported_features(request)
@@ -334,7 +334,7 @@ def _check_room_after_prompt(prompt_tokens: int, max_tokens: int, min_tokens: in
         )
 
 
-def _check_request_id(request_id: str) -> None:
+def check_request_id(request_id: str) -> None:
     if not request_id:
         raise InvalidRequest("request_id must be non-empty")
     size = len(request_id.encode("utf-8"))
@@ -357,7 +357,7 @@ def _resolve_model(requested: str, limits: ModelLimits) -> str:
     if requested in limits.served_names:
         return limits.served_model_name
     served = ", ".join(repr(name) for name in limits.served_names)
-    problem = "model must be set" if not requested else f"model {_shown(requested)} is not served here"
+    problem = "model must be set" if not requested else f"model {shown(requested)} is not served here"
     raise NotServed(f"{problem}; served models: {served}")
 
 
@@ -375,7 +375,7 @@ def _check_supported_features(request: generation_pb2.GenerateRequest) -> None:
     if kv.HasField("cache_salt"):
         raise Unsupported("kv.cache_salt is not supported; leave it unset")
     if request.lora_name:
-        raise Unsupported(f"LoRA is not enabled (lora_name {_shown(request.lora_name)}); leave lora_name empty")
+        raise Unsupported(f"LoRA is not enabled (lora_name {shown(request.lora_name)}); leave lora_name empty")
     for candidates_field in ("prompt_candidates", "output_candidates"):
         if getattr(request.response, candidates_field).WhichOneof("selection") == "all":
             raise Unsupported(

@@ -123,7 +123,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                                start_timeout_s=config.engine_start_timeout_s)
         self.health = Health()
         self.draining = False
-        self.wake = asyncio.Event()  # set: heartbeat the coordinator now
+        self.wakes: dict[str, asyncio.Event] = {}  # per coordinator address; set: heartbeat it now
+        self.rank_assignment = asyncio.Lock()  # held by the registration that asks a coordinator for a rank
 
     # ---------------------------------------------------------------- engine -> lanes
 
@@ -236,21 +237,26 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     # ---------------------------------------------------------------- coordinator
 
     async def coordinator_loop(self) -> None:
+        """Registers with every coordinator (one, or the shards of a comma-separated address), then heartbeats."""
+        await asyncio.gather(*(self._coordinator_loop(address) for address in self.config.coordinators()))
+
+    def wake_coordinators(self) -> None:
+        """Heartbeat every coordinator now, not at the next interval."""
+        for wake in self.wakes.values():
+            wake.set()
+
+    async def _coordinator_loop(self, address: str) -> None:
         """Registers, then heartbeats load; registers again whenever the coordinator forgot us."""
-        async with internal_channel(self.config.coordinator_address, self.config) as channel:
+        wake = self.wakes.setdefault(address, asyncio.Event())
+        async with internal_channel(address, self.config) as channel:
             stub = cluster_pb2_grpc.CoordinatorStub(channel)
             registered = False
             interval = 1.0
             while True:
                 try:
                     if not registered:
-                        request = cluster_pb2.RegisterNodeRequest(node=self.entry(), auto_rank=self.rank < 0)
-                        reply = await stub.RegisterNode(request, timeout=self.config.rpc_timeout_s)
-                        self.rank = reply.assigned_rank
-                        interval = reply.heartbeat_interval_s or interval
+                        interval = await self._register(stub, address) or interval
                         registered = True
-                        log_event(logger, "registered with coordinator", node_id=self.node_id, rank=self.rank,
-                                  coordinator=self.config.coordinator_address)
                     reply = await stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
                         node_id=self.node_id, state=self.state(), load=self.load()), timeout=self.config.rpc_timeout_s)
                     if not reply.known:
@@ -258,12 +264,25 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                         continue
                 except grpc.aio.AioRpcError as exc:
                     log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name,
-                              detail=exc.details(), coordinator=self.config.coordinator_address)
-                self.wake.clear()
+                              detail=exc.details(), coordinator=address)
+                wake.clear()
                 try:
-                    await asyncio.wait_for(self.wake.wait(), interval)
+                    await asyncio.wait_for(wake.wait(), interval)
                 except asyncio.TimeoutError:
                     pass
+
+    async def _register(self, stub: cluster_pb2_grpc.CoordinatorStub, address: str) -> float:
+        """Registers; returns the heartbeat interval asked for. Without a rank yet, the first coordinator that
+        answers assigns it, one registration at a time: the others are then asked for that same rank, so the
+        node has one rank on every coordinator."""
+        async with contextlib.AsyncExitStack() as stack:
+            if self.rank < 0:
+                await stack.enter_async_context(self.rank_assignment)
+            request = cluster_pb2.RegisterNodeRequest(node=self.entry(), auto_rank=self.rank < 0)
+            reply = await stub.RegisterNode(request, timeout=self.config.rpc_timeout_s)
+            self.rank = reply.assigned_rank
+        log_event(logger, "registered with coordinator", node_id=self.node_id, rank=self.rank, coordinator=address)
+        return reply.heartbeat_interval_s
 
     async def health_loop(self) -> None:
         """Readiness follows the engine worker: NOT_SERVING while it is (re)spawning, and from the drain on."""
@@ -282,7 +301,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         self.draining = True
         self.readiness_changed.set()
         await self.health.start_drain()
-        self.wake.set()  # tell the coordinator now, not at the next heartbeat
+        self.wake_coordinators()  # tell the coordinators now, not at the next heartbeat
         if not await self.link.wait_idle(timeout):
             log_event(logger, "drain deadline reached", logging.WARNING, open_requests=len(self.link.outstanding),
                       open_sequences=self.link.open_sequences)

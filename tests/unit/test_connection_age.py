@@ -1,0 +1,105 @@
+"""OPENENGINE_MAX_CONNECTION_AGE_S on pygrpc-native (frontend/connection_age.py): which connections are
+refused and closed when, and closing a real loopback connection found by its gRPC peer string."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from openengine_serve.frontend import connection_age
+from openengine_serve.frontend.connection_age import QUIET_S, ConnectionAges, PeerSockets, peer_address
+
+PEER = "ipv4:10.0.0.7:40000"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_young_connection_admits_calls_and_is_not_due():
+    clock = Clock()
+    ages = ConnectionAges(10.0, 50051, clock)
+    assert ages.open(PEER)
+    clock.now += 9.9
+    assert ages.open(PEER)
+    assert ages.due([PEER]) == []
+
+
+def test_an_aged_connection_refuses_new_calls_and_waits_for_its_open_ones():
+    clock = Clock()
+    ages = ConnectionAges(10.0, 50051, clock)
+    assert ages.open(PEER)                 # a long call, still open at the age
+    clock.now += 10.0
+    assert not ages.open(PEER)             # refused: not started
+    clock.now += 1.0
+    assert ages.due([PEER]) == []          # the open call runs to its end first
+    ages.close(PEER)
+    assert ages.due([PEER]) == []          # its response may still be leaving
+    clock.now += QUIET_S * 1.01
+    assert ages.due([PEER]) == [PEER]
+
+
+def one_call_ended() -> tuple[Clock, ConnectionAges]:
+    """A connection with a maximum age of 1 s whose one call has ended."""
+    clock = Clock()
+    ages = ConnectionAges(1.0, 50051, clock)
+    assert ages.open(PEER)
+    ages.close(PEER)
+    return clock, ages
+
+
+def test_refused_calls_do_not_keep_a_connection_from_closing():
+    clock, ages = one_call_ended()
+    clock.now += 1.0
+    for _ in range(5):
+        clock.now += QUIET_S / 4
+        assert not ages.open(PEER)
+    assert ages.due([PEER]) == [PEER]
+
+
+def test_closed_connections_refuse_late_calls_then_are_forgotten():
+    clock, ages = one_call_ended()
+    clock.now += 2.0
+    ages._mark_closed(PEER)
+    assert not ages.open(PEER)             # a call that was already on its way
+    clock.now += connection_age.FORGET_CLOSED_S
+    assert ages.due([PEER]) == []
+    assert ages.open(PEER)                 # the same address again later is a new connection
+
+
+@pytest.mark.parametrize("peer, address", [
+    ("ipv4:10.1.2.3:5000", ("10.1.2.3", 5000)),
+    ("ipv6:[::1]:5000", ("::1", 5000)),
+    ("ipv6:[::ffff:10.1.2.3]:5000", ("10.1.2.3", 5000)),
+    ("unix:/tmp/socket", None),
+])
+def test_peer_address(peer, address):
+    assert peer_address(peer) == address
+
+
+def test_a_connection_found_by_its_peer_is_shut_down_for_its_client():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    other = socket.create_connection(("127.0.0.1", port), timeout=5)
+    accepted = [listener.accept()[0], listener.accept()[0]]
+    try:
+        host, client_port = client.getsockname()
+        peer = f"ipv4:{host}:{client_port}"
+        sockets = PeerSockets(port)
+        found, gone = sockets.find([peer, "ipv4:127.0.0.1:1"])
+        assert list(found) == [peer] and gone == ["ipv4:127.0.0.1:1"]
+        found[peer].shutdown(socket.SHUT_RDWR)
+        found[peer].close()                # the duplicate only: the original stays open
+        assert client.recv(1) == b""       # the client sees the connection end
+        other.sendall(b"x")
+        assert accepted[1].recv(1) == b"x"  # the other connection is untouched
+        accepted[0].fileno()               # and the original descriptor still exists
+    finally:
+        for sock in (listener, client, other, *accepted):
+            sock.close()

@@ -36,13 +36,9 @@ from .watchdog import measure_loop_lag, stall_watchdog
 logger = logging.getLogger("openengine_serve.frontend")
 
 DRAIN_ERROR_GRACE_S = 1.0  # time for the terminal DRAINING errors to reach clients before the server stops
-# The result lane's backlog must wait in the node's ResultLane, where steps fold into one event per stream,
-# not in the transport: a flow-control window grown by BDP probing holds megabytes, seconds of steps that a
-# new request's first token queues behind (measured: TTFT of seconds while the lane said 0 backlog). So the
-# window stays at 64 KiB (~20 steps of 32 streams). A merged lane message can pass gRPC's default 4 MiB
+# A lane message that merged a backlog (node/server.py: ResultLane) can pass gRPC's default 4 MiB
 # (lane_max_backlog_steps x max_batch token records); the node is a trusted peer: no receive limit.
-NODE_CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 * 1024),
-                        ("grpc.max_receive_message_length", -1))
+NODE_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 PUBLIC_SERVICES = tuple(s.full_name for s in openengine_pb2.DESCRIPTOR.services_by_name.values())
 
 

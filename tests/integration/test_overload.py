@@ -29,7 +29,7 @@ LONG_TOKENS = 8000
 WINDOW_S = 5.0
 # CI machines are shared and loaded: these bounds hold there with room, and fail on the old behaviour (a new
 # request waited seconds behind the lane's backlog). docs/robustness.md has the figures of a quiet machine.
-TTFT_P99_BOUND_S = 0.5
+TTFT_P99_BOUND_S = 1.0
 LIVENESS_P99_BOUND_S = 1.0
 NODE_RSS_GROWTH_BOUND_MB_PER_S = 0.5  # the unbounded lane grew a node ~1.2 MB/s in this scenario
 

@@ -7,8 +7,9 @@ import math
 import pytest
 
 from openengine_bench import report
-from openengine_bench.load import digest, make_jobs, merge_results, poisson_arrivals, prompt_ids
-from openengine_bench.stack import parse_cpus
+from openengine_bench.cgroups import QuotaCgroup
+from openengine_bench.load import digest, make_jobs, merge_results, poisson_arrivals, prompt_ids, scan_response
+from openengine_bench.stack import parse_cpus, parse_placements
 
 G, N = report.GRPCIO, report.NATIVE
 
@@ -118,20 +119,65 @@ def test_compare_tokens():
 
 def test_targets_pass_and_miss():
     rounds = _rounds()
-    summary = report.summarize_rounds(rounds)
-    identical = {"fixed-c32": {"compared": 10, "mismatched": 0}}
+    summary = {"pinned": report.summarize_rounds(rounds)}
+    identical = {"pinned/fixed-c32": {"compared": 10, "mismatched": 0}}
     targets = {t["name"]: t for t in report.evaluate_targets(summary, rounds, identical, [32, 1])}
-    assert targets["CPU/token native/grpcio at fixed load, 32 conn"]["verdict"] == "PASS"       # 0.63
-    assert targets["saturation tokens/s native/grpcio, 1 conn"]["verdict"] == "PASS"            # 1.75
-    floor = targets["native CPU/token / bare per-message floor, fixed load, 32 conn"]
+    assert targets["pinned: CPU/token native/grpcio at fixed load, 32 conn"]["verdict"] == "PASS"       # 0.63
+    assert targets["pinned: saturation tokens/s native/grpcio, 1 conn (full cores)"]["verdict"] == "PASS"  # 1.75
+    floor = targets["pinned: native CPU/token / bare per-message floor, fixed load, 32 conn"]
     assert floor["value"] == pytest.approx(63.0 / 30.0) and floor["verdict"] == "MISS"
-    assert targets["TTFT p99 native/grpcio at fixed load, 1 conn (no worse)"]["verdict"] == "PASS"
-    assert targets["errors (all rounds, both servers, both modes)"]["verdict"] == "PASS"
+    assert targets["pinned: TTFT p99 native/grpcio at fixed load, 1 conn"]["verdict"] == "MISS"        # 0.9
+    assert targets["errors (all rounds, both servers, every mode)"]["verdict"] == "PASS"
     assert targets["requests with different tokens on the two servers"]["verdict"] == "PASS"
     rounds.append(_round(N, 9, "fixed-c32", errors=2))
     targets = {t["name"]: t for t in report.evaluate_targets(summary, rounds, {}, [32])}
-    assert targets["errors (all rounds, both servers, both modes)"]["verdict"] == "MISS"
+    assert targets["errors (all rounds, both servers, every mode)"]["verdict"] == "MISS"
     assert targets["requests with different tokens on the two servers"]["verdict"] == "N/A"
+
+
+def _placed_rounds():
+    """Fixed load in the quota placement and budgeted saturation whose second round misses 1.6x."""
+    rounds = []
+    for r, (g, n) in enumerate([(150.0, 90.0), (160.0, 100.0)], start=1):
+        for c in (32, 1):
+            rounds.append(_round(G, r, f"fixed-c{c}", placement="quota", cpu_us_per_token=g, ttft_p99_ms=100.0))
+            rounds.append(_round(N, r, f"fixed-c{c}", placement="quota", cpu_us_per_token=n, ttft_p99_ms=40.0))
+    for r, (g, n) in enumerate([(2000.0, 3600.0), (2500.0, 3500.0), (2000.0, 3400.0)], start=1):
+        rounds.append(_round(G, r, "saturation-c32", placement="budget", tokens_per_s=g,
+                             bottleneck="frontend quota (0.50 of 0.5 CPU, throttled in 80 % of periods)"))
+        rounds.append(_round(N, r, "saturation-c32", placement="budget", tokens_per_s=n, bottleneck="x"))
+    return rounds
+
+
+def test_targets_per_placement_and_budget_worst_round():
+    rounds = _placed_rounds()
+    result = report.build_result({}, rounds, {}, [32, 1])
+    targets = {t["name"]: t for t in result["targets"]}
+    assert targets["quota: CPU/token native/grpcio at fixed load, 32 conn"]["value"] == pytest.approx(95 / 155)
+    assert targets["quota: TTFT p99 native/grpcio at fixed load, 1 conn"]["verdict"] == "PASS"          # 0.4
+    worst = targets["budget: saturation tokens/s native/grpcio, 32 conn, worst round"]
+    assert worst["value"] == pytest.approx(1.4) and worst["verdict"] == "MISS"      # median 1.7 would pass
+    assert "median 1.70" in worst["detail"]
+    assert not any(name.startswith("pinned") for name in targets)  # no pinned rounds: no pinned targets
+    assert set(result["summary"]) == {"quota", "budget"}
+
+
+def test_render_has_one_section_per_placement_and_the_budget_rounds():
+    text = report.render(report.build_result({"rate": 40}, _placed_rounds() + _rounds(), {}, [32, 1]))
+    sections = [line for line in text.splitlines() if line.startswith("## Placement")]
+    assert [s.split("`")[1] for s in sections] == ["pinned", "quota", "budget"]
+    assert "### Budgeted saturation, round by round" in text
+    assert "| saturation-c32 | 2     | 2,500" in text and "1.40×" in text
+    assert "frontend quota (0.50 of 0.5 CPU" in text
+
+
+def test_limiter_names_quota_machine_and_backend():
+    assert report.limiter("saturation", 0.49, 0.5, 0.8, 0.6, 0.3).startswith("frontend quota (0.49 of 0.5 CPU")
+    assert report.limiter("saturation", 0.3, 0.5, 0.0, 0.02, 0.3) == "machine CPU (idle 0.02 core)"
+    assert report.limiter("saturation", 0.3, None, None, 0.5, 0.95) == "backend (node at 0.95 core)"
+    assert report.limiter("fixed", 0.3, 1.0, 0.01, 0.5, 0.3).startswith("none")
+    both = report.limiter("saturation", 0.5, 0.5, 0.5, 0.05, 0.2)
+    assert both.startswith("frontend quota") and "machine CPU" in both
 
 
 # ---------------------------------------------------------------- formatting
@@ -168,7 +214,7 @@ def test_scenario_table_has_ratio_rows():
 
 def test_render_and_json_round_trip(tmp_path):
     rounds = _rounds()
-    hashes = {"fixed-c32": {G: {"r1": "aa"}, N: {"r1": "aa"}}}
+    hashes = {"pinned/fixed-c32": {G: {"r1": "aa"}, N: {"r1": "aa"}}}
     profile = report.profile_summary("main;loop;Handle._run (asyncio/events.py:80) 6\n"
                                      "main;loop;on_event (stream.py:10) 3\nmain;loop;EpollSelector.select "
                                      "(selectors.py:468) 9\n")
@@ -179,8 +225,8 @@ def test_render_and_json_round_trip(tmp_path):
     path = report.write_json(result, tmp_path / "out" / "bench.json")
     back = report.read_json(path)
     assert back == result
-    assert back["identical"]["fixed-c32"]["compared"] == 1
-    assert back["ratios"]["stack"]["fixed-c32"]["cpu_us_per_token"]["of_medians"] == pytest.approx(0.63)
+    assert back["identical"]["pinned/fixed-c32"]["compared"] == 1
+    assert back["ratios"]["pinned"]["stack"]["fixed-c32"]["cpu_us_per_token"]["of_medians"] == pytest.approx(0.63)
 
 
 def test_profile_summary_shares_exclude_idle():
@@ -241,6 +287,43 @@ def test_merge_results_sums_and_unions():
     assert merged["window_tokens"] == 10 and merged["errors"] == {"X": 3, "Y": 1}
     assert merged["itl"] == [0.002, 0.003, 0.002, 0.003] and merged["hashes"] == {"a": "1", "b": "2"}
     assert merged["lag_max_s"] == 0.02
+
+
+def test_scan_response_reads_events_and_token_ids_like_protobuf():
+    from openengine_serve.api.openengine.v1 import generation_pb2 as pb
+
+    token = pb.GenerateResponse(request_id="r-1", token=pb.TokenOutput(output_index=0, text="ab", tokens=[
+        pb.TokenInfo(token_id=7, token="a"), pb.TokenInfo(token_id=0, token="b"),
+        pb.TokenInfo(token_id=151_643, token="c", logprob=-0.5)]))
+    ids: list[int] = []
+    assert scan_response(token.SerializeToString(), ids) == "token" and ids == [7, 0, 151_643]
+    finished = pb.GenerateResponse(request_id="r-1", finished=pb.GenerationFinished(output_index=0))
+    finished.usage.completion_tokens = 3
+    assert scan_response(finished.SerializeToString(), ids) == "finished" and ids == [7, 0, 151_643]
+    error = pb.GenerateResponse(request_id="r-1")
+    error.error.message = "boom"
+    assert scan_response(error.SerializeToString(), ids) == "error"
+    assert scan_response(pb.GenerateResponse(request_id="r-1").SerializeToString(), ids) is None
+
+
+def test_placements_parse():
+    assert [(p.name, p.pinned, p.quota_cpus) for p in parse_placements("pinned,quota,shared,quota", 1.0)] == [
+        ("pinned", True, None), ("quota", False, 1.0), ("shared", False, None)]
+    assert parse_placements("quota", 2.0)[0].describe() == "every core visible, 2-CPU cgroup quota"
+    with pytest.raises(ValueError, match="unknown placement 'docker'"):
+        parse_placements("pinned,docker")
+
+
+def test_quota_cgroup_throttling_reads_v1_and_v2_cpu_stat(tmp_path):
+    cgroup = QuotaCgroup(0.5)
+    cgroup.path = str(tmp_path)
+    (tmp_path / "cpu.stat").write_text("nr_periods 100\nnr_throttled 40\nthrottled_time 2500000000\n")
+    assert cgroup.throttling() == {"periods": 100.0, "throttled_periods": 40.0, "throttled_s": 2.5}
+    (tmp_path / "cpu.stat").write_text("usage_usec 9\nnr_periods 10\nnr_throttled 1\nthrottled_usec 1500000\n")
+    assert cgroup.throttling() == {"periods": 10.0, "throttled_periods": 1.0, "throttled_s": 1.5}
+    (tmp_path / "cpu.stat").unlink()
+    assert cgroup.throttling() == {}
+    cgroup.path = ""
 
 
 def test_parse_cpus():

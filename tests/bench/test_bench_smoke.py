@@ -12,22 +12,41 @@ import pytest
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_bench_quick(tmp_path):
-    out = tmp_path / "bench"
+def _bench_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # mpiexec for the node
-    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--quick", "--output", str(out)],
-                          capture_output=True, text=True, timeout=240, env=env)
+    return env
+
+
+def test_bench_quick(tmp_path):
+    """Two placements (pinned with its baseline, and a real 1-CPU cgroup quota) plus the budgeted saturation."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI=true and bench --quick cannot create its quota cgroup: not root", pytrace=False)
+        pytest.skip("the quota placement creates a cgroup: needs root (CI runs as root)")
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--quick", "--placement", "pinned,quota",
+                           "--connections", "32", "--fixed-window-s", "2", "--output", str(out)],
+                          capture_output=True, text=True, timeout=280, env=_bench_env())
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
     result = json.loads((out / "bench.json").read_text())
     stack = [r for r in result["rounds"] if r["mode"] == "stack"]
-    assert {r["server"] for r in stack} == {"grpcio", "pygrpc-native"}
-    assert {r["scenario"] for r in stack} == {"fixed-c32", "fixed-c1", "saturation-c32", "saturation-c1"}
+    assert {(r["placement"], r["scenario"], r["server"]) for r in stack} == {
+        (placement, scenario, server) for server in ("grpcio", "pygrpc-native")
+        for placement, scenario in (("pinned", "fixed-c32"), ("quota", "fixed-c32"), ("budget", "saturation-c32"))}
     for r in stack:
         assert r["tokens"] > 0, r
         assert r["cpu_us_per_token"] and r["cpu_us_per_token"] > 0, r
+        assert r["client_us_per_token"] and r["client_us_per_token"] > 0, r
         assert r["errors"] == 0, (r["scenario"], r["server"], r["error_kinds"])
+    for r in stack:
+        if r["placement"] != "pinned":  # the frontend saw every core, and the quota's accounting was read
+            assert r["throttled_share"] is not None and r["frontend_core_busy"] is None, r
+    # A 0.5-CPU quota with 512 streams in flight: the frontend cannot use more than its quota.
+    budget = [r for r in stack if r["placement"] == "budget"]
+    assert all(r["frontend_util"] <= 0.5 * 1.15 for r in budget), [r["frontend_util"] for r in budget]
+    assert all(r["bottleneck"] != "unknown" for r in stack)
     assert all(r["errors"] == 0 for r in result["rounds"])
     assert {r["server"] for r in result["rounds"] if r["mode"] == "baseline"} == {"grpcio", "pygrpc-native"}
 
@@ -38,13 +57,56 @@ def test_bench_quick(tmp_path):
     # shared machine, the correctness ones may not.
     targets = {t["name"]: t for t in result["targets"]}
     assert [name for name, t in targets.items() if t["value"] is None or t["verdict"] == "N/A"] == []
-    assert targets["errors (all rounds, both servers, both modes)"]["verdict"] == "PASS"
+    assert targets["errors (all rounds, both servers, every mode)"]["verdict"] == "PASS"
     assert targets["requests with different tokens on the two servers"]["verdict"] == "PASS"
-    assert len(targets) == 4 * 2 + 2, sorted(targets)  # four per-connection targets for c32 and c1, then those two
+    assert sorted(targets) == sorted([
+        "pinned: CPU/token native/grpcio at fixed load, 32 conn", "pinned: TTFT p99 native/grpcio at fixed load, 32 conn",
+        "quota: CPU/token native/grpcio at fixed load, 32 conn", "quota: TTFT p99 native/grpcio at fixed load, 32 conn",
+        "budget: saturation tokens/s native/grpcio, 32 conn, worst round",
+        "pinned: native CPU/token / bare per-message floor, fixed load, 32 conn",
+        "errors (all rounds, both servers, every mode)", "requests with different tokens on the two servers"])
 
     png = out / "bench.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "## Targets" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "## Placement `pinned`" in text and "## Placement `quota`" in text and "## Placement `budget`" in text
+
+
+def test_bench_target_drives_a_running_stack(tmp_path):
+    """`bench --target` against a running stack (coordinator, node, frontend; started here as the harness starts
+    them, unpinned): tokens, latencies and the frontend's CPU, with both load generator clients.
+
+    One server only: this tests the load generator's side; the server under it does not change what it checks
+    (both servers are driven by the same load generator in test_bench_quick)."""
+    from openengine_bench.stack import Stack
+
+    server = "pygrpc-native"
+    cpus = sorted(os.sched_getaffinity(0))
+    stack = Stack(tmp_path / "stack", cpus, cpus, step_ms=2.0, max_batch=256, max_queue=1024)
+    try:
+        stack.start_cluster()
+        frontend = stack.start_frontend(server, pinned=False)
+        for client in ("grpc-aio", "h2"):  # both load generator clients against the same frontend
+            done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", frontend.target,
+                                   "--frontend-pids", str(frontend.pid), "--connections", "4", "--rate", "20",
+                                   "--saturation", "16", "--rounds", "1", "--warmup-s", "0.5", "--window-s", "1.5",
+                                   "--client", client, "--output", str(tmp_path / client)],
+                                  capture_output=True, text=True, timeout=120, env=_bench_env())
+            assert done.returncode == 0, f"{client} ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    finally:
+        stack.stop_all()
+    for client in ("grpc-aio", "h2"):
+        result = json.loads((tmp_path / client / "target.json").read_text())
+        assert [(r["scenario"], r["round"]) for r in result["rounds"]] == [("fixed-c4", 1), ("saturation-c4", 1)]
+        for r in result["rounds"]:
+            assert r["errors"] == 0 and r["tokens"] > 0, (client, r)
+            assert r["cpu_us_per_token"] > 0 and r["client_us_per_token"] > 0, (client, r)
+            assert r["ttft_p50_ms"] is not None and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0, (client, r)
+        assert result["meta"]["server_info"]["extra"]["grpc_server"] == server, result["meta"]
+        assert "| fixed-c4" in (tmp_path / client / "target.md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", "127.0.0.1:1",
+                          "--frontend-pids", "x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--frontend-pids 'x'" in bad.stderr
 
 
 def test_bench_coordinator_small(tmp_path):

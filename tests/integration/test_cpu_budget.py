@@ -8,12 +8,12 @@ import os
 import pytest
 from google.protobuf import json_format
 
+from openengine_bench.cgroups import CgroupUnavailable, QuotaCgroup
 from openengine_serve.api.openengine.v1 import server_pb2
 from openengine_serve.client import Client, is_serving
 from openengine_serve.local import free_port
 
 from . import processes
-from .cgroups import CgroupUnavailable, QuotaCgroup
 from .conftest import SERVERS
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

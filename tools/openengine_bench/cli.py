@@ -1,13 +1,17 @@
 """`openengine-serve bench`: the frontend's CPU per token and throughput on grpcio and on pygrpc-native.
 
 The real path runs as separate processes: load generator -> frontend (the
-server under test, one worker, pinned to --frontend-cpus) -> node -> MPI
-engine worker -> ZMQ -> back. Coordinator, node, engine worker and the load
-generator share the other CPUs. The coordinator and the node stay up for the
-whole run; only the frontend is restarted, alternating the servers round by
-round (grpcio, pygrpc-native, grpcio, ...) so slow drift hits both alike.
-A baseline (a trivial streaming servicer on the same server options, the same
-client and pacing) measures each server's bare cost per streamed message.
+server under test, one worker) -> node -> MPI engine worker -> ZMQ -> back.
+Coordinator, node, engine worker and the load generator share the other CPUs.
+The frontend is placed three ways (--placement): pinned to --frontend-cpus
+before it starts, in a cgroup CPU quota with every core visible (as under
+`docker --cpus` or a Kubernetes limit), or unconstrained. The coordinator and
+the node stay up for the whole run; only the frontend is restarted,
+alternating the servers (and placements) round by round so slow drift hits
+all alike. A baseline (a trivial streaming servicer on the same server
+options, the same client and pacing) measures each server's bare cost per
+streamed message; the budgeted saturation runs the frontend under a small
+quota so that it, not the rest of the machine, is the bottleneck.
 
 Results: <output>/bench.json, <output>/bench.png, <output>/report.md (also
 printed), component logs in <output>/logs/.
@@ -16,6 +20,7 @@ printed), component logs in <output>/logs/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import os
@@ -31,12 +36,12 @@ from typing import Any
 from openengine_serve.common.lifecycle import event_loop_name
 from . import report
 
-FULL = {"fixed_rounds": 5, "saturation_rounds": 3, "baseline_rounds": 2,
-        "fixed_warmup_s": 3.0, "fixed_window_s": 15.0,
+FULL = {"fixed_rounds": 3, "saturation_rounds": 0, "baseline_rounds": 2, "budget_rounds": 5,
+        "fixed_warmup_s": 3.0, "fixed_window_s": 10.0,
         "saturation_warmup_s": 4.0, "saturation_window_s": 10.0,
         "baseline_warmup_s": 2.0, "baseline_window_s": 8.0,
         "fixed_drain_s": 30.0}
-QUICK = {"fixed_rounds": 1, "saturation_rounds": 1, "baseline_rounds": 1,
+QUICK = {"fixed_rounds": 1, "saturation_rounds": 0, "baseline_rounds": 1, "budget_rounds": 1,
          "fixed_warmup_s": 1.0, "fixed_window_s": 2.5,
          "saturation_warmup_s": 1.5, "saturation_window_s": 2.5,
          "baseline_warmup_s": 0.5, "baseline_window_s": 2.0,
@@ -55,7 +60,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "and nodes (`bench --coordinator --help`)")
     p.add_argument("--one-token", action="store_true",
                    help="measure 1-token requests/s per frontend worker instead (`bench --one-token --help`)")
-    p.add_argument("--quick", action="store_true", help="one round each, short windows (a smoke run, < 2 min)")
+    p.add_argument("--target", metavar="HOST:PORT",
+                   help="drive an existing deployment instead of starting one (`bench --target X --help`)")
+    p.add_argument("--soak", type=float, metavar="MINUTES",
+                   help="soak a whole deployment per server instead: steady mixed load (streams, cancels, aborts, "
+                        "bad requests, disconnects), RSS and open fds of every process (`bench --soak 1 --help`)")
+    p.add_argument("--quick", action="store_true", help="one round each, short windows (a smoke run, ~2.5 min with "
+                                                        "every placement)")
+    p.add_argument("--placement", default="pinned,quota,shared",
+                   help="comma list of frontend placements, each measured with the same workload and alternation: "
+                        "pinned (to --frontend-cpus before it starts), quota (a cgroup CPU quota of --quota-cpus, "
+                        "every core visible; needs root), shared (no constraint). Default: all three")
+    p.add_argument("--quota-cpus", type=float, default=1.0, help="the quota placement's CPU quota (default 1.0)")
+    p.add_argument("--budget-cpus", type=float, default=0.5,
+                   help="budgeted saturation: the frontend's cgroup CPU quota, small enough that it is the "
+                        "bottleneck while the rest has headroom (default 0.5; needs root)")
+    p.add_argument("--budget-connections", default="32",
+                   help="budgeted saturation: client connection counts (default 32)")
+    p.add_argument("--no-budget", action="store_true", help="skip the budgeted saturation")
     p.add_argument("--output", default="bench-results", help="directory for bench.json, bench.png, report.md, "
                                                              "logs/ (default bench-results/)")
     p.add_argument("--frontend-cpus", default="0", help="CPUs of the server under test (default 0); everything "
@@ -71,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=4096)
     p.add_argument("--client-procs", type=int, default=0,
                    help="load generator processes (default: one per non-frontend CPU, at most 4)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the bare-server baseline")
+    p.add_argument("--no-baseline", action="store_true", help="skip the bare-server baseline (pinned placement)")
+    p.add_argument("--client", choices=("grpc-aio", "h2"), default="grpc-aio",
+                   help="load generator client: grpc-aio (default) or h2, a minimal HTTP/2 client for this one call "
+                        "(experimental: several times less client CPU per token, see docs/benchmarks.md)")
     p.add_argument("--rerender", action="store_true",
                    help="measure nothing: rebuild report.md, the chart and the summaries in <output>/bench.json "
                         "from its rounds (and <output>/profiles/*.txt)")
@@ -115,9 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and "--coordinator" in argv:
         from .coordinator import main as coordinator_main
         return coordinator_main(argv)
+    if argv and "--soak" in argv:
+        from .soak import main as soak_main
+        return soak_main(argv)
     if argv and "--one-token" in argv:
         from .one_token import main as one_token_main
         return one_token_main(argv)
+    if argv and any(a == "--target" or a.startswith("--target=") for a in argv):
+        from .target import main as target_main
+        return target_main(argv)
     args = build_parser().parse_args(argv)
     if args.rerender:
         return rerender(Path(args.output))
@@ -134,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 class Bench:
     def __init__(self, args: argparse.Namespace, settings: dict[str, Any]) -> None:
-        from .stack import split_cpus
+        from .stack import Placement, parse_placements, split_cpus
 
         self.args = args
         self.s = settings
@@ -143,6 +174,11 @@ class Bench:
         self.connections = [int(c) for c in args.connections.split(",") if c.strip()]
         self.frontend_cpus, self.other_cpus = split_cpus(args.frontend_cpus)
         self.client_procs = args.client_procs or max(1, min(4, len(self.other_cpus)))
+        self.placements = parse_placements(args.placement, args.quota_cpus)
+        self.budget = None if args.no_budget or self.s["budget_rounds"] <= 0 else Placement(
+            report.BUDGET, pinned=False, quota_cpus=args.budget_cpus)
+        self.budget_connections = [int(c) for c in args.budget_connections.split(",") if c.strip()]
+        self.cgroups: dict[float, Any] = {}  # quota in CPUs -> QuotaCgroup
         self.rounds: list[dict[str, Any]] = []
         self.hashes: dict[str, dict[str, dict[str, str]]] = {}
         self.profiles: dict[str, dict[str, Any]] = {}
@@ -160,27 +196,41 @@ class Bench:
         if self.frontend_cpus != self.other_cpus:
             pin_tree(os.getpid(), self.other_cpus)  # the orchestrator stays off the frontend's core too
         self.log(f"frontend CPUs {self.frontend_cpus}, other CPUs {self.other_cpus}, "
-                 f"{self.client_procs} load generator process(es); output in {self.out}/")
+                 f"{self.client_procs} load generator process(es); placements "
+                 f"{', '.join(p.name for p in self.placements)}"
+                 f"{f', budgeted saturation at {self.budget.quota_cpus:g} CPU' if self.budget else ''}; "
+                 f"output in {self.out}/")
         self.pool = LoadPool(self.client_procs, self.other_cpus)
         self.stack = Stack(self.out, self.frontend_cpus, self.other_cpus, step_ms=self.args.step_ms,
                            max_batch=self.args.max_batch, max_queue=self.args.max_queue,
                            log_level=self.args.log_level)
         try:
+            self.make_cgroups()
             self.log("starting coordinator and node (MPI engine worker)")
             self.stack.start_cluster()
+            pinned = any(p.pinned for p in self.placements)
             total_rounds = max(self.s["fixed_rounds"], self.s["saturation_rounds"],
-                               0 if self.args.no_baseline else self.s["baseline_rounds"])
+                               0 if self.args.no_baseline or not pinned else self.s["baseline_rounds"])
+            # Placements interleave round by round too, so drift of the machine hits every placement alike.
             for r in range(1, total_rounds + 1):
-                for server in self.servers:
-                    self.stack_round(server, r)
-                    if not self.args.no_baseline and r <= self.s["baseline_rounds"]:
-                        self.baseline_round(server, r)
+                for placement in self.placements:
+                    for server in self.servers:
+                        self.stack_round(placement, server, r)
+                        if placement.pinned and not self.args.no_baseline and r <= self.s["baseline_rounds"]:
+                            self.baseline_round(server, r)
+            if self.budget:
+                for r in range(1, self.s["budget_rounds"] + 1):
+                    for server in self.servers:
+                        self.stack_round(self.budget, server, r)
             if self.args.profile_s > 0:
                 for server in self.servers:
                     self.profile(server)
         finally:
             self.stack.stop_all()
             self.pool.close()
+            for cgroup in self.cgroups.values():
+                with contextlib.suppress(OSError):
+                    cgroup.close()
         result = report.build_result(self.meta(time.monotonic() - started), self.rounds, self.hashes,
                                      self.connections, self.profiles)
         json_path = report.write_json(result, self.out / "bench.json")
@@ -192,16 +242,35 @@ class Bench:
               f"({(time.monotonic() - started) / 60:.1f} min)")
         return 0
 
-    def stack_round(self, server: str, r: int) -> None:
-        plan = [("fixed", c) for c in self.connections if r <= self.s["fixed_rounds"]]
-        plan += [("saturation", c) for c in self.connections if r <= self.s["saturation_rounds"]]
+    def make_cgroups(self) -> None:
+        """One quota cgroup per quota in use (the frontends of every round enter it); needs root."""
+        from .cgroups import CgroupUnavailable, QuotaCgroup
+
+        for placement in [*self.placements, *([self.budget] if self.budget else [])]:
+            quota = placement.quota_cpus
+            if quota and quota not in self.cgroups:
+                try:
+                    self.cgroups[quota] = QuotaCgroup(quota, name=f"openengine-bench-{os.getpid()}-{quota:g}").create()
+                except CgroupUnavailable as exc:
+                    raise SystemExit(f"openengine-serve bench: the {placement.name} placement needs a {quota:g}-CPU "
+                                     f"cgroup quota: {exc}; run as root, or leave it out (--placement pinned,shared "
+                                     f"--no-budget)") from exc
+
+    def stack_round(self, placement, server: str, r: int) -> None:
+        if placement.name == report.BUDGET:
+            plan = [("saturation", c) for c in self.budget_connections]
+        else:
+            plan = [("fixed", c) for c in self.connections if r <= self.s["fixed_rounds"]]
+            plan += [("saturation", c) for c in self.connections if r <= self.s["saturation_rounds"]]
         if not plan:
             return
-        self.log(f"round {r}: starting frontend on {server}")
-        frontend = self.stack.start_frontend(server)
+        cgroup = self.cgroups.get(placement.quota_cpus) if placement.quota_cpus else None
+        self.log(f"round {r}: starting frontend on {server}, placement {placement.name} ({placement.describe()})")
+        frontend = self.stack.start_frontend(server, pinned=placement.pinned,
+                                             enter_cgroup=cgroup.enter if cgroup else None)
         try:
             for workload, c in plan:
-                self.measure("stack", workload, c, server, r, frontend)
+                self.measure("stack", workload, c, server, r, frontend, placement, cgroup)
         finally:
             self.stack.stop_frontend()
 
@@ -211,9 +280,15 @@ class Bench:
         try:
             for workload in BASELINE_WORKLOADS["quick" if self.args.quick else "full"]:
                 for c in self.connections:
-                    self.measure("baseline", workload, c, server, r, bare)
+                    self.measure("baseline", workload, c, server, r, bare, self.pinned_placement())
         finally:
             self.stack.stop_baseline()
+
+    @staticmethod
+    def pinned_placement():
+        from .stack import placement
+
+        return placement("pinned")
 
     def profile(self, server: str) -> None:
         """py-spy on the frontend under load (raw stacks, then an SVG); these windows are not measured."""
@@ -221,7 +296,7 @@ class Bench:
         frontend = self.stack.start_frontend(server)
         try:
             for workload in ("fixed", "saturation"):
-                self.measure("profile", workload, self.connections[0], server, 0, frontend)
+                self.measure("profile", workload, self.connections[0], server, 0, frontend, self.pinned_placement())
         finally:
             self.stack.stop_frontend()
 
@@ -251,7 +326,8 @@ class Bench:
 
     # ---------------------------------------------------------------- one measured window
 
-    def measure(self, mode: str, workload: str, connections: int, server: str, r: int, target) -> dict[str, Any]:
+    def measure(self, mode: str, workload: str, connections: int, server: str, r: int, target, placement,
+                cgroup=None) -> dict[str, Any]:
         from .load import make_jobs, merge_results, poisson_arrivals
         from .stack import CpuSampler, established_connections, thread_seconds
 
@@ -263,11 +339,12 @@ class Bench:
         start_at = time.monotonic() + CONNECT_MARGIN_S
         t0 = start_at + warmup
         t1 = t0 + window
-        tag = f"{mode}-{scenario}-r{r}"
+        tag = f"{placement.name}-{mode}-{scenario}-r{r}"
         # No server in the ids or seeds: both servers get the same requests.
         common = dict(target=target.target, connections=connections, procs=self.pool.size, start_at=start_at,
                       t0=t0, t1=t1, stop_at=t1, id_prefix=tag, key_base=zlib.crc32(tag.encode()) << 24,
-                      prompt_tokens=self.args.prompt_tokens, output_tokens=self.args.output_tokens)
+                      prompt_tokens=self.args.prompt_tokens, output_tokens=self.args.output_tokens,
+                      extra={"client": self.args.client})
         if workload == "fixed":
             jobs = make_jobs(kind="fixed", drain_timeout_s=self.s["fixed_drain_s"],
                              arrivals=poisson_arrivals(self.args.rate, t1 - start_at, tag), **common)
@@ -288,31 +365,38 @@ class Bench:
             time.sleep(SETTLE_S * 2)
             return {}
         _sleep_until(t0)
+        throttling = cgroup.throttling if cgroup is not None else dict
         before, cores_before, threads_before = sampler.snapshot(), _core_times(), thread_seconds(target.pid)
+        throttled_before = throttling()
         _sleep_until(t1)
         after, cores_after, threads_after = sampler.snapshot(), _core_times(), thread_seconds(target.pid)
+        throttled_after = throttling()
         observed = established_connections(target.port)
         results = self.pool.collect(len(jobs), timeout=self.s["fixed_drain_s"] + 60.0)
         if not target.alive():
             raise RuntimeError(f"{target.name} died during {tag}; see {target.log_path}")
         merged = merge_results(results)
+        throttled = {k: throttled_after[k] - throttled_before.get(k, 0.0) for k in throttled_after}
         record = self.record(mode, workload, connections, server, r, window, merged,
-                             CpuSampler.delta(before, after), cores_before, cores_after, observed)
+                             CpuSampler.delta(before, after), cores_before, cores_after, observed, placement,
+                             throttled)
         # Threads that ended inside the window are missing from `after`: their CPU is in the process total only.
         record["frontend_threads_util"] = {name: (threads_after[name] - threads_before.get(name, 0.0)) / window
                                            for name in threads_after}
         self.rounds.append(record)
         if mode == "stack":
-            self.hashes.setdefault(scenario, {}).setdefault(server, {}).update(merged["hashes"])
-        self.log(f"  {mode:8s} {scenario:15s} {server:13s} r{r}: {record['tokens_per_s']:8.0f} tok/s  "
-                 f"{_f(record['cpu_us_per_token'])} µs/tok  frontend {record['frontend_util']:.2f} core "
-                 f"(core busy {record['frontend_core_busy']:.2f})  other cores busy {_f(record['other_core_busy'], '.2f')}  TTFT p99 {_f(record['ttft_p99_ms'])} ms  "
-                 f"errors {record['errors']}  conns {observed}")
+            self.hashes.setdefault(f"{placement.name}/{scenario}", {}).setdefault(server, {}).update(merged["hashes"])
+        self.log(f"  {placement.name:7s} {mode:8s} {scenario:15s} {server:13s} r{r}: "
+                 f"{record['tokens_per_s']:8.0f} tok/s  {_f(record['cpu_us_per_token'])} µs/tok  "
+                 f"frontend {record['frontend_util']:.2f} core  other cores busy "
+                 f"{_f(record['other_core_busy'], '.2f')}  TTFT p99 {_f(record['ttft_p99_ms'])} ms  "
+                 f"client {_f(record['client_us_per_token'])} µs/tok  errors {record['errors']}  conns {observed}  "
+                 f"limited by: {record['bottleneck']}")
         time.sleep(SETTLE_S * (2 if workload == "saturation" else 1))
         return record
 
     def record(self, mode, workload, connections, server, r, window, merged, cpu, cores_before, cores_after,
-               observed) -> dict[str, Any]:
+               observed, placement, throttled) -> dict[str, Any]:
         front_key = "frontend" if mode == "stack" else "bare server"
         front_cpu = cpu.pop(front_key)
         tokens = merged["window_tokens"]
@@ -325,32 +409,55 @@ class Bench:
             return sum(cores[c][kind] for c in cpus) / window
 
         process_util = {front_key: front_cpu / window, **{k: v / window for k, v in cpu.items()}}
-        if self.frontend_cpus != self.other_cpus:
+        all_cpus = sorted(set(self.frontend_cpus) | set(self.other_cpus))
+        separate = self.frontend_cpus != self.other_cpus
+        if separate and placement.pinned:
             # What else ran on the cores (another user's processes: the machine is shared), interrupt work
             # (mostly this benchmark's own loopback traffic) and time stolen by the hypervisor.
             process_util["foreign on frontend core"] = max(0.0, core_sum(self.frontend_cpus, "tasks")
                                                            - front_cpu / window)
             process_util["foreign on other cores"] = max(0.0, core_sum(self.other_cpus, "tasks") - others / window)
-            process_util["irq+softirq (all cores)"] = core_sum(self.frontend_cpus + self.other_cpus, "irq")
-            process_util["steal (all cores)"] = core_sum(self.frontend_cpus + self.other_cpus, "steal")
-        frontend_util = front_cpu / window / len(self.frontend_cpus)
-        shared = self.frontend_cpus == self.other_cpus
-        other_util = None if shared else others / window / len(self.other_cpus)
+        elif separate:
+            # The frontend may run on every core: foreign load is what no measured process accounts for.
+            process_util["foreign (all cores)"] = max(0.0, core_sum(all_cpus, "tasks") - (front_cpu + others) / window)
+        if separate:
+            process_util["irq+softirq (all cores)"] = core_sum(all_cpus, "irq")
+            process_util["steal (all cores)"] = core_sum(all_cpus, "steal")
+        machine_idle = core_sum(all_cpus, "idle")
+        process_util["idle (all cores)"] = machine_idle
 
         def busy(cpus):
             return sum(cores[c]["tasks"] + cores[c]["irq"] + cores[c]["steal"] for c in cpus) / window / len(cpus)
 
-        frontend_core_busy = busy(self.frontend_cpus)
+        shared = self.frontend_cpus == self.other_cpus
+        other_util = None if shared else others / window / len(self.other_cpus)
         other_core_busy = None if shared else busy(self.other_cpus)
+        throttled_share = (throttled["throttled_periods"] / throttled["periods"]
+                           if throttled.get("periods") else None)
+        if placement.pinned:
+            frontend_util = front_cpu / window / len(self.frontend_cpus)
+            frontend_core_busy = busy(self.frontend_cpus)
+            limited_by = report.bottleneck(frontend_util, frontend_core_busy, other_core_busy, workload)
+        else:
+            frontend_util = front_cpu / window
+            frontend_core_busy = None
+            limited_by = report.limiter(workload, frontend_util, placement.quota_cpus, throttled_share, machine_idle,
+                                        process_util.get("node"))
         errors = sum(merged["errors"].values())
+        client_cpu = cpu.get("load generator")
         return {
-            "mode": mode, "scenario": report.scenario_name(workload, connections), "workload": workload,
+            "mode": mode, "placement": placement.name, "quota_cpus": placement.quota_cpus,
+            "scenario": report.scenario_name(workload, connections), "workload": workload,
             "connections": connections, "server": server, "round": r, "window_s": window,
             "tokens": tokens, "messages": merged["window_messages"], "tokens_per_s": tokens / window,
+            "tokens_per_message": tokens / merged["window_messages"] if merged["window_messages"] else None,
             "frontend_cpu_s": front_cpu, "cpu_us_per_token": (front_cpu / tokens * 1e6) if tokens else None,
+            "client_us_per_token": (client_cpu / tokens * 1e6) if tokens and client_cpu is not None else None,
             "frontend_util": frontend_util, "other_util": other_util,
             "frontend_core_busy": frontend_core_busy, "other_core_busy": other_core_busy,
             "foreign_frontend_core": process_util.get("foreign on frontend core"),
+            "machine_idle_cores": machine_idle, "throttled_share": throttled_share,
+            "throttled_s": throttled.get("throttled_s"),
             "ttft_p50_ms": ttft["p50_ms"], "ttft_p99_ms": ttft["p99_ms"], "ttft_samples": ttft["n"],
             "itl_p50_ms": itl["p50_ms"], "itl_p99_ms": itl["p99_ms"], "itl_samples": itl["n"],
             "requests_started": merged["started"], "requests_completed": merged["completed"],
@@ -359,7 +466,7 @@ class Bench:
             "process_cpu_s": {front_key: front_cpu, **cpu}, "process_util": process_util,
             "core_seconds": {str(c): cores[c] for c in cores},
             "client_lag_max_ms": merged["lag_max_s"] * 1e3, "connections_observed": observed,
-            "bottleneck": report.bottleneck(frontend_util, frontend_core_busy, other_core_busy, workload),
+            "bottleneck": limited_by,
         }
 
     # ---------------------------------------------------------------- meta
@@ -379,6 +486,10 @@ class Bench:
             "event_loop": event_loop_name(),
             "frontend_cpus": self.frontend_cpus, "other_cpus": self.other_cpus, "client_procs": self.client_procs,
             "servers": self.servers, "connections": self.connections, "rate": self.args.rate,
+            "placements": [p.name for p in self.placements], "quota_cpus": self.args.quota_cpus,
+            "client": self.args.client,
+            "budget_cpus": self.budget.quota_cpus if self.budget else None,
+            "budget_connections": self.budget_connections if self.budget else [],
             "inflight": self.args.inflight, "prompt_tokens": self.args.prompt_tokens,
             "output_tokens": self.args.output_tokens, "step_ms": self.args.step_ms,
             "max_batch": self.args.max_batch, "max_queue": self.args.max_queue, "log_level": self.args.log_level,

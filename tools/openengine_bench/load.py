@@ -13,9 +13,11 @@ Request k (or slot s) goes to connection k mod C; connection c belongs to
 worker process c mod P. Each connection is its own channel with a local
 subchannel pool, i.e. its own TCP connection.
 
-Per message the client does the minimum: one `WhichOneof`, the token ids
-appended to a list, one clock read, a window check. A request's token ids are
-hashed when it ends (so the two servers' outputs can be compared per request).
+Per message the client does the minimum: requests go out pre-serialized and
+responses arrive as raw bytes (no protobuf objects): `scan_response` walks the
+wire format just far enough to find the event and the token ids, then one
+clock read and a window check. A request's token ids are hashed when it ends
+(so the two servers' outputs can be compared per request).
 Counters are kept for the measured window [t0, t1) only: tokens whose message
 arrived in it, TTFT of requests started in it, inter-token gaps ending in it.
 All processes read the same CLOCK_MONOTONIC (`time.monotonic`).
@@ -37,6 +39,9 @@ import grpc
 
 from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.common.lifecycle import new_event_loop
+
+from . import h2client
+from .h2client import StreamError
 
 MASK64 = (1 << 64) - 1
 MODEL = "Qwen/Qwen3-0.6B"
@@ -80,6 +85,72 @@ def build_request(request_id: str, key: int, prompt_tokens: int, output_tokens: 
         stopping=generation_pb2.StoppingOptions(max_tokens=output_tokens, ignore_eos=True))
 
 
+# GenerateResponse's oneof `event` (field numbers from the generated descriptor, never literals that could drift)
+_EVENT_FIELDS = {f.number: f.name for f in generation_pb2.GenerateResponse.DESCRIPTOR.oneofs_by_name["event"].fields}
+_TOKEN_FIELD = generation_pb2.GenerateResponse.DESCRIPTOR.fields_by_name["token"].number
+_TOKENS_FIELD = generation_pb2.TokenOutput.DESCRIPTOR.fields_by_name["tokens"].number
+_TOKEN_ID_FIELD = generation_pb2.TokenInfo.DESCRIPTOR.fields_by_name["token_id"].number
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _skip(data: bytes, i: int, wire: int) -> int:
+    if wire == 0:
+        return _varint(data, i)[1]
+    if wire == 1:
+        return i + 8
+    if wire == 2:
+        length, i = _varint(data, i)
+        return i + length
+    if wire == 5:
+        return i + 4
+    raise ValueError(f"unsupported protobuf wire type {wire}")
+
+
+def _token_ids(data: bytes, i: int, end: int, out: list[int]) -> None:
+    """Appends the token_id of every TokenInfo in the TokenOutput bytes data[i:end]."""
+    while i < end:
+        key, i = _varint(data, i)
+        if key >> 3 == _TOKENS_FIELD and key & 7 == 2:
+            length, i = _varint(data, i)
+            info_end = i + length
+            token_id = 0  # proto3 default: an id of 0 is not on the wire
+            while i < info_end:
+                info_key, i = _varint(data, i)
+                if info_key >> 3 == _TOKEN_ID_FIELD and info_key & 7 == 0:
+                    token_id, i = _varint(data, i)
+                else:
+                    i = _skip(data, i, info_key & 7)
+            out.append(token_id)
+        else:
+            i = _skip(data, i, key & 7)
+
+
+def scan_response(data: bytes, token_ids: list[int]) -> str | None:
+    """The event of serialized GenerateResponse bytes ("token", "finished", "error", ...; None: none set);
+    for "token" the token ids are appended to `token_ids`. Reads only what it needs: no message objects."""
+    i, end = 0, len(data)
+    while i < end:
+        key, i = _varint(data, i)
+        field, wire = key >> 3, key & 7
+        if wire == 2 and field in _EVENT_FIELDS:
+            length, i = _varint(data, i)
+            if field == _TOKEN_FIELD:
+                _token_ids(data, i, i + length, token_ids)
+            return _EVENT_FIELDS[field]
+        i = _skip(data, i, wire)
+    return None
+
+
 def channel_options() -> list[tuple[str, Any]]:
     return [("grpc.max_receive_message_length", 16 * 1024 * 1024),
             ("grpc.enable_retries", 0),
@@ -111,12 +182,19 @@ class _Run:
         self.lag_max = 0.0
         self.closing = False       # set when the run cancels what is still open on purpose
         self.cancelled_at_end = 0
+        self.eof = h2client.EOF if job.get("client") == "h2" else grpc.aio.EOF
+        api_key = job.get("api_key") or ""
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def error(self, kind: str) -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
-    async def request(self, call_factory, request_id: str, key: int) -> None:
-        request = build_request(request_id, key, self.prompt_tokens, self.output_tokens, self.model)
+    def request_bytes(self, request_id: str, key: int) -> bytes:
+        return build_request(request_id, key, self.prompt_tokens, self.output_tokens, self.model).SerializeToString()
+
+    async def request(self, call_factory, request_id: str, key: int, request: bytes | None = None) -> None:
+        if request is None:
+            request = self.request_bytes(request_id, key)
         now_fn = time.monotonic
         t0, t1 = self.t0, self.t1
         ids: list[int] = []
@@ -126,16 +204,17 @@ class _Run:
         started = now_fn()
         ttft_counted = t0 <= started < t1
         ttft, itl = self.ttft, self.itl
+        eof = self.eof
         try:
-            call = call_factory(request, timeout=RPC_TIMEOUT_S)
-            async for response in call:
+            call = call_factory(request, timeout=RPC_TIMEOUT_S, metadata=self.metadata)
+            read = call.read
+            while (response := await read()) is not eof:
                 now = now_fn()
-                event = response.WhichOneof("event")
+                had = len(ids)
+                event = scan_response(response, ids)
                 if event == "token":
-                    tokens = response.token.tokens
-                    ids.extend([t.token_id for t in tokens])
                     if t0 <= now < t1:
-                        self.window_tokens += len(tokens)
+                        self.window_tokens += len(ids) - had
                         self.window_messages += 1
                         if last is not None:
                             itl.append(now - last)
@@ -149,6 +228,9 @@ class _Run:
                     return
         except grpc.aio.AioRpcError as exc:
             self.error(exc.code().name)
+            return
+        except StreamError as exc:
+            self.error(exc.kind)
             return
         except asyncio.CancelledError:
             if self.closing:
@@ -177,18 +259,29 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     run = _Run(job)
     connections, procs, index = job["connections"], job["procs"], job["index"]
     mine = [c for c in range(connections) if c % procs == index]
-    channels = {c: grpc.aio.insecure_channel(job["target"], options=channel_options()) for c in mine}
+    channels: dict[int, Any] = {}
     try:
-        await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels.values())), 20.0)
-        calls = {c: ch.unary_stream(GENERATE, request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
-                 for c, ch in channels.items()}
+        if job.get("client") == "h2":
+            if job.get("tls"):
+                raise ValueError("the h2 load generator is plaintext only; use --client grpc-aio for TLS")
+            for c, opened in zip(mine, await asyncio.wait_for(asyncio.gather(
+                    *(h2client.Connection.open(job["target"], GENERATE, run.metadata or ()) for _ in mine)), 20.0)):
+                channels[c] = opened
+            calls = {c: ch.generate for c, ch in channels.items()}
+        else:
+            channels = {c: _open_channel(job) for c in mine}
+            await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels.values())), 20.0)
+            # No serializer either way: requests go out as prepared bytes, responses come in as bytes.
+            calls = {c: ch.unary_stream(GENERATE) for c, ch in channels.items()}
+        # Fixed load: every request is serialized before the first arrival; the window pays only for sending.
+        prepared = {k: run.request_bytes(f"{job['id_prefix']}-{k}", job["key_base"] + k)
+                    for k, _ in job.get("arrivals", ())}
         delay = job["start_at"] - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks: list[asyncio.Task] = []
         if job["kind"] == "fixed":
-            await _fixed(run, job, calls, tasks)
+            await _fixed(run, job, calls, tasks, prepared)
         else:
             _saturation(run, job, calls, tasks)
         if job["kind"] == "fixed":
@@ -210,7 +303,21 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
     return run.result()
 
 
-async def _fixed(run: _Run, job: dict[str, Any], calls: dict, tasks: list) -> None:
+def _open_channel(job: dict[str, Any]) -> grpc.aio.Channel:
+    """One channel (its own TCP connection); TLS as the job's `tls` says (CA file or the system roots, a client
+    certificate for mutual TLS)."""
+    tls = job.get("tls")
+    if not tls:
+        return grpc.aio.insecure_channel(job["target"], options=channel_options())
+    from openengine_serve.common.tls import channel_credentials
+
+    options = channel_options() + ([("grpc.ssl_target_name_override", tls["server_name"])]
+                                   if tls.get("server_name") else [])
+    return grpc.aio.secure_channel(job["target"], channel_credentials(tls.get("ca_file", ""), tls.get("cert_file", ""),
+                                                                      tls.get("key_file", "")), options=options)
+
+
+async def _fixed(run: _Run, job: dict[str, Any], calls: dict, tasks: list, prepared: dict[int, bytes]) -> None:
     connections = job["connections"]
     base = job["start_at"]
     prefix = job["id_prefix"]
@@ -220,7 +327,8 @@ async def _fixed(run: _Run, job: dict[str, Any], calls: dict, tasks: list) -> No
             await asyncio.sleep(delay)
         else:
             run.lag_max = max(run.lag_max, -delay)
-        tasks.append(asyncio.create_task(run.request(calls[k % connections], f"{prefix}-{k}", job["key_base"] + k)))
+        tasks.append(asyncio.create_task(run.request(calls[k % connections], f"{prefix}-{k}", job["key_base"] + k,
+                                                     prepared.pop(k))))
 
 
 def _saturation(run: _Run, job: dict[str, Any], calls: dict, tasks: list) -> None:
@@ -241,10 +349,11 @@ def _saturation(run: _Run, job: dict[str, Any], calls: dict, tasks: list) -> Non
 
 # ---------------------------------------------------------------- worker processes
 
-def _worker_main(conn, cpus: list[int] | None) -> None:
+def _worker_main(conn, cpus: list[int] | None, loop_name: str = "") -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)  # before grpc starts its threads: they inherit the mask
-    loop = new_event_loop()  # the components' loop (uvloop where it exists)
+    # The components' loop (uvloop where it exists) unless asked for asyncio's own (as a plain grpc.aio client runs)
+    loop = asyncio.new_event_loop() if loop_name == "asyncio" else new_event_loop()
     asyncio.set_event_loop(loop)
     while True:
         job = conn.recv()
@@ -260,12 +369,13 @@ def _worker_main(conn, cpus: list[int] | None) -> None:
 class LoadPool:
     """P persistent load-generator processes (spawned, pinned), driven job by job."""
 
-    def __init__(self, procs: int, cpus: Sequence[int] | None) -> None:
+    def __init__(self, procs: int, cpus: Sequence[int] | None, loop_name: str = "") -> None:
         ctx = multiprocessing.get_context("spawn")
         self.workers = []
         for _ in range(procs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, list(cpus) if cpus else None), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(child, list(cpus) if cpus else None, loop_name),
+                               daemon=True)
             proc.start()
             self.workers.append((proc, parent))
 
@@ -307,15 +417,17 @@ class LoadPool:
 
 def make_jobs(*, kind: str, target: str, connections: int, procs: int, start_at: float, t0: float, t1: float,
               stop_at: float, drain_timeout_s: float, id_prefix: str, key_base: int, prompt_tokens: int,
-              output_tokens: int, arrivals: Sequence[float] = (), inflight: int = 0) -> list[dict[str, Any]]:
-    """One job per worker process that has connections (P' = min(P, C))."""
+              output_tokens: int, arrivals: Sequence[float] = (), inflight: int = 0,
+              extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One job per worker process that has connections (P' = min(P, C)); `extra` (e.g. `tls`, `api_key`, `model`)
+    is copied into every job."""
     procs = max(1, min(procs, connections))
     jobs = []
     for index in range(procs):
         job = {"kind": kind, "target": target, "connections": connections, "procs": procs, "index": index,
                "start_at": start_at, "t0": t0, "t1": t1, "stop_at": stop_at, "drain_timeout_s": drain_timeout_s,
                "id_prefix": id_prefix, "key_base": key_base, "prompt_tokens": prompt_tokens,
-               "output_tokens": output_tokens}
+               "output_tokens": output_tokens, **(extra or {})}
         if kind == "fixed":
             job["arrivals"] = [(k, a) for k, a in enumerate(arrivals) if (k % connections) % procs == index]
         else:

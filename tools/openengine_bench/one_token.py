@@ -15,9 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,10 +22,8 @@ from pathlib import Path
 import grpc
 
 from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2_grpc
-from openengine_serve.client import is_serving
-from openengine_serve.common.net import free_port
 
-from .coordinator import cpu_seconds
+from .stack import cpu_seconds  # one pid (coordinator.cpu_seconds sums a list of pids)
 
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -100,28 +95,14 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
 
 
 def run_server(server: str, args: argparse.Namespace) -> dict:
-    port = free_port()
-    env = dict(os.environ)
-    if args.pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.pythonpath, env.get("PYTHONPATH")]))
-    up = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--nodes", str(args.nodes),
-                           "--grpc-server", server, "--port", str(port), "--workers", "1"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    target = f"127.0.0.1:{port}"
+    from .stack import UpStack
+
+    up = UpStack(server, nodes=args.nodes, workers=1, pythonpath=args.pythonpath).start()
     try:
-        deadline = time.monotonic() + 120
-        while not is_serving(target):
-            if up.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"`openengine-serve up --grpc-server {server}` did not become ready")
-            time.sleep(0.5)
-        result = asyncio.run(drive(target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"), args))
+        result = asyncio.run(drive(up.target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"),
+                                   args))
     finally:
-        up.terminate()
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
+        up.stop()
     return {"server": server, "label": args.label, **result}
 
 

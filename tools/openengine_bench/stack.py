@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from openengine_serve.common.net import free_port
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 40.0
+CLUSTER_STOP_TIMEOUT_S = 10.0
 FRONTEND_DRAIN_S = 2.0
 
 
@@ -67,6 +68,43 @@ def split_cpus(frontend_spec: str) -> tuple[list[int], list[int]]:
                          f"(allowed: {format_cpus(allowed)})")
     other = [c for c in allowed if c not in frontend] or frontend
     return frontend, other
+
+
+# ---------------------------------------------------------------- placements of the server under test
+
+@dataclass(frozen=True)
+class Placement:
+    """How the frontend (or the bare server) is constrained: pinned to the frontend CPUs before it starts, or
+    seeing every core under a cgroup CPU quota (how `docker --cpus` and Kubernetes limits work), or neither.
+    The rest of the stack and the load generator stay on the other CPUs in every placement."""
+
+    name: str
+    pinned: bool
+    quota_cpus: float | None = None
+
+    def describe(self) -> str:
+        where = "pinned to the frontend CPUs" if self.pinned else "every core visible"
+        return where + (f", {self.quota_cpus:g}-CPU cgroup quota" if self.quota_cpus else "")
+
+
+PLACEMENT_NAMES = ("pinned", "quota", "shared")
+
+
+def placement(name: str, quota_cpus: float = 1.0) -> Placement:
+    if name == "pinned":
+        return Placement("pinned", pinned=True)
+    if name == "quota":
+        return Placement("quota", pinned=False, quota_cpus=quota_cpus)
+    if name == "shared":
+        return Placement("shared", pinned=False)
+    raise ValueError(f"unknown placement {name!r} (known: {', '.join(PLACEMENT_NAMES)})")
+
+
+def parse_placements(spec: str, quota_cpus: float = 1.0) -> list[Placement]:
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"no placement in {spec!r} (known: {', '.join(PLACEMENT_NAMES)})")
+    return [placement(n, quota_cpus) for n in dict.fromkeys(names)]
 
 
 # ---------------------------------------------------------------- /proc
@@ -196,6 +234,7 @@ class Process:
     log_path: Path
     port: int = 0
     env: dict[str, str] = field(default_factory=dict)
+    preexec_fn: Callable[[], None] | None = None  # runs in the child before exec (e.g. entering a cgroup)
     proc: subprocess.Popen | None = None
 
     @property
@@ -218,7 +257,7 @@ class Process:
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=self.preexec_fn)
         if not shutil.which("taskset"):
             pin_tree(self.proc.pid, self.cpus)
         return self
@@ -295,7 +334,12 @@ class Stack:
         """The node and everything below it: launcher, mpiexec, hydra proxy, engine worker."""
         return descendants(self.node.pid) if self.node and self.node.alive() else []
 
-    def start_frontend(self, server: str, timeout: float = 90.0) -> Process:
+    def placed_cpus(self, pinned: bool) -> list[int]:
+        """The CPUs the server under test may run on: its own when pinned, else every CPU of the run."""
+        return self.frontend_cpus if pinned else sorted(set(self.frontend_cpus) | set(self.other_cpus))
+
+    def start_frontend(self, server: str, timeout: float = 90.0, *, pinned: bool = True,
+                       enter_cgroup: Callable[[], None] | None = None) -> Process:
         self._frontend_starts += 1
         port = free_port(HOST)
         self.frontend = Process(f"frontend-{server}", self._python(
@@ -305,7 +349,8 @@ class Stack:
             # docs/benchmarks.md); shutdown is not what is measured.
             "--drain-timeout-s", str(FRONTEND_DRAIN_S),
             "--frontend-id", f"bench-{server}-{self._frontend_starts}-{os.getpid()}"),
-            self.frontend_cpus, self.log_dir / f"frontend-{self._frontend_starts:02d}-{server}.log", port).start()
+            self.placed_cpus(pinned), self.log_dir / f"frontend-{self._frontend_starts:02d}-{server}.log", port,
+            preexec_fn=enter_cgroup).start()
         self.frontend.wait_ready(timeout, lambda: is_serving(self.frontend.target))
         self.frontend.pin()
         return self.frontend
@@ -340,4 +385,78 @@ class Stack:
         for proc in (self.node, self.coordinator):
             if proc is not None:
                 with contextlib.suppress(Exception):
-                    proc.stop()
+                    # Shutdown is not measured: a node that has not exited after this long is killed.
+                    proc.stop(timeout=CLUSTER_STOP_TIMEOUT_S)
+
+
+class UpStack:
+    """A whole deployment as `openengine-serve up --nodes N --workers W --grpc-server S`: one child process that
+    starts coordinator, nodes (each with its MPI engine worker) and frontend, and stops them in order."""
+
+    def __init__(self, server: str, *, nodes: int, workers: int, log_path: Path | None = None,
+                 pythonpath: str = "", coordinator_port: int = 0) -> None:
+        self.server = server
+        self.nodes = nodes
+        self.workers = workers
+        self.log_path = log_path
+        self.pythonpath = pythonpath
+        self.port = free_port(HOST)
+        self.coordinator_port = coordinator_port or free_port(HOST)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def coordinator_target(self) -> str:
+        return f"{HOST}:{self.coordinator_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, timeout: float = 120.0) -> "UpStack":
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])  # mpiexec
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.pythonpath, env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "openengine_serve", "up", "--nodes", str(self.nodes),
+                   "--grpc-server", self.server, "--host", HOST, "--port", str(self.port),
+                   "--coordinator-port", str(self.coordinator_port), "--workers", str(self.workers)]
+        if self.log_path is None:
+            self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while not is_serving(self.target):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"`openengine-serve up --grpc-server {self.server}` did not become ready"
+                                   + (f"; see {self.log_path}" if self.log_path else ""))
+            time.sleep(0.5)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 120.0) -> int | None:
+        """SIGTERM to `up` (it stops frontend, nodes, coordinator in order). Each component runs in its own
+        session, so if `up` has to be killed, whatever it leaves behind is killed by pid."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                left = descendants(self.proc.pid)[1:]
+                self.proc.kill()
+                self.proc.wait()
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+        return self.proc.returncode

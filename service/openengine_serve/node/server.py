@@ -266,10 +266,11 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                     log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name,
                               detail=exc.details(), coordinator=address)
                 wake.clear()
-                try:
-                    await asyncio.wait_for(wake.wait(), interval)
-                except asyncio.TimeoutError:
-                    pass
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives just after `wake` was set
+                # (as the drain does), and the node's stop then waited for this loop until it was killed.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await wake.wait()
 
     async def _register(self, stub: cluster_pb2_grpc.CoordinatorStub, address: str) -> float:
         """Registers; returns the heartbeat interval asked for. Without a rank yet, the first coordinator that

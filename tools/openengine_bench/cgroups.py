@@ -1,4 +1,8 @@
-"""A real cgroup with a CPU quota (how `docker --cpus` and Kubernetes limits work) for tests; needs root."""
+"""A real cgroup with a CPU quota (how `docker --cpus` and Kubernetes limits work); needs root.
+
+Used by the benchmark's `quota` and `budget` placements and by the integration tests of the CPU budget.
+`throttling()` reads the quota's accounting (`cpu.stat`): periods, throttled periods and throttled time.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +58,21 @@ class QuotaCgroup:
     def enter(self) -> None:
         """Moves the calling process in (a `preexec_fn`: the child starts inside the cgroup)."""
         _write(os.path.join(self.path, "cgroup.procs"), str(os.getpid()))
+
+    def throttling(self) -> dict[str, float]:
+        """Cumulative CFS accounting of the cgroup: periods, throttled periods, throttled seconds (v1 reports
+        `throttled_time` in ns, v2 `throttled_usec`); {} when the cgroup has no cpu.stat."""
+        stat = {}
+        for line in _read(os.path.join(self.path, "cpu.stat")).splitlines():
+            key, _, value = line.partition(" ")
+            if value.strip().isdigit():
+                stat[key] = int(value)
+        if "nr_periods" not in stat:
+            return {}
+        throttled_s = (stat["throttled_usec"] / 1e6 if "throttled_usec" in stat
+                       else stat.get("throttled_time", 0) / 1e9)
+        return {"periods": float(stat["nr_periods"]), "throttled_periods": float(stat.get("nr_throttled", 0)),
+                "throttled_s": throttled_s}
 
     def close(self) -> None:
         if not self.path or not os.path.isdir(self.path):

@@ -292,6 +292,9 @@ def test_everything_environment(render) -> None:
     assert r.env("frontend")["OPENENGINE_DRAIN_TIMEOUT_S"] == "120"
 
 
+LIVENESS_P99_BOUND_S = 1.0
+
+
 @pytest.mark.parametrize("variant", VARIANT_IDS)
 def test_grpc_probes(render, chart, variant: str) -> None:
     r = render(VARIANTS[variant])
@@ -310,6 +313,10 @@ def test_grpc_probes(render, chart, variant: str) -> None:
                 continue
             assert spec["grpc"] == {"port": grpc_port, "service": service}, (component, probe)
             assert not {"httpGet", "tcpSocket", "exec"} & spec.keys()
+        # The frontend's liveness p99 under twice the saturating load stays < 1 s (tests/integration/
+        # test_overload.py, docs/robustness.md): the probe's timeout leaves 3x that before it counts a failure.
+        assert container["livenessProbe"]["timeoutSeconds"] >= 3 * LIVENESS_P99_BOUND_S
+        assert container["readinessProbe"]["timeoutSeconds"] >= 3 * LIVENESS_P99_BOUND_S
         startup = container["startupProbe"]
         budget = values[component]["startupTimeoutSeconds"]
         assert startup["failureThreshold"] == math.ceil(budget / startup["periodSeconds"])

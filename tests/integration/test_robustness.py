@@ -258,3 +258,4 @@ def test_a_thousand_idle_connections_are_held_and_requests_still_work(stall_fron
         for s in sockets:
             s.close()
 
+

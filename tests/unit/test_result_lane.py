@@ -22,8 +22,9 @@ def test_steps_merge_into_one_waiting_message():
         assert lane.backlog_steps == 3 and not lane.idle.is_set()
         message = await lane.take()
         assert message.step == 3
-        assert [(e.request_id, e.tokens[0].token_id) for e in message.events] == [
-            ("a", 1), ("b", 1), ("a", 2), ("b", 2), ("a", 3), ("b", 3)]
+        # each output's token events folded into one: one event per stream, whatever the steps behind
+        assert [(e.request_id, [t.token_id for t in e.tokens]) for e in message.events] == [
+            ("a", [1, 2, 3]), ("b", [1, 2, 3])]
         lane.taken()
         assert lane.backlog_steps == 0 and lane.idle.is_set()
         waiting = asyncio.ensure_future(lane.take())
@@ -47,5 +48,32 @@ def test_beyond_the_bound_waiting_requests_are_shed_and_finished_ones_kept():
                         ("a", cluster_pb2.ENGINE_FINISH_ERROR)], "b finished in full; a ends with one error"
         error = message.events[-1]
         assert error.retryable and "2 engine steps behind" in error.message and error.lane == "fe"
+
+    asyncio.run(main())
+
+
+def test_folding_keeps_each_outputs_order_around_prompt_finish_and_other_outputs():
+    async def main():
+        lane = ResultLane(max_backlog_steps=10)
+        prompt = event("a", 0)
+        prompt.prompt_tokens.add(token_id=99)
+        second = event("a", 10)
+        second.output_index = 1
+        lane.put(1, [prompt, event("b", 1)])
+        lane.put(2, [event("a", 1), second, event("b", 2)])
+        lane.put(3, [event("a", 2), event("b", 3, cluster_pb2.ENGINE_FINISH_STOP_TOKEN)])
+        lane.put(4, [event("a", 3)])
+        message = await lane.take()
+        assert [(e.request_id, e.output_index, [t.token_id for t in e.tokens], e.finish) for e in message.events] == [
+            ("a", 0, [0], cluster_pb2.ENGINE_FINISH_NONE),  # the prompt event stays alone, first
+            ("b", 0, [1, 2], cluster_pb2.ENGINE_FINISH_NONE),
+            ("a", 0, [1, 2, 3], cluster_pb2.ENGINE_FINISH_NONE),
+            ("a", 1, [10], cluster_pb2.ENGINE_FINISH_NONE),
+            ("b", 0, [3], cluster_pb2.ENGINE_FINISH_STOP_TOKEN)]
+        assert list(message.events[0].prompt_tokens) == [cluster_pb2.TokenRecord(token_id=99)]
+        lane.taken()
+        lane.put(5, [event("a", 4)])  # nothing waits: a new message, no folding into the one taken
+        lane.put(6, [event("a", 5)])
+        assert [[t.token_id for t in e.tokens] for e in (await lane.take()).events] == [[4, 5]]
 
     asyncio.run(main())

@@ -172,7 +172,10 @@ class FrontendConfig(CommonConfig):
                                                "engine slot is freed, then a retryable EngineError if the "
                                                "connection takes it, else the stream is cancelled", minimum=0.1)
     max_in_flight: int = knob(512, "Generate streams one frontend worker keeps open; beyond it Generate is "
-                                   "refused at once (RESOURCE_EXHAUSTED, retry hint in grpc-retry-pushback-ms)",
+                                   "refused at once (RESOURCE_EXHAUSTED, retry hint in openengine-retry-after-ms). "
+                                   "Default: a worker's measured capacity (~8,000 tokens/s) x 64 ms, the "
+                                   "inter-token time of a large-batch engine; for a faster engine use capacity x "
+                                   "its inter-token time (docs/robustness.md)",
                               minimum=1)
     coordinator_timeout_s: float = knob(2.0, "deadline of each frontend call to the coordinator (register, "
                                              "heartbeat, reserve, release, abort, load); a reserve that runs out "

@@ -36,6 +36,9 @@ from .watchdog import measure_loop_lag, stall_watchdog
 logger = logging.getLogger("openengine_serve.frontend")
 
 DRAIN_ERROR_GRACE_S = 1.0  # time for the terminal DRAINING errors to reach clients before the server stops
+# A lane message that merged a backlog (node/server.py: ResultLane) can pass gRPC's default 4 MiB
+# (lane_max_backlog_steps x max_batch token records); the node is a trusted peer: no receive limit.
+NODE_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 PUBLIC_SERVICES = tuple(s.full_name for s in openengine_pb2.DESCRIPTOR.services_by_name.values())
 
 
@@ -45,7 +48,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     tasks = BackgroundTasks()
     open_internal_channel = functools.partial(internal_channel, config=config)  # security hook: internal TLS
     nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s,
-                            open_channel=open_internal_channel)
+                            open_channel=functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS))
     coordinator = CoordinatorClient(
         frontend_id, config.coordinators(), f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
         config.coordinator_timeout_s, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only,

@@ -37,12 +37,15 @@ _SUBMITTED = cluster_pb2.SubmitOutcome()
 
 class ResultLane:
     """One frontend's result lane: what the engine produced for it and gRPC has not taken yet. Never more
-    than one message waits: while the frontend is behind, each step's events join the waiting message (the
-    frontend coalesces per stream anyway), so it catches up in one message. When the waiting message holds
-    more than `max_backlog_steps` steps the frontend has taken nothing for that long: `put` sheds, handing
-    back the ids of the requests whose output waits (the node ends them with a retryable error)."""
+    than one message waits: while the frontend is behind, each step's events join the waiting message, and
+    the plain token events of one output fold into one event holding all its tokens, so a frontend that fell
+    behind catches up in one message of at most one event per output (plus prompt, finish and error
+    events), whatever the number of steps: its cost to the frontend follows the streams, not the steps.
+    When the waiting message holds more than `max_backlog_steps` steps the frontend has taken nothing for
+    that long: `put` sheds, handing back the ids of the requests whose output waits (the node ends them
+    with a retryable error)."""
 
-    __slots__ = ("max_backlog_steps", "step", "events", "backlog_steps", "ready", "idle")
+    __slots__ = ("max_backlog_steps", "step", "events", "backlog_steps", "ready", "idle", "_folding")
 
     def __init__(self, max_backlog_steps: int) -> None:
         self.max_backlog_steps = max_backlog_steps
@@ -52,10 +55,18 @@ class ResultLane:
         self.ready = asyncio.Event()  # set: a message waits
         self.idle = asyncio.Event()  # set: gRPC took everything
         self.idle.set()
+        # (request id, output index) -> its plain token event in `events`, the one later tokens fold into
+        self._folding: dict[tuple[str, int], cluster_pb2.OutputEvent] = {}
 
     def put(self, step: int, events: list[cluster_pb2.OutputEvent]) -> list[str]:
         self.step = step
-        self.events.extend(events)
+        if self.backlog_steps == 1:  # the first step behind: index the waiting message's own events
+            waiting, self.events = self.events, []
+            self._fold(waiting)
+        if self.backlog_steps:
+            self._fold(events)
+        else:
+            self.events.extend(events)
         self.backlog_steps += 1
         self.ready.set()
         self.idle.clear()
@@ -67,12 +78,28 @@ class ResultLane:
             request_id=request_id, finish=cluster_pb2.ENGINE_FINISH_ERROR, retryable=True, lane=events[0].lane,
             message=f"the frontend fell {self.max_backlog_steps} engine steps behind on its result lane; "
                     "retry the request") for request_id in waiting]
+        self._folding.clear()
         return waiting
+
+    def _fold(self, events: list[cluster_pb2.OutputEvent]) -> None:
+        folding = self._folding
+        for event in events:
+            key = (event.request_id, event.output_index)
+            if event.finish == cluster_pb2.ENGINE_FINISH_NONE and not event.prompt_tokens:
+                target = folding.get(key)
+                if target is not None:
+                    target.tokens.extend(event.tokens)
+                    continue
+                folding[key] = event
+            else:
+                folding.pop(key, None)  # what follows it must stay after it
+            self.events.append(event)
 
     async def take(self) -> cluster_pb2.StepResults:
         await self.ready.wait()
         message = cluster_pb2.StepResults(step=self.step, events=self.events)
         self.events = []
+        self._folding.clear()
         self.backlog_steps = 0
         self.ready.clear()
         return message

@@ -82,7 +82,7 @@ def test_metrics_move_with_traffic(deployment, workers):
     refusals = {dict(labels)["reason"]: value for (name, labels), value in after.items()
                 if name == "openengine_frontend_refusals_total"}
     assert refusals == {"invalid_request": 1, "not_served": 0, "unsupported": 0, "duplicate_request": 0,
-                        "unavailable": 0, "overloaded": 0}
+                        "unavailable": 0, "overloaded": 0, "key_at_limit": 0}
 
     node_samples = scrape(node_metrics)
     assert metric(node_samples, "openengine_node_step_duration_seconds_count") >= 20

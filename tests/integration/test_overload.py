@@ -27,6 +27,7 @@ from .conftest import SERVERS
 SATURATING_STREAMS = 16
 LONG_TOKENS = 8000
 WINDOW_S = 5.0
+MIN_SAMPLES = 5  # probes are slower on a loaded machine: the window stretches (up to 4x) to take these
 # CI machines are shared and loaded: these bounds hold there with room, and fail on the old behaviour (a new
 # request waited seconds behind the lane's backlog). docs/robustness.md has the figures of a quiet machine.
 TTFT_P99_BOUND_S = 1.0
@@ -45,20 +46,21 @@ def test_new_requests_and_liveness_stay_fast_while_long_streams_saturate_the_fro
             processes.wait_for(lambda: _running(frontend.target) >= SATURATING_STREAMS, 60, "the streams running")
             time.sleep(2.0)  # past the burst of their prefills
             sampler.start()
-            saturated = measure_window(frontend.target, duration_s=WINDOW_S, liveness=False)
+            saturated = measure_window(frontend.target, duration_s=WINDOW_S, liveness=False, min_samples=MIN_SAMPLES)
             rss = series(sampler.stop(), "rss_mb")
             # twice the saturating load: the liveness probe still answers fast
             with Load(frontend.target, SATURATING_STREAMS, LONG_TOKENS):
                 processes.wait_for(lambda: _running(frontend.target) >= 2 * SATURATING_STREAMS, 60,
                                    "twice the streams running")
-                doubled = measure_window(frontend.target, duration_s=WINDOW_S, probe_timeout_s=5.0)
+                doubled = measure_window(frontend.target, duration_s=WINDOW_S, probe_timeout_s=5.0,
+                                         min_samples=MIN_SAMPLES)
     finally:
         frontend.stop()
     ttft = [s["ttft_s"] for s in saturated["ttft"]]
-    assert len(ttft) >= 5 and None not in ttft, ttft
+    assert len(ttft) >= MIN_SAMPLES and None not in ttft, ttft
     ttft_p99 = percentile(ttft, 99)
     liveness = doubled["liveness"]
-    assert len(liveness) >= 5 and None not in liveness, liveness
+    assert len(liveness) >= MIN_SAMPLES and None not in liveness, liveness
     liveness_p99 = percentile(liveness, 99)
     growth = {name: growth_mb_per_s(points) for name, points in rss.items()}
     print(f"{server}: TTFT p50 {percentile(ttft, 50) * 1000:.1f} ms p99 {ttft_p99 * 1000:.1f} ms (n={len(ttft)}) "

@@ -29,7 +29,7 @@ def stubs() -> dict[str, FakeCoordinatorStub]:
 
 
 @pytest.fixture
-def client(stubs):
+async def client(stubs):
     nodes = NodeConnections("fe-test", BackgroundTasks(), connect_timeout_s=1.0, call_timeout_s=1.0)
     return coordinator_client(stubs[FIRST], nodes, more_shards={SECOND: stubs[SECOND]})
 

@@ -239,12 +239,13 @@ def growth_mb_per_s(points: Sequence[tuple[float, float]]) -> float | None:
 
 def measure_window(target: str, *, duration_s: float, probe_tokens: int = 5, probe_timeout_s: float = 5.0,
                    probe_interval_s: float = 0.1, liveness: bool = True,
-                   deadline_s: float | None = None) -> dict[str, list]:
-    """Alternating TTFT and liveness probes for `duration_s` (sequential: one probe at a time)."""
+                   deadline_s: float | None = None, min_samples: int = 0) -> dict[str, list]:
+    """Alternating TTFT and liveness probes for `duration_s` (sequential: one probe at a time), and on until
+    `min_samples` TTFT probes were taken (at most 4 × `duration_s` in all: a loaded machine's probes are slow)."""
     out: dict[str, list] = {"ttft": [], "liveness": [], "t_ttft": [], "t_liveness": []}
     t0 = time.monotonic()
-    end = t0 + duration_s
-    while time.monotonic() < end:
+    end, last = t0 + duration_s, t0 + 4 * duration_s
+    while time.monotonic() < end or (len(out["ttft"]) < min_samples and time.monotonic() < last):
         sample = ttft_sample(target, probe_tokens, timeout=deadline_s or 30.0)
         out["ttft"].append(sample)
         out["t_ttft"].append(time.monotonic() - t0)

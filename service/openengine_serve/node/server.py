@@ -125,6 +125,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         self.health = Health()
         self.draining = False
         self.wakes: dict[str, asyncio.Event] = {}  # per coordinator address; set: heartbeat it now
+        self.drain_told: dict[str, asyncio.Event] = {}  # per coordinator address; set: it acknowledged the drain
         self.rank_assignment = asyncio.Lock()  # held by the registration that asks a coordinator for a rank
 
     # ---------------------------------------------------------------- engine -> lanes
@@ -287,6 +288,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     async def _coordinator_loop(self, address: str) -> None:
         """Registers, then heartbeats load; registers again whenever the coordinator forgot us."""
         wake = self.wakes.setdefault(address, asyncio.Event())
+        drain_told = self.drain_told.setdefault(address, asyncio.Event())
         async with internal_channel(address, self.config) as channel:
             stub = cluster_pb2_grpc.CoordinatorStub(channel)
             registered = False
@@ -296,11 +298,14 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                     if not registered:
                         interval = await self._register(stub, address) or interval
                         registered = True
+                    state = self.state()
                     reply = await stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
-                        node_id=self.node_id, state=self.state(), load=self.load()), timeout=self.config.rpc_timeout_s)
+                        node_id=self.node_id, state=state, load=self.load()), timeout=self.config.rpc_timeout_s)
                     if not reply.known:
                         registered = False
                         continue
+                    if state == cluster_pb2.NODE_STATE_DRAINING:
+                        drain_told.set()
                 except grpc.aio.AioRpcError as exc:
                     log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name,
                               detail=exc.details(), coordinator=address)
@@ -346,6 +351,11 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             log_event(logger, "drain deadline reached", logging.WARNING, open_requests=len(self.link.outstanding),
                       open_sequences=self.link.open_sequences)
             self.link.fail_all("node is shutting down (drain deadline reached)", retryable=True)
+        # An idle node gets here at once: wait (bounded) until every coordinator heard of the drain, so that
+        # none keeps routing new requests to this node after it stopped.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.rpc_timeout_s):
+                await asyncio.gather(*(told.wait() for told in self.drain_told.values()))
 
 
 async def serve(config: NodeConfig, stop: asyncio.Event) -> int:

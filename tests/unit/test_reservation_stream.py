@@ -115,14 +115,39 @@ async def test_while_a_write_is_slow_the_next_ticks_gather_into_one_batch(stream
     gate.set()
     await settle()
     [call] = streams.calls
+    assert [[r.request_id for r in b.reserve] for b in call.written] == [["r0"]]  # r0's answer is still due
+    call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n0")))
+    await settle()
     assert [[r.request_id for r in b.reserve] for b in call.written] == [["r0"], ["r1", "r2", "r3"]]
     for task in tasks:
         task.cancel()
     await batcher.close()
 
 
+async def test_while_a_batch_is_unanswered_later_ticks_gather_and_go_out_once_it_is_answered(batcher, streams):
+    first = asyncio.create_task(batcher.reserve(reservation("r0")))
+    await settle()
+    [call] = streams.calls
+    assert len(call.written) == 1  # an idle stream sends at once
+    later = []
+    for i in range(1, 4):  # three later ticks, one reservation each, while r0 is unanswered
+        later.append(asyncio.create_task(batcher.reserve(reservation(f"r{i}"))))
+        await asyncio.sleep(0)
+    batcher.release("gone")
+    await settle()
+    assert len(call.written) == 1
+    call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n0")))
+    assert (await first).node_id == "n0"
+    await settle()
+    assert [r.request_id for r in call.written[1].reserve] == ["r1", "r2", "r3"]
+    assert list(call.written[1].release) == ["gone"]
+    call.answer(*(cluster_pb2.ReservationOutcome(node=node_entry(f"n{i}")) for i in range(1, 4)))
+    assert [(await task).node_id for task in later] == ["n1", "n2", "n3"]
+    assert len(call.written) == 2
+
+
 async def test_a_large_tick_is_split_into_batches_of_at_most_max_batch(streams):
-    batcher = ReservationBatcher("fe-1", streams.open, max_batch=2)
+    batcher = ReservationBatcher("fe-1", streams.open, max_batch=2, max_unanswered=3)
     tasks = [asyncio.create_task(batcher.reserve(reservation(f"r{i}"))) for i in range(5)]
     await settle()
     assert [len(b.reserve) for b in streams.calls[0].written] == [2, 2, 1]
@@ -140,8 +165,9 @@ async def test_the_stream_breaking_mid_batch_fails_the_unanswered_keeps_the_answ
     batcher.release("old")
     pending = [asyncio.create_task(batcher.reserve(reservation(f"r{i}"))) for i in (1, 2)]
     await settle()
-    assert len(call.written) == 2  # the second batch is on the wire, unanswered
     call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n0")))
+    await settle()
+    assert len(call.written) == 2  # the second batch is on the wire, unanswered
     call.fail()
     assert (await answered).node_id == "n0"  # accepted before the break: unaffected
     for task in pending:
@@ -156,7 +182,8 @@ async def test_the_stream_breaking_mid_batch_fails_the_unanswered_keeps_the_answ
     assert [list(b.release) for b in streams.calls[1].written] == [["old"]]
 
 
-async def test_a_write_that_fails_fails_its_reservations_and_the_next_reservation_opens_a_new_stream(batcher, streams):
+async def test_a_write_that_fails_fails_its_reservations_and_the_next_reservation_opens_a_new_stream(streams):
+    batcher = ReservationBatcher("fe-1", streams.open, max_unanswered=2)  # a second batch goes out unanswered
     first = asyncio.create_task(batcher.reserve(reservation("r0")))
     await settle()
     streams.calls[0].cancelled = True  # the next write raises
@@ -170,6 +197,7 @@ async def test_a_write_that_fails_fails_its_reservations_and_the_next_reservatio
     assert len(streams.calls) == 2
     streams.calls[1].answer(cluster_pb2.ReservationOutcome(node=node_entry("n2")))
     assert (await third).node_id == "n2"
+    await batcher.close()
 
 
 async def test_a_reservation_whose_caller_left_before_the_answer_is_skipped(batcher, streams):
@@ -193,7 +221,7 @@ async def test_the_coordinator_ending_the_stream_fails_what_it_did_not_answer(ba
 
 async def test_releases_are_split_like_reservations_and_only_so_many_are_kept_after_a_break(streams, monkeypatch):
     monkeypatch.setattr(ReservationBatcher, "max_kept_riders", 3)
-    batcher = ReservationBatcher("fe-1", streams.open, max_batch=2)
+    batcher = ReservationBatcher("fe-1", streams.open, max_batch=2, max_unanswered=3)
     for i in range(5):
         batcher.release(f"r{i}")
     await settle()

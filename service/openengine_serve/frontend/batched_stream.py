@@ -3,9 +3,11 @@ Reserve/Release (`reservation_stream.py`) and Submit (`nodes.py : SubmissionBatc
 
 Every call asked for during one tick of the event loop goes out in one batch message;
 the server answers each batch with one message holding one outcome per call, in
-order, so the replies are matched to batches by position. While a batch is being
-written, the next tick's calls gather and go out together after it: under load the
-batches grow instead of the messages.
+order, so the replies are matched to batches by position. At most one batch is out
+unanswered (MAX_UNANSWERED): while it is, the calls of the next ticks gather and go
+out together once it is answered. Under load the batches grow instead of the
+messages (requests reach the frontend one completion at a time, so a tick alone
+rarely holds more than one); an idle stream sends a call at once.
 
 Riders (e.g. releases) need no answer: they go out with the next batch and are kept
 until the batch that carried them is answered. When the stream breaks, every call not
@@ -29,6 +31,8 @@ logger = logging.getLogger("openengine_serve.frontend")
 
 # Larger ticks are split: one message stays well under gRPC's default 4 MB limit.
 MAX_BATCH = 2048
+# Batches written and not yet answered before the next waits: one round trip gathers the calls behind it.
+MAX_UNANSWERED = 1
 # Riders kept while the server cannot be reached; beyond this the oldest are dropped.
 MAX_KEPT_RIDERS = 100_000
 
@@ -55,8 +59,10 @@ class BatchedStream:
     riders_name = "riders"
     max_kept_riders = MAX_KEPT_RIDERS
 
-    def __init__(self, open_call: Callable[[], BatchCall], max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, open_call: Callable[[], BatchCall], max_batch: int = MAX_BATCH,
+                 max_unanswered: int = MAX_UNANSWERED) -> None:
         self.max_batch = max_batch
+        self.max_unanswered = max_unanswered
         self.batches_sent = 0
         self.streams_opened = 0
         self._open_call = open_call
@@ -119,12 +125,13 @@ class BatchedStream:
         self._wake.set()
 
     async def _send_loop(self) -> None:
-        # Woken at most once per tick: everything asked for until it runs goes into one batch.
+        # Woken at most once per tick: everything asked for until it runs goes into one batch. With
+        # max_unanswered batches out, what is asked for waits for an answer (`_answer` wakes this loop).
         while True:
             await self._wake.wait()
             await asyncio.sleep(0)  # let the rest of this tick's callbacks (already scheduled) add theirs
             self._wake.clear()
-            while self._calls or self._riders:
+            while (self._calls or self._riders) and len(self._unanswered) < self.max_unanswered:
                 if not await self._send_one():
                     break  # the stream broke: what is left waits for the next call, rider or flush
 
@@ -176,6 +183,8 @@ class BatchedStream:
         for future, outcome in zip(futures, self._outcomes(reply), strict=True):
             if not future.done():  # else the caller stopped waiting; it cleans up itself
                 self._settle(future, outcome)
+        if self._calls or self._riders:
+            self._wake.set()  # what gathered behind the answered batch goes out
 
     def _broken(self, call: BatchCall | None, detail: str) -> None:
         """Fails what this stream did not answer; its riders go out again on the next one."""

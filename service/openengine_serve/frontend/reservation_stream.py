@@ -4,8 +4,8 @@ Every reservation and release asked for during one tick of the event loop goes
 out as one `ReservationBatch` on the frontend's `Reservations` stream; the
 coordinator answers each batch with one `ReservationReplies` (one outcome per
 reservation, in order), so the replies are matched to batches by position.
-While a batch is being written, the next tick's requests gather and go out
-together after it: under load the batches grow instead of the messages.
+While a batch is unanswered, the next ticks' requests gather and go out
+together once it is answered: under load the batches grow instead of the messages.
 
 Releases need no answer: they ride on the next batch, and they are kept until
 the batch that carried them is answered. When the stream breaks, every
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2
-from .batched_stream import MAX_BATCH, BatchCall, BatchedStream, StreamBroken
+from .batched_stream import MAX_BATCH, MAX_UNANSWERED, BatchCall, BatchedStream, StreamBroken
 
 __all__ = ["MAX_BATCH", "ReservationBatcher", "ReservationCall", "ReservationRefused", "StreamBroken",
            "STATUS_BY_NUMBER"]
@@ -57,8 +57,9 @@ class ReservationBatcher(BatchedStream):
     # until this frontend expires.
     max_kept_riders = MAX_KEPT_RELEASES
 
-    def __init__(self, frontend_id: str, open_call: Callable[[], ReservationCall], max_batch: int = MAX_BATCH) -> None:
-        super().__init__(open_call, max_batch)
+    def __init__(self, frontend_id: str, open_call: Callable[[], ReservationCall], max_batch: int = MAX_BATCH,
+                 max_unanswered: int = MAX_UNANSWERED) -> None:
+        super().__init__(open_call, max_batch, max_unanswered)
         self.frontend_id = frontend_id
 
     async def reserve(self, request: cluster_pb2.ReserveRequest) -> cluster_pb2.NodeEntry:

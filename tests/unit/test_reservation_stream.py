@@ -246,3 +246,22 @@ async def test_a_stream_that_cannot_even_open_fails_the_batch_at_once():
         await asyncio.wait_for(waiting, 1.0)
     assert batcher.pending_releases == 1
     await batcher.close()
+
+
+async def test_a_reservation_unanswered_past_its_timeout_raises_timeout_error_and_is_never_answered_or_sent_late(
+        batcher, streams):
+    late = asyncio.create_task(batcher.reserve(reservation("r0"), timeout_s=0.05))
+    await settle()
+    queued = asyncio.create_task(batcher.reserve(reservation("r1"), timeout_s=0.05))  # waits behind r0's batch
+    await settle()
+    with pytest.raises(TimeoutError):
+        await late
+    with pytest.raises(TimeoutError):
+        await queued
+    [call] = streams.calls
+    call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n0")))  # r0's answer, too late: dropped
+    in_time = asyncio.create_task(batcher.reserve(reservation("r2"), timeout_s=5.0))
+    await settle()
+    assert [[r.request_id for r in b.reserve] for b in call.written] == [["r0"], ["r2"]]  # r1 is not sent late
+    call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n2")))
+    assert (await in_time).node_id == "n2"

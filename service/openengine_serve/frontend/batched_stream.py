@@ -41,6 +41,11 @@ class StreamBroken(Exception):
     """The stream ended before the call was answered (server gone, restarted or unreachable)."""
 
 
+def _time_out(future: asyncio.Future) -> None:
+    if not future.done():  # a timed-out call still in `_calls` is skipped when its batch is built
+        future.set_exception(TimeoutError())
+
+
 class BatchCall(Protocol):
     """What the batcher needs of a grpc.aio stream-stream call."""
 
@@ -88,11 +93,19 @@ class BatchedStream:
 
     # ---------------------------------------------------------------- the callers' side
 
-    async def _call_batched(self, request) -> Any:
-        future = asyncio.get_running_loop().create_future()
+    async def _call_batched(self, request, timeout_s: float | None = None) -> Any:
+        """The call's outcome; raises TimeoutError after `timeout_s` (one timer, cheaper than asyncio.timeout)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._calls.append((request, future))
         self._kick()
-        return await future
+        if timeout_s is None:
+            return await future
+        timer = loop.call_later(timeout_s, _time_out, future)
+        try:
+            return await future
+        finally:
+            timer.cancel()
 
     def _ride(self, rider) -> None:
         self._riders.append(rider)

@@ -172,8 +172,7 @@ class CoordinatorClient:
             request.target_rank = target_rank
         shard = self.shard_for(request_id)
         try:
-            async with asyncio.timeout(self.call_timeout_s):  # no extra task per call, unlike wait_for
-                node = await shard.reservations.reserve(request)
+            node = await shard.reservations.reserve(request, self.call_timeout_s)
         except ReservationRefused as exc:
             self._set_reachable(shard, True)
             raise reserve_refusal(exc.code, exc.message) from None

@@ -135,9 +135,10 @@ class SubmissionBatcher(BatchedStream):
     kind = "submission"
     calls_name = "submissions"
 
-    async def submit(self, request: cluster_pb2.SubmitRequest) -> None:
-        """Returns once the node took the request; raises SubmitRefused or StreamBroken."""
-        await self._call_batched(request)
+    async def submit(self, request: cluster_pb2.SubmitRequest, timeout_s: float | None = None) -> None:
+        """Returns once the node took the request; raises SubmitRefused, StreamBroken, or TimeoutError after
+        `timeout_s`."""
+        await self._call_batched(request, timeout_s)
 
     def _batch(self, requests: list[cluster_pb2.SubmitRequest], riders: list) -> cluster_pb2.SubmitBatch:
         return cluster_pb2.SubmitBatch(submit=requests)
@@ -267,8 +268,7 @@ class NodeConnections:
             if key in ("traceparent", "tracestate"):
                 setattr(request, key, value)
         try:
-            async with asyncio.timeout(self.call_timeout_s):  # no extra task per call, unlike wait_for
-                await conn.submissions.submit(request)
+            await conn.submissions.submit(request, self.call_timeout_s)
         except StreamBroken as exc:
             if "UNIMPLEMENTED" not in str(exc):
                 raise

@@ -62,12 +62,14 @@ class ReservationBatcher(BatchedStream):
         super().__init__(open_call, max_batch, max_unanswered)
         self.frontend_id = frontend_id
 
-    async def reserve(self, request: cluster_pb2.ReserveRequest) -> cluster_pb2.NodeEntry:
-        """The node the coordinator picked; raises ReservationRefused or StreamBroken.
+    async def reserve(self, request: cluster_pb2.ReserveRequest,
+                      timeout_s: float | None = None) -> cluster_pb2.NodeEntry:
+        """The node the coordinator picked; raises ReservationRefused, StreamBroken, or TimeoutError after
+        `timeout_s`.
 
         `request.frontend_id` is not sent: the batch names the frontend once.
         """
-        return await self._call_batched(request)
+        return await self._call_batched(request, timeout_s)
 
     def release(self, request_id: str) -> None:
         self._ride(request_id)

@@ -223,3 +223,30 @@ async def test_a_node_whose_lane_does_not_open_is_a_connection_error(nodes: Node
     stub.Results = refused
     with pytest.raises(ConnectionError, match="node n0 at n0.test:1 was lost"):
         await nodes.connect(entry)
+
+
+async def test_a_request_getting_its_first_event_wakes_before_those_with_a_backlog(nodes: NodeConnections):
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+    running, new = nodes.open_sink("running"), nodes.open_sink("new")
+    await nodes.connect(entry)
+    stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(request_id="running")]))
+    await settle()
+    woken = []
+
+    async def stream(name, sink):
+        await sink.take()
+        woken.append(name)
+
+    tasks = [asyncio.create_task(stream("running", running)), asyncio.create_task(stream("new", new))]
+    await settle()
+    assert woken == ["running"]
+    tasks[0] = asyncio.create_task(stream("running", running))
+    await settle()
+    stub.lane.put_nowait(cluster_pb2.StepResults(events=[
+        cluster_pb2.OutputEvent(request_id="running", output_index=0),
+        cluster_pb2.OutputEvent(request_id="new", output_index=0),
+        cluster_pb2.OutputEvent(request_id="new", output_index=1)]))
+    await settle()
+    assert woken == ["running", "new", "running"], "the new request's stream ran first"
+    await asyncio.gather(*tasks)

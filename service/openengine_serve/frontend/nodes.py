@@ -240,11 +240,7 @@ class NodeConnections:
                     if not conn.lane_ready.done():
                         conn.lane_ready.set_result(None)
                         continue
-                    sinks = self.sinks
-                    for event in results.events:
-                        sink = sinks.get(event.request_id)
-                        if sink is not None:
-                            sink.put(event)
+                    self._dispatch(results.events)
         except grpc.aio.AioRpcError as exc:
             reason = f"node {conn.entry.node_id} at {conn.entry.address} was lost ({exc.code().name})"
         except asyncio.CancelledError:
@@ -254,10 +250,26 @@ class NodeConnections:
         self._fail_requests(conn, reason)
         conn.lane_task = None
 
+    def _dispatch(self, events) -> None:
+        """Each event into its request's inbox. Requests that get their first event go first: their streams wake
+        before those catching up on a backlog, so a new request's first token does not wait for their writes."""
+        sinks = self.sinks
+        later = []
+        for event in events:
+            sink = sinks.get(event.request_id)
+            if sink is None:
+                continue
+            if sink.first_event_at:
+                later.append((sink, event))
+            else:
+                sink.put(event)
+        for sink, event in later:
+            sink.put(event)
+
     async def _lane_messages(self, conn: NodeConnection):
         """The node's lane messages, the first being the "subscribed" one. With a window, over `Lane`: each message
-        is acknowledged once the caller asks for the next (it handled it), so the node keeps at most `lane_window`
-        of them in the transport and folds the rest; over `Results` without one, or for a node of an older
+        is acknowledged as it is read, so the node has at most `lane_window` of them in the transport or unread
+        and folds the rest into its waiting message; over `Results` without one, or for a node of an older
         release (UNIMPLEMENTED)."""
         if self.lane_window and conn.lane_credits:
             call = conn.stub.Lane()
@@ -275,8 +287,10 @@ class NodeConnections:
                 acknowledgements = LaneAcknowledgements(call)
                 try:
                     while (results := await call.read()) is not grpc.aio.EOF:
-                        yield results
+                        # Acknowledged on receipt, before its events wake their streams: the write is scheduled
+                        # ahead of their work, and the node's next message folds everything meanwhile.
                         acknowledgements.handled()
+                        yield results
                 finally:
                     acknowledgements.close()
                     call.cancel()

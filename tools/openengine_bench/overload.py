@@ -16,6 +16,10 @@ reading as fast as it can (a stream that ends is started again). Meanwhile the p
 A sampler records every `--sample-s`: the nodes' and the frontend's RSS, the frontend's event-loop lag
 (`openengine_frontend_event_loop_lag_seconds`), the nodes' lane backlog and shed counts. Writes
 `overload.json` and `overload.png` into `--out`, and prints the summary.
+
+With `--hops` the frontend and nodes log at debug level and each probe's first token is timed per hop
+(call, validation, reservation, Submit, engine step, the node's lane, the transport, the stream, the write)
+from their `first event on lane` and `first token` lines (CLOCK_MONOTONIC, one machine).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The node: hosts the engine worker and serves the internal Node service (grpc.aio only).
 
-Frontends submit requests here and hold one result lane each (`Results`): every
-engine step that produced something for a frontend becomes exactly one
-StepResults message on its lane. The node registers with the coordinator and
+Frontends submit requests here and hold one result lane each (`Lane`, with the
+frontend's credits; `Results` without): what the engine steps produced for a
+frontend goes out as StepResults messages, the steps it cannot send yet folded
+into one waiting message (`ResultLane`). The node registers with the coordinator and
 heartbeats its load; on SIGTERM it stops taking work, lets running requests
 finish within the drain timeout, then stops its worker.
 """

@@ -119,7 +119,7 @@ def test_bench_coordinator_small(tmp_path):
     out = tmp_path / "coordinator"
     done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "1,2",
                            "--coordinator-cpus", "0.5", "--nodes", "20",
-                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "1",
+                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "0.6",
                            "--warmup-s", "0.3", "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads((out / "coordinator.json").read_text())
@@ -143,6 +143,18 @@ def test_bench_coordinator_small(tmp_path):
     assert "| 1 | 2 | batched | saturation (32 loops) |" in text
     assert "Coordinator benchmark: 1,2 coordinator(s), 1 round(s)" in text
     assert "each coordinator in its own 0.5-CPU cgroup quota" in text
+    # --in-step: each simulated frontend's requests share one message per coordinator (32 over 4 frontends: 8 each,
+    # split over 2 coordinators with the releases riding along).
+    in_step = tmp_path / "in-step"
+    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "2",
+                           "--in-step", "--paths", "batched", "--rate", "0", "--nodes", "4", "--frontends", "4",
+                           "--concurrency", "32", "--window-s", "0.5", "--warmup-s", "0.3", "--output", str(in_step)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    (run,) = json.loads((in_step / "coordinator.json").read_text())["runs"]
+    (scenario,) = run["scenarios"]
+    assert scenario["load"] == "saturation (4 frontends × 8 in step)" and scenario["errors"] == 0, scenario
+    assert scenario["reservations_per_s"] > 0 and scenario["requests_per_batch"] > 2, scenario
 
 
 def test_bench_one_token_short(tmp_path):

@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval of every simulated "
                                                                    "node and frontend (default 1.0)")
     p.add_argument("--concurrency", type=int, default=512, help="saturation: request loops (default 512)")
+    p.add_argument("--in-step", action="store_true",
+                   help="saturation as frontends whose ticks each carry the same requests: every simulated frontend "
+                        "asks for its share of --concurrency in one tick and, once all are answered, releases them "
+                        "and asks for the next in one tick (default: --concurrency independent loops, whose batches "
+                        "fragment when the replies of several coordinators arrive apart)")
     p.add_argument("--channels", type=int, default=8, help="unary path: client channels (default 8)")
     p.add_argument("--rate", type=float, default=40.0, help="fixed load: requests/s (default 40; 0: saturation "
                                                              "only)")
@@ -207,16 +212,19 @@ class UnaryPath:
                       for target, chans in self.channels.items()}
         self.frontend_ids = frontend_ids
 
-    async def one(self, i: int) -> float:
+    async def reserve(self, i: int) -> tuple[tuple, float]:
+        """Reserves a fresh id for loop i: (what `release` needs, the reservation's latency)."""
         frontend_id = self.frontend_ids[i % len(self.frontend_ids)]
         request_id = uuid.uuid4().hex
         stubs = self.stubs[owning_coordinator(request_id, self.targets)]
         stub = stubs[i % len(stubs)]
         started = time.perf_counter()
         await stub.Reserve(cluster_pb2.ReserveRequest(request_id=request_id, frontend_id=frontend_id), timeout=10)
-        latency = time.perf_counter() - started
+        return (stub, request_id, frontend_id), time.perf_counter() - started
+
+    async def release(self, held: tuple) -> None:
+        stub, request_id, frontend_id = held
         await stub.Release(cluster_pb2.ReleaseRequest(request_id=request_id, frontend_id=frontend_id), timeout=10)
-        return latency
 
     async def close(self) -> None:
         for chans in self.channels.values():
@@ -235,14 +243,16 @@ class BatchedPath:
         self.batchers = [{target: ReservationBatcher(fid, cluster_pb2_grpc.CoordinatorStub(next(channels)).Reservations)
                           for target in targets} for fid in frontend_ids]
 
-    async def one(self, i: int) -> float:
+    async def reserve(self, i: int) -> tuple[tuple, float]:
         request_id = uuid.uuid4().hex
         batcher = self.batchers[i % len(self.batchers)][owning_coordinator(request_id, self.targets)]
         started = time.perf_counter()
         await batcher.reserve(cluster_pb2.ReserveRequest(request_id=request_id))
-        latency = time.perf_counter() - started
-        batcher.release(request_id)
-        return latency
+        return (batcher, request_id), time.perf_counter() - started
+
+    async def release(self, held: tuple) -> None:
+        batcher, request_id = held
+        batcher.release(request_id)  # rides on the batcher's next batch; returns at once
 
     def batches(self) -> int:
         return sum(b.batches_sent for per_frontend in self.batchers for b in per_frontend.values())
@@ -357,20 +367,44 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
     stop = False
     errors: collections.Counter[str] = collections.Counter()
 
-    async def run_one(i: int) -> None:
+    def count_error(exc: Exception) -> None:
+        errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__] += 1
+
+    async def reserve(i: int) -> tuple | None:
         nonlocal done
         try:
-            latency = await path.one(i)
+            held, latency = await path.reserve(i)
         except Exception as exc:  # noqa: BLE001 - counted and reported by kind
-            errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__] += 1
-            return
+            count_error(exc)
+            return None
         if recording:
             latencies.append(latency)
             done += 1
+        return held
+
+    async def release(held: tuple) -> None:
+        try:
+            await path.release(held)
+        except Exception as exc:  # noqa: BLE001 - counted and reported by kind
+            count_error(exc)
+
+    async def run_one(i: int) -> None:
+        held = await reserve(i)
+        if held is not None:
+            await release(held)
 
     async def closed_loop(i: int) -> None:
         while not stop:
             await run_one(i)
+
+    async def in_step(i: int, per_tick: int) -> None:
+        # Frontend i's releases and its next `per_tick` reservations are asked for in one tick (one task each,
+        # all started together), so each of its streams carries them in one message whatever the coordinator count.
+        held: list[tuple] = []
+        while not stop:
+            outcomes = await asyncio.gather(*(release(h) for h in held), *(reserve(i) for _ in range(per_tick)))
+            held = [h for h in outcomes[len(held):] if h is not None]
+        await asyncio.gather(*(release(h) for h in held))
 
     async def open_loop() -> None:
         i = 0
@@ -384,8 +418,16 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
             next_at += 1.0 / rate
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
-    loops = ([asyncio.create_task(open_loop())] if rate else
-             [asyncio.create_task(closed_loop(i)) for i in range(args.concurrency)])
+    if rate:
+        loops = [asyncio.create_task(open_loop())]
+        load = f"{rate:g}/s"
+    elif args.in_step:
+        per_tick = max(1, args.concurrency // args.frontends)
+        loops = [asyncio.create_task(in_step(i, per_tick)) for i in range(args.frontends)]
+        load = f"saturation ({args.frontends} frontends × {per_tick} in step)"
+    else:
+        loops = [asyncio.create_task(closed_loop(i)) for i in range(args.concurrency)]
+        load = f"saturation ({args.concurrency} loops)"
     await asyncio.sleep(args.warmup_s)
     batches_before = path.batches() if hasattr(path, "batches") else 0
     recording = True
@@ -403,7 +445,6 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
     throttled_shares = [(after["throttled_periods"] - before["throttled_periods"])
                         / max(1.0, after["periods"] - before["periods"]) if after and before else None
                         for before, after in zip(throttled0, throttled1)] or [None] * len(each_cores)
-    load = f"{rate:g}/s" if rate else f"saturation ({args.concurrency} loops)"
     load_generator_cores = (own1 - own0) / elapsed
     machine_idle_cores = (idle1 - idle0) / elapsed
     limit, coordinator_limited = limited_by(load, each_cores, coordinators.cpus, throttled_shares,

@@ -49,6 +49,8 @@ def test_limited_by_names_the_coordinators_quota_or_the_load_generator():
     assert not alone and "machine CPU (idle 0.02 core)" in limit and limit.startswith("coordinator CPU (1 of 1")
     # One of two at its quota is not 'the coordinators alone' (the other had room: the ids were not the limit).
     assert not bench.limited_by(sat, [0.25, 0.05], 0.25, [0.5, 0.0], 0.3, 0.9)[1]
+    # Throttled now and then while far below the quota (bursts): not at the quota.
+    assert bench.limited_by(sat, [0.04], 0.1, [0.11], 0.3, 0.9) == ("none saturated (latency-bound)", False)
     # Without a quota a coordinator is the limit at a full core.
     limit, alone = bench.limited_by(sat, [0.97], 0.0, [None], 0.4, 0.5)
     assert alone and limit == "coordinator CPU (1 of 1 at a full core; busiest 0.97)"
@@ -63,7 +65,8 @@ def _run(round_number, count, rate, limited=True):
                 "coordinator_limited": limited, "errors": 0}
     memory = [{"rss_empty_mb": 40.0, "rss_registered_mb": 41.0, "bytes_per_registered_peer": 1000.0 + i}
               for i in range(count)]
-    return {"round": round_number, "coordinators": count, "memory": memory, "scenarios": [scenario]}
+    return {"round": round_number, "coordinators": count, "memory": memory, "scenarios": [scenario],
+            "registration_s": 0.5}
 
 
 def test_summary_pairs_rounds_and_gives_min_and_median():

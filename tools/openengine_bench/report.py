@@ -145,8 +145,12 @@ def limiter(workload: str, frontend_util: float | None, quota_cpus: float | None
             machine_idle_cores: float | None, node_util: float | None) -> str:
     """What limited a window of an unpinned frontend: its quota (throttled periods from the cgroup's cpu.stat),
     the machine's CPU (no idle left on any core), or the backend (the node's one Python loop)."""
-    reasons = [reason for reason in (quota_reason("frontend", frontend_util, quota_cpus, throttled_share),
-                                     machine_reason(machine_idle_cores)) if reason]
+    reasons = []
+    if quota_cpus and ((throttled_share or 0.0) >= THROTTLED or (frontend_util or 0.0) >= BUSY * quota_cpus):
+        reasons.append(f"frontend quota ({fmt_number(frontend_util)} of {quota_cpus:g} CPU, throttled in "
+                       f"{(throttled_share or 0.0) * 100:.0f} % of periods)")
+    if machine := machine_reason(machine_idle_cores):
+        reasons.append(machine)
     if node_util is not None and node_util >= BUSY:
         reasons.append(f"backend (node at {node_util:.2f} core)")
     if reasons:
@@ -156,20 +160,8 @@ def limiter(workload: str, frontend_util: float | None, quota_cpus: float | None
     return "none saturated (latency-bound: engine step pacing / queueing)"
 
 
-def at_quota(util: float | None, quota_cpus: float | None, throttled_share: float | None) -> bool:
-    """A process under a CPU quota used it up: throttled often, or busy to BUSY of the quota."""
-    return bool(quota_cpus) and ((throttled_share or 0.0) >= THROTTLED or (util or 0.0) >= BUSY * quota_cpus)
-
-
-def quota_reason(who: str, util: float | None, quota_cpus: float | None, throttled_share: float | None) -> str:
-    """'' unless `who` ran at its quota; else what the report says about it."""
-    if not at_quota(util, quota_cpus, throttled_share):
-        return ""
-    return (f"{who} quota ({fmt_number(util)} of {quota_cpus:g} CPU, throttled in "
-            f"{(throttled_share or 0.0) * 100:.0f} % of periods)")
-
-
 def machine_reason(machine_idle_cores: float | None) -> str:
+    """'' unless the machine had no idle CPU left over the window."""
     if machine_idle_cores is not None and machine_idle_cores < IDLE:
         return f"machine CPU (idle {machine_idle_cores:.2f} core)"
     return ""

@@ -96,7 +96,8 @@ def test_summary_pairs_rounds_and_gives_min_and_median():
 
 
 def test_coordinator_runs_inside_its_quota_cgroup(tmp_path):
-    """`--coordinator-cpus`: the coordinator process is in a cgroup of its own with that quota, removed after."""
+    """`--coordinator-cpus`: the coordinator process is moved into a cgroup of its own with that quota (after the
+    registrations), removed after."""
     args = bench.build_parser().parse_args(["--coordinator", "--coordinator-cpus", "0.5", "--heartbeat-s", "1"])
     try:
         coordinators = bench.Coordinators(1, args.coordinator_cpus, args, tmp_path).__enter__()
@@ -105,6 +106,7 @@ def test_coordinator_runs_inside_its_quota_cgroup(tmp_path):
             pytest.fail(f"CI=true and the coordinator's quota cgroup cannot be made: {exc}", pytrace=False)
         pytest.skip(str(exc))
     try:
+        coordinators.confine()
         (cgroup,) = coordinators.cgroups
         with open(f"/proc/{coordinators.pids[0]}/cgroup") as f:
             assert any(line.rstrip().endswith("/" + os.path.basename(cgroup.path)) for line in f), cgroup.path

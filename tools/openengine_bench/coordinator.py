@@ -33,7 +33,9 @@ quota (every core visible, as under `docker --cpus`), so that the coordinators,
 not the load generator, are the bottleneck at saturation; the cgroups'
 throttling shows which one limited each window. The report gives min/median
 reservations/s per count over the rounds and the per-round ratio to the
-smallest count.
+smallest count. `--in-step` keeps each simulated frontend's reservations per
+event-loop tick the same whatever the count (the independent loops fall out of
+step with several coordinators, which fragments the batches).
 """
 
 from __future__ import annotations
@@ -370,7 +372,8 @@ def limited_by(load: str, coordinator_cores: list[float], quota_cpus: float, thr
 
 
 async def measure(path, coordinators: Coordinators, args: argparse.Namespace, rate: float | None) -> dict:
-    """Saturation (rate None: --concurrency closed loops) or an open loop at `rate` requests/s."""
+    """Saturation (rate None: --concurrency closed loops, or with --in-step one loop per simulated frontend asking
+    for its share at once) or an open loop at `rate` requests/s."""
     coordinator_pids = coordinators.pids
     latencies: list[float] = []
     done = 0

@@ -3,7 +3,8 @@ simulated frontends and nodes.
 
 Real coordinator processes; one load-generator process simulates --nodes nodes
 (register, then heartbeat with their load every --heartbeat-s) and --frontends
-frontends (register, heartbeat). Then, in one run and side by side:
+frontends (register, heartbeat), each peer on its own heartbeat stream as the real
+ones. Then, in one run and side by side:
 
 - unary: --concurrency loops, each Reserve then Release of a fresh id (today's
   path before the batched stream: two unary calls per request), spread over the
@@ -31,8 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -43,6 +46,7 @@ import grpc
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from openengine_serve.client import is_serving
+from openengine_serve.common.heartbeat_stream import HeartbeatFailed, HeartbeatStream
 from openengine_serve.common.net import free_port
 from openengine_serve.common.routing import owning_coordinator
 from openengine_serve.frontend.reservation_stream import ReservationBatcher
@@ -61,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontends", type=int, default=100, help="simulated frontends (default 100)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval of every simulated "
                                                                    "node and frontend (default 1.0)")
+    p.add_argument("--load-changes", type=float, default=0.0,
+                   help="share of the node heartbeats whose load figures differ from the node's previous ones "
+                        "(0..1; default 0: idle nodes; 1: every node busy, so every frontend heartbeat's reply "
+                        "carries the whole node table)")
     p.add_argument("--concurrency", type=int, default=512, help="saturation: request loops (default 512)")
     p.add_argument("--channels", type=int, default=8, help="unary path: client channels (default 8)")
     p.add_argument("--rate", type=float, default=40.0, help="fixed load: requests/s (default 40)")
@@ -118,28 +126,43 @@ class SimulatedDeployment:
                     frontend_id=frontend_id, address="127.0.0.1:1"), timeout=10)
 
     @staticmethod
-    def load() -> cluster_pb2.NodeLoad:
-        return cluster_pb2.NodeLoad(max_running_requests=1_000_000, max_queued_requests=1_000_000)
+    def load(running: int = 0) -> cluster_pb2.NodeLoad:
+        return cluster_pb2.NodeLoad(running_requests=running, max_running_requests=1_000_000,
+                                    max_queued_requests=1_000_000)
 
     def start_heartbeats(self) -> None:
-        """Every node and frontend heartbeats once per interval, spread evenly over it."""
-        count = self.args.nodes + self.args.frontends
-        gap = self.args.heartbeat_s / max(1, count)
+        """Every node and frontend heartbeats once per interval on its own stream to each coordinator (the
+        peers' class, `common/heartbeat_stream.py`), the peers spread evenly over the interval; a node's
+        heartbeat carries new load figures with probability --load-changes."""
+        interval = self.args.heartbeat_s
+        peers = [(f"bench-node-{rank}", True) for rank in range(self.args.nodes)]
+        peers += [(frontend_id, False) for frontend_id in self.frontend_ids]
+        rng = random.Random(0)
 
-        async def beat(stub: cluster_pb2_grpc.CoordinatorStub) -> None:
-            while True:
-                started = time.monotonic()
-                for rank in range(self.args.nodes):
-                    await stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
-                        node_id=f"bench-node-{rank}", state=cluster_pb2.NODE_STATE_READY, load=self.load()),
-                        timeout=10)
-                    await asyncio.sleep(gap)
-                for frontend_id in self.frontend_ids:
-                    await stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
-                        frontend_id=frontend_id), timeout=10)
-                    await asyncio.sleep(gap)
-                await asyncio.sleep(max(0.0, self.args.heartbeat_s - (time.monotonic() - started)))
-        self.tasks.extend(asyncio.create_task(beat(stub)) for stub in self.stubs)
+        async def beat(stub: cluster_pb2_grpc.CoordinatorStub, peer_id: str, is_node: bool, offset: float) -> None:
+            stream = HeartbeatStream(stub.NodeHeartbeats if is_node else stub.FrontendHeartbeats, 10.0)
+            load, running = self.load(), 0
+            next_at = time.monotonic() + offset
+            try:
+                while True:
+                    await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                    next_at += interval
+                    if not is_node:
+                        heartbeat = cluster_pb2.FrontendHeartbeatRequest(frontend_id=peer_id)
+                    else:
+                        if rng.random() < self.args.load_changes:
+                            running = (running + 1) % 64
+                            load = self.load(running)
+                        heartbeat = cluster_pb2.NodeHeartbeatRequest(
+                            node_id=peer_id, state=cluster_pb2.NODE_STATE_READY, load=load)
+                    with contextlib.suppress(HeartbeatFailed):  # a slow reply: counted by the coordinator's expiry
+                        await stream.beat(heartbeat)
+            finally:
+                stream.close()
+
+        for stub in self.stubs:
+            self.tasks.extend(asyncio.create_task(beat(stub, peer_id, is_node, i * interval / len(peers)))
+                              for i, (peer_id, is_node) in enumerate(peers))
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -272,10 +295,12 @@ async def measure(path, coordinator_pids: list[int], args: argparse.Namespace, r
     return result
 
 
-async def heartbeat_only(coordinator_pids: list[int], window_s: float) -> float:
-    cpu0, t0 = cpu_seconds(coordinator_pids), time.monotonic()
+async def heartbeat_only(coordinator_pids: list[int], window_s: float) -> tuple[float, float]:
+    """The coordinators' cores and the load generator's while only the heartbeats flow."""
+    cpu0, own0, t0 = cpu_seconds(coordinator_pids), time.process_time(), time.monotonic()
     await asyncio.sleep(window_s)
-    return (cpu_seconds(coordinator_pids) - cpu0) / (time.monotonic() - t0)
+    elapsed = time.monotonic() - t0
+    return (cpu_seconds(coordinator_pids) - cpu0) / elapsed, (time.process_time() - own0) / elapsed
 
 
 async def drive(targets: list[str], pids: list[int], args: argparse.Namespace) -> dict:
@@ -285,12 +310,15 @@ async def drive(targets: list[str], pids: list[int], args: argparse.Namespace) -
     await deployment.register()
     rss_registered = rss_bytes(pids[0])
     deployment.start_heartbeats()
+    await asyncio.sleep(args.warmup_s)  # every stream opened
+    heartbeat_cores, heartbeat_load_generator_cores = await heartbeat_only(pids, args.window_s)
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("coordinator", "output")},
         "cpus": os.cpu_count(),
         "memory": {"rss_empty_mb": rss_empty / 2**20, "rss_registered_mb": rss_registered / 2**20,
                    "bytes_per_registered_peer": (rss_registered - rss_empty) / max(1, args.nodes + args.frontends)},
-        "heartbeat_only_cores": await heartbeat_only(pids, args.window_s),
+        "heartbeat_only_cores": heartbeat_cores,
+        "heartbeat_only_load_generator_cores": heartbeat_load_generator_cores,
         "scenarios": [],
     }
     known = {"unary": lambda: UnaryPath(targets, args.channels, deployment.frontend_ids),
@@ -317,10 +345,13 @@ def render(result: dict) -> str:
     lines = [
         f"Coordinator benchmark: {result['config']['coordinators']} coordinator(s), {result['config']['nodes']} nodes, "
         f"{result['config']['frontends']} frontends "
-        f"(heartbeat {result['config']['heartbeat_s']} s), {result['cpus']} CPUs shared with the load generator",
+        f"(heartbeat {result['config']['heartbeat_s']} s, new load figures in "
+        f"{result['config'].get('load_changes', 0.0):.0%} of node heartbeats), {result['cpus']} CPUs shared with the "
+        f"load generator",
         f"memory: {mem['rss_empty_mb']:.1f} MB empty, {mem['rss_registered_mb']:.1f} MB registered "
         f"({mem['bytes_per_registered_peer'] / 1024:.1f} KiB per node/frontend); heartbeats alone: "
-        f"{result['heartbeat_only_cores']:.2f} cores",
+        f"{result['heartbeat_only_cores']:.2f} cores (load generator "
+        f"{result['heartbeat_only_load_generator_cores']:.2f})",
         "",
         "| path | load | reservations/s | coordinator cores (busiest) | CPU µs/request (all) | CPU µs/request (beyond "
         "heartbeats) | p50 ms | p99 ms | requests/message | load-gen cores | errors |",

@@ -60,18 +60,23 @@ def test_a_broken_heartbeat_stream_loses_the_node_only_at_expiry(deployment):
 
 
 def test_an_idle_node_stops_only_once_the_coordinator_acknowledged_its_drain(deployment):
-    """SIGTERM an idle node: its draining heartbeat goes out on its stream at once and the node waits for the
-    coordinator's reply before it exits, so the coordinator routes nothing more to it (it is DRAINING, not READY,
-    when the process is gone)."""
+    """SIGTERM an idle node while its coordinator cannot answer: the node's draining heartbeat waits on its
+    stream and the node does not exit until the coordinator acknowledged it, so the coordinator routes nothing
+    more to it (it is DRAINING, not READY, when the process is gone)."""
     coord = processes.coordinator()
-    coord.args[coord.args.index("--node-expiry-s") + 1] = "30"  # the exited node stays in the table as it left it
+    coord.args[coord.args.index("--node-expiry-s") + 1] = "60"  # the exited node stays in the table as it left it
     deployment.add(coord)
-    node = deployment.add(processes.node(coord.target, 0))
+    node = deployment.add(processes.node(coord.target, 0, "--rpc-timeout-s", "30"))  # the bound of that wait
     view = CoordinatorView(coord.target)
     try:
         wait_for(lambda: list(node_states(view).values()) == [READY], 10, "the node READY")
+        coord.proc.send_signal(signal.SIGSTOP)
         node.proc.send_signal(signal.SIGTERM)
+        time.sleep(3.0)
+        assert node.proc.poll() is None, "the idle node waits for the coordinator to acknowledge its drain"
+        coord.proc.send_signal(signal.SIGCONT)
         assert node.proc.wait(timeout=30) == 0
         assert list(node_states(view).values()) == [DRAINING]
     finally:
+        coord.proc.send_signal(signal.SIGCONT)
         view.close()

@@ -1,10 +1,11 @@
 """`openengine-serve bench --coordinator`: one coordinator (or --coordinators N sharing the request ids) driven by
 simulated frontends and nodes.
 
-Real coordinator processes; one load-generator process simulates --nodes nodes
+Real coordinator processes; the load generator simulates --nodes nodes
 (register, then heartbeat with their load every --heartbeat-s) and --frontends
 frontends (register, heartbeat), each peer on its own heartbeat stream as the real
-ones. Then, in one run and side by side:
+ones, in a process of their own so that the requests' loop times only the
+coordinator. Then, in one run and side by side:
 
 - unary: --concurrency loops, each Reserve then Release of a fresh id (today's
   path before the batched stream: two unary calls per request), spread over the
@@ -34,6 +35,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import subprocess
@@ -112,8 +114,9 @@ class SimulatedDeployment:
         self.args = args
         self.channels = [grpc.aio.insecure_channel(target) for target in targets]
         self.stubs = [cluster_pb2_grpc.CoordinatorStub(channel) for channel in self.channels]
+        self.targets = targets
         self.frontend_ids = [f"bench-fe-{i}" for i in range(args.frontends)]
-        self.tasks: list[asyncio.Task] = []
+        self.heartbeat_process: multiprocessing.Process | None = None
 
     async def register(self) -> None:
         for stub in self.stubs:
@@ -131,44 +134,65 @@ class SimulatedDeployment:
                                     max_queued_requests=1_000_000)
 
     def start_heartbeats(self) -> None:
-        """Every node and frontend heartbeats once per interval on its own stream to each coordinator (the
-        peers' class, `common/heartbeat_stream.py`), the peers spread evenly over the interval; a node's
-        heartbeat carries new load figures with probability --load-changes."""
-        interval = self.args.heartbeat_s
-        peers = [(f"bench-node-{rank}", True) for rank in range(self.args.nodes)]
-        peers += [(frontend_id, False) for frontend_id in self.frontend_ids]
-        rng = random.Random(0)
+        """The heartbeats run in a process of their own (`heartbeat_peers`), so that the loop that times the
+        reservations does not also wait for 1,000 peers' heartbeats: its latencies are the coordinator's."""
+        self.heartbeat_process = multiprocessing.get_context("spawn").Process(
+            target=heartbeat_peers, args=(self.targets, self.args, self.frontend_ids), daemon=True,
+            name="bench-heartbeats")
+        self.heartbeat_process.start()
 
-        async def beat(stub: cluster_pb2_grpc.CoordinatorStub, peer_id: str, is_node: bool, offset: float) -> None:
-            stream = HeartbeatStream(stub.NodeHeartbeats if is_node else stub.FrontendHeartbeats, 10.0)
-            load, running = self.load(), 0
-            next_at = time.monotonic() + offset
-            try:
-                while True:
-                    await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-                    next_at += interval
-                    if not is_node:
-                        heartbeat = cluster_pb2.FrontendHeartbeatRequest(frontend_id=peer_id)
-                    else:
-                        if rng.random() < self.args.load_changes:
-                            running = (running + 1) % 64
-                            load = self.load(running)
-                        heartbeat = cluster_pb2.NodeHeartbeatRequest(
-                            node_id=peer_id, state=cluster_pb2.NODE_STATE_READY, load=load)
-                    with contextlib.suppress(HeartbeatFailed):  # a slow reply: counted by the coordinator's expiry
-                        await stream.beat(heartbeat)
-            finally:
-                stream.close()
-
+    async def wait_all_ready(self, timeout_s: float = 120.0) -> None:
+        """Until every coordinator has every node READY (their first heartbeats came: the peers' process started)."""
+        deadline = time.monotonic() + timeout_s
         for stub in self.stubs:
-            self.tasks.extend(asyncio.create_task(beat(stub, peer_id, is_node, i * interval / len(peers)))
-                              for i, (peer_id, is_node) in enumerate(peers))
+            while True:
+                load = await stub.GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=10)
+                if sum(n.state == cluster_pb2.NODE_STATE_READY for n in load.nodes) == self.args.nodes:
+                    break
+                if time.monotonic() > deadline or not self.heartbeat_process.is_alive():
+                    raise SystemExit("the simulated nodes did not all become READY (their heartbeats did not arrive)")
+                await asyncio.sleep(0.2)
 
     async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
+        if self.heartbeat_process is not None:
+            self.heartbeat_process.terminate()
+            self.heartbeat_process.join(timeout=10)
         for channel in self.channels:
             await channel.close()
+
+
+def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: list[str]) -> None:
+    """Every simulated node and frontend heartbeats once per interval on its own stream to each coordinator (the
+    peers' class, `common/heartbeat_stream.py`), the peers spread evenly over the interval; a node's heartbeat
+    carries new load figures with probability --load-changes. Runs until terminated."""
+    interval = args.heartbeat_s
+    peers = [(f"bench-node-{rank}", True) for rank in range(args.nodes)] + [(f, False) for f in frontend_ids]
+    rng = random.Random(0)
+
+    async def beat(stub: cluster_pb2_grpc.CoordinatorStub, peer_id: str, is_node: bool, offset: float) -> None:
+        stream = HeartbeatStream(stub.NodeHeartbeats if is_node else stub.FrontendHeartbeats, 10.0)
+        load, running = SimulatedDeployment.load(), 0
+        next_at = time.monotonic() + offset
+        while True:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += interval
+            if not is_node:
+                heartbeat = cluster_pb2.FrontendHeartbeatRequest(frontend_id=peer_id)
+            else:
+                if rng.random() < args.load_changes:
+                    running = (running + 1) % 64
+                    load = SimulatedDeployment.load(running)
+                heartbeat = cluster_pb2.NodeHeartbeatRequest(node_id=peer_id, state=cluster_pb2.NODE_STATE_READY,
+                                                             load=load)
+            with contextlib.suppress(HeartbeatFailed):  # a late reply: the coordinator's expiry counts it
+                await stream.beat(heartbeat)
+
+    async def run() -> None:
+        stubs = [cluster_pb2_grpc.CoordinatorStub(grpc.aio.insecure_channel(target)) for target in targets]
+        await asyncio.gather(*(beat(stub, peer_id, is_node, i * interval / len(peers))
+                               for stub in stubs for i, (peer_id, is_node) in enumerate(peers)))
+
+    asyncio.run(run())
 
 
 class UnaryPath:
@@ -295,12 +319,12 @@ async def measure(path, coordinator_pids: list[int], args: argparse.Namespace, r
     return result
 
 
-async def heartbeat_only(coordinator_pids: list[int], window_s: float) -> tuple[float, float]:
-    """The coordinators' cores and the load generator's while only the heartbeats flow."""
-    cpu0, own0, t0 = cpu_seconds(coordinator_pids), time.process_time(), time.monotonic()
+async def heartbeat_only(coordinator_pids: list[int], peers_pid: int, window_s: float) -> tuple[float, float]:
+    """The coordinators' cores and the simulated peers' (their process) while only the heartbeats flow."""
+    cpu0, peers0, t0 = cpu_seconds(coordinator_pids), cpu_seconds([peers_pid]), time.monotonic()
     await asyncio.sleep(window_s)
     elapsed = time.monotonic() - t0
-    return (cpu_seconds(coordinator_pids) - cpu0) / elapsed, (time.process_time() - own0) / elapsed
+    return (cpu_seconds(coordinator_pids) - cpu0) / elapsed, (cpu_seconds([peers_pid]) - peers0) / elapsed
 
 
 async def drive(targets: list[str], pids: list[int], args: argparse.Namespace) -> dict:
@@ -310,15 +334,17 @@ async def drive(targets: list[str], pids: list[int], args: argparse.Namespace) -
     await deployment.register()
     rss_registered = rss_bytes(pids[0])
     deployment.start_heartbeats()
-    await asyncio.sleep(args.warmup_s)  # every stream opened
-    heartbeat_cores, heartbeat_load_generator_cores = await heartbeat_only(pids, args.window_s)
+    await deployment.wait_all_ready()
+    await asyncio.sleep(args.warmup_s)
+    heartbeat_cores, heartbeat_peers_cores = await heartbeat_only(pids, deployment.heartbeat_process.pid,
+                                                                  args.window_s)
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("coordinator", "output")},
         "cpus": os.cpu_count(),
         "memory": {"rss_empty_mb": rss_empty / 2**20, "rss_registered_mb": rss_registered / 2**20,
                    "bytes_per_registered_peer": (rss_registered - rss_empty) / max(1, args.nodes + args.frontends)},
         "heartbeat_only_cores": heartbeat_cores,
-        "heartbeat_only_load_generator_cores": heartbeat_load_generator_cores,
+        "heartbeat_peers_cores": heartbeat_peers_cores,  # the simulated peers' process
         "scenarios": [],
     }
     known = {"unary": lambda: UnaryPath(targets, args.channels, deployment.frontend_ids),
@@ -350,8 +376,7 @@ def render(result: dict) -> str:
         f"load generator",
         f"memory: {mem['rss_empty_mb']:.1f} MB empty, {mem['rss_registered_mb']:.1f} MB registered "
         f"({mem['bytes_per_registered_peer'] / 1024:.1f} KiB per node/frontend); heartbeats alone: "
-        f"{result['heartbeat_only_cores']:.2f} cores (load generator "
-        f"{result['heartbeat_only_load_generator_cores']:.2f})",
+        f"{result['heartbeat_only_cores']:.2f} cores (the simulated peers: {result['heartbeat_peers_cores']:.2f})",
         "",
         "| path | load | reservations/s | coordinator cores (busiest) | CPU µs/request (all) | CPU µs/request (beyond "
         "heartbeats) | p50 ms | p99 ms | requests/message | load-gen cores | errors |",

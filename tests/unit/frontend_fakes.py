@@ -98,31 +98,33 @@ class QueuedReplies:
         return True
 
 
-class FakeHeartbeatCall(QueuedReplies):
-    """A FrontendHeartbeats stream-stream call over a FakeCoordinatorStub."""
+class FakeStubCall(QueuedReplies):
+    """A stream-stream call over a fake stub: a write after `cancel` fails as grpc.aio's does."""
 
-    def __init__(self, stub: FakeCoordinatorStub) -> None:
+    def __init__(self, stub) -> None:
         super().__init__()
         self.stub = stub
 
-    async def write(self, heartbeat: cluster_pb2.FrontendHeartbeatRequest) -> None:
+    def check_open(self) -> None:
         if self.cancelled:
             raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+
+
+class FakeHeartbeatCall(FakeStubCall):
+    """A FrontendHeartbeats stream-stream call over a FakeCoordinatorStub."""
+
+    async def write(self, heartbeat: cluster_pb2.FrontendHeartbeatRequest) -> None:
+        self.check_open()
         self.stub.heartbeats.append(heartbeat)
         if self.stub.heartbeat_replies:
             self.replies.put_nowait(self.stub.heartbeat_replies.pop(0))
 
 
-class FakeReservationCall(QueuedReplies):
+class FakeReservationCall(FakeStubCall):
     """A Reservations stream-stream call over a FakeCoordinatorStub."""
 
-    def __init__(self, stub: FakeCoordinatorStub) -> None:
-        super().__init__()
-        self.stub = stub
-
     async def write(self, batch: cluster_pb2.ReservationBatch) -> None:
-        if self.cancelled:
-            raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+        self.check_open()
         self.stub.released.extend(batch.release)
         reply = cluster_pb2.ReservationReplies()
         for request in batch.reserve:
@@ -175,16 +177,11 @@ class FakeNodeStub:
         return stream()
 
 
-class FakeSubmissionCall(QueuedReplies):
+class FakeSubmissionCall(FakeStubCall):
     """A Submissions stream-stream call over a FakeNodeStub."""
 
-    def __init__(self, stub: FakeNodeStub) -> None:
-        super().__init__()
-        self.stub = stub
-
     async def write(self, batch: cluster_pb2.SubmitBatch) -> None:
-        if self.cancelled:
-            raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+        self.check_open()
         reply = cluster_pb2.SubmitOutcomes()
         for request in batch.submit:
             try:

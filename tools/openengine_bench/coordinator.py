@@ -54,6 +54,7 @@ from openengine_serve.common.routing import owning_coordinator
 from openengine_serve.frontend.reservation_stream import ReservationBatcher
 
 TICKS = os.sysconf("SC_CLK_TCK")
+NODES_PER_CHANNEL = 50  # simulated nodes sharing one connection to a coordinator
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -188,9 +189,17 @@ def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: 
                 await stream.beat(heartbeat)
 
     async def run() -> None:
-        stubs = [cluster_pb2_grpc.CoordinatorStub(grpc.aio.insecure_channel(target)) for target in targets]
-        await asyncio.gather(*(beat(stub, peer_id, is_node, i * interval / len(peers))
-                               for stub in stubs for i, (peer_id, is_node) in enumerate(peers)))
+        # A connection per frontend (as each frontend worker has), the nodes' shared by NODES_PER_CHANNEL: one
+        # connection for every stream made the coordinator's large replies (whole tables) queue behind each other.
+        beats = []
+        for target in targets:
+            stubs: dict[str, cluster_pb2_grpc.CoordinatorStub] = {}
+            for i, (peer_id, is_node) in enumerate(peers):
+                group = f"nodes-{i // NODES_PER_CHANNEL}" if is_node else peer_id
+                if group not in stubs:
+                    stubs[group] = cluster_pb2_grpc.CoordinatorStub(grpc.aio.insecure_channel(target))
+                beats.append(beat(stubs[group], peer_id, is_node, i * interval / len(peers)))
+        await asyncio.gather(*beats)
 
     asyncio.run(run())
 

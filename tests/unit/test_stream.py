@@ -114,3 +114,57 @@ def test_length_and_cancel_finishes():
     out = OutputStream(0, plan(), ENC, STRINGS)
     _, _, finished, _ = out.on_events([event([11], C.ENGINE_FINISH_LENGTH)])
     assert finished.finished.reason == G.FINISH_REASON_LENGTH
+
+
+async def _stream_one_event_at_a_time(ids, send_now):
+    """Inference.stream fed one event per step (the stream idle in between, as on the lane); every message in
+    the order the client would get it, and how many went through send_now."""
+    import asyncio
+
+    from openengine_serve.frontend.inference import Inference
+    from openengine_serve.frontend.nodes import RequestSink
+
+    class Accepted:  # what Inference.stream uses of requests.OpenRequest
+        def __init__(self) -> None:
+            self.sink, self.ended, self.owner = RequestSink(), False, ""
+            self.node = C.NodeEntry(node_id="n")
+            from openengine_serve.frontend.request_trace import NO_TRACE
+            self.trace = NO_TRACE
+
+    inference = Inference.__new__(Inference)
+    inference.encoding, inference.strings = ENC, STRINGS
+    accepted, out, direct = Accepted(), [], []
+
+    async def write(message):
+        out.append(serialize_response(message))
+
+    def send(data):
+        direct.append(data)
+        if send_now(len(direct)):
+            out.append(data)
+            return True
+        return False
+
+    task = asyncio.ensure_future(inference.stream(plan(max_tokens=len(ids)), accepted, 0.0, write,
+                                                  send if send_now else None))
+    for n, token_id in enumerate(ids):
+        for _ in range(3):
+            await asyncio.sleep(0)
+        last = n == len(ids) - 1
+        accepted.sink.put(event([token_id], C.ENGINE_FINISH_LENGTH if last else C.ENGINE_FINISH_NONE))
+    await asyncio.wait_for(task, 5)
+    return out, len(direct)
+
+
+async def test_deltas_sent_by_the_lane_reader_equal_the_stream_s_own_writes():
+    """pygrpc-native's non-blocking send (the lane reader sends a plain one-token delta while the stream waits):
+    the client gets the same messages in the same order, and a send that finds the client's buffer full goes
+    out through the stream's own write, once and in order."""
+    ids = ENC.encode("Héllo wörld, 你好世界 🤖🎉 naïve café — done and done again")
+    expected, _ = await _stream_one_event_at_a_time(ids, None)
+    assert len(expected) == len(ids) + 1, "one delta per token and the finished message"
+    sent, direct = await _stream_one_event_at_a_time(ids, lambda n: True)
+    assert sent == expected
+    assert direct > len(ids) // 2, "most deltas go out from the lane reader"
+    sent, _ = await _stream_one_event_at_a_time(ids, lambda n: n % 3 != 0)  # every third finds the buffer full
+    assert sent == expected

@@ -129,21 +129,31 @@ class OutputStream:
         # No stop strings and no logprobs: a one-token event can be answered from cached bytes.
         self.plain = self.stops is None and not plan.output_logprobs
 
+    def one_token_delta(self, event: cluster_pb2.OutputEvent) -> bytes | None:
+        """The steady state, answered from cached bytes: a plain output (no stop strings, no logprobs), one token,
+        not the last, nothing held back. The serialized delta (counted as generated), else None (on_events then
+        builds it; same bytes)."""
+        if not self.plain or self.detokenizer.pending or event.finish != ENGINE_NONE:
+            return None
+        tokens = event.tokens
+        if len(tokens) != 1:
+            return None
+        body = self.strings.one_token_body(tokens[0].token_id)
+        if body is None:
+            return None
+        self.generated += 1
+        return self.request_id_prefix + length_delimited(_TOKEN_FIELD, self.index_field + body)
+
     def on_events(self, events: list[cluster_pb2.OutputEvent]):
         """This output's queued engine events as at most one token delta plus its `finished`.
 
         Returns (delta, delta_tokens, finished, stop_output): the delta is serialized bytes (or a
         GenerateResponse when logprobs were asked) or None; `finished` is a GenerateResponse or None;
         stop_output says the node must be told to stop this output (a stop string matched here)."""
-        if self.plain and len(events) == 1 and not self.detokenizer.pending:
-            # The steady state: one token, not the last, nothing held back. Same bytes as the path below.
-            event = events[0]
-            if event.finish == ENGINE_NONE and len(event.tokens) == 1:
-                body = self.strings.one_token_body(event.tokens[0].token_id)
-                if body is not None:
-                    self.generated += 1
-                    return (self.request_id_prefix + length_delimited(_TOKEN_FIELD, self.index_field + body),
-                            1, None, False)
+        if len(events) == 1:
+            delta = self.one_token_delta(events[0])
+            if delta is not None:
+                return delta, 1, None, False
         plan = self.plan
         if len(events) == 1:
             records = list(events[0].tokens)

@@ -178,10 +178,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 return item
             if not send_now(delta):
                 return delta  # the client's buffer is full (or the call ended): the task writes it, and waits
-            now = time.perf_counter()
-            metrics.ITL.observe(now - last_token_at)
-            last_token_at = now
-            metrics.GENERATED_TOKENS.inc()
+            last_token_at = _count_delta(1, last_token_at)
             return None
 
         if send_now is not None and single_output and outputs[0].plain:
@@ -231,7 +228,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                         metrics.TTFT.observe(first_token_at - started)
                         trace.event("first_token")
                         last_token_at = first_token_at
-                        metrics.GENERATED_TOKENS.inc(new_tokens)
+                        metrics.DELTAS.add(new_tokens)
                     else:
                         last_token_at = _count_delta(new_tokens, last_token_at)
             status, code = "finished", "OK"
@@ -248,8 +245,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
 def _count_delta(tokens: int, last_token_at: float) -> float:
     """Metrics of a token delta after the first; returns its time (the next delta's ITL is measured from it)."""
     now = time.perf_counter()
-    metrics.ITL.observe(now - last_token_at)
-    metrics.GENERATED_TOKENS.inc(tokens)
+    metrics.DELTAS.add(tokens, now - last_token_at)
     return now
 
 

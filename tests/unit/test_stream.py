@@ -45,7 +45,8 @@ def test_hand_serialized_delta_equals_protobuf(request_id, output_index):
         assert parsed.token.HasField("output_index"), "output_index 0 is present on the wire"
 
 
-def test_token_by_token_deltas_equal_protobuf_also_across_split_characters():
+@pytest.mark.parametrize("output_index", [0, 2])  # output 0's token field is cached whole
+def test_token_by_token_deltas_equal_protobuf_also_across_split_characters(output_index):
     """The one-token fast path (cached bytes) and the general path must stream what protobuf would build:
     each delta's text is what the token completes, a character split over tokens arrives whole once."""
     text = "Héllo wörld, 你好世界 🤖🎉 naïve café ∑∫ — done"
@@ -53,16 +54,16 @@ def test_token_by_token_deltas_equal_protobuf_also_across_split_characters():
     ids += [i for i in range(ENC.n_vocab) if len(ENC.decode_single_token_bytes(i)) == 1
             and ENC.decode_single_token_bytes(i)[0] >= 0x80][:40]  # lone bytes of multi-byte characters
     assert any(STRINGS.one_token_body(i) is None for i in ids), "the stream must split characters"
-    out = OutputStream(0, plan(request_id="req-1"), ENC, STRINGS)
+    out = OutputStream(output_index, plan(request_id="req-1"), ENC, STRINGS)
     detok = codecs.getincrementaldecoder("utf-8")(errors="replace")
     streamed = ""
     for token_id in ids:
-        delta, count, finished, _ = out.on_events([event([token_id])])
+        delta, count, finished, _ = out.on_events([event([token_id], index=output_index)])
         expected_text = detok.decode(ENC.decode_single_token_bytes(token_id))
         assert delta is not None, "every token is reported, also one whose text is still held back"
         parsed = G.GenerateResponse.FromString(delta)
         assert parsed == G.GenerateResponse(request_id="req-1", token=G.TokenOutput(
-            output_index=0, text=expected_text, tokens=[G.TokenInfo(token_id=token_id, token=STRINGS(token_id))]))
+            output_index=output_index, text=expected_text, tokens=[G.TokenInfo(token_id=token_id, token=STRINGS(token_id))]))
         assert count == 1 and finished is None
         streamed += parsed.token.text
     assert streamed + detok.decode(b"", final=True) == ENC.decode(ids)

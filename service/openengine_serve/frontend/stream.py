@@ -34,6 +34,7 @@ class TokenStrings:
         self._cache: dict[int, str] = {}
         self._info_bytes: dict[int, bytes] = {}
         self._pieces: dict[int, bytes | None] = {}
+        self._first_output_deltas: dict[int, bytes | None] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -66,6 +67,19 @@ class TokenStrings:
             body = self.info_field(token_id) + (length_delimited(_TEXT_FIELD, raw) if raw else b"")
         self._pieces[token_id] = body
         return body
+
+
+    def first_output_delta(self, token_id: int) -> bytes | None:
+        """The `token` field (a TokenOutput of output 0 carrying just this token) of a GenerateResponse, cached per
+        id; None like one_token_body."""
+        try:
+            return self._first_output_deltas[token_id]
+        except KeyError:
+            pass
+        body = self.one_token_body(token_id)
+        delta = None if body is None else length_delimited(_TOKEN_FIELD, output_index_field(0) + body)
+        self._first_output_deltas[token_id] = delta
+        return delta
 
 
 # Token deltas without logprobs — the bulk of all traffic — are serialized by hand from cached pieces:
@@ -138,11 +152,17 @@ class OutputStream:
         tokens = event.tokens
         if len(tokens) != 1:
             return None
-        body = self.strings.one_token_body(tokens[0].token_id)
-        if body is None:
-            return None
+        if self.index == 0:  # every single-output request: the whole `token` field is cached
+            token_field = self.strings.first_output_delta(tokens[0].token_id)
+            if token_field is None:
+                return None
+        else:
+            body = self.strings.one_token_body(tokens[0].token_id)
+            if body is None:
+                return None
+            token_field = length_delimited(_TOKEN_FIELD, self.index_field + body)
         self.generated += 1
-        return self.request_id_prefix + length_delimited(_TOKEN_FIELD, self.index_field + body)
+        return self.request_id_prefix + token_field
 
     def on_events(self, events: list[cluster_pb2.OutputEvent]):
         """This output's queued engine events as at most one token delta plus its `finished`.

@@ -69,8 +69,9 @@ class RequestSink:
         self._compact_at = COMPACT_AT
         self._merged: dict[int, cluster_pb2.OutputEvent] = {}  # output index -> its merged event in `items`
 
-    def put(self, item) -> None:
-        self.last_event_at = time.monotonic()
+    def put(self, item, now: float | None = None) -> None:
+        """`now`: time.monotonic() if the caller has it (the lane reader reads the clock once per lane message)."""
+        self.last_event_at = time.monotonic() if now is None else now
         direct = self.direct
         if direct is not None and not self.items:
             waiter = self.waiter
@@ -209,10 +210,11 @@ class NodeConnections:
                     conn.lane_ready.set_result(None)
                     continue
                 sinks = self.sinks
+                now = time.monotonic()
                 for event in results.events:
                     sink = sinks.get(event.request_id)
                     if sink is not None:
-                        sink.put(event)
+                        sink.put(event, now)
         except grpc.aio.AioRpcError as exc:
             reason = f"node {conn.entry.node_id} at {conn.entry.address} was lost ({exc.code().name})"
         except asyncio.CancelledError:

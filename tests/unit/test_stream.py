@@ -1,5 +1,6 @@
 """The frontend's per-output stream: hand-serialized deltas equal protobuf's, stops, finishes, coalescing."""
 
+import asyncio
 import codecs
 import random
 
@@ -120,8 +121,6 @@ def test_length_and_cancel_finishes():
 async def _stream_one_event_at_a_time(ids, send_now):
     """Inference.stream fed one event per step (the stream idle in between, as on the lane); every message in
     the order the client would get it, and how many went through send_now."""
-    import asyncio
-
     from openengine_serve.frontend.inference import Inference
     from openengine_serve.frontend.nodes import RequestSink
 
@@ -159,13 +158,25 @@ async def _stream_one_event_at_a_time(ids, send_now):
 
 async def test_deltas_sent_by_the_lane_reader_equal_the_stream_s_own_writes():
     """pygrpc-native's non-blocking send (the lane reader sends a plain one-token delta while the stream waits):
-    the client gets the same messages in the same order, and a send that finds the client's buffer full goes
-    out through the stream's own write, once and in order."""
+    the client gets the same messages in the same order, a send that finds the client's buffer full goes out
+    through the stream's own write, once and in order, and the token metrics count every delta once."""
     ids = ENC.encode("Héllo wörld, 你好世界 🤖🎉 naïve café — done and done again")
     expected, _ = await _stream_one_event_at_a_time(ids, None)
     assert len(expected) == len(ids) + 1, "one delta per token and the finished message"
     sent, direct = await _stream_one_event_at_a_time(ids, lambda n: True)
     assert sent == expected
     assert direct > len(ids) // 2, "most deltas go out from the lane reader"
+    counts = _metric_counts()
     sent, _ = await _stream_one_event_at_a_time(ids, lambda n: n % 3 != 0)  # every third finds the buffer full
     assert sent == expected
+    await asyncio.sleep(0)  # the metrics' flush
+    tokens, gaps = (after - before for after, before in zip(_metric_counts(), counts))
+    assert (tokens, gaps) == (len(ids), len(ids) - 1), "every delta counted once, whichever path sent it"
+
+
+def _metric_counts() -> tuple[float, float]:
+    from openengine_serve.frontend import metrics
+
+    samples = {s.name: s.value for m in (metrics.GENERATED_TOKENS, metrics.ITL) for s in m.collect()[0].samples}
+    return samples["openengine_frontend_generated_tokens_total"], samples[
+        "openengine_frontend_inter_token_latency_seconds_count"]

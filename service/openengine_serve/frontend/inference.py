@@ -189,12 +189,10 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 sink.writing_since = 0.0
                 items = await sink.take()
                 sink.writing_since = time.monotonic()
-                new_tokens = 0
                 if type(items[0]) is bytes:  # a delta send_directly could not send; only ever first, and alone
                     await write(items.pop(0))
-                    new_tokens = 1
+                    last_token_at = _count_delta(1, last_token_at)
                     if not items:
-                        last_token_at = _count_delta(new_tokens, last_token_at)
                         continue
                 failure = _first_failure(items)
                 if failure is not None:
@@ -206,6 +204,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 if not prompt_sent and items[0].prompt_tokens:
                     prompt_sent = True
                     await write(prompt_output(plan, items[0], self.strings))
+                new_tokens = 0
                 for index, events in ((0, items),) if single_output else _by_output(items):
                     output = outputs[index]
                     if output.finished:

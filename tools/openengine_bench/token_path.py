@@ -119,6 +119,7 @@ async def run(args) -> dict:
     nodes = NodeConnections("token-path", BackgroundTasks(), 5.0, 5.0)
     entry = cluster_pb2.NodeEntry(node_id="node-0", address="127.0.0.1:1")
     conn = NodeConnection(entry, NoChannel(), lane)
+    conn.lane_credits = False  # the stand-in lane is the plain `Results` stream (no acknowledged `Lane` call)
     nodes.connections[entry.node_id] = conn
     await nodes.connect(entry)
     takes_send_now = "send_now" in inspect.signature(Inference.stream).parameters

@@ -228,6 +228,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                         trace.event("first_token")
                         last_token_at = first_token_at
                         metrics.DELTAS.add(new_tokens)
+                        if logger.isEnabledFor(logging.DEBUG):
+                            _log_first_token(accepted, first_token_at - started)
                     else:
                         last_token_at = _count_delta(new_tokens, last_token_at)
             status, code = "finished", "OK"
@@ -246,6 +248,18 @@ def _count_delta(tokens: int, last_token_at: float) -> float:
     now = time.perf_counter()
     metrics.DELTAS.add(tokens, now - last_token_at)
     return now
+
+
+def _log_first_token(accepted: OpenRequest, ttft_s: float) -> None:
+    """Debug: the frontend's hops of the first token (CLOCK_MONOTONIC, comparable with the node's "first event
+    on lane" line on one machine): opened (validated), reserved, submitted, first lane event into the request's
+    inbox, taken by the stream, written."""
+    opened_at, reserved_at, submitted_at = accepted.hops
+    sink = accepted.sink
+    log_event(logger, "first token", logging.DEBUG, request_id=accepted.request_id, ttft_s=f"{ttft_s:.6f}",
+              opened_at=f"{opened_at:.6f}", reserved_at=f"{reserved_at:.6f}", submitted_at=f"{submitted_at:.6f}",
+              first_event_at=f"{sink.first_event_at:.6f}", taken_at=f"{sink.writing_since:.6f}",
+              written_at=f"{time.monotonic():.6f}")
 
 
 def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[OutputStream], status: str, code: str,

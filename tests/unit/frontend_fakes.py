@@ -34,6 +34,21 @@ class FakeCoordinatorStub:
         self.aborted = 0  # what Abort answers it aborted
         self.load = cluster_pb2.ClusterLoad()  # what GetClusterLoad answers
         self.unreachable: grpc.aio.AioRpcError | None = None  # when set, Abort and GetClusterLoad raise it
+        self.table: list[cluster_pb2.NodeEntry] = []  # what RegisterFrontend answers
+        self.registrations = 0
+        # FrontendHeartbeats: each heartbeat is answered with the next of these (a reply, or an error that
+        # breaks the stream); none left: it waits for no answer.
+        self.heartbeat_replies: list = []
+        self.heartbeats: list[cluster_pb2.FrontendHeartbeatRequest] = []
+        self.heartbeat_streams = 0
+
+    async def RegisterFrontend(self, request, timeout):
+        self.registrations += 1
+        return cluster_pb2.RegisterReply(heartbeat_interval_s=1.0, nodes=self.table)
+
+    def FrontendHeartbeats(self) -> FakeHeartbeatCall:
+        self.heartbeat_streams += 1
+        return FakeHeartbeatCall(self)
 
     async def Reserve(self, request, timeout, metadata=()):
         self.reserved.append(request)
@@ -83,16 +98,33 @@ class QueuedReplies:
         return True
 
 
-class FakeReservationCall(QueuedReplies):
-    """A Reservations stream-stream call over a FakeCoordinatorStub."""
+class FakeStubCall(QueuedReplies):
+    """A stream-stream call over a fake stub: a write after `cancel` fails as grpc.aio's does."""
 
-    def __init__(self, stub: FakeCoordinatorStub) -> None:
+    def __init__(self, stub) -> None:
         super().__init__()
         self.stub = stub
 
-    async def write(self, batch: cluster_pb2.ReservationBatch) -> None:
+    def check_open(self) -> None:
         if self.cancelled:
             raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+
+
+class FakeHeartbeatCall(FakeStubCall):
+    """A FrontendHeartbeats stream-stream call over a FakeCoordinatorStub."""
+
+    async def write(self, heartbeat: cluster_pb2.FrontendHeartbeatRequest) -> None:
+        self.check_open()
+        self.stub.heartbeats.append(heartbeat)
+        if self.stub.heartbeat_replies:
+            self.replies.put_nowait(self.stub.heartbeat_replies.pop(0))
+
+
+class FakeReservationCall(FakeStubCall):
+    """A Reservations stream-stream call over a FakeCoordinatorStub."""
+
+    async def write(self, batch: cluster_pb2.ReservationBatch) -> None:
+        self.check_open()
         self.stub.released.extend(batch.release)
         reply = cluster_pb2.ReservationReplies()
         for request in batch.reserve:
@@ -112,13 +144,19 @@ class FakeReservationCall(QueuedReplies):
 
 class FakeNodeStub:
     """Submit records the EngineRequest (or raises `submit_error`); Cancel calls are recorded; Results plays
-    `lane` (StepResults after the opening message) and then raises `lane_error` or waits."""
+    `lane` (StepResults after the opening message) and then raises `lane_error` or waits; Lane plays what
+    Results does and records the LaneCredits written (or is UNIMPLEMENTED, a node of an older release)."""
 
     def __init__(self) -> None:
         self.submit_error: grpc.aio.AioRpcError | None = None
         self.submitted: list[cluster_pb2.EngineRequest] = []
         self.cancelled: list[tuple[str, int | None]] = []
         self.lane: asyncio.Queue = asyncio.Queue()
+        self.credits: list[cluster_pb2.LaneCredit] = []
+        self.lane_unimplemented = False
+
+    def Lane(self) -> FakeLaneCall:
+        return FakeLaneCall(self)
 
     async def Submit(self, request, timeout, metadata=()):
         if self.submit_error is not None:
@@ -145,16 +183,37 @@ class FakeNodeStub:
         return stream()
 
 
-class FakeSubmissionCall(QueuedReplies):
-    """A Submissions stream-stream call over a FakeNodeStub."""
+class FakeLaneCall:
+    """A Lane stream-stream call over a FakeNodeStub: the first LaneCredit opens its Results."""
 
     def __init__(self, stub: FakeNodeStub) -> None:
-        super().__init__()
         self.stub = stub
+        self.messages = None
+        self.cancelled = False
+
+    async def write(self, credit: cluster_pb2.LaneCredit) -> None:
+        self.stub.credits.append(credit)
+        if self.messages is None and not self.stub.lane_unimplemented:
+            self.messages = self.stub.Results(cluster_pb2.ResultsRequest(frontend_id=credit.frontend_id))
+
+    async def read(self):
+        if self.stub.lane_unimplemented:
+            raise rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        try:
+            return await anext(self.messages)
+        except StopAsyncIteration:
+            return grpc.aio.EOF
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeSubmissionCall(FakeStubCall):
+    """A Submissions stream-stream call over a FakeNodeStub."""
 
     async def write(self, batch: cluster_pb2.SubmitBatch) -> None:
-        if self.cancelled:
-            raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+        self.check_open()
         reply = cluster_pb2.SubmitOutcomes()
         for request in batch.submit:
             try:

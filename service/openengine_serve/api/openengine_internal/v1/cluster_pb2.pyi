@@ -123,12 +123,14 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., assigned_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "nodes")
+    __slots__ = ("known", "nodes", "full_table")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    FULL_TABLE_FIELD_NUMBER: _ClassVar[int]
     known: bool
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
-    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ...) -> None: ...
+    full_table: bool
+    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner", "traceparent", "tracestate")
@@ -279,6 +281,16 @@ class ResultsRequest(_message.Message):
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     frontend_id: str
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
+
+class LaneCredit(_message.Message):
+    __slots__ = ("frontend_id", "window", "handled")
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    HANDLED_FIELD_NUMBER: _ClassVar[int]
+    frontend_id: str
+    window: int
+    handled: int
+    def __init__(self, frontend_id: _Optional[str] = ..., window: _Optional[int] = ..., handled: _Optional[int] = ...) -> None: ...
 
 class GetNodeLoadRequest(_message.Message):
     __slots__ = ()

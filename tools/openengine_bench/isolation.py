@@ -45,24 +45,29 @@ NON_READING_OPTIONS = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes
 
 async def itl_window(target: str, streams: int, seconds: float, tokens: int = 8000) -> list[float]:
     """`streams` streams read as fast as they can for `seconds`, then cancelled: every stream's gaps between
-    token messages after its first (seconds)."""
+    token messages after its first (seconds), and the gap still open when the window closes (a stream held up
+    past the window's end counts, it is not cut out of the window)."""
     gaps: list[float] = []
+    started = time.perf_counter()
+    last_token_at: dict[int, float] = {}
 
-    async def one(stub) -> None:
-        last = None
+    async def one(stub, index: int) -> None:
         async for response in stub.Generate(short_request(tokens), timeout=seconds + 60):
             now = time.perf_counter()
             if response.WhichOneof("event") == "token":
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
+                if index in last_token_at:
+                    gaps.append(now - last_token_at[index])
+                last_token_at[index] = now
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub = openengine_pb2_grpc.InferenceStub(channel)
-        tasks = [asyncio.ensure_future(one(stub)) for _ in range(streams)]
+        tasks = [asyncio.ensure_future(one(stub, i)) for i in range(streams)]
         await asyncio.sleep(seconds)
+        closed = time.perf_counter()
         for task in tasks:
             task.cancel()
+        # the open gaps; a stream without a first token in the whole window counts the window
+        gaps += [closed - last_token_at.get(i, started) for i in range(streams)]
         await asyncio.gather(*tasks, return_exceptions=True)
     return gaps
 

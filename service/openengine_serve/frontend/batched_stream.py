@@ -33,8 +33,20 @@ MAX_BATCH = 2048
 MAX_KEPT_RIDERS = 100_000
 
 
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class StreamBroken(Exception):
     """The stream ended before the call was answered (server gone, restarted or unreachable)."""
+
+
+class Refused(Exception):
+    """The server answered the call with a refusal; `code` is the status the unary call would end with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class BatchCall(Protocol):
@@ -47,12 +59,15 @@ class BatchCall(Protocol):
 
 class BatchedStream:
     """Coalesces calls and riders per tick onto one stream (see the module docstring). A subclass says how a
-    batch is built (`_batch`), where a reply's outcomes are (`_outcomes`) and what an outcome means
-    (`_settle`); `kind`, `calls_name` and `riders_name` name the stream and what it carries in its log lines."""
+    batch is built (`_batch`), where a reply's outcomes are (`_outcomes`), what an accepted outcome returns
+    (`_result`) and which `Refused` subclass a refused one raises (`refusal`); `kind`, `calls_name` and
+    `riders_name` name the stream and what it carries in its log lines. An outcome carries
+    `refusal_code` (0: accepted) and `refusal` (the message)."""
 
     kind = "batched"
     calls_name = "calls"
     riders_name = "riders"
+    refusal: type[Refused] = Refused
     max_kept_riders = MAX_KEPT_RIDERS
 
     def __init__(self, open_call: Callable[[], BatchCall], max_batch: int = MAX_BATCH) -> None:
@@ -77,8 +92,8 @@ class BatchedStream:
     def _outcomes(self, reply) -> Sequence:
         raise NotImplementedError
 
-    def _settle(self, future: asyncio.Future, outcome) -> None:
-        raise NotImplementedError
+    def _result(self, outcome) -> Any:
+        return None
 
     # ---------------------------------------------------------------- the callers' side
 
@@ -174,8 +189,12 @@ class BatchedStream:
     def _answer(self, reply) -> None:
         futures, _ = self._unanswered.popleft()
         for future, outcome in zip(futures, self._outcomes(reply), strict=True):
-            if not future.done():  # else the caller stopped waiting; it cleans up itself
-                self._settle(future, outcome)
+            if future.done():
+                continue  # the caller stopped waiting; it cleans up itself
+            if outcome.refusal_code:
+                future.set_exception(self.refusal(STATUS_BY_NUMBER[outcome.refusal_code], outcome.refusal))
+            else:
+                future.set_result(self._result(outcome))
 
     def _broken(self, call: BatchCall | None, detail: str) -> None:
         """Fails what this stream did not answer; its riders go out again on the next one."""

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
-from .batched_stream import BatchedStream, StreamBroken
-from .reservation_stream import STATUS_BY_NUMBER
+from .batched_stream import BatchedStream, Refused, StreamBroken
 from .tasks import BackgroundTasks
 
 
@@ -120,13 +119,8 @@ class RequestSink:
         return items
 
 
-class SubmitRefused(Exception):
+class SubmitRefused(Refused):
     """The node did not take the request; `code` is the status the unary Submit would end with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class SubmissionBatcher(BatchedStream):
@@ -134,6 +128,7 @@ class SubmissionBatcher(BatchedStream):
 
     kind = "submission"
     calls_name = "submissions"
+    refusal = SubmitRefused
 
     async def submit(self, request: cluster_pb2.SubmitRequest) -> None:
         """Returns once the node took the request; raises SubmitRefused or StreamBroken."""
@@ -144,12 +139,6 @@ class SubmissionBatcher(BatchedStream):
 
     def _outcomes(self, reply: cluster_pb2.SubmitOutcomes):
         return reply.outcome
-
-    def _settle(self, future: asyncio.Future, outcome: cluster_pb2.SubmitOutcome) -> None:
-        if outcome.refusal_code:
-            future.set_exception(SubmitRefused(STATUS_BY_NUMBER[outcome.refusal_code], outcome.refusal))
-        else:
-            future.set_result(None)
 
 
 @dataclass

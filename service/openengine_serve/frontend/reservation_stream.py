@@ -19,13 +19,10 @@ The batching itself is `batched_stream.BatchedStream`'s.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
-import grpc
-
 from ..api.openengine_internal.v1 import cluster_pb2
-from .batched_stream import MAX_BATCH, BatchCall, BatchedStream, StreamBroken
+from .batched_stream import MAX_BATCH, STATUS_BY_NUMBER, BatchCall, BatchedStream, Refused, StreamBroken
 
 __all__ = ["MAX_BATCH", "ReservationBatcher", "ReservationCall", "ReservationRefused", "StreamBroken",
            "STATUS_BY_NUMBER"]
@@ -33,18 +30,12 @@ __all__ = ["MAX_BATCH", "ReservationBatcher", "ReservationCall", "ReservationRef
 ReservationCall = BatchCall  # a grpc.aio stream-stream call of Reservations
 
 
-class ReservationRefused(Exception):
+class ReservationRefused(Refused):
     """The coordinator refused the reservation; `code` is the gRPC status code the unary Reserve would use."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 # Releases kept while the coordinator cannot be reached; beyond this the oldest are dropped.
 MAX_KEPT_RELEASES = 100_000
-STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class ReservationBatcher(BatchedStream):
@@ -53,6 +44,7 @@ class ReservationBatcher(BatchedStream):
     kind = "reservation"
     calls_name = "reservations"
     riders_name = "releases"
+    refusal = ReservationRefused
     # A coordinator that restarted no longer knows the dropped ones; one that did not keeps those reservations
     # until this frontend expires.
     max_kept_riders = MAX_KEPT_RELEASES
@@ -83,8 +75,5 @@ class ReservationBatcher(BatchedStream):
     def _outcomes(self, reply: cluster_pb2.ReservationReplies):
         return reply.outcome
 
-    def _settle(self, future: asyncio.Future, outcome: cluster_pb2.ReservationOutcome) -> None:
-        if outcome.refusal_code:
-            future.set_exception(ReservationRefused(STATUS_BY_NUMBER[outcome.refusal_code], outcome.refusal))
-        else:
-            future.set_result(outcome.node)
+    def _result(self, outcome: cluster_pb2.ReservationOutcome) -> cluster_pb2.NodeEntry:
+        return outcome.node

@@ -110,26 +110,51 @@ def test_bench_target_drives_a_running_stack(tmp_path):
 
 
 def test_bench_coordinator_small(tmp_path):
-    """`bench --coordinator` at a toy size: both paths measured against two real coordinators sharing the ids (the
-    general case of one), no errors."""
+    """`bench --coordinator` at a toy size: one coordinator, then two sharing the ids, each in a 0.5-CPU quota
+    cgroup of its own; both paths measured, no errors, every window says what limited it."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI=true and bench --coordinator cannot create its quota cgroups: not root", pytrace=False)
+        pytest.skip("--coordinator-cpus creates cgroups: needs root (CI runs as root)")
     out = tmp_path / "coordinator"
-    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "2",
-                           "--nodes", "20",
-                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "1",
+    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "1,2",
+                           "--coordinator-cpus", "0.5", "--nodes", "20",
+                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "0.6",
                            "--warmup-s", "0.3", "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads((out / "coordinator.json").read_text())
-    assert [(s["path"], s["load"]) for s in result["scenarios"]] == [
-        ("unary", "saturation (32 loops)"), ("batched", "saturation (32 loops)"),
-        ("unary", "40/s"), ("batched", "40/s")]
-    for scenario in result["scenarios"]:
-        assert scenario["errors"] == 0, scenario
-        assert scenario["reservations_per_s"] > 0 and scenario["coordinator_cpu_us_per_request"] > 0, scenario
-        assert scenario["latency_p50_ms"] <= scenario["latency_p99_ms"], scenario
-    assert result["scenarios"][1]["requests_per_batch"] > 1  # 32 loops over 4 frontends do share batches
-    assert result["memory"]["rss_registered_mb"] > 0
-    assert "| batched | saturation (32 loops) |" in (out / "coordinator.md").read_text()
-    assert "Coordinator benchmark: 2 coordinator(s)" in (out / "coordinator.md").read_text()
+    assert [(run["round"], run["coordinators"], run["coordinator_cpus"]) for run in result["runs"]] == [
+        (1, 1, 0.5), (1, 2, 0.5)]
+    for run in result["runs"]:
+        assert [(s["path"], s["load"]) for s in run["scenarios"]] == [
+            ("unary", "saturation (32 loops)"), ("batched", "saturation (32 loops)"),
+            ("unary", "40/s"), ("batched", "40/s")]
+        for scenario in run["scenarios"]:
+            assert scenario["errors"] == 0, scenario
+            assert scenario["reservations_per_s"] > 0 and scenario["coordinator_cpu_us_per_request"] > 0, scenario
+            assert scenario["latency_p50_ms"] <= scenario["latency_p99_ms"], scenario
+            assert len(scenario["coordinator_throttled_share"]) == run["coordinators"], scenario
+            assert all(share is not None for share in scenario["coordinator_throttled_share"]), scenario
+            assert scenario["limited_by"], scenario
+        assert len(run["memory"]) == run["coordinators"] and run["memory"][0]["rss_registered_mb"] > 0
+    assert result["runs"][0]["scenarios"][1]["requests_per_batch"] > 1  # 32 loops over 4 frontends share batches
+    assert [row["coordinators"] for row in result["summary"]["scaling"]] == [2] * 4
+    text = (out / "coordinator.md").read_text()
+    assert "| 1 | 2 | batched | saturation (32 loops) |" in text
+    assert "Coordinator benchmark: 1,2 coordinator(s), 1 round(s)" in text
+    assert "each coordinator in its own 0.5-CPU cgroup quota" in text
+    # --in-step: each simulated frontend's requests share one message per coordinator (32 over 4 frontends: 8 each,
+    # split over 2 coordinators with the releases riding along).
+    in_step = tmp_path / "in-step"
+    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "2",
+                           "--in-step", "--paths", "batched", "--rate", "0", "--nodes", "4", "--frontends", "4",
+                           "--concurrency", "32", "--window-s", "0.5", "--warmup-s", "0.3", "--output", str(in_step)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    (run,) = json.loads((in_step / "coordinator.json").read_text())["runs"]
+    (scenario,) = run["scenarios"]
+    assert scenario["load"] == "saturation (4 frontends × 8 in step)" and scenario["errors"] == 0, scenario
+    assert scenario["reservations_per_s"] > 0 and scenario["requests_per_batch"] > 2, scenario
 
 
 def test_bench_one_token_short(tmp_path):

@@ -40,3 +40,46 @@ def test_series_and_chart(tmp_path):
                  [run(s, n, n, samples=samples) for s in ("grpcio", "pygrpc-native") for n in (32, 64)]):
         path = overload.write_chart({"meta": meta, "runs": runs}, tmp_path / "overload.png")
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hop_timings_join_the_components_debug_lines_with_the_probe(tmp_path):
+    """The lines the node and the frontend really log (their own functions and formatter) give every hop."""
+    import logging
+    from types import SimpleNamespace
+
+    from openengine_serve.common.logging_setup import KeyValueFormatter
+    from openengine_serve.frontend import inference
+    from openengine_serve.node import server
+
+    def logged_to(path, logger, component, write):
+        handler = logging.FileHandler(path)
+        handler.setFormatter(KeyValueFormatter(component))
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        try:
+            write()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            handler.close()
+
+    # submitted 10.010, step 10.012, built 10.020; taken is the node's clock now (checked below)
+    logged_to(tmp_path / "node0.log", server.logger, "node",
+              lambda: server._log_first_events([("probe-1", 10.010, 10.012)], 10.020, 3))
+    accepted = SimpleNamespace(request_id="probe-1", hops=(10.002, 10.005, 10.011),
+                               sink=SimpleNamespace(first_event_at=10.030, writing_since=10.031))
+    logged_to(tmp_path / "frontend-grpcio.log", inference.logger, "frontend",
+              lambda: inference._log_first_token(accepted, 0.04))
+    probes = [{"request_id": "probe-1", "called_at": 10.000, "first_at": 10.050},
+              {"request_id": "probe-2", "called_at": 11.0, "first_at": None}]  # failed: not timed
+    hops = overload.hop_timings(tmp_path, probes)
+    assert hops["call -> validated"]["p50_ms"] == 2.0
+    assert hops["reserve"]["p50_ms"] == 3.0
+    assert hops["submit -> node"]["p50_ms"] == 5.0
+    assert hops["engine admission + step"]["p50_ms"] == 2.0
+    assert hops["waiting in the node's lane"]["p50_ms"] == 8.0
+    assert hops["inbox -> stream"]["p50_ms"] == 1.0
+    assert all(v["n"] == 1 for v in hops.values()), hops
+    # taken (node) and written (frontend) are stamped when logged: on this machine's clock, after the rest
+    assert hops["gRPC send (node)"]["p50_ms"] > 0 and hops["detokenize + write"]["p50_ms"] > 0

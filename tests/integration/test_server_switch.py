@@ -111,8 +111,13 @@ def test_internal_components_stay_on_grpc_aio(cluster):
 
 
 def test_identical_tokens_on_both_servers(cluster):
-    coord, _ = cluster
-    frontends = {s: processes.frontend(coord.target, s).start() for s in ("grpcio", "pygrpc-native")}
+    """And over either result lane: the credited `Lane` (default) and `Results` (OPENENGINE_LANE_WINDOW=0, what a
+    frontend reads from a node of an older release)."""
+    coord, nodes = cluster
+    frontends = {s: processes.frontend(coord.target, s, "--frontend-id", f"fe-identical-{s}").start()
+                 for s in ("grpcio", "pygrpc-native")}
+    frontends["results-lane"] = processes.frontend(coord.target, "grpcio", "--lane-window", "0", "--frontend-id",
+                                                   "fe-identical-results-lane").start()
     try:
         for f in frontends.values():
             f.wait_ready(60)
@@ -125,7 +130,10 @@ def test_identical_tokens_on_both_servers(cluster):
     finally:
         for f in frontends.values():
             f.stop()
-    assert streams["grpcio"] == streams["pygrpc-native"]
+    assert streams["grpcio"] == streams["pygrpc-native"] == streams["results-lane"]
+    node_logs = "".join((processes.LOG_DIR / f"{n.name}-{n.port}.log").read_text() for n in nodes)
+    assert "frontend_id=fe-identical-grpcio window=2" in node_logs
+    assert "frontend_id=fe-identical-results-lane window=0" in node_logs
 
 
 def test_two_native_workers_share_one_port(cluster):

@@ -112,13 +112,19 @@ class FakeReservationCall(QueuedReplies):
 
 class FakeNodeStub:
     """Submit records the EngineRequest (or raises `submit_error`); Cancel calls are recorded; Results plays
-    `lane` (StepResults after the opening message) and then raises `lane_error` or waits."""
+    `lane` (StepResults after the opening message) and then raises `lane_error` or waits; Lane plays what
+    Results does and records the LaneCredits written (or is UNIMPLEMENTED, a node of an older release)."""
 
     def __init__(self) -> None:
         self.submit_error: grpc.aio.AioRpcError | None = None
         self.submitted: list[cluster_pb2.EngineRequest] = []
         self.cancelled: list[tuple[str, int | None]] = []
         self.lane: asyncio.Queue = asyncio.Queue()
+        self.credits: list[cluster_pb2.LaneCredit] = []
+        self.lane_unimplemented = False
+
+    def Lane(self) -> FakeLaneCall:
+        return FakeLaneCall(self)
 
     async def Submit(self, request, timeout, metadata=()):
         if self.submit_error is not None:
@@ -143,6 +149,32 @@ class FakeNodeStub:
                     raise item
                 yield item
         return stream()
+
+
+class FakeLaneCall:
+    """A Lane stream-stream call over a FakeNodeStub: the first LaneCredit opens its Results."""
+
+    def __init__(self, stub: FakeNodeStub) -> None:
+        self.stub = stub
+        self.messages = None
+        self.cancelled = False
+
+    async def write(self, credit: cluster_pb2.LaneCredit) -> None:
+        self.stub.credits.append(credit)
+        if self.messages is None and not self.stub.lane_unimplemented:
+            self.messages = self.stub.Results(cluster_pb2.ResultsRequest(frontend_id=credit.frontend_id))
+
+    async def read(self):
+        if self.stub.lane_unimplemented:
+            raise rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        try:
+            return await anext(self.messages)
+        except StopAsyncIteration:
+            return grpc.aio.EOF
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
 
 
 class FakeSubmissionCall(QueuedReplies):

@@ -86,6 +86,33 @@ async def test_the_lane_hands_each_event_to_its_request(nodes: NodeConnections):
     assert [e.request_id for e in await second.take()] == ["r2"]
 
 
+async def test_the_lane_gives_the_node_a_window_and_acknowledges_each_message_handled(nodes: NodeConnections):
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+    sink = nodes.open_sink("r1")
+    conn = await nodes.connect(entry)
+    assert conn.lane_credits
+    assert [(c.frontend_id, c.window) for c in stub.credits] == [("fe-test", nodes.lane_window)]
+    for token in range(3):
+        stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(
+            request_id="r1", tokens=[cluster_pb2.TokenRecord(token_id=token)])]))
+    await settle()
+    assert [e.tokens[0].token_id for e in await sink.take()] == [0, 1, 2]
+    assert sum(c.handled for c in stub.credits[1:]) == 3, stub.credits  # the opening message is not counted
+
+
+async def test_a_node_without_the_credited_lane_is_read_over_results(nodes: NodeConnections):
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+    stub.lane_unimplemented = True
+    sink = nodes.open_sink("r1")
+    conn = await nodes.connect(entry)
+    assert not conn.lane_credits
+    stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(request_id="r1")]))
+    await settle()
+    assert [e.request_id for e in await sink.take()] == ["r1"]
+
+
 async def test_a_lost_lane_fails_the_requests_on_that_node_only(nodes: NodeConnections):
     lost, kept = node_entry("lost"), node_entry("kept")
     lost_conn, lost_stub = add_fake_node(nodes, lost)
@@ -196,3 +223,30 @@ async def test_a_node_whose_lane_does_not_open_is_a_connection_error(nodes: Node
     stub.Results = refused
     with pytest.raises(ConnectionError, match="node n0 at n0.test:1 was lost"):
         await nodes.connect(entry)
+
+
+async def test_a_request_getting_its_first_event_wakes_before_those_with_a_backlog(nodes: NodeConnections):
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+    running, new = nodes.open_sink("running"), nodes.open_sink("new")
+    await nodes.connect(entry)
+    stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(request_id="running")]))
+    await settle()
+    woken = []
+
+    async def stream(name, sink):
+        await sink.take()
+        woken.append(name)
+
+    tasks = [asyncio.create_task(stream("running", running)), asyncio.create_task(stream("new", new))]
+    await settle()
+    assert woken == ["running"]
+    tasks[0] = asyncio.create_task(stream("running", running))
+    await settle()
+    stub.lane.put_nowait(cluster_pb2.StepResults(events=[
+        cluster_pb2.OutputEvent(request_id="running", output_index=0),
+        cluster_pb2.OutputEvent(request_id="new", output_index=0),
+        cluster_pb2.OutputEvent(request_id="new", output_index=1)]))
+    await settle()
+    assert woken == ["running", "new", "running"], "the new request's stream ran first"
+    await asyncio.gather(*tasks)

@@ -77,3 +77,38 @@ def test_folding_keeps_each_outputs_order_around_prompt_finish_and_other_outputs
         assert [[t.token_id for t in e.tokens] for e in (await lane.take()).events] == [[4, 5]]
 
     asyncio.run(main())
+
+
+def test_with_a_window_unacknowledged_messages_hold_the_next_and_steps_fold_meanwhile():
+    async def main():
+        lane = ResultLane(max_backlog_steps=10, window=2)
+        lane.put(1, [event("a", 1)])
+        await lane.take()
+        lane.put(2, [event("a", 2)])
+        await lane.take()
+        assert lane.unacknowledged == 2
+        waiting = asyncio.ensure_future(lane.take())
+        for step in range(3, 6):
+            lane.put(step, [event("a", step), event("b", step)])
+        await asyncio.sleep(0)
+        assert not waiting.done(), "two messages the frontend has not handled: the third waits on the node"
+        lane.acknowledge(1)
+        message = await waiting
+        assert [(e.request_id, [t.token_id for t in e.tokens]) for e in message.events] == [
+            ("a", [3, 4, 5]), ("b", [3, 4, 5])], "the steps waited folded, not as one message each"
+        assert lane.unacknowledged == 2
+        lane.acknowledge(5)  # more than sent (a frontend acknowledging across a reconnect): no negative credit
+        assert lane.unacknowledged == 0 and lane.credit.is_set()
+
+    asyncio.run(main())
+
+
+def test_without_a_window_every_waiting_message_is_handed_over():
+    async def main():
+        lane = ResultLane(max_backlog_steps=10)
+        for step in range(1, 4):
+            lane.put(step, [event("a", step)])
+            assert (await lane.take()).events[0].tokens[0].token_id == step
+        assert lane.unacknowledged == 0
+
+    asyncio.run(main())

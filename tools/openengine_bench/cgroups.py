@@ -57,7 +57,11 @@ class QuotaCgroup:
 
     def enter(self) -> None:
         """Moves the calling process in (a `preexec_fn`: the child starts inside the cgroup)."""
-        _write(os.path.join(self.path, "cgroup.procs"), str(os.getpid()))
+        self.add(os.getpid())
+
+    def add(self, pid: int) -> None:
+        """Moves a running process in, with all its threads."""
+        _write(os.path.join(self.path, "cgroup.procs"), str(pid))
 
     def throttling(self) -> dict[str, float]:
         """Cumulative CFS accounting of the cgroup: periods, throttled periods, throttled seconds (v1 reports

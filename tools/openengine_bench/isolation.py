@@ -12,7 +12,7 @@ ITL p99 beside with 1.5x the median alone: a machine's drift and bursts of noise
 few bad windows do not move a median. The last window's non-reading streams are left to the stall timeout,
 which must end them all and free their engine slots. Writes `isolation.json` into `--out` and prints the figures.
 
-The CI form (tests/integration/test_robustness.py -k isolation) uses the same measurement on the tests'
+The CI form (tests/integration/test_robustness.py -k non_reading) uses the same measurement on the tests'
 50 ms-step node; this command runs the issue's scenario (2 nodes at the 2 ms step) for a quiet machine.
 """
 

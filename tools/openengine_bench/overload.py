@@ -21,6 +21,10 @@ A sampler records every `--sample-s`: the nodes' and the frontend's RSS, the fro
 64 ms step of a large-batch engine, 256..768 streams; a run keeps up when the tokens the frontend delivered in
 the window (`openengine_frontend_generated_tokens_total`) are at least 90 % of what the streams were offered
 (streams x 1000 / step_ms tokens/s). The capacity is the most streams that kept up with no failed probe.
+
+With `--hops` the frontend and nodes log at debug level and each probe's first token is timed per hop
+(call, validation, reservation, Submit, engine step, the node's lane, the transport, the stream, the write)
+from their `first event on lane` and `first token` lines (CLOCK_MONOTONIC, one machine).
 """
 
 from __future__ import annotations
@@ -74,25 +78,28 @@ def short_request(tokens: int) -> generation_pb2.GenerateRequest:
 
 
 def ttft_sample(target: str, tokens: int = 5, timeout: float = 30.0) -> dict[str, float | None]:
-    """A new request on a fresh connection: seconds to connect, to the first token, to the end (None: failed)."""
+    """A new request on a fresh connection: seconds to connect, to the first token, to the end (None: failed);
+    its request id, and the monotonic time of the call (for the per-hop timing of the components' debug logs)."""
     started = time.monotonic()
+    request = short_request(tokens)
     with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            return {"connect_s": None, "ttft_s": None, "total_s": None}
+            return {"connect_s": None, "ttft_s": None, "total_s": None, "request_id": request.request_id}
         connected = time.monotonic()
         first = None
         try:
-            for response in openengine_pb2_grpc.InferenceStub(channel).Generate(short_request(tokens),
-                                                                                timeout=timeout):
+            for response in openengine_pb2_grpc.InferenceStub(channel).Generate(request, timeout=timeout):
                 if first is None and response.WhichOneof("event") == "token":
                     first = time.monotonic()
         except grpc.RpcError:
-            return {"connect_s": connected - started, "ttft_s": None, "total_s": None}
+            return {"connect_s": connected - started, "ttft_s": None, "total_s": None,
+                    "request_id": request.request_id}
         done = time.monotonic()
     return {"connect_s": connected - started, "ttft_s": None if first is None else first - connected,
-            "total_s": done - connected}
+            "total_s": done - connected, "request_id": request.request_id, "called_at": connected,
+            "first_at": first}
 
 
 def liveness_sample(target: str, timeout: float) -> float | None:
@@ -244,6 +251,68 @@ def growth_mb_per_s(points: Sequence[tuple[float, float]]) -> float | None:
     return None if var == 0 else sum((t - mean_t) * (v - mean_v) for t, v in points) / var
 
 
+# ---------------------------------------------------------------- per-hop timing (components at --log-level debug)
+
+# (hop, from, to): times of the probe's first token, from the client's call to the client's receipt. "f." are
+# the frontend's "first token" fields, "n." the node's "first event on lane" fields, "c." the client's.
+HOPS = (
+    ("call -> validated", "c.called_at", "f.opened_at"),
+    ("reserve", "f.opened_at", "f.reserved_at"),
+    ("submit -> node", "f.reserved_at", "n.submitted_at"),
+    ("engine admission + step", "n.submitted_at", "n.step_at"),
+    ("waiting in the node's lane", "n.step_at", "n.built_at"),
+    ("gRPC send (node)", "n.built_at", "n.taken_at"),
+    ("transport + lane reader", "n.taken_at", "f.first_event_at"),
+    ("inbox -> stream", "f.first_event_at", "f.taken_at"),
+    ("detokenize + write", "f.taken_at", "f.written_at"),
+    ("to the client", "f.written_at", "c.first_at"),
+)
+
+
+def _log_fields(path: Path, event: str, wanted: set[str]) -> dict[str, dict[str, float]]:
+    """request id -> its `*_at` fields, from the key=value log lines of `event` about the wanted requests."""
+    out: dict[str, dict[str, float]] = {}
+    marker = f"event={event}" if " " not in event else f'event="{event}"'
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as log:
+        for line in log:
+            if marker not in line:
+                continue
+            fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+            request_id = fields.get("request_id")
+            if request_id in wanted:
+                out[request_id] = {k: float(v) for k, v in fields.items() if k.endswith("_at")}
+    return out
+
+
+def hop_timings(log_dir: Path, probes: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per hop of the probes' first token: p50/p99/max (ms) over the probes all three parties timed."""
+    wanted = {p["request_id"] for p in probes if p.get("first_at")}
+    frontend: dict[str, dict[str, float]] = {}
+    node: dict[str, dict[str, float]] = {}
+    for path in sorted(log_dir.glob("*.log")):
+        if path.name.startswith("frontend"):
+            frontend |= _log_fields(path, "first token", wanted)
+        elif path.name.startswith("node"):
+            node |= _log_fields(path, "first event on lane", wanted)
+    per_hop: dict[str, list[float]] = {hop: [] for hop, _, _ in HOPS}
+    for probe in probes:
+        request_id = probe["request_id"]
+        if request_id not in frontend or request_id not in node:
+            continue
+        times = {f"c.{k}": v for k, v in probe.items() if k.endswith("_at") and v is not None}
+        times |= {f"f.{k}": v for k, v in frontend[request_id].items()}
+        times |= {f"n.{k}": v for k, v in node[request_id].items()}
+        for hop, start, end in HOPS:
+            if start in times and end in times:
+                per_hop[hop].append(times[end] - times[start])
+    return {hop: latency_summary(values) for hop, values in per_hop.items()}
+
+
+def print_hops(hops: dict[str, dict[str, Any]]) -> None:
+    print("  first-token hops (ms, p50 / p99 / max): " + "; ".join(
+        f"{hop} {v['p50_ms']} / {v['p99_ms']} / {v['max_ms']}" for hop, v in hops.items() if v["n"]), flush=True)
+
+
 # ---------------------------------------------------------------- one measured window
 
 def measure_window(target: str, *, duration_s: float, probe_tokens: int = 5, probe_timeout_s: float = 5.0,
@@ -292,8 +361,9 @@ def wait_running(target: str, at_least: int, timeout: float) -> int:
 # ---------------------------------------------------------------- the deployment
 
 class Deployment:
-    def __init__(self, out: Path, nodes: int, step_ms: float, max_batch: int) -> None:
+    def __init__(self, out: Path, nodes: int, step_ms: float, max_batch: int, log_level: str = "warning") -> None:
         self.out, self.log_dir = out, out / "logs"
+        self.log_level = log_level
         self.cpus = sorted(os.sched_getaffinity(0))
         self.coordinator = self._start("coordinator", "coordinator", "--heartbeat-s", "0.5")
         self.coordinator.wait_ready(60, lambda: is_serving(self.coordinator.target))
@@ -302,17 +372,18 @@ class Deployment:
             metrics_port = free_port(HOST)
             node = self._start(f"node{rank}", "node", "--coordinator-address", self.coordinator.target,
                                "--node-rank", str(rank), "--step-ms", str(step_ms), "--max-batch", str(max_batch),
-                               "--max-queue", str(4 * max_batch), metrics_port=metrics_port)
+                               "--max-queue", str(4 * max_batch), metrics_port=metrics_port,
+                               log_level=log_level)
             self.nodes.append((node, metrics_port))
         for node, _ in self.nodes:
             node.wait_ready(180, lambda node=node: is_serving(node.target))
         self.frontend: Process | None = None
         self.frontend_metrics = 0
 
-    def _start(self, name: str, *args: str, metrics_port: int = 0) -> Process:
+    def _start(self, name: str, *args: str, metrics_port: int = 0, log_level: str = "warning") -> Process:
         port = free_port(HOST)
         return Process(name, [sys.executable, "-m", "openengine_serve", *args, "--host", HOST, "--port", str(port),
-                              "--metrics-port", str(metrics_port), "--log-level", "warning"],
+                              "--metrics-port", str(metrics_port), "--log-level", log_level],
                        self.cpus, self.log_dir / f"{name}.log", port).start()
 
     def start_frontend(self, server: str, *extra: str) -> Process:
@@ -320,7 +391,7 @@ class Deployment:
         self.frontend = self._start(f"frontend-{server}", "frontend", "--coordinator-address",
                                     self.coordinator.target, "--grpc-server", server, "--workers", "1",
                                     "--heartbeat-s", "0.5", "--drain-timeout-s", "2", *extra,
-                                    metrics_port=self.frontend_metrics)
+                                    metrics_port=self.frontend_metrics, log_level=self.log_level)
         self.frontend.wait_ready(90, lambda: is_serving(self.frontend.target))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and ttft_sample(self.frontend.target)["ttft_s"] is None:
@@ -395,6 +466,8 @@ def run_one(deployment: Deployment, server: str, streams: int, args: argparse.Na
         "probes": {"t_ttft": window["t_ttft"], "ttft": ttft, "t_liveness": window["t_liveness"],
                    "liveness": window["liveness"]},
     }
+    if args.hops:
+        result["hops"] = hop_timings(deployment.log_dir, window["ttft"])
     return result
 
 
@@ -503,6 +576,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--probe-interval-s", type=float, default=0.1)
     parser.add_argument("--probe-timeout-s", type=float, default=5.0)
     parser.add_argument("--sample-s", type=float, default=0.5)
+    parser.add_argument("--hops", action="store_true",
+                        help="run the frontend and nodes at --log-level debug and time each hop of the probes' "
+                             "first token from their log lines (costs a few debug lines per request)")
     parser.add_argument("--out", type=Path, default=Path("overload-out"))
     return parser
 
@@ -526,13 +602,16 @@ def main(argv: list[str] | None = None) -> int:
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the deployment below is stopped, not orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    deployment = Deployment(args.out, args.nodes, args.step_ms, args.max_batch)
+    deployment = Deployment(args.out, args.nodes, args.step_ms, args.max_batch,
+                            log_level="debug" if args.hops else "warning")
     runs = []
     try:
         for count in streams:
             for server in servers:  # alternate servers at each stream count: drift hits both alike
                 runs.append(run_one(deployment, server, count, args))
                 print_run(runs[-1])
+                if args.hops:
+                    print_hops(runs[-1]["hops"])
     finally:
         deployment.close()
     result = {"meta": meta, "runs": runs}

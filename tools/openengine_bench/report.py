@@ -149,8 +149,8 @@ def limiter(workload: str, frontend_util: float | None, quota_cpus: float | None
     if quota_cpus and ((throttled_share or 0.0) >= THROTTLED or (frontend_util or 0.0) >= BUSY * quota_cpus):
         reasons.append(f"frontend quota ({fmt_number(frontend_util)} of {quota_cpus:g} CPU, throttled in "
                        f"{(throttled_share or 0.0) * 100:.0f} % of periods)")
-    if machine_idle_cores is not None and machine_idle_cores < IDLE:
-        reasons.append(f"machine CPU (idle {machine_idle_cores:.2f} core)")
+    if machine := machine_reason(machine_idle_cores):
+        reasons.append(machine)
     if node_util is not None and node_util >= BUSY:
         reasons.append(f"backend (node at {node_util:.2f} core)")
     if reasons:
@@ -158,6 +158,13 @@ def limiter(workload: str, frontend_util: float | None, quota_cpus: float | None
     if workload == "fixed":
         return "none (open-loop arrivals; nothing saturated)"
     return "none saturated (latency-bound: engine step pacing / queueing)"
+
+
+def machine_reason(machine_idle_cores: float | None) -> str:
+    """'' unless the machine had no idle CPU left over the window."""
+    if machine_idle_cores is not None and machine_idle_cores < IDLE:
+        return f"machine CPU (idle {machine_idle_cores:.2f} core)"
+    return ""
 
 
 def placement_of(record: Mapping[str, Any]) -> str:

@@ -184,6 +184,10 @@ class FrontendConfig(CommonConfig):
                                               "before it is refused (UNAVAILABLE)", minimum=0.05)
     node_call_timeout_s: float = knob(5.0, "deadline of the frontend's Submit and Cancel calls to a node",
                                       minimum=0.05)
+    lane_window: int = knob(2, "result lane messages a node may have handed to the transport that this frontend "
+                               "has not handled yet; the node folds what waits beyond it into one message, so a "
+                               "new request's first token never queues behind a transport full of old steps "
+                               "(0: no limit, the transport's flow control alone)", minimum=0)
     probe_timeout_s: float = knob(5.0, "the Control.Health inference probe reports DEGRADED when its one token "
                                        "takes longer", minimum=0.05)
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")

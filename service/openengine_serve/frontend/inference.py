@@ -198,6 +198,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                         first_token_at = now
                         metrics.TTFT.observe(now - started)
                         trace.event("first_token")
+                        if logger.isEnabledFor(logging.DEBUG):
+                            _log_first_token(accepted, now - started)
                     else:
                         metrics.ITL.observe(now - last_token_at)
                     last_token_at = now
@@ -210,6 +212,18 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             sink.writing_since = 0.0
             accepted.ended = not open_outputs
             _record_end(plan, accepted, outputs, status, code, started, finish_reasons)
+
+
+def _log_first_token(accepted: OpenRequest, ttft_s: float) -> None:
+    """Debug: the frontend's hops of the first token (CLOCK_MONOTONIC, comparable with the node's "first event
+    on lane" line on one machine): opened (validated), reserved, submitted, first lane event into the request's
+    inbox, taken by the stream, written."""
+    opened_at, reserved_at, submitted_at = accepted.hops
+    sink = accepted.sink
+    log_event(logger, "first token", logging.DEBUG, request_id=accepted.request_id, ttft_s=f"{ttft_s:.6f}",
+              opened_at=f"{opened_at:.6f}", reserved_at=f"{reserved_at:.6f}", submitted_at=f"{submitted_at:.6f}",
+              first_event_at=f"{sink.first_event_at:.6f}", taken_at=f"{sink.writing_since:.6f}",
+              written_at=f"{time.monotonic():.6f}")
 
 
 def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[OutputStream], status: str, code: str,

@@ -14,6 +14,7 @@ older release) is sent unary Submit calls instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,13 +51,14 @@ class RequestSink:
     copies of their token records: the lane's messages are freed, and what waits is the token records of
     the stall window (at most max_tokens × num_sequences) in a few objects, not one object per step."""
 
-    __slots__ = ("items", "waiter", "last_event_at", "failed", "writing_since", "owner", "client_stalled",
-                 "_compact_at", "_merged")
+    __slots__ = ("items", "waiter", "last_event_at", "first_event_at", "failed", "writing_since", "owner",
+                 "client_stalled", "_compact_at", "_merged")
 
     def __init__(self) -> None:
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
         self.last_event_at = time.monotonic()
+        self.first_event_at = 0.0  # monotonic time the lane reader handed it its first item; 0: none yet
         self.failed = False
         self.writing_since = 0.0  # monotonic time the stream began handing output to its client; 0: not writing
         self.owner: asyncio.Task | None = None  # the task streaming to the client, cancelled when the client stalls
@@ -66,7 +68,9 @@ class RequestSink:
 
     def put(self, item) -> None:
         self.items.append(item)
-        self.last_event_at = time.monotonic()
+        self.last_event_at = now = time.monotonic()
+        if not self.first_event_at:
+            self.first_event_at = now
         if len(self.items) >= self._compact_at:
             self._compact()
         waiter = self.waiter
@@ -119,6 +123,32 @@ class RequestSink:
         return items
 
 
+class LaneAcknowledgements:
+    """Tells the node, on its `Lane` call, how many lane messages this frontend handled: one write at a time,
+    the messages handled meanwhile acknowledged together by the next."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+        self._handled = 0
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._send(), name="lane-acknowledgements")
+
+    def handled(self) -> None:
+        self._handled += 1
+        self._wake.set()
+
+    async def _send(self) -> None:
+        with contextlib.suppress(Exception):  # the call ended: its reader sees it
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                handled, self._handled = self._handled, 0
+                await self._call.write(cluster_pb2.LaneCredit(handled=handled))
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
 class SubmitRefused(Refused):
     """The node did not take the request; `code` is the status the unary Submit would end with."""
 
@@ -150,6 +180,7 @@ class NodeConnection:
     lane_task: asyncio.Task | None = None
     requests: set[str] = field(default_factory=set)
     submissions: SubmissionBatcher | None = None  # None: the node has no Submissions call, Submit is unary
+    lane_credits: bool = True  # False: the node has no Lane call, its lane is Results
 
     def __post_init__(self) -> None:
         # The stub is looked up at each stream opening (unit tests replace it).
@@ -159,8 +190,10 @@ class NodeConnection:
 class NodeConnections:
     def __init__(self, frontend_id: str, tasks: BackgroundTasks, connect_timeout_s: float,
                  call_timeout_s: float,
-                 open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:
+                 open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+                 lane_window: int = 2) -> None:
         self.frontend_id = frontend_id
+        self.lane_window = lane_window  # lane messages a node may have sent and this frontend not handled; 0: any
         self._open_channel = open_channel
         self.connect_timeout_s = connect_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -191,16 +224,12 @@ class NodeConnections:
     async def _read_lane(self, conn: NodeConnection) -> None:
         reason = "result lane closed"
         try:
-            stream = conn.stub.Results(cluster_pb2.ResultsRequest(frontend_id=self.frontend_id))
-            async for results in stream:
-                if not conn.lane_ready.done():
-                    conn.lane_ready.set_result(None)
-                    continue
-                sinks = self.sinks
-                for event in results.events:
-                    sink = sinks.get(event.request_id)
-                    if sink is not None:
-                        sink.put(event)
+            async with contextlib.aclosing(self._lane_messages(conn)) as lane:
+                async for results in lane:
+                    if not conn.lane_ready.done():
+                        conn.lane_ready.set_result(None)
+                        continue
+                    self._dispatch(results.events)
         except grpc.aio.AioRpcError as exc:
             reason = f"node {conn.entry.node_id} at {conn.entry.address} was lost ({exc.code().name})"
         except asyncio.CancelledError:
@@ -209,6 +238,54 @@ class NodeConnections:
             conn.lane_ready.set_exception(ConnectionError(reason))
         self._fail_requests(conn, reason)
         conn.lane_task = None
+
+    def _dispatch(self, events) -> None:
+        """Each event into its request's inbox. Requests that get their first event go first: their streams wake
+        before those catching up on a backlog, so a new request's first token does not wait for their writes."""
+        sinks = self.sinks
+        later = []
+        for event in events:
+            sink = sinks.get(event.request_id)
+            if sink is None:
+                continue
+            if sink.first_event_at:
+                later.append((sink, event))
+            else:
+                sink.put(event)
+        for sink, event in later:
+            sink.put(event)
+
+    async def _lane_messages(self, conn: NodeConnection):
+        """The node's lane messages, the first being the "subscribed" one. With a window, over `Lane`: each message
+        is acknowledged as it is read, so the node has at most `lane_window` of them in the transport or unread
+        and folds the rest into its waiting message; over `Results` without one, or for a node of an older
+        release (UNIMPLEMENTED)."""
+        if self.lane_window and conn.lane_credits:
+            call = conn.stub.Lane()
+            try:
+                await call.write(cluster_pb2.LaneCredit(frontend_id=self.frontend_id, window=self.lane_window))
+                opened = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                conn.lane_credits = False
+            else:
+                if opened is grpc.aio.EOF:
+                    return
+                yield opened
+                acknowledgements = LaneAcknowledgements(call)
+                try:
+                    while (results := await call.read()) is not grpc.aio.EOF:
+                        # Acknowledged on receipt, before its events wake their streams: the write is scheduled
+                        # ahead of their work, and the node's next message folds everything meanwhile.
+                        acknowledgements.handled()
+                        yield results
+                finally:
+                    acknowledgements.close()
+                    call.cancel()
+                return
+        async for results in conn.stub.Results(cluster_pb2.ResultsRequest(frontend_id=self.frontend_id)):
+            yield results
 
     def _fail_requests(self, conn: NodeConnection, reason: str) -> None:
         for request_id in list(conn.requests):

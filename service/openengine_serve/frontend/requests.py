@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -33,16 +34,17 @@ class OpenRequest:
     """An accepted request: its node, its sink, its owner, its trace, and the call that stops one of its outputs
     on the node."""
 
-    __slots__ = ("request_id", "owner", "node", "sink", "ended", "trace", "_conn", "_nodes")
+    __slots__ = ("request_id", "owner", "node", "sink", "ended", "trace", "hops", "_conn", "_nodes")
 
     def __init__(self, request_id: str, conn: NodeConnection, sink: RequestSink, nodes: NodeConnections,
-                 owner: str = "", trace: RequestTrace = NO_TRACE) -> None:
+                 owner: str = "", trace: RequestTrace = NO_TRACE, hops: tuple[float, float, float] = ()) -> None:
         self.request_id = request_id
         self.owner = owner  # the API key name that started it ("" when keys are off)
         self.trace = trace
         self.node = conn.entry
         self.sink = sink
         self.ended = False  # set by the stream once every output finished: nothing left to cancel
+        self.hops = hops  # monotonic times the request was opened, reserved and submitted (for its debug log)
         self._conn = conn
         self._nodes = nodes
 
@@ -91,6 +93,7 @@ class Requests:
         a user aborts only its own requests. `trace`: the call's span (request_trace.py)."""
         request_id = plan.request_id
         forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
+        opened_at = time.monotonic()
         self._open += 1
         self._open_by_owner[owner] = self._open_by_owner.get(owner, 0) + 1
         self._open_gauge.set(self._open)
@@ -101,6 +104,7 @@ class Requests:
             except asyncio.CancelledError:
                 self.coordinator.release(request_id)  # the client left during Reserve, which may have gone through
                 raise
+            reserved_at = time.monotonic()
             self.nodes.open_sink(request_id)  # before Submit: the first step may come back at once
             conn = request = None
             try:
@@ -112,7 +116,8 @@ class Requests:
                     conn = None  # the node did not take the request: nothing to cancel
                     raise submit_refusal(exc, node) from None
                 trace.event("queued", **{"openengine.node_id": node.node_id})
-                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes, owner, trace)
+                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes, owner, trace,
+                                      (opened_at, reserved_at, time.monotonic()))
                 yield request
             finally:
                 if conn is not None and not (request is not None and request.ended):

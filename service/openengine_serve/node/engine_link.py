@@ -287,6 +287,10 @@ class EngineLink:
     async def _receive_steps(self, incarnation: _Incarnation) -> None:
         steps = incarnation.steps
         while True:
+            # pyzmq hands a step that is already queued back as a finished future, and awaiting one does not
+            # yield: a node behind on its steps would run only this loop, and every gRPC call (result lanes and
+            # their credits, Submit, heartbeats) waited until it caught up. One turn of the event loop per step.
+            await asyncio.sleep(0)
             step = cluster_pb2.EngineStep.FromString(await steps.recv())
             if self._failed_in_worker:
                 step = self._without_failed_requests(step)

@@ -1,8 +1,9 @@
 """The node: hosts the engine worker and serves the internal Node service (grpc.aio only).
 
-Frontends submit requests here and hold one result lane each (`Results`): every
-engine step that produced something for a frontend becomes exactly one
-StepResults message on its lane. The node registers with the coordinator and
+Frontends submit requests here and hold one result lane each (`Lane`, with the
+frontend's credits; `Results` without): what the engine steps produced for a
+frontend goes out as StepResults messages, the steps it cannot send yet folded
+into one waiting message (`ResultLane`). The node registers with the coordinator and
 heartbeats its load; on SIGTERM it stops taking work, lets running requests
 finish within the drain timeout, then stops its worker.
 """
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 
 import grpc
@@ -43,12 +45,21 @@ class ResultLane:
     events), whatever the number of steps: its cost to the frontend follows the streams, not the steps.
     When the waiting message holds more than `max_backlog_steps` steps the frontend has taken nothing for
     that long: `put` sheds, handing back the ids of the requests whose output waits (the node ends them
-    with a retryable error)."""
+    with a retryable error).
 
-    __slots__ = ("max_backlog_steps", "step", "events", "backlog_steps", "ready", "idle", "_folding")
+    With a `window` (the frontend's credits, `Lane`), at most that many messages are handed to gRPC and not
+    yet acknowledged by the frontend: the backlog stays here, where it folds, instead of in the transport's
+    flow-control window, where every step stays its own message the frontend must read in turn."""
 
-    def __init__(self, max_backlog_steps: int) -> None:
+    __slots__ = ("max_backlog_steps", "step", "events", "backlog_steps", "ready", "idle", "_folding", "first_events",
+                 "window", "unacknowledged", "credit")
+
+    def __init__(self, max_backlog_steps: int, window: int = 0) -> None:
         self.max_backlog_steps = max_backlog_steps
+        self.window = window  # 0: no credits (Results), gRPC's flow control alone
+        self.unacknowledged = 0  # messages handed to gRPC the frontend has not acknowledged
+        self.credit = asyncio.Event()  # set: unacknowledged < window (or no window)
+        self.credit.set()
         self.step = 0
         self.events: list[cluster_pb2.OutputEvent] = []
         self.backlog_steps = 0  # steps merged into the waiting message
@@ -57,6 +68,9 @@ class ResultLane:
         self.idle.set()
         # (request id, output index) -> its plain token event in `events`, the one later tokens fold into
         self._folding: dict[tuple[str, int], cluster_pb2.OutputEvent] = {}
+        # With debug logging only: (request id, submitted at, step arrived at) of the first events in the waiting
+        # message, for the per-hop timing of a request's first token (logged once gRPC took the message).
+        self.first_events: list[tuple[str, float, float]] = []
 
     def put(self, step: int, events: list[cluster_pb2.OutputEvent]) -> list[str]:
         self.step = step
@@ -96,7 +110,12 @@ class ResultLane:
             self.events.append(event)
 
     async def take(self) -> cluster_pb2.StepResults:
+        await self.credit.wait()
         await self.ready.wait()
+        if self.window:
+            self.unacknowledged += 1
+            if self.unacknowledged >= self.window:
+                self.credit.clear()
         message = cluster_pb2.StepResults(step=self.step, events=self.events)
         self.events = []
         self._folding.clear()
@@ -108,6 +127,22 @@ class ResultLane:
         if not self.ready.is_set():
             self.idle.set()
 
+    def acknowledge(self, handled: int) -> None:
+        """The frontend handled `handled` more of the messages it was sent."""
+        self.unacknowledged = max(0, self.unacknowledged - handled)
+        if self.unacknowledged < self.window:
+            self.credit.set()
+
+
+def _log_first_events(first_events: list[tuple[str, float, float]], built_at: float, events: int) -> None:
+    """Debug: the node's hops of each request's first event (CLOCK_MONOTONIC, comparable across processes on
+    one machine): submitted, its engine step arrived, the lane message holding it built, gRPC took it."""
+    taken_at = time.monotonic()
+    for request_id, submitted_at, arrived_at in first_events:
+        log_event(logger, "first event on lane", logging.DEBUG, request_id=request_id,
+                  submitted_at=f"{submitted_at:.6f}", step_at=f"{arrived_at:.6f}", built_at=f"{built_at:.6f}",
+                  taken_at=f"{taken_at:.6f}", message_events=events)
+
 
 class NodeService(cluster_pb2_grpc.NodeServicer):
     def __init__(self, config: NodeConfig, node_id: str) -> None:
@@ -115,6 +150,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         self.node_id = node_id
         self.rank = config.node_rank
         self.lanes: dict[str, ResultLane] = {}
+        # With debug logging only: request id -> when it was submitted, until its first event reaches its lane.
+        self._awaiting_first_event: dict[str, float] = {}
         self.readiness_changed = asyncio.Event()  # set: the engine worker's readiness or the drain changed
         self.link = EngineLink(step_ms=config.step_ms, max_batch=config.max_batch, max_queue=config.max_queue,
                                ranks=config.engine_ranks, on_step=self._on_step,
@@ -137,8 +174,15 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         by_lane: dict[str, list[cluster_pb2.OutputEvent]] = {}
         for event in step.events:
             by_lane.setdefault(event.lane, []).append(event)
+        awaiting = self._awaiting_first_event
+        arrived_at = time.monotonic() if awaiting else 0.0
         for lane_id, events in by_lane.items():
             lane = self.lanes.get(lane_id)
+            if awaiting and lane is not None:
+                for event in events:
+                    submitted_at = awaiting.pop(event.request_id, None)
+                    if submitted_at is not None:
+                        lane.first_events.append((event.request_id, submitted_at, arrived_at))
             if lane is None:
                 # The frontend is gone: its requests can never be delivered.
                 for event in events:
@@ -167,12 +211,14 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         if refusal is not None:
             await context.abort(*refusal)
         if logger.isEnabledFor(logging.DEBUG):
+            self._awaiting_first_event[engine_request.request_id] = time.monotonic()
             log_event(logger, "request submitted", logging.DEBUG, request_id=engine_request.request_id,
                       traceparent=dict(context.invocation_metadata() or ()).get("traceparent", "-"))
         with tracing.server_span(SUBMIT_SPAN, context, **{"openengine.request_id": engine_request.request_id,
                                                           "openengine.node_id": self.node_id}) as span:
             refusal = self._submit(engine_request, span)
             if refusal is not None:
+                self._awaiting_first_event.pop(engine_request.request_id, None)
                 await context.abort(*refusal)
             return cluster_pb2.SubmitReply()
 
@@ -187,6 +233,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         refusal = self._not_taken(engine_request)
         if refusal is None:
             if logger.isEnabledFor(logging.DEBUG):
+                self._awaiting_first_event[engine_request.request_id] = time.monotonic()
                 log_event(logger, "request submitted", logging.DEBUG, request_id=engine_request.request_id,
                           traceparent=submit.traceparent or "-")
             carried = (("traceparent", submit.traceparent), ("tracestate", submit.tracestate)) \
@@ -196,6 +243,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                 "openengine.node_id": self.node_id})
             refusal = self._submit(engine_request, span)
             tracing.end_span(span, None if refusal is None else f"{refusal[0].name}: {refusal[1]}")
+            if refusal is not None:
+                self._awaiting_first_event.pop(engine_request.request_id, None)
         if refusal is None:
             return _SUBMITTED
         return cluster_pb2.SubmitOutcome(refusal_code=refusal[0].value[0], refusal=refusal[1])
@@ -230,15 +279,43 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         return cluster_pb2.CancelReply(found=self.link.cancel(request.request_id, output_index))
 
     async def Results(self, request: cluster_pb2.ResultsRequest, context):
-        frontend_id = request.frontend_id
         lane = ResultLane(self.config.lane_max_backlog_steps)
+        async with contextlib.aclosing(self._serve_lane(request.frontend_id, lane)) as messages:
+            async for message in messages:
+                yield message
+
+    async def Lane(self, request_iterator, context):
+        opening = await anext(aiter(request_iterator), None)
+        if opening is None:
+            return
+        lane = ResultLane(self.config.lane_max_backlog_steps, opening.window)
+
+        async def read_credits() -> None:
+            with contextlib.suppress(Exception):  # the call ended: the lane's own loop sees it
+                async for credit in request_iterator:
+                    lane.acknowledge(credit.handled)
+
+        credits = asyncio.create_task(read_credits(), name="lane-credits")
+        try:
+            async with contextlib.aclosing(self._serve_lane(opening.frontend_id, lane)) as messages:
+                async for message in messages:
+                    yield message
+        finally:
+            credits.cancel()
+
+    async def _serve_lane(self, frontend_id: str, lane: ResultLane):
         self.lanes[frontend_id] = lane  # a reconnecting frontend replaces its old lane
-        log_event(logger, "result lane opened", frontend_id=frontend_id)
+        log_event(logger, "result lane opened", frontend_id=frontend_id, window=lane.window)
         try:
             yield _LANE_OPENED
             while True:
-                yield await lane.take()
+                message = await lane.take()
+                first_events, lane.first_events = lane.first_events, []
+                built_at = time.monotonic() if first_events else 0.0
+                yield message
                 lane.taken()  # resumed: gRPC took the message, it wants the next one
+                if first_events:
+                    _log_first_events(first_events, built_at, len(message.events))
         finally:
             if self.lanes.get(frontend_id) is lane:
                 del self.lanes[frontend_id]

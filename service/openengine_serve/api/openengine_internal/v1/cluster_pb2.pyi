@@ -280,6 +280,16 @@ class ResultsRequest(_message.Message):
     frontend_id: str
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
+class LaneCredit(_message.Message):
+    __slots__ = ("frontend_id", "window", "handled")
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    HANDLED_FIELD_NUMBER: _ClassVar[int]
+    frontend_id: str
+    window: int
+    handled: int
+    def __init__(self, frontend_id: _Optional[str] = ..., window: _Optional[int] = ..., handled: _Optional[int] = ...) -> None: ...
+
 class GetNodeLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

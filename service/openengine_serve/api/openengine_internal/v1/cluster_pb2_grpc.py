@@ -484,6 +484,11 @@ class NodeStub:
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ResultsRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.StepResults.FromString,
                 _registered_method=True)
+        self.Lane = channel.stream_stream(
+                '/openengine_internal.v1.Node/Lane',
+                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.LaneCredit.SerializeToString,
+                response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.StepResults.FromString,
+                _registered_method=True)
         self.GetNodeLoad = channel.unary_unary(
                 '/openengine_internal.v1.Node/GetNodeLoad',
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.GetNodeLoadRequest.SerializeToString,
@@ -527,6 +532,18 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lane(self, request_iterator, context):
+        """The same result lane with the frontend's flow control: the first
+        LaneCredit names the frontend and how many lane messages it may leave
+        unacknowledged; every later one acknowledges lane messages it has handled.
+        What the node may not send yet waits in one message that each engine step
+        folds into, so the transport never holds a backlog of steps. A node
+        without it answers UNIMPLEMENTED and the frontend uses Results.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetNodeLoad(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -554,6 +571,11 @@ def add_NodeServicer_to_server(servicer, server):
             'Results': grpc.unary_stream_rpc_method_handler(
                     servicer.Results,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ResultsRequest.FromString,
+                    response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.StepResults.SerializeToString,
+            ),
+            'Lane': grpc.stream_stream_rpc_method_handler(
+                    servicer.Lane,
+                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.LaneCredit.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.StepResults.SerializeToString,
             ),
             'GetNodeLoad': grpc.unary_unary_rpc_method_handler(
@@ -671,6 +693,33 @@ class Node:
             target,
             '/openengine_internal.v1.Node/Results',
             openengine__internal_dot_v1_dot_cluster__pb2.ResultsRequest.SerializeToString,
+            openengine__internal_dot_v1_dot_cluster__pb2.StepResults.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lane(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/openengine_internal.v1.Node/Lane',
+            openengine__internal_dot_v1_dot_cluster__pb2.LaneCredit.SerializeToString,
             openengine__internal_dot_v1_dot_cluster__pb2.StepResults.FromString,
             options,
             channel_credentials,

@@ -86,7 +86,7 @@ def test_summary_pairs_rounds_and_gives_min_and_median():
         == 1001.0
     text = bench.render({"config": {"coordinators": [1, 2], "rounds": 3, "nodes": 4, "frontends": 2,
                                     "heartbeat_s": 1.0, "coordinator_cpus": 0.25}, "cpus": 2,
-                         "runs": [{**run, "heartbeat_only_cores": 0.01,
+                         "runs": [{**run, "heartbeat_only_cores": 0.01, "heartbeat_peers_cores": 0.02,
                                    "scenarios": [{**s, "coordinator_cores": 0.5, "marginal_cpu_us_per_request": 40.0,
                                                   "latency_p50_ms": 1.0, "limited_by": "x"}
                                                  for s in run["scenarios"]]} for run in runs],

@@ -21,8 +21,8 @@ from .processes import Deployment, wait_for
 STEP_MS = "20"  # a request of 1000 tokens runs for ~20 s: it is in flight for the whole test
 
 
-def slow_cluster(d: Deployment, coordinator_port: int | None = None):
-    coord = processes.coordinator()
+def slow_cluster(d: Deployment, coordinator_port: int | None = None, metrics: bool = False):
+    coord = processes.with_metrics(processes.coordinator())[0] if metrics else processes.coordinator()
     if coordinator_port:
         coord.port = coordinator_port
     d.add(coord)
@@ -55,19 +55,34 @@ def first_token(stream) -> None:
     assert next(stream).WhichOneof("event") == "token"
 
 
+def heartbeat_streams(metrics_port: int) -> dict[str, float]:
+    """The coordinator's open heartbeat streams, by peer."""
+    samples = processes.scrape(metrics_port)
+    return {peer: processes.metric(samples, "openengine_coordinator_heartbeat_streams", peer=peer)
+            for peer in ("node", "frontend")}
+
+
 @pytest.mark.parametrize("server", SERVERS)
-def test_after_a_coordinator_restart_the_frontend_reopens_the_stream_and_reserves_there(server, deployment):
-    coord = slow_cluster(deployment, coordinator_port=processes.free_port())
+def test_after_a_coordinator_restart_the_frontend_reopens_its_streams_and_reserves_there(server, deployment):
+    """The reservation stream and the node's and frontend's heartbeat streams (one each, long-lived) are opened
+    again to the new process; the node and the frontend register there again (their first heartbeat on the new
+    stream answers known=False)."""
+    coord = slow_cluster(deployment, coordinator_port=processes.free_port(), metrics=True)
+    metrics_port = int(coord.args[coord.args.index("--metrics-port") + 1])
     fe = deployment.add(processes.frontend(coord.target, server))
+    one_each = {"node": 1, "frontend": 1}
+    wait_for(lambda: heartbeat_streams(metrics_port) == one_each, 10, "one heartbeat stream per node and frontend")
     with Client(fe.target, retries=False) as client:
         before = client.inference.Generate(request(max_tokens=1000), timeout=60)
         first_token(before)
+        assert heartbeat_streams(metrics_port) == one_each, "still the same stream each, heartbeats later"
         coord.proc.kill()
         coord.proc.wait()
         coord.start().wait_ready()
         view = CoordinatorView(coord.target)
         try:
             wait_for(view.node_ready, 20, "the node registered again")
+            wait_for(lambda: heartbeat_streams(metrics_port) == one_each, 20, "new heartbeat streams")
             # The frontend's channel may still be in its reconnect backoff: wait until it heartbeats there again.
             wait_for(lambda: client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
                      == lifecycle_pb2.HEALTH_STATE_READY, 20, "the frontend reaching the new coordinator")

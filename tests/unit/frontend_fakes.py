@@ -34,6 +34,21 @@ class FakeCoordinatorStub:
         self.aborted = 0  # what Abort answers it aborted
         self.load = cluster_pb2.ClusterLoad()  # what GetClusterLoad answers
         self.unreachable: grpc.aio.AioRpcError | None = None  # when set, Abort and GetClusterLoad raise it
+        self.table: list[cluster_pb2.NodeEntry] = []  # what RegisterFrontend answers
+        self.registrations = 0
+        # FrontendHeartbeats: each heartbeat is answered with the next of these (a reply, or an error that
+        # breaks the stream); none left: it waits for no answer.
+        self.heartbeat_replies: list = []
+        self.heartbeats: list[cluster_pb2.FrontendHeartbeatRequest] = []
+        self.heartbeat_streams = 0
+
+    async def RegisterFrontend(self, request, timeout):
+        self.registrations += 1
+        return cluster_pb2.RegisterReply(heartbeat_interval_s=1.0, nodes=self.table)
+
+    def FrontendHeartbeats(self) -> FakeHeartbeatCall:
+        self.heartbeat_streams += 1
+        return FakeHeartbeatCall(self)
 
     async def Reserve(self, request, timeout, metadata=()):
         self.reserved.append(request)
@@ -83,16 +98,33 @@ class QueuedReplies:
         return True
 
 
-class FakeReservationCall(QueuedReplies):
-    """A Reservations stream-stream call over a FakeCoordinatorStub."""
+class FakeStubCall(QueuedReplies):
+    """A stream-stream call over a fake stub: a write after `cancel` fails as grpc.aio's does."""
 
-    def __init__(self, stub: FakeCoordinatorStub) -> None:
+    def __init__(self, stub) -> None:
         super().__init__()
         self.stub = stub
 
-    async def write(self, batch: cluster_pb2.ReservationBatch) -> None:
+    def check_open(self) -> None:
         if self.cancelled:
             raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+
+
+class FakeHeartbeatCall(FakeStubCall):
+    """A FrontendHeartbeats stream-stream call over a FakeCoordinatorStub."""
+
+    async def write(self, heartbeat: cluster_pb2.FrontendHeartbeatRequest) -> None:
+        self.check_open()
+        self.stub.heartbeats.append(heartbeat)
+        if self.stub.heartbeat_replies:
+            self.replies.put_nowait(self.stub.heartbeat_replies.pop(0))
+
+
+class FakeReservationCall(FakeStubCall):
+    """A Reservations stream-stream call over a FakeCoordinatorStub."""
+
+    async def write(self, batch: cluster_pb2.ReservationBatch) -> None:
+        self.check_open()
         self.stub.released.extend(batch.release)
         reply = cluster_pb2.ReservationReplies()
         for request in batch.reserve:
@@ -177,16 +209,11 @@ class FakeLaneCall:
         return True
 
 
-class FakeSubmissionCall(QueuedReplies):
+class FakeSubmissionCall(FakeStubCall):
     """A Submissions stream-stream call over a FakeNodeStub."""
 
-    def __init__(self, stub: FakeNodeStub) -> None:
-        super().__init__()
-        self.stub = stub
-
     async def write(self, batch: cluster_pb2.SubmitBatch) -> None:
-        if self.cancelled:
-            raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
+        self.check_open()
         reply = cluster_pb2.SubmitOutcomes()
         for request in batch.submit:
             try:

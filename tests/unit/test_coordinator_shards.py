@@ -3,12 +3,14 @@ each id's calls go to its coordinator; Abort(all_requests) and the load go to al
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.routing import owning_coordinator
-from openengine_serve.frontend.coordinator_client import AbortIncomplete, CoordinatorUnreachable
+from openengine_serve.frontend.coordinator_client import AbortIncomplete, CoordinatorClient, CoordinatorUnreachable
 from openengine_serve.frontend.nodes import NodeConnections
 from openengine_serve.frontend.tasks import BackgroundTasks
 
@@ -103,3 +105,45 @@ def test_the_node_table_is_every_answering_coordinators_and_the_first_listed_win
     first.reachable = False
     client._set_nodes(second, [node_entry("n0", rank=0, state=cluster_pb2.NODE_STATE_DOWN), node_entry("n1", 1)])
     assert [n.node_id for n in client.ready_nodes()] == ["n1"]
+
+
+async def test_heartbeats_ride_one_stream_and_keep_the_node_table_from_its_changes():
+    """The whole table, then the entries that changed; a broken stream: unreachable, register again, a new
+    stream (whose first reply is the whole table again: a node gone from it is dropped); known=False: register."""
+    stub = FakeCoordinatorStub()
+    a, b = node_entry("a", 0), node_entry("b", 1)
+    b_draining = node_entry("b", 1, state=cluster_pb2.NODE_STATE_DRAINING)
+    stub.table = [a, b]
+    stub.heartbeat_replies = [
+        cluster_pb2.HeartbeatReply(known=True, nodes=[a, b], full_table=True),
+        cluster_pb2.HeartbeatReply(known=True),  # nothing changed
+        cluster_pb2.HeartbeatReply(known=True, nodes=[b_draining]),
+        UNAVAILABLE,  # the coordinator restarted
+        cluster_pb2.HeartbeatReply(known=True, nodes=[b_draining], full_table=True),
+        cluster_pb2.HeartbeatReply(known=False, nodes=[]),
+        cluster_pb2.HeartbeatReply(known=True),
+    ]
+    tables: list[list[tuple[str, int]]] = []
+    reachable: list[bool] = []
+
+    def on_node_table(nodes):
+        tables.append(sorted((n.node_id, n.state) for n in nodes.values()))
+        reachable.append(client.reachable)
+
+    client = CoordinatorClient("fe-test", [FIRST], "fe.test:1", heartbeat_s=0.01, call_timeout_s=1.0,
+                               live_requests=lambda: 3, on_node_table=on_node_table)
+    client.shards[0].stub = stub
+    loop = asyncio.create_task(client.heartbeat_loop())
+    try:
+        async with asyncio.timeout(5):
+            while stub.heartbeat_replies or len(stub.heartbeats) < 8:
+                await asyncio.sleep(0.01)
+    finally:
+        loop.cancel()
+        await client.close()
+    ready, draining = cluster_pb2.NODE_STATE_READY, cluster_pb2.NODE_STATE_DRAINING
+    both, b_drains, only_b = [("a", ready), ("b", ready)], [("a", ready), ("b", draining)], [("b", draining)]
+    # registration (stub.table), 3 replies, (the break), registration, 2 replies (known=False), registration, reply
+    assert tables == [both, both, both, b_drains, both, only_b, only_b, both, both]
+    assert stub.registrations == 3 and stub.heartbeat_streams == 2
+    assert all(reachable) and {h.live_requests for h in stub.heartbeats} == {3}

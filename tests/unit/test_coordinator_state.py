@@ -445,3 +445,63 @@ def test_least_loaded_through_the_load_index_matches_a_scan_over_every_node(stat
             assert chosen in {n.entry.node_id for n in eligible}
             assert state._nodes[chosen].load_score() - 1 / max(1, state._nodes[chosen].entry.load.max_running_requests) \
                 == pytest.approx(lowest)  # its score before this reservation was the lowest
+
+
+# ------------------------------------------------------- the frontends' node table
+
+
+def table_ids(entries: list[cluster_pb2.NodeEntry]) -> list[str]:
+    return [entry.node_id for entry in entries]
+
+
+def test_a_frontend_gets_the_whole_table_first_then_only_what_changed(state: ClusterState) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    full, entries, version = state.node_table_since(-1)
+    assert full and table_ids(entries) == ["a", "b"]
+    assert state.node_table_since(version) == (False, [], version), "nothing changed: nothing to send"
+
+    state.node_heartbeat("b", READY, load(running=3))
+    full, entries, version = state.node_table_since(version)
+    assert not full and table_ids(entries) == ["b"] and entries[0].load.running_requests == 3
+    add_node(state, "c", ready=False)
+    state.node_heartbeat("a", DRAINING, None)
+    full, entries, latest = state.node_table_since(version)
+    assert not full and table_ids(entries) == ["c", "a"]  # in the order they changed
+    assert entries[1].state == DRAINING and entries[0].state == STARTING
+    # A frontend further behind gets everything that changed since its own version.
+    assert table_ids(state.node_table_since(version - 1)[1]) == ["b", "c", "a"]
+    assert state.node_table_since(latest)[1] == []
+
+
+def test_a_node_leaving_the_table_sends_the_whole_table_again(state: ClusterState, clock: FakeClock) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    _, _, version = state.node_table_since(-1)
+    clock.advance(31.0)  # past FORGET_AFTER_EXPIRIES x 3 s: both forgotten
+    state.node_heartbeat("b", READY, None)
+    state.expire()
+    full, entries, _ = state.node_table_since(version)
+    assert full and table_ids(entries) == ["b"]  # "a" is gone: the frontend's copy must drop it
+
+
+def test_a_heartbeat_that_changes_nothing_leaves_the_table_and_the_index_alone(state: ClusterState) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    state.node_heartbeat("a", READY, load(running=1))
+    state.node_heartbeat("b", READY, load(running=1))
+    _, _, version = state.node_table_since(-1)
+    index = state._least_loaded
+    pushed = len(index._heap)
+    for _ in range(5):
+        state.node_heartbeat("a", READY, load(running=1))
+        state.node_heartbeat("b", READY, None)
+    assert state.node_table_since(version) == (False, [], version)
+    assert len(index._heap) == pushed, "no new load-index entry for an unchanged score"
+    # A reservation since the last report still counts until the next report, which then resets it.
+    assert reserve(state, "r1") in ("a", "b")
+    picked = state.lookup("r1")[1].node_id
+    state.node_heartbeat(picked, READY, load(running=1))
+    assert state.node_table_since(version)[1] == [], "same figures: the table is unchanged"
+    # Equal again (the report counts r1): the tie goes to the node picked longest ago.
+    assert reserve(state, "r2") != picked

@@ -62,3 +62,23 @@ async def test_a_backlog_merges_token_events_per_output_and_keeps_their_order():
     assert items[-1].finish == cluster_pb2.ENGINE_FINISH_LENGTH
     sink.put(event(0, 1))
     assert [t.token_id for t in (await sink.take())[0].tokens] == [1], "a new round starts unmerged"
+
+
+async def test_direct_handling_only_while_the_stream_waits_with_nothing_queued():
+    sink = RequestSink()
+    handled = []
+
+    def direct(item):
+        handled.append(item)
+        return None if item != "replace" else "replacement"
+
+    sink.direct = direct
+    sink.put("queued")  # nobody waits: queued, not handled
+    assert await sink.take() == ["queued"] and not handled
+    waiter = asyncio.ensure_future(sink.take())
+    await asyncio.sleep(0)
+    sink.put("sent")  # the stream waits with nothing queued: handled, not queued
+    sink.put("replace")  # handled, and its replacement is queued (wakes the stream)
+    sink.put("after")  # something is queued: not handled, keeps its place behind it
+    assert handled == ["sent", "replace"]
+    assert await asyncio.wait_for(waiter, 1) == ["replacement", "after"]

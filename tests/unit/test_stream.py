@@ -1,5 +1,6 @@
 """The frontend's per-output stream: hand-serialized deltas equal protobuf's, stops, finishes, coalescing."""
 
+import asyncio
 import codecs
 import random
 
@@ -45,7 +46,8 @@ def test_hand_serialized_delta_equals_protobuf(request_id, output_index):
         assert parsed.token.HasField("output_index"), "output_index 0 is present on the wire"
 
 
-def test_token_by_token_deltas_equal_protobuf_also_across_split_characters():
+@pytest.mark.parametrize("output_index", [0, 2])  # output 0's token field is cached whole
+def test_token_by_token_deltas_equal_protobuf_also_across_split_characters(output_index):
     """The one-token fast path (cached bytes) and the general path must stream what protobuf would build:
     each delta's text is what the token completes, a character split over tokens arrives whole once."""
     text = "Héllo wörld, 你好世界 🤖🎉 naïve café ∑∫ — done"
@@ -53,16 +55,16 @@ def test_token_by_token_deltas_equal_protobuf_also_across_split_characters():
     ids += [i for i in range(ENC.n_vocab) if len(ENC.decode_single_token_bytes(i)) == 1
             and ENC.decode_single_token_bytes(i)[0] >= 0x80][:40]  # lone bytes of multi-byte characters
     assert any(STRINGS.one_token_body(i) is None for i in ids), "the stream must split characters"
-    out = OutputStream(0, plan(request_id="req-1"), ENC, STRINGS)
+    out = OutputStream(output_index, plan(request_id="req-1"), ENC, STRINGS)
     detok = codecs.getincrementaldecoder("utf-8")(errors="replace")
     streamed = ""
     for token_id in ids:
-        delta, count, finished, _ = out.on_events([event([token_id])])
+        delta, count, finished, _ = out.on_events([event([token_id], index=output_index)])
         expected_text = detok.decode(ENC.decode_single_token_bytes(token_id))
         assert delta is not None, "every token is reported, also one whose text is still held back"
         parsed = G.GenerateResponse.FromString(delta)
         assert parsed == G.GenerateResponse(request_id="req-1", token=G.TokenOutput(
-            output_index=0, text=expected_text, tokens=[G.TokenInfo(token_id=token_id, token=STRINGS(token_id))]))
+            output_index=output_index, text=expected_text, tokens=[G.TokenInfo(token_id=token_id, token=STRINGS(token_id))]))
         assert count == 1 and finished is None
         streamed += parsed.token.text
     assert streamed + detok.decode(b"", final=True) == ENC.decode(ids)
@@ -114,3 +116,67 @@ def test_length_and_cancel_finishes():
     out = OutputStream(0, plan(), ENC, STRINGS)
     _, _, finished, _ = out.on_events([event([11], C.ENGINE_FINISH_LENGTH)])
     assert finished.finished.reason == G.FINISH_REASON_LENGTH
+
+
+async def _stream_one_event_at_a_time(ids, send_now):
+    """Inference.stream fed one event per step (the stream idle in between, as on the lane); every message in
+    the order the client would get it, and how many went through send_now."""
+    from openengine_serve.frontend.inference import Inference
+    from openengine_serve.frontend.nodes import RequestSink
+
+    class Accepted:  # what Inference.stream uses of requests.OpenRequest
+        def __init__(self) -> None:
+            self.sink, self.ended, self.owner = RequestSink(), False, ""
+            self.node = C.NodeEntry(node_id="n")
+            from openengine_serve.frontend.request_trace import NO_TRACE
+            self.trace = NO_TRACE
+
+    inference = Inference.__new__(Inference)
+    inference.encoding, inference.strings = ENC, STRINGS
+    accepted, out, direct = Accepted(), [], []
+
+    async def write(message):
+        out.append(serialize_response(message))
+
+    def send(data):
+        direct.append(data)
+        if send_now(len(direct)):
+            out.append(data)
+            return True
+        return False
+
+    task = asyncio.ensure_future(inference.stream(plan(max_tokens=len(ids)), accepted, 0.0, write,
+                                                  send if send_now else None))
+    for n, token_id in enumerate(ids):
+        for _ in range(3):
+            await asyncio.sleep(0)
+        last = n == len(ids) - 1
+        accepted.sink.put(event([token_id], C.ENGINE_FINISH_LENGTH if last else C.ENGINE_FINISH_NONE))
+    await asyncio.wait_for(task, 5)
+    return out, len(direct)
+
+
+async def test_deltas_sent_by_the_lane_reader_equal_the_stream_s_own_writes():
+    """pygrpc-native's non-blocking send (the lane reader sends a plain one-token delta while the stream waits):
+    the client gets the same messages in the same order, a send that finds the client's buffer full goes out
+    through the stream's own write, once and in order, and the token metrics count every delta once."""
+    ids = ENC.encode("Héllo wörld, 你好世界 🤖🎉 naïve café — done and done again")
+    expected, _ = await _stream_one_event_at_a_time(ids, None)
+    assert len(expected) == len(ids) + 1, "one delta per token and the finished message"
+    sent, direct = await _stream_one_event_at_a_time(ids, lambda n: True)
+    assert sent == expected
+    assert direct > len(ids) // 2, "most deltas go out from the lane reader"
+    counts = _metric_counts()
+    sent, _ = await _stream_one_event_at_a_time(ids, lambda n: n % 3 != 0)  # every third finds the buffer full
+    assert sent == expected
+    await asyncio.sleep(0)  # the metrics' flush
+    tokens, gaps = (after - before for after, before in zip(_metric_counts(), counts))
+    assert (tokens, gaps) == (len(ids), len(ids) - 1), "every delta counted once, whichever path sent it"
+
+
+def _metric_counts() -> tuple[float, float]:
+    from openengine_serve.frontend import metrics
+
+    samples = {s.name: s.value for m in (metrics.GENERATED_TOKENS, metrics.ITL) for s in m.collect()[0].samples}
+    return samples["openengine_frontend_generated_tokens_total"], samples[
+        "openengine_frontend_inter_token_latency_seconds_count"]

@@ -1,9 +1,11 @@
 """`openengine-serve bench --coordinator`: one coordinator (or --coordinators N sharing the request ids) driven by
 simulated frontends and nodes.
 
-Real coordinator processes; one load-generator process simulates --nodes nodes
+Real coordinator processes; the load generator simulates --nodes nodes
 (register, then heartbeat with their load every --heartbeat-s) and --frontends
-frontends (register, heartbeat). Then, in one run and side by side:
+frontends (register, heartbeat), each peer on its own heartbeat stream as the real
+ones, in a process of their own so that the requests' loop times only the
+coordinator. Then, in one run and side by side:
 
 - unary: --concurrency loops, each Reserve then Release of a fresh id (today's
   path before the batched stream: two unary calls per request), spread over the
@@ -43,8 +45,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
+import multiprocessing
 import os
+import random
 import subprocess
 import sys
 import time
@@ -55,6 +60,7 @@ import grpc
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from openengine_serve.client import is_serving
+from openengine_serve.common.heartbeat_stream import HeartbeatFailed, HeartbeatStream
 from openengine_serve.common.net import free_port
 from openengine_serve.common.routing import owning_coordinator
 from openengine_serve.frontend.reservation_stream import ReservationBatcher
@@ -64,6 +70,7 @@ from .cgroups import CgroupUnavailable, QuotaCgroup
 
 TICKS = os.sysconf("SC_CLK_TCK")
 QUOTA_USED = 0.8  # a coordinator that used this share of its CPU quota over a window was limited by it
+NODES_PER_CHANNEL = 50  # simulated nodes sharing one connection to a coordinator
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -82,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontends", type=int, default=100, help="simulated frontends (default 100)")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval of every simulated "
                                                                    "node and frontend (default 1.0)")
+    p.add_argument("--load-changes", type=float, default=0.0,
+                   help="share of the node heartbeats whose load figures differ from the node's previous ones "
+                        "(0..1; default 0: idle nodes; 1: every node busy, so every frontend heartbeat's reply "
+                        "carries the whole node table)")
     p.add_argument("--concurrency", type=int, default=512, help="saturation: request loops (default 512)")
     p.add_argument("--in-step", action="store_true",
                    help="saturation as frontends whose ticks each carry the same requests: every simulated frontend "
@@ -158,8 +169,9 @@ class SimulatedDeployment:
         self.args = args
         self.channels = [grpc.aio.insecure_channel(target) for target in targets]
         self.stubs = [cluster_pb2_grpc.CoordinatorStub(channel) for channel in self.channels]
+        self.targets = targets
         self.frontend_ids = [f"bench-fe-{i}" for i in range(args.frontends)]
-        self.tasks: list[asyncio.Task] = []
+        self.heartbeat_process: multiprocessing.Process | None = None
 
     async def register(self) -> None:
         await asyncio.gather(*(self.register_with(stub) for stub in self.stubs))
@@ -175,34 +187,78 @@ class SimulatedDeployment:
                 frontend_id=frontend_id, address="127.0.0.1:1"), timeout=10)
 
     @staticmethod
-    def load() -> cluster_pb2.NodeLoad:
-        return cluster_pb2.NodeLoad(max_running_requests=1_000_000, max_queued_requests=1_000_000)
+    def load(running: int = 0) -> cluster_pb2.NodeLoad:
+        return cluster_pb2.NodeLoad(running_requests=running, max_running_requests=1_000_000,
+                                    max_queued_requests=1_000_000)
 
     def start_heartbeats(self) -> None:
-        """Every node and frontend heartbeats once per interval, spread evenly over it."""
-        count = self.args.nodes + self.args.frontends
-        gap = self.args.heartbeat_s / max(1, count)
+        """The heartbeats run in a process of their own (`heartbeat_peers`), so that the loop that times the
+        reservations does not also wait for 1,000 peers' heartbeats: its latencies are the coordinator's."""
+        self.heartbeat_process = multiprocessing.get_context("spawn").Process(
+            target=heartbeat_peers, args=(self.targets, self.args, self.frontend_ids), daemon=True,
+            name="bench-heartbeats")
+        self.heartbeat_process.start()
 
-        async def beat(stub: cluster_pb2_grpc.CoordinatorStub) -> None:
+    async def wait_all_ready(self, timeout_s: float = 120.0) -> None:
+        """Until every coordinator has every node READY (their first heartbeats came: the peers' process started)."""
+        deadline = time.monotonic() + timeout_s
+        for stub in self.stubs:
             while True:
-                started = time.monotonic()
-                for rank in range(self.args.nodes):
-                    await stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
-                        node_id=f"bench-node-{rank}", state=cluster_pb2.NODE_STATE_READY, load=self.load()),
-                        timeout=10)
-                    await asyncio.sleep(gap)
-                for frontend_id in self.frontend_ids:
-                    await stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
-                        frontend_id=frontend_id), timeout=10)
-                    await asyncio.sleep(gap)
-                await asyncio.sleep(max(0.0, self.args.heartbeat_s - (time.monotonic() - started)))
-        self.tasks.extend(asyncio.create_task(beat(stub)) for stub in self.stubs)
+                load = await stub.GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=10)
+                if sum(n.state == cluster_pb2.NODE_STATE_READY for n in load.nodes) == self.args.nodes:
+                    break
+                if time.monotonic() > deadline or not self.heartbeat_process.is_alive():
+                    raise SystemExit("the simulated nodes did not all become READY (their heartbeats did not arrive)")
+                await asyncio.sleep(0.2)
 
     async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
+        if self.heartbeat_process is not None:
+            self.heartbeat_process.terminate()
+            self.heartbeat_process.join(timeout=10)
         for channel in self.channels:
             await channel.close()
+
+
+def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: list[str]) -> None:
+    """Every simulated node and frontend heartbeats once per interval on its own stream to each coordinator (the
+    peers' class, `common/heartbeat_stream.py`), the peers spread evenly over the interval; a node's heartbeat
+    carries new load figures with probability --load-changes. Runs until terminated."""
+    interval = args.heartbeat_s
+    peers = [(f"bench-node-{rank}", True) for rank in range(args.nodes)] + [(f, False) for f in frontend_ids]
+    rng = random.Random(0)
+
+    async def beat(stub: cluster_pb2_grpc.CoordinatorStub, peer_id: str, is_node: bool, offset: float) -> None:
+        stream = HeartbeatStream(stub.NodeHeartbeats if is_node else stub.FrontendHeartbeats, 10.0)
+        load, running = SimulatedDeployment.load(), 0
+        next_at = time.monotonic() + offset
+        while True:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            next_at += interval
+            if not is_node:
+                heartbeat = cluster_pb2.FrontendHeartbeatRequest(frontend_id=peer_id)
+            else:
+                if rng.random() < args.load_changes:
+                    running = (running + 1) % 64
+                    load = SimulatedDeployment.load(running)
+                heartbeat = cluster_pb2.NodeHeartbeatRequest(node_id=peer_id, state=cluster_pb2.NODE_STATE_READY,
+                                                             load=load)
+            with contextlib.suppress(HeartbeatFailed):  # a late reply: the coordinator's expiry counts it
+                await stream.beat(heartbeat)
+
+    async def run() -> None:
+        # A connection per frontend (as each frontend worker has), the nodes' shared by NODES_PER_CHANNEL: one
+        # connection for every stream made the coordinator's large replies (whole tables) queue behind each other.
+        beats = []
+        for target in targets:
+            stubs: dict[str, cluster_pb2_grpc.CoordinatorStub] = {}
+            for i, (peer_id, is_node) in enumerate(peers):
+                group = f"nodes-{i // NODES_PER_CHANNEL}" if is_node else peer_id
+                if group not in stubs:
+                    stubs[group] = cluster_pb2_grpc.CoordinatorStub(grpc.aio.insecure_channel(target))
+                beats.append(beat(stubs[group], peer_id, is_node, i * interval / len(peers)))
+        await asyncio.gather(*beats)
+
+    asyncio.run(run())
 
 
 class UnaryPath:
@@ -486,10 +542,12 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
     return result
 
 
-async def heartbeat_only(coordinator_pids: list[int], window_s: float) -> float:
-    cpu0, t0 = cpu_seconds(coordinator_pids), time.monotonic()
+async def heartbeat_only(coordinator_pids: list[int], peers_pid: int, window_s: float) -> tuple[float, float]:
+    """The coordinators' cores and the simulated peers' (their process) while only the heartbeats flow."""
+    cpu0, peers0, t0 = cpu_seconds(coordinator_pids), cpu_seconds([peers_pid]), time.monotonic()
     await asyncio.sleep(window_s)
-    return (cpu_seconds(coordinator_pids) - cpu0) / (time.monotonic() - t0)
+    elapsed = time.monotonic() - t0
+    return (cpu_seconds(coordinator_pids) - cpu0) / elapsed, (cpu_seconds([peers_pid]) - peers0) / elapsed
 
 
 async def drive(coordinators: Coordinators, args: argparse.Namespace, round_number: int) -> dict:
@@ -505,13 +563,18 @@ async def drive(coordinators: Coordinators, args: argparse.Namespace, round_numb
     coordinators.confine()
     rss_registered = [rss_bytes(pid) for pid in pids]
     deployment.start_heartbeats()
+    await deployment.wait_all_ready()
+    await asyncio.sleep(args.warmup_s)
+    heartbeat_cores, heartbeat_peers_cores = await heartbeat_only(pids, deployment.heartbeat_process.pid,
+                                                                  args.window_s)
     result = {
         "round": round_number, "coordinators": len(targets), "coordinator_cpus": coordinators.cpus or None,
         "memory": [{"rss_empty_mb": empty / 2**20, "rss_registered_mb": registered / 2**20,
                     "bytes_per_registered_peer": (registered - empty) / max(1, peers)}
                    for empty, registered in zip(rss_empty, rss_registered)],
         "registration_s": registration_s,
-        "heartbeat_only_cores": await heartbeat_only(pids, args.window_s),
+        "heartbeat_only_cores": heartbeat_cores,
+        "heartbeat_peers_cores": heartbeat_peers_cores,  # the simulated peers' process
         "scenarios": [],
     }
     known = {"unary": lambda: UnaryPath(targets, args.channels, deployment.frontend_ids),
@@ -589,7 +652,8 @@ def render(result: dict) -> str:
     lines = [
         f"Coordinator benchmark: {','.join(map(str, config['coordinators']))} coordinator(s), "
         f"{config['rounds']} round(s), {config['nodes']} nodes, {config['frontends']} frontends "
-        f"(heartbeat {config['heartbeat_s']} s), {budget}, {result['cpus']} CPUs shared with the load generator",
+        f"(heartbeat {config['heartbeat_s']} s, new load figures in {config.get('load_changes', 0.0):.0%} of node "
+        f"heartbeats), {budget}, {result['cpus']} CPUs shared with the load generator",
         "",
         "| round | coordinators | path | load | reservations/s | coordinator cores (busiest) | CPU µs/request (all) | "
         "CPU µs/request (beyond heartbeats) | p50 ms | p99 ms | requests/message | load-gen cores | errors | "
@@ -611,7 +675,8 @@ def render(result: dict) -> str:
                            f"({m['bytes_per_registered_peer'] / 1024:.2f} KiB per node/frontend)"
                            for m in run["memory"])
         lines.append(f"- round {run['round']}, {run['coordinators']} coordinator(s): {memory}; heartbeats alone "
-                     f"{run['heartbeat_only_cores']:.2f} cores (all coordinators); registration took "
+                     f"{run['heartbeat_only_cores']:.2f} cores (all coordinators; the simulated peers "
+                     f"{run['heartbeat_peers_cores']:.2f}); registration took "
                      f"{run['registration_s']:.1f} s")
     summary = result["summary"]
     if config["rounds"] > 1 or len(config["coordinators"]) > 1:

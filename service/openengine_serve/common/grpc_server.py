@@ -13,6 +13,7 @@ import importlib.metadata
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -129,3 +130,33 @@ def create_internal_server() -> grpc.aio.Server:
                   "OPENENGINE_GRPC_SERVER is ignored: internal components always run grpc.aio",
                   value=os.environ["OPENENGINE_GRPC_SERVER"])
     return create_server()
+
+
+def nonblocking_send(context) -> Callable[[bytes], bool] | None:
+    """A synchronous send of one serialized message on a server-streaming call, where the server has one:
+    pygrpc-native hands a message to its Rust I/O thread without awaiting anything (`stream_try_send`, what its
+    own `context.write` calls first). The function returns True when the message was sent, False when it was not
+    (the client's buffer is full, the call ended, or it is over the send limit): the caller then writes those
+    bytes with `context.write`, which waits for room or marks the call closed exactly as before. None for
+    grpc.aio (every send is awaited) and for a pygrpc-native whose internals differ from the 0.5 series'.
+
+    Called outside the call's own task (the frontend's lane reader), so it must never block."""
+    server = getattr(context, "_server", None)
+    front = getattr(server, "_front", None)
+    call_id = getattr(getattr(context, "_call", None), "call_id", None)
+    try_send = getattr(front, "stream_try_send", None)
+    if try_send is None or call_id is None or not hasattr(context, "_closed"):
+        return None
+    from pygrpc_native._native import STREAM_SENT  # only reached on pygrpc-native
+
+    limit = getattr(server, "_send_limit", None) or MAX_MESSAGE_BYTES
+
+    def send(data: bytes) -> bool:
+        if context._closed or len(data) > limit:
+            return False
+        try:
+            return try_send(call_id, data) == STREAM_SENT
+        except Exception:  # noqa: BLE001 - e.g. the server is stopping: context.write reports it on the call's task
+            return False
+
+    return send

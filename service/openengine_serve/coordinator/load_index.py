@@ -29,7 +29,11 @@ class LeastLoadedIndex:
         if score is None:
             self._current.pop(node_id, None)
             return
-        entry = (score, self._last_picked.get(node_id, 0), next(self._versions))
+        picked = self._last_picked.get(node_id, 0)
+        current = self._current.get(node_id)
+        if current is not None and current[0] == score and current[1] == picked:
+            return  # its live entry already says so: nothing to push
+        entry = (score, picked, next(self._versions))
         self._current[node_id] = entry
         heapq.heappush(self._heap, (*entry, node_id))
         if len(self._heap) > 2 * len(self._current) + 64:

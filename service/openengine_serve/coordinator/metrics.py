@@ -10,8 +10,9 @@ from .state import ClusterState
 
 
 class CoordinatorCollector(Collector):
-    def __init__(self, state: ClusterState) -> None:
+    def __init__(self, state: ClusterState, heartbeat_streams: dict[str, int]) -> None:
         self.state = state
+        self.heartbeat_streams = heartbeat_streams
 
     def collect(self):
         snapshot = self.state.snapshot()
@@ -29,7 +30,12 @@ class CoordinatorCollector(Collector):
                                        labels=["reason"])
         for reason, count in snapshot["refusals"].items():
             refusals.add_metric([reason], count)
-        yield from (nodes, frontends, routing, refusals)
+        streams = GaugeMetricFamily("openengine_coordinator_heartbeat_streams",
+                                    "heartbeat streams open, by peer (one per node and frontend worker when all is "
+                                    "well)", labels=["peer"])
+        for peer, count in self.heartbeat_streams.items():
+            streams.add_metric([peer], count)
+        yield from (nodes, frontends, routing, refusals, streams)
         for key, help_text in _GAUGES.items():
             yield GaugeMetricFamily(f"openengine_coordinator_{key}", help_text, value=snapshot[key])
 
@@ -44,5 +50,5 @@ _GAUGES = {  # snapshot key -> help; the metric is openengine_coordinator_<key>
 }
 
 
-def register(state: ClusterState) -> None:
-    REGISTRY.register(CoordinatorCollector(state))
+def register(state: ClusterState, heartbeat_streams: dict[str, int]) -> None:
+    REGISTRY.register(CoordinatorCollector(state, heartbeat_streams))

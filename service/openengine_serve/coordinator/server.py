@@ -9,6 +9,7 @@ after a restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -29,6 +30,9 @@ logger = logging.getLogger("openengine_serve.coordinator")
 
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 REFUSAL_CODES = {kind: STATUS_BY_NUMBER[number] for kind, number in REFUSAL_STATUS.items()}
+# A node's heartbeat replies carry nothing else: shared, never mutated.
+_KNOWN = cluster_pb2.HeartbeatReply(known=True)
+_UNKNOWN = cluster_pb2.HeartbeatReply(known=False)
 
 
 class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
@@ -36,6 +40,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         self.config = config
         self.state = ClusterState(node_expiry_s=config.node_expiry_s, frontend_expiry_s=config.node_expiry_s)
         self.node_channels: dict[str, grpc.aio.Channel] = {}
+        self.heartbeat_streams = {"node": 0, "frontend": 0}  # open now, by peer kind (a metric)
 
     async def RegisterNode(self, request, context) -> cluster_pb2.RegisterReply:
         try:
@@ -46,19 +51,38 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         return cluster_pb2.RegisterReply(heartbeat_interval_s=self.config.heartbeat_s,
                                          nodes=self.state.node_entries(), assigned_rank=entry.rank)
 
-    async def NodeHeartbeat(self, request, context) -> cluster_pb2.HeartbeatReply:
-        known = self.state.node_heartbeat(request.node_id, request.state,
-                                          request.load if request.HasField("load") else None)
-        return cluster_pb2.HeartbeatReply(known=known)
+    async def NodeHeartbeats(self, request_iterator, context):
+        """One node's heartbeats: one reply each, in order. The stream ending (node stopped, connection lost,
+        coordinator restarting) changes nothing: the node is marked DOWN only once it stayed silent for the
+        expiry time (`housekeeping`), as when its heartbeats simply stop."""
+        with self._open_stream("node"):
+            async for heartbeat in request_iterator:
+                known = self.state.node_heartbeat(heartbeat.node_id, heartbeat.state,
+                                                  heartbeat.load if heartbeat.HasField("load") else None)
+                yield _KNOWN if known else _UNKNOWN
 
     async def RegisterFrontend(self, request, context) -> cluster_pb2.RegisterReply:
         self.state.register_frontend(request.frontend_id, request.address)
         log_event(logger, "frontend registered", frontend_id=request.frontend_id, address=request.address)
         return cluster_pb2.RegisterReply(heartbeat_interval_s=self.config.heartbeat_s, nodes=self.state.node_entries())
 
-    async def FrontendHeartbeat(self, request, context) -> cluster_pb2.HeartbeatReply:
-        known = self.state.frontend_heartbeat(request.frontend_id, request.live_requests)
-        return cluster_pb2.HeartbeatReply(known=known, nodes=self.state.node_entries())
+    async def FrontendHeartbeats(self, request_iterator, context):
+        """One frontend's heartbeats, as NodeHeartbeats; each reply brings the frontend's node table up to date:
+        the whole table first, then the entries that changed since the previous reply on this stream."""
+        table_version = -1  # as of which version this stream's replies gave the frontend the table
+        with self._open_stream("frontend"):
+            async for heartbeat in request_iterator:
+                known = self.state.frontend_heartbeat(heartbeat.frontend_id, heartbeat.live_requests)
+                full, nodes, table_version = self.state.node_table_since(table_version)
+                yield cluster_pb2.HeartbeatReply(known=known, nodes=nodes, full_table=full)
+
+    @contextlib.contextmanager
+    def _open_stream(self, peer: str):
+        self.heartbeat_streams[peer] += 1
+        try:
+            yield
+        finally:
+            self.heartbeat_streams[peer] -= 1
 
     async def Reserve(self, request, context) -> cluster_pb2.ReserveReply:
         with tracing.server_span(RESERVE_SPAN, context, **{"openengine.request_id": request.request_id}) as span:
@@ -139,7 +163,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
 
 async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     service = CoordinatorService(config)
-    metrics.register(service.state)
+    metrics.register(service.state, service.heartbeat_streams)
     health = Health()
     server = create_internal_server()
     cluster_pb2_grpc.add_CoordinatorServicer_to_server(service, server)

@@ -97,6 +97,8 @@ class _Node:
     # not yet counted in entry.load, so it is counted in reserved_since_load.
     load_epoch: int = 0
     reserved_since_load: int = 0
+    # The node table's version when this entry last changed (ClusterState.node_table_since).
+    changed_at: int = 0
     request_ids: set[str] = dataclasses.field(default_factory=set)
 
     @property
@@ -177,6 +179,11 @@ class ClusterState:
         self._ready: list[_Node] = []
         self._ready_by_rank: dict[int, _Node] = {}
         self._affinity: dict[str, _Node] = {}
+        # The node table's version: bumped at every change of an entry. Node ids by their last change, oldest
+        # first, so the changes since a version are found without a scan; removals only ask for the whole table.
+        self._table_version = 0
+        self._table_changed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._table_removal_at = 0
         self._routing_decisions = {ROUTE_TARGET_RANK: 0, ROUTE_AFFINITY: 0, ROUTE_LEAST_LOADED: 0}
         self._refusals = {"duplicate": 0, "no_node": 0, "rank_not_found": 0, "deployment_full": 0}
 
@@ -222,33 +229,59 @@ class ClusterState:
         stored.rank = rank
         if stored.state == cluster_pb2.NODE_STATE_UNSPECIFIED:
             stored.state = STARTING
-        self._nodes[node_id] = _Node(entry=stored, last_heartbeat=self._now())
+        node = self._nodes[node_id] = _Node(entry=stored, last_heartbeat=self._now())
         self._ready_changes += 1
-        self._rescore(self._nodes[node_id])
+        self._entry_changed(node)
+        self._rescore(node)
         return _copy(stored)
 
     def node_heartbeat(self, node_id: str, state: int, load: cluster_pb2.NodeLoad | None) -> bool:
         """Records a node's state and load; False for an unknown node (it must register).
 
-        `state` UNSPECIFIED keeps the current state; `load=None` keeps the last load.
+        `state` UNSPECIFIED keeps the current state; `load=None` keeps the last load. The usual heartbeat
+        changes nothing but the time (same state, same load, no reservation since the last one): it touches
+        neither the node table's version nor the load index.
         """
         node = self._nodes.get(node_id)
         if node is None:
             return False
         node.last_heartbeat = self._now()
+        rescore = False
         if load is not None:
-            node.entry.load.CopyFrom(load)
+            if node.entry.load != load:
+                node.entry.load.CopyFrom(load)
+                self._entry_changed(node)
+                rescore = True
+            # The report counts the reservations made so far, whether or not the figures moved.
             node.load_epoch += 1
-            node.reserved_since_load = 0
-        if state != cluster_pb2.NODE_STATE_UNSPECIFIED:
-            self._set_node_state(node, state)
-        if load is not None or state != cluster_pb2.NODE_STATE_UNSPECIFIED:
+            if node.reserved_since_load:
+                node.reserved_since_load = 0
+                rescore = True
+        if state != cluster_pb2.NODE_STATE_UNSPECIFIED and state != node.entry.state:
+            self._set_node_state(node, state)  # rescores
+        elif rescore:
             self._rescore(node)
         return True
 
     def node_entries(self) -> list[cluster_pb2.NodeEntry]:
         """The whole node table, DOWN nodes included, for the frontends' copy."""
         return [_copy(node.entry) for node in self._nodes.values()]
+
+    def node_table_since(self, version: int) -> tuple[bool, list[cluster_pb2.NodeEntry], int]:
+        """What a frontend that has the table as of `version` (-1: nothing yet) needs: (whole table?, entries,
+        the version they bring it to). The whole table when a node left it since; else the entries that changed
+        since, in O(changes). The entries are the live ones, not copies: copy them (into a reply) at once.
+        """
+        if version < self._table_removal_at or version < 0:
+            return True, [node.entry for node in self._nodes.values()], self._table_version
+        changed = []
+        for node_id in reversed(self._table_changed):
+            node = self._nodes[node_id]
+            if node.changed_at <= version:
+                break
+            changed.append(node.entry)
+        changed.reverse()
+        return False, changed, self._table_version
 
     # -------------------------------------------------------------- frontends
 
@@ -487,12 +520,21 @@ class ClusterState:
     # -------------------------------------------------------------- internals
 
     def _set_node_state(self, node: _Node, state: int) -> None:
-        if state == DOWN and node.entry.state != DOWN:
+        if state == node.entry.state:
+            return
+        if state == DOWN:
             self._drop_reservations(node.request_ids)
         if (state == READY) != (node.entry.state == READY):
             self._ready_changes += 1
         node.entry.state = state
+        self._entry_changed(node)
         self._rescore(node)
+
+    def _entry_changed(self, node: _Node) -> None:
+        self._table_version += 1
+        node.changed_at = self._table_version
+        self._table_changed[node.entry.node_id] = None
+        self._table_changed.move_to_end(node.entry.node_id)
 
     def _rescore(self, node: _Node) -> None:
         """Tells the load index the node's score (or that it cannot take a request): after any change of its
@@ -503,6 +545,9 @@ class ClusterState:
     def _forget_node(self, node_id: str) -> None:
         node = self._nodes.pop(node_id)
         self._ready_changes += 1
+        self._table_changed.pop(node_id, None)
+        self._table_version += 1
+        self._table_removal_at = self._table_version
         self._least_loaded.forget(node_id)
         self._drop_reservations(node.request_ids)
 

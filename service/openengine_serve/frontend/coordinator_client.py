@@ -5,7 +5,8 @@ known node table (health reports DEGRADED); `reserve` then raises
 `CoordinatorUnreachable` and the caller routes on its own.
 
 Reserve and Release go over the batched `Reservations` stream
-(`reservation_stream.py`); the other calls are unary. With several coordinators
+(`reservation_stream.py`), heartbeats over the `FrontendHeartbeats` stream
+(`common/heartbeat_stream.py`); the other calls are unary. With several coordinators
 (a comma-separated OPENENGINE_COORDINATOR_ADDRESS) each request id belongs to
 one of them: its Reserve, Release and Abort go there; registration, heartbeats,
 Abort(all_requests) and GetClusterLoad go to all (docs/coordinator.md).
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream
 from ..common.logging_setup import log_event
 from ..common.routing import owning_coordinator
 from .refusal import DuplicateRequest, NotServed, Overloaded, Refusal, Unavailable
@@ -55,7 +57,8 @@ class CoordinatorShard:
     """One coordinator of the deployment as this frontend sees it: its channel, its reservation stream, whether
     it answers, and the node table it last sent."""
 
-    def __init__(self, frontend_id: str, address: str, open_channel: Callable[[str], grpc.aio.Channel]) -> None:
+    def __init__(self, frontend_id: str, address: str, open_channel: Callable[[str], grpc.aio.Channel],
+                 call_timeout_s: float) -> None:
         self.address = address
         self.reachable = False
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}
@@ -63,8 +66,10 @@ class CoordinatorShard:
         self.stub = cluster_pb2_grpc.CoordinatorStub(self.channel)
         # The stub is looked up at each stream opening (unit tests replace it).
         self.reservations = ReservationBatcher(frontend_id, lambda: self.stub.Reservations())
+        self.heartbeats = HeartbeatStream(lambda: self.stub.FrontendHeartbeats(), call_timeout_s)
 
     async def close(self) -> None:
+        self.heartbeats.close()
         await self.reservations.close()
         await self.channel.close()
 
@@ -87,7 +92,8 @@ class CoordinatorClient:
         self.call_timeout_s = call_timeout_s
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}  # the last known table
         self.table_updated = asyncio.Event()  # set at each node table a coordinator sends (readiness follows it)
-        self.shards = [CoordinatorShard(frontend_id, address, open_channel) for address in self.addresses]
+        self.shards = [CoordinatorShard(frontend_id, address, open_channel, call_timeout_s)
+                       for address in self.addresses]
         self._shard_by_address = {shard.address: shard for shard in self.shards}
         self._live_requests = live_requests
         self._on_node_table = on_node_table
@@ -122,16 +128,20 @@ class CoordinatorClient:
                     log_event(logger, "registered with coordinator", frontend_id=self.frontend_id,
                               coordinator=shard.address)
                 # live_requests is this frontend's total on every coordinator (a gauge to read per coordinator).
-                reply = await shard.stub.FrontendHeartbeat(cluster_pb2.FrontendHeartbeatRequest(
-                    frontend_id=self.frontend_id, live_requests=self._live_requests()), timeout=self.call_timeout_s)
+                reply = await shard.heartbeats.beat(cluster_pb2.FrontendHeartbeatRequest(
+                    frontend_id=self.frontend_id, live_requests=self._live_requests()))
                 registered = reply.known
                 self._set_reachable(shard, True)
-                self._set_nodes(shard, reply.nodes)
+                self._set_nodes(shard, reply.nodes, merge=not reply.full_table)
                 shard.reservations.flush()  # releases kept since a broken stream, when no request came since
-            except grpc.aio.AioRpcError as exc:
+            except grpc.aio.AioRpcError as exc:  # the registration
+                shard.heartbeats.record_failure()
                 self._set_reachable(shard, False, exc)
                 registered = False
-            await asyncio.sleep(self.heartbeat_s)
+            except HeartbeatFailed as exc:
+                self._set_reachable(shard, False, detail=str(exc))
+                registered = False
+            await asyncio.sleep(shard.heartbeats.next_delay(self.heartbeat_s))
 
     def _set_reachable(self, shard: CoordinatorShard, reachable: bool, exc: grpc.aio.AioRpcError | None = None,
                        detail: str = "") -> None:
@@ -141,8 +151,12 @@ class CoordinatorClient:
                       **({"code": exc.code().name} if exc else {"detail": detail} if detail else {}))
         shard.reachable = reachable
 
-    def _set_nodes(self, shard: CoordinatorShard, entries) -> None:
-        shard.nodes = {n.node_id: n for n in entries}
+    def _set_nodes(self, shard: CoordinatorShard, entries, merge: bool = False) -> None:
+        """The coordinator's table (`merge`: the entries that changed since its previous one) as this shard's."""
+        if merge:
+            shard.nodes.update((n.node_id, n) for n in entries)
+        else:
+            shard.nodes = {n.node_id: n for n in entries}
         if len(self.shards) == 1:
             self.nodes = shard.nodes
         else:

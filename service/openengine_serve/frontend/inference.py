@@ -17,6 +17,7 @@ import grpc
 from ..api.openengine.v1 import error_pb2, generation_pb2, openengine_pb2_grpc
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
+from ..common.grpc_server import nonblocking_send
 from ..common.health import Health
 from ..common.logging_setup import log_event
 from . import auth, metrics
@@ -47,6 +48,7 @@ RETRY_AFTER_KEY = "openengine-retry-after-ms"  # on RESOURCE_EXHAUSTED: when try
 RETRY_AFTER_MS = 1000
 STALLED_CLIENT_LAST_WRITE_S = 1.0  # how long the terminal error of a stalled client may take to go out
 
+OUTPUT_EVENT = cluster_pb2.OutputEvent
 Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
 
 
@@ -102,7 +104,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 async with self.requests.open(plan, owner=auth.owner(), trace=trace) as accepted:
                     sink = accepted.sink
                     sink.owner = asyncio.current_task()
-                    await self.stream(plan, accepted, started, context.write)
+                    await self.stream(plan, accepted, started, context.write, nonblocking_send(context))
             except asyncio.CancelledError:
                 if sink is None or not sink.client_stalled:
                     raise
@@ -146,8 +148,13 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             # window): a client that reads again sees its end, one that left takes the call with it.
             await context.abort(grpc.StatusCode.CANCELLED, message)
 
-    async def stream(self, plan: GenerationPlan, accepted: OpenRequest, started: float, write: Write) -> None:
-        """Streams the request's engine events to `write` until every output finished (or the stream failed)."""
+    async def stream(self, plan: GenerationPlan, accepted: OpenRequest, started: float, write: Write,
+                     send_now: Callable[[bytes], bool] | None = None) -> None:
+        """Streams the request's engine events to `write` until every output finished (or the stream failed).
+
+        `send_now` (pygrpc-native, grpc_server.nonblocking_send): once the first token is out, the lane reader
+        sends a single output's one-token deltas itself while this task waits with nothing queued, so the task
+        wakes only for what needs it (the last token, a held-back character, a client that reads slowly)."""
         request_id = plan.request_id
         sink = accepted.sink
         outputs = [OutputStream(i, plan, self.encoding, self.strings) for i in range(plan.num_sequences)]
@@ -160,11 +167,33 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         first_token_at = last_token_at = None
         trace = accepted.trace
         finish_reasons: list[int] = []
+
+        def send_directly(item):
+            """RequestSink.direct: None when the item went out here, else what the task must handle."""
+            nonlocal last_token_at
+            if last_token_at is None or type(item) is not OUTPUT_EVENT:
+                return item
+            delta = only_output.one_token_delta(item)
+            if delta is None:
+                return item
+            if not send_now(delta):
+                return delta  # the client's buffer is full (or the call ended): the task writes it, and waits
+            last_token_at = _count_delta(1, last_token_at)
+            return None
+
+        if send_now is not None and single_output and outputs[0].plain:
+            only_output = outputs[0]
+            sink.direct = send_directly
         try:
             while open_outputs:
                 sink.writing_since = 0.0
                 items = await sink.take()
                 sink.writing_since = time.monotonic()
+                if type(items[0]) is bytes:  # a delta send_directly could not send; only ever first, and alone
+                    await write(items.pop(0))
+                    last_token_at = _count_delta(1, last_token_at)
+                    if not items:
+                        continue
                 failure = _first_failure(items)
                 if failure is not None:
                     status, code = "failed", "OK"
@@ -193,25 +222,32 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                             finished.usage.CopyFrom(_usage(plan, outputs))
                         await write(finished)
                 if new_tokens:
-                    now = time.perf_counter()
                     if first_token_at is None:
-                        first_token_at = now
-                        metrics.TTFT.observe(now - started)
+                        first_token_at = time.perf_counter()
+                        metrics.TTFT.observe(first_token_at - started)
                         trace.event("first_token")
+                        last_token_at = first_token_at
+                        metrics.DELTAS.add(new_tokens)
                         if logger.isEnabledFor(logging.DEBUG):
-                            _log_first_token(accepted, now - started)
+                            _log_first_token(accepted, first_token_at - started)
                     else:
-                        metrics.ITL.observe(now - last_token_at)
-                    last_token_at = now
-                    metrics.GENERATED_TOKENS.inc(new_tokens)
+                        last_token_at = _count_delta(new_tokens, last_token_at)
             status, code = "finished", "OK"
         except asyncio.CancelledError:
             status, code = "cancelled", "CANCELLED"
             raise
         finally:
+            sink.direct = None
             sink.writing_since = 0.0
             accepted.ended = not open_outputs
             _record_end(plan, accepted, outputs, status, code, started, finish_reasons)
+
+
+def _count_delta(tokens: int, last_token_at: float) -> float:
+    """Metrics of a token delta after the first; returns its time (the next delta's ITL is measured from it)."""
+    now = time.perf_counter()
+    metrics.DELTAS.add(tokens, now - last_token_at)
+    return now
 
 
 def _log_first_token(accepted: OpenRequest, ttft_s: float) -> None:
@@ -265,7 +301,7 @@ def trace_id(metadata: RequestMetadata) -> str:
 def _first_failure(items: list) -> LaneFailure | cluster_pb2.OutputEvent | None:
     """What ends the stream with an EngineError: a lost lane or an engine error event."""
     for item in items:
-        if type(item) is LaneFailure or item.finish == ENGINE_ERROR:
+        if type(item) is LaneFailure or (type(item) is not bytes and item.finish == ENGINE_ERROR):
             return item
     return None
 

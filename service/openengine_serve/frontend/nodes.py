@@ -52,7 +52,7 @@ class RequestSink:
     the stall window (at most max_tokens × num_sequences) in a few objects, not one object per step."""
 
     __slots__ = ("items", "waiter", "last_event_at", "first_event_at", "failed", "writing_since", "owner",
-                 "client_stalled", "_compact_at", "_merged")
+                 "client_stalled", "direct", "_compact_at", "_merged")
 
     def __init__(self) -> None:
         self.items: deque = deque()
@@ -63,14 +63,27 @@ class RequestSink:
         self.writing_since = 0.0  # monotonic time the stream began handing output to its client; 0: not writing
         self.owner: asyncio.Task | None = None  # the task streaming to the client, cancelled when the client stalls
         self.client_stalled = False
+        # Set by a stream whose server can send without waiting (pygrpc-native): called with an item while the
+        # stream waits in take() with nothing queued; returns None when it sent the item itself, else what to
+        # queue instead (the item, or its serialized delta that did not fit the client's buffer). It saves the
+        # stream's wake-up per token.
+        self.direct: Callable[[object], object] | None = None
         self._compact_at = COMPACT_AT
         self._merged: dict[int, cluster_pb2.OutputEvent] = {}  # output index -> its merged event in `items`
 
-    def put(self, item) -> None:
-        self.items.append(item)
-        self.last_event_at = now = time.monotonic()
+    def put(self, item, now: float | None = None) -> None:
+        """`now`: time.monotonic() if the caller has it (the lane reader reads the clock once per lane message)."""
+        self.last_event_at = now = time.monotonic() if now is None else now
         if not self.first_event_at:
             self.first_event_at = now
+        direct = self.direct
+        if direct is not None and not self.items:
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():  # the stream is idle in take(): nothing to overtake
+                item = direct(item)
+                if item is None:
+                    return
+        self.items.append(item)
         if len(self.items) >= self._compact_at:
             self._compact()
         waiter = self.waiter
@@ -243,6 +256,7 @@ class NodeConnections:
         """Each event into its request's inbox. Requests that get their first event go first: their streams wake
         before those catching up on a backlog, so a new request's first token does not wait for their writes."""
         sinks = self.sinks
+        now = time.monotonic()  # one clock read per lane message
         later = []
         for event in events:
             sink = sinks.get(event.request_id)
@@ -251,9 +265,9 @@ class NodeConnections:
             if sink.first_event_at:
                 later.append((sink, event))
             else:
-                sink.put(event)
+                sink.put(event, now)
         for sink, event in later:
-            sink.put(event)
+            sink.put(event, now)
 
     async def _lane_messages(self, conn: NodeConnection):
         """The node's lane messages, the first being the "subscribed" one. With a window, over `Lane`: each message

@@ -34,6 +34,7 @@ class TokenStrings:
         self._cache: dict[int, str] = {}
         self._info_bytes: dict[int, bytes] = {}
         self._pieces: dict[int, bytes | None] = {}
+        self._first_output_deltas: dict[int, bytes | None] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -66,6 +67,19 @@ class TokenStrings:
             body = self.info_field(token_id) + (length_delimited(_TEXT_FIELD, raw) if raw else b"")
         self._pieces[token_id] = body
         return body
+
+
+    def first_output_delta(self, token_id: int) -> bytes | None:
+        """The `token` field (a TokenOutput of output 0 carrying just this token) of a GenerateResponse, cached per
+        id; None like one_token_body."""
+        try:
+            return self._first_output_deltas[token_id]
+        except KeyError:
+            pass
+        body = self.one_token_body(token_id)
+        delta = None if body is None else length_delimited(_TOKEN_FIELD, output_index_field(0) + body)
+        self._first_output_deltas[token_id] = delta
+        return delta
 
 
 # Token deltas without logprobs — the bulk of all traffic — are serialized by hand from cached pieces:
@@ -129,21 +143,37 @@ class OutputStream:
         # No stop strings and no logprobs: a one-token event can be answered from cached bytes.
         self.plain = self.stops is None and not plan.output_logprobs
 
+    def one_token_delta(self, event: cluster_pb2.OutputEvent) -> bytes | None:
+        """The steady state, answered from cached bytes: a plain output (no stop strings, no logprobs), one token,
+        not the last, nothing held back. The serialized delta (counted as generated), else None (on_events then
+        builds it; same bytes)."""
+        if not self.plain or self.detokenizer.pending or event.finish != ENGINE_NONE:
+            return None
+        tokens = event.tokens
+        if len(tokens) != 1:
+            return None
+        if self.index == 0:  # every single-output request: the whole `token` field is cached
+            token_field = self.strings.first_output_delta(tokens[0].token_id)
+            if token_field is None:
+                return None
+        else:
+            body = self.strings.one_token_body(tokens[0].token_id)
+            if body is None:
+                return None
+            token_field = length_delimited(_TOKEN_FIELD, self.index_field + body)
+        self.generated += 1
+        return self.request_id_prefix + token_field
+
     def on_events(self, events: list[cluster_pb2.OutputEvent]):
         """This output's queued engine events as at most one token delta plus its `finished`.
 
         Returns (delta, delta_tokens, finished, stop_output): the delta is serialized bytes (or a
         GenerateResponse when logprobs were asked) or None; `finished` is a GenerateResponse or None;
         stop_output says the node must be told to stop this output (a stop string matched here)."""
-        if self.plain and len(events) == 1 and not self.detokenizer.pending:
-            # The steady state: one token, not the last, nothing held back. Same bytes as the path below.
-            event = events[0]
-            if event.finish == ENGINE_NONE and len(event.tokens) == 1:
-                body = self.strings.one_token_body(event.tokens[0].token_id)
-                if body is not None:
-                    self.generated += 1
-                    return (self.request_id_prefix + length_delimited(_TOKEN_FIELD, self.index_field + body),
-                            1, None, False)
+        if len(events) == 1:
+            delta = self.one_token_delta(events[0])
+            if delta is not None:
+                return delta, 1, None, False
         plan = self.plan
         if len(events) == 1:
             records = list(events[0].tokens)

@@ -23,6 +23,7 @@ from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.config import NodeConfig
 from ..common.grpc_server import create_internal_server
 from ..common.health import Health
+from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
@@ -363,35 +364,44 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             wake.set()
 
     async def _coordinator_loop(self, address: str) -> None:
-        """Registers, then heartbeats load; registers again whenever the coordinator forgot us."""
+        """Registers, then heartbeats load on one stream (`common/heartbeat_stream.py`, reopened after a break);
+        registers again whenever the coordinator forgot us."""
         wake = self.wakes.setdefault(address, asyncio.Event())
         drain_told = self.drain_told.setdefault(address, asyncio.Event())
         async with internal_channel(address, self.config) as channel:
             stub = cluster_pb2_grpc.CoordinatorStub(channel)
+            heartbeats = HeartbeatStream(stub.NodeHeartbeats, self.config.rpc_timeout_s)
             registered = False
             interval = 1.0
-            while True:
-                try:
-                    if not registered:
-                        interval = await self._register(stub, address) or interval
-                        registered = True
-                    state = self.state()
-                    reply = await stub.NodeHeartbeat(cluster_pb2.NodeHeartbeatRequest(
-                        node_id=self.node_id, state=state, load=self.load()), timeout=self.config.rpc_timeout_s)
-                    if not reply.known:
-                        registered = False
-                        continue
-                    if state == cluster_pb2.NODE_STATE_DRAINING:
-                        drain_told.set()
-                except grpc.aio.AioRpcError as exc:
-                    log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name,
-                              detail=exc.details(), coordinator=address)
-                wake.clear()
-                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives just after `wake` was set
-                # (as the drain does), and the node's stop then waited for this loop until it was killed.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(interval):
-                        await wake.wait()
+            try:
+                while True:
+                    wake.clear()  # a wake from here on (the drain) asks for the heartbeat after this one
+                    try:
+                        if not registered:
+                            interval = await self._register(stub, address) or interval
+                            registered = True
+                        state = self.state()
+                        reply = await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(
+                            node_id=self.node_id, state=state, load=self.load()))
+                        if not reply.known:
+                            registered = False
+                            continue
+                        if state == cluster_pb2.NODE_STATE_DRAINING:
+                            drain_told.set()
+                    except grpc.aio.AioRpcError as exc:  # the registration
+                        heartbeats.record_failure()
+                        log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name,
+                                  detail=exc.details(), coordinator=address)
+                    except HeartbeatFailed as exc:
+                        log_event(logger, "coordinator heartbeat failed", logging.WARNING, code=exc.code.name,
+                                  detail=exc.detail, coordinator=address, failures=heartbeats.failures)
+                    # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives just after `wake` was
+                    # set (as the drain does), and the node's stop then waited for this loop until it was killed.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(heartbeats.next_delay(interval)):
+                            await wake.wait()
+            finally:
+                heartbeats.close()
 
     async def _register(self, stub: cluster_pb2_grpc.CoordinatorStub, address: str) -> float:
         """Registers; returns the heartbeat interval asked for. Without a rank yet, the first coordinator that

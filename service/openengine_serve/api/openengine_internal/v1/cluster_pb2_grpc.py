@@ -41,8 +41,8 @@ class CoordinatorStub:
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.RegisterNodeRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.RegisterReply.FromString,
                 _registered_method=True)
-        self.NodeHeartbeat = channel.unary_unary(
-                '/openengine_internal.v1.Coordinator/NodeHeartbeat',
+        self.NodeHeartbeats = channel.stream_stream(
+                '/openengine_internal.v1.Coordinator/NodeHeartbeats',
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.NodeHeartbeatRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
@@ -51,8 +51,8 @@ class CoordinatorStub:
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.RegisterFrontendRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.RegisterReply.FromString,
                 _registered_method=True)
-        self.FrontendHeartbeat = channel.unary_unary(
-                '/openengine_internal.v1.Coordinator/FrontendHeartbeat',
+        self.FrontendHeartbeats = channel.stream_stream(
+                '/openengine_internal.v1.Coordinator/FrontendHeartbeats',
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.FrontendHeartbeatRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
@@ -94,8 +94,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def NodeHeartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def NodeHeartbeats(self, request_iterator, context):
+        """A node's heartbeats: one long-lived stream per node and coordinator. The node
+        writes one heartbeat per interval (or at once when it starts draining) and
+        waits for its reply; the coordinator answers every heartbeat with exactly one
+        HeartbeatReply, in order. The stream ending changes nothing on the
+        coordinator: a node is marked DOWN only when no heartbeat arrived for the
+        expiry time, whatever became of its streams.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -106,8 +112,10 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FrontendHeartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def FrontendHeartbeats(self, request_iterator, context):
+        """A frontend's heartbeats, likewise; each reply also brings the frontend's copy
+        of the node table up to date (HeartbeatReply.nodes).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -156,8 +164,8 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.RegisterNodeRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.RegisterReply.SerializeToString,
             ),
-            'NodeHeartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.NodeHeartbeat,
+            'NodeHeartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.NodeHeartbeats,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.NodeHeartbeatRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.HeartbeatReply.SerializeToString,
             ),
@@ -166,8 +174,8 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.RegisterFrontendRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.RegisterReply.SerializeToString,
             ),
-            'FrontendHeartbeat': grpc.unary_unary_rpc_method_handler(
-                    servicer.FrontendHeartbeat,
+            'FrontendHeartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.FrontendHeartbeats,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.FrontendHeartbeatRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.HeartbeatReply.SerializeToString,
             ),
@@ -237,7 +245,7 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
-    def NodeHeartbeat(request,
+    def NodeHeartbeats(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -247,10 +255,10 @@ class Coordinator:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/openengine_internal.v1.Coordinator/NodeHeartbeat',
+            '/openengine_internal.v1.Coordinator/NodeHeartbeats',
             openengine__internal_dot_v1_dot_cluster__pb2.NodeHeartbeatRequest.SerializeToString,
             openengine__internal_dot_v1_dot_cluster__pb2.HeartbeatReply.FromString,
             options,
@@ -291,7 +299,7 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
-    def FrontendHeartbeat(request,
+    def FrontendHeartbeats(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -301,10 +309,10 @@ class Coordinator:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/openengine_internal.v1.Coordinator/FrontendHeartbeat',
+            '/openengine_internal.v1.Coordinator/FrontendHeartbeats',
             openengine__internal_dot_v1_dot_cluster__pb2.FrontendHeartbeatRequest.SerializeToString,
             openengine__internal_dot_v1_dot_cluster__pb2.HeartbeatReply.FromString,
             options,

@@ -1,0 +1,106 @@
+"""A peer's heartbeats to one coordinator on one long-lived stream (`NodeHeartbeats`, `FrontendHeartbeats`).
+
+A unary call per heartbeat cost the coordinator a call's setup each time; with
+1,000 nodes that kept its event loop busy in bursts. Here the peer (node or
+frontend) keeps one stream per coordinator, writes one heartbeat at a time and
+waits for its reply, which the coordinator sends for every heartbeat, in order:
+the same exchange as the unary call had, without a call per heartbeat.
+
+A stream that fails (the coordinator restarted or is gone, or no reply within
+the deadline) is cancelled and the heartbeat fails, as the unary call did; the
+next heartbeat opens a new stream. Until one succeeds again (its registration
+failing counts as well) the peer waits a backoff instead of the interval: doubling from `BACKOFF_FIRST_S`, never more
+than the interval, jittered so that peers do not come back in step. So a
+restarted coordinator hears from every peer within about one interval (sooner
+than with the unary calls, which retried only at the next interval), and one
+that is down gets at most a heartbeat per interval from each. Nothing on the
+coordinator follows the stream: a peer is lost only after the expiry time
+without a heartbeat, however its streams end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import grpc
+
+BACKOFF_FIRST_S = 0.05
+
+
+class HeartbeatCall(Protocol):
+    """What a heartbeat stream needs of a grpc.aio stream-stream call."""
+
+    async def write(self, message: Any) -> None: ...
+    async def read(self) -> Any: ...  # the reply, or grpc.aio.EOF once the coordinator ended the stream
+    def cancel(self) -> bool: ...
+
+
+class HeartbeatFailed(Exception):
+    """The heartbeat got no reply: `code` is the gRPC status the stream ended with (UNAVAILABLE when the
+    coordinator ended it, DEADLINE_EXCEEDED when no reply came in time)."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{code.name}: {detail}" if detail else code.name)
+        self.code = code
+        self.detail = detail
+
+
+class HeartbeatStream:
+    """One peer's heartbeat stream to one coordinator (see the module docstring)."""
+
+    def __init__(self, open_call: Callable[[], HeartbeatCall], reply_timeout_s: float,
+                 jitter: Callable[[], float] = random.random) -> None:
+        self.streams_opened = 0
+        self.failures = 0  # in a row, since the last reply
+        self._open_call = open_call
+        self._reply_timeout_s = reply_timeout_s
+        self._jitter = jitter
+        self._call: HeartbeatCall | None = None
+
+    async def beat(self, heartbeat: Any) -> Any:
+        """Sends one heartbeat and returns its reply; raises HeartbeatFailed (the stream is then closed)."""
+        try:
+            if self._call is None:
+                self._call = self._open_call()
+                self.streams_opened += 1
+            async with asyncio.timeout(self._reply_timeout_s):  # not wait_for: no extra task per heartbeat
+                await self._call.write(heartbeat)
+                reply = await self._call.read()
+        except TimeoutError:
+            self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._reply_timeout_s:g} s")
+        except grpc.aio.AioRpcError as exc:
+            self._fail(exc.code(), exc.details() or "")
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a write on a call that already ended, a closed channel
+            self._fail(grpc.StatusCode.UNAVAILABLE, repr(exc))
+        if reply is grpc.aio.EOF:
+            self._fail(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the stream")
+        self.failures = 0
+        return reply
+
+    def record_failure(self) -> None:
+        """Another step of the peer's loop failed (its registration): the next heartbeat waits the backoff too."""
+        self.failures += 1
+
+    def next_delay(self, interval_s: float) -> float:
+        """How long until the next heartbeat: the interval, or after a failure the backoff (see the module
+        docstring), at most the interval."""
+        if not self.failures:
+            return interval_s
+        backoff = min(interval_s, BACKOFF_FIRST_S * 2 ** (self.failures - 1))
+        return backoff * (0.5 + 0.5 * self._jitter())
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    def _fail(self, code: grpc.StatusCode, detail: str) -> None:
+        self.close()
+        self.record_failure()
+        raise HeartbeatFailed(code, detail) from None

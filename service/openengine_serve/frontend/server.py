@@ -37,6 +37,7 @@ from .watchdog import measure_loop_lag, stall_watchdog
 logger = logging.getLogger("openengine_serve.frontend")
 
 DRAIN_ERROR_GRACE_S = 1.0  # time for the terminal DRAINING errors to reach clients before the server stops
+NATIVE_FLUSH_S = 0.2  # pygrpc-native: after the last stream ended, before stop() closes its connections
 # A lane message that merged a backlog (node/server.py: ResultLane) can pass gRPC's default 4 MiB
 # (lane_max_backlog_steps x max_batch token records); the node is a trusted peer: no receive limit.
 NODE_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
@@ -122,6 +123,11 @@ async def _drain(config: FrontendConfig, implementation: ServerImplementation, s
         log_event(logger, "drain deadline reached", logging.WARNING, open_streams=requests.open_count)
         requests.fail_all(LaneFailure("frontend is shutting down: drain deadline reached; retry the request",
                                       retryable=True, draining=True))
+        if early_stop is None and await requests.wait_idle(DRAIN_ERROR_GRACE_S):
+            # pygrpc-native's stop() closes its connections as soon as no handler runs, without waiting for
+            # what the handlers queued to be written: the DRAINING errors were cut off (the client saw the
+            # socket close mid-stream). The streams have ended; give their last bytes a moment to go out.
+            await asyncio.sleep(NATIVE_FLUSH_S)
     # Ends what is left (e.g. health Watch streams) after a short grace; shortens grpc.aio's first stop.
     await server.stop(grace=DRAIN_ERROR_GRACE_S)
     if early_stop is not None:

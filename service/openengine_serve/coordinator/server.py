@@ -137,6 +137,10 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                 return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_NOT_FOUND)
             targets = [(request.request_id, node)]
         results = await asyncio.gather(*(self._cancel_on_node(rid, node) for rid, node in targets))
+        if request.WhichOneof("target") != "all_requests" and not results[0]:
+            # Reserved but no longer on its node: it ended and its release (which rides on the frontend's next
+            # batch) has not arrived yet. Saying ABORTED would claim an abort that did nothing.
+            return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED)
         return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=sum(results))
 
     async def _cancel_on_node(self, request_id: str, node: cluster_pb2.NodeEntry) -> bool:

@@ -30,6 +30,8 @@ NATIVE_REQUIREMENT = "pygrpc-native>=0.5.0,<1"
 NATIVE_INSTALL_COMMAND = "pip install 'openengine-serve[native]'"
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Internal replies carry a refusal's status as its number (refusal_code): the status it names.
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 # Applied to every server, both implementations.
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (

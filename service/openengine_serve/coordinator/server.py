@@ -16,7 +16,7 @@ import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.config import CoordinatorConfig
-from ..common.grpc_server import create_internal_server
+from ..common.grpc_server import STATUS_BY_NUMBER, create_internal_server
 from ..common.health import Health
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.tls import add_internal_port, internal_channel
@@ -28,7 +28,6 @@ from .state import REFUSAL_STATUS, ClusterState, RankConflict
 
 logger = logging.getLogger("openengine_serve.coordinator")
 
-STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 REFUSAL_CODES = {kind: STATUS_BY_NUMBER[number] for kind, number in REFUSAL_STATUS.items()}
 # A node's heartbeat replies carry nothing else: shared, never mutated.
 _KNOWN = cluster_pb2.HeartbeatReply(known=True)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from ..common.grpc_server import STATUS_BY_NUMBER
 from ..common.logging_setup import log_event
 
 logger = logging.getLogger("openengine_serve.frontend")
@@ -35,9 +36,6 @@ MAX_BATCH = 2048
 MAX_UNANSWERED = 1
 # Riders kept while the server cannot be reached; beyond this the oldest are dropped.
 MAX_KEPT_RIDERS = 100_000
-
-
-STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class StreamBroken(Exception):

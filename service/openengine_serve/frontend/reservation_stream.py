@@ -22,11 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..api.openengine_internal.v1 import cluster_pb2
-from .batched_stream import (MAX_BATCH, MAX_UNANSWERED, STATUS_BY_NUMBER, BatchCall, BatchedStream, Refused,
-                             StreamBroken)
+from .batched_stream import MAX_BATCH, MAX_UNANSWERED, BatchCall, BatchedStream, Refused, StreamBroken
 
-__all__ = ["MAX_BATCH", "ReservationBatcher", "ReservationCall", "ReservationRefused", "StreamBroken",
-           "STATUS_BY_NUMBER"]
+__all__ = ["MAX_BATCH", "ReservationBatcher", "ReservationCall", "ReservationRefused", "StreamBroken"]
 
 ReservationCall = BatchCall  # a grpc.aio stream-stream call of Reservations
 

@@ -68,7 +68,6 @@ class TokenStrings:
         self._pieces[token_id] = body
         return body
 
-
     def first_output_delta(self, token_id: int) -> bytes | None:
         """The `token` field (a TokenOutput of output 0 carrying just this token) of a GenerateResponse, cached per
         id; None like one_token_body."""

@@ -149,6 +149,51 @@ def assert_ended_as_stalled(call) -> None:
     assert responses[-1].error.retryable and "accepted no output" in responses[-1].error.message
 
 
+# More than the event loop's default executor has threads (min(32, CPUs + 4)): pygrpc-native's own write waits
+# for a full client buffer on one of them, so this many blocked streams held all of them (docs/robustness.md).
+BLOCKED_NEIGHBOURS = 40
+
+
+def test_a_client_that_paused_reading_gets_its_stream_again_beside_blocked_streams(stall_frontend):
+    import asyncio
+
+    from openengine_bench.isolation import NON_READING_OPTIONS, NonReading
+    from openengine_bench.overload import short_request
+
+    frontend, metrics_port = stall_frontend
+    stalls = lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total")  # noqa: E731
+    stalls_before = stalls()
+    blocked = NonReading(frontend.target, BLOCKED_NEIGHBOURS, lambda: running_requests(frontend.target))
+
+    async def pause_then_read() -> tuple[int, float]:
+        """Reads one message, stops reading for 1 s (its 1 KiB window and the server's buffer for it fill),
+        then reads for 1.5 s: the messages read then, and the longest gap between them."""
+        async with grpc.aio.insecure_channel(frontend.target, options=NON_READING_OPTIONS) as channel:
+            call = openengine_pb2_grpc.InferenceStub(channel).Generate(short_request(8000), timeout=30)
+            await call.read()
+            await asyncio.sleep(1.0)
+            started = last = time.perf_counter()
+            messages, longest = 0, 0.0
+            while last - started < 1.5:
+                await call.read()
+                now = time.perf_counter()
+                messages, longest, last = messages + 1, max(longest, now - last), now
+            call.cancel()
+            return messages, longest
+
+    try:
+        blocked.start(block_s=1.0)
+        messages, longest = asyncio.run(pause_then_read())
+        # still beside them: none was ended by the stall timeout (5 s) before the client read again
+        ended_meanwhile = stalls() - stalls_before
+    finally:
+        blocked.cancel()
+        blocked.close()
+    # Before the fix: nothing for seconds, until the stall timeout ended the blocked streams (and this one).
+    assert longest < 1.0 and messages > 100, f"{messages} messages in 1.5 s, longest gap {longest:.2f} s"
+    assert ended_meanwhile == 0, "the blocked streams were ended before the measurement: it measured nothing"
+
+
 # ITL isolation, the CI form of `python -m openengine_bench.isolation` (docs/robustness.md, "Isolation"). On the
 # tests' 50 ms-step node a well-behaved stream's gaps are ~50 ms, so a loaded 2-core machine's scheduling delays
 # (tens of ms) move a window's ITL p99 far less than they would at the 2 ms step; what the test is there to

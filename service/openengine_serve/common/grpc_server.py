@@ -9,11 +9,12 @@ passed to it.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -134,31 +135,89 @@ def create_internal_server() -> grpc.aio.Server:
     return create_server()
 
 
-def nonblocking_send(context) -> Callable[[bytes], bool] | None:
-    """A synchronous send of one serialized message on a server-streaming call, where the server has one:
-    pygrpc-native hands a message to its Rust I/O thread without awaiting anything (`stream_try_send`, what its
-    own `context.write` calls first). The function returns True when the message was sent, False when it was not
-    (the client's buffer is full, the call ended, or it is over the send limit): the caller then writes those
-    bytes with `context.write`, which waits for room or marks the call closed exactly as before. None for
-    grpc.aio (every send is awaited) and for a pygrpc-native whose internals differ from the 0.5 series'.
+SEND_RETRY_MIN_S = 0.001  # NativeStreamSender.write: sleeps between tries while the client's buffer is full
+SEND_RETRY_MAX_S = 0.1
 
-    Called outside the call's own task (the frontend's lane reader), so it must never block."""
-    server = getattr(context, "_server", None)
-    front = getattr(server, "_front", None)
-    call_id = getattr(getattr(context, "_call", None), "call_id", None)
-    try_send = getattr(front, "stream_try_send", None)
-    if try_send is None or call_id is None or not hasattr(context, "_closed"):
-        return None
-    from pygrpc_native._native import STREAM_SENT  # only reached on pygrpc-native
 
-    limit = getattr(server, "_send_limit", None) or MAX_MESSAGE_BYTES
+class NativeStreamSender:
+    """Sends on a pygrpc-native server-streaming call without its thread pool (0.5 series internals).
 
-    def send(data: bytes) -> bool:
-        if context._closed or len(data) > limit:
+    pygrpc-native's own `context.write` tries to hand the message to its Rust I/O thread (`stream_try_send`)
+    and, when the client's buffer is full, waits for room in a blocking `stream_send` on the event loop's
+    default executor (a handful of threads: min(32, CPUs + 4)). A client that stopped reading holds one of
+    those threads until its call ends, so a few of them block the executor, and then every other stream whose
+    client's buffer is momentarily full waits behind them: measured, a well-behaved client that paused reading
+    for 1 s next to 64 non-reading streams got nothing more for 19 s, until the stall timeout ended those.
+    `write` waits for room by trying again after a short sleep instead, on the call's own task."""
+
+    __slots__ = ("_context", "_server", "_call", "_try_send", "_call_id", "_limit", "_sent", "_full")
+
+    def __init__(self, context, server, try_send, call_id: int, sent: int, full: int) -> None:
+        self._context, self._server, self._call = context, server, context._call
+        self._try_send, self._call_id = try_send, call_id
+        self._limit = getattr(server, "_send_limit", None) or MAX_MESSAGE_BYTES
+        self._sent, self._full = sent, full
+
+    @classmethod
+    def of(cls, context) -> NativeStreamSender | None:
+        """The sender of a pygrpc-native call context; None for grpc.aio and for a pygrpc-native whose internals
+        differ from the 0.5 series' (its `context.write` is then used as it is)."""
+        server = getattr(context, "_server", None)
+        front = getattr(server, "_front", None)
+        call_id = getattr(getattr(context, "_call", None), "call_id", None)
+        try_send = getattr(front, "stream_try_send", None)
+        if (try_send is None or call_id is None or not hasattr(context, "_closed")
+                or not callable(getattr(server, "_encode", None))):
+            return None
+        from pygrpc_native._native import STREAM_FULL, STREAM_SENT  # only reached on pygrpc-native
+
+        return cls(context, server, try_send, call_id, STREAM_SENT, STREAM_FULL)
+
+    def try_send(self, data: bytes) -> bool:
+        """A synchronous send of one serialized message: True when it was sent, False when it was not (the
+        client's buffer is full, the call ended, or it is over the send limit); the caller then hands those
+        bytes to `write`. Called outside the call's own task (the frontend's lane reader): it never blocks."""
+        if self._context._closed or len(data) > self._limit:
             return False
         try:
-            return try_send(call_id, data) == STREAM_SENT
-        except Exception:  # noqa: BLE001 - e.g. the server is stopping: context.write reports it on the call's task
+            return self._try_send(self._call_id, data) == self._sent
+        except Exception:  # noqa: BLE001 - e.g. the server is stopping: `write` reports it on the call's task
             return False
 
-    return send
+    async def write(self, message) -> None:
+        """`context.write` of pygrpc-native (same encoding, send limit and closed call), waiting for room in
+        sleeps of a quarter of the time waited so far (1 ms .. SEND_RETRY_MAX_S): a client that reads again
+        after a pause of t gets its next message within ~t/4, and a client that stopped reading costs a few
+        wake-ups a second."""
+        context = self._context
+        if context._closed:
+            return
+        data = self._server._encode(self._call, context, message)  # fails the call itself when it cannot
+        if data is None:
+            context._closed = True
+            return
+        context._initial_sent = True
+        status = self._try_send(self._call_id, data)
+        waited = 0.0
+        while status == self._full:
+            delay = min(SEND_RETRY_MAX_S, max(SEND_RETRY_MIN_S, waited / 4))
+            await asyncio.sleep(delay)
+            waited += delay
+            status = self._try_send(self._call_id, data)
+        if status != self._sent:
+            context._closed = True
+
+
+def stream_writer(context) -> tuple[Callable[[object], Awaitable[None]], Callable[[bytes], bool] | None]:
+    """(write, send_now) of a server-streaming call: pygrpc-native's NativeStreamSender, else grpc.aio's
+    `context.write` and no synchronous send (every grpc.aio send is awaited)."""
+    sender = NativeStreamSender.of(context)
+    if sender is None:
+        return context.write, None
+    return sender.write, sender.try_send
+
+
+def nonblocking_send(context) -> Callable[[bytes], bool] | None:
+    """NativeStreamSender.try_send of a pygrpc-native call context, else None."""
+    sender = NativeStreamSender.of(context)
+    return None if sender is None else sender.try_send

@@ -17,7 +17,7 @@ import grpc
 from ..api.openengine.v1 import error_pb2, generation_pb2, openengine_pb2_grpc
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
-from ..common.grpc_server import nonblocking_send
+from ..common.grpc_server import stream_writer
 from ..common.health import Health
 from ..common.logging_setup import log_event
 from . import auth, metrics
@@ -100,15 +100,16 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             plan = self.plan(request, parse_metadata(invocation_metadata))
             trace.set_attributes(**{"gen_ai.usage.input_tokens": len(plan.prompt_token_ids)})
             sink = None
+            write, send_now = stream_writer(context)
             try:
                 async with self.requests.open(plan, owner=auth.owner(), trace=trace) as accepted:
                     sink = accepted.sink
                     sink.owner = asyncio.current_task()
-                    await self.stream(plan, accepted, started, context.write, nonblocking_send(context))
+                    await self.stream(plan, accepted, started, write, send_now)
             except asyncio.CancelledError:
                 if sink is None or not sink.client_stalled:
                     raise
-                await self._end_stalled(plan, context)
+                await self._end_stalled(plan, context, write)
         except Refusal as exc:
             code = REFUSAL_CODES[type(exc)]
             metrics.requests_counter("rejected", code.name, auth.caller_label()).inc()
@@ -134,7 +135,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         return KeyAtLimit(f"API key {key.name!r} has its maximum of {limit} streams open on this frontend worker "
                           f"({source}); retry in {RETRY_AFTER_MS} ms")
 
-    async def _end_stalled(self, plan: GenerationPlan, context) -> None:
+    async def _end_stalled(self, plan: GenerationPlan, context, write: Write) -> None:
         """A client that accepted no output for the stall timeout; its engine slot is already freed. One
         terminal retryable EngineError if the connection still takes a message, else the call is cancelled."""
         asyncio.current_task().uncancel()
@@ -142,7 +143,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         message = f"the client accepted no output for {self.client_stall_timeout_s:g} s; the request was ended"
         try:
             async with asyncio.timeout(STALLED_CLIENT_LAST_WRITE_S):
-                await context.write(engine_error(plan.request_id, error_pb2.ERROR_CODE_INTERNAL, message, True))
+                await write(engine_error(plan.request_id, error_pb2.ERROR_CODE_INTERNAL, message, True))
         except Exception:  # noqa: BLE001 - the write timed out or the call is broken: cancel it either way
             # The status follows the output the connection still holds (at most the client's flow-control
             # window): a client that reads again sees its end, one that left takes the call with it.
@@ -152,7 +153,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                      send_now: Callable[[bytes], bool] | None = None) -> None:
         """Streams the request's engine events to `write` until every output finished (or the stream failed).
 
-        `send_now` (pygrpc-native, grpc_server.nonblocking_send): once the first token is out, the lane reader
+        `send_now` (pygrpc-native, grpc_server.NativeStreamSender.try_send): once the first token is out, the lane reader
         sends a single output's one-token deltas itself while this task waits with nothing queued, so the task
         wakes only for what needs it (the last token, a held-back character, a client that reads slowly)."""
         request_id = plan.request_id

@@ -134,6 +134,31 @@ async def test_cancel_frees_the_slot_within_a_few_steps(engine):
     assert not link.cancel("cancel-me")
 
 
+async def test_a_paused_request_gets_no_token_until_resumed_and_loses_none(engine):
+    link, log = engine
+    async with asyncio.timeout(20):
+        link.submit(long_request("paused", num_sequences=2, max_tokens=30))
+        await log.until(lambda: len(log.events("paused")) >= 4)
+        assert not link.pause("paused", resume=False, lane="another-frontend"), "only its own frontend's"
+        assert link.pause("paused", resume=False, lane="fe-1")
+        steps = len(log.steps)
+        await log.until(lambda: len(log.steps) >= steps + 3)  # the pause reached the worker (steps or heartbeats)
+        received = len(log.events("paused"))
+        await asyncio.sleep(0.2)  # ~100 steps at 2 ms, or idle heartbeats: none for it
+        assert len(log.events("paused")) == received
+        assert link.outstanding["paused"] == {0, 1} and log.steps[-1].running >= 2, "its slots stay held"
+        assert link.pause("paused", resume=True, lane="fe-1")
+        await log.until(lambda: len(log.finishes("paused")) == 2)
+    assert not link.pause("paused", resume=True, lane="fe-1"), "finished: nothing to resume"
+    for index in (0, 1):
+        state = model.RequestState(long_request("paused", num_sequences=2, max_tokens=30))
+        expected = [state.next_token(state.outputs[index])[0] for _ in range(30)]
+        tokens = [record.token_id for _, event in log.events("paused") if event.output_index == index
+                  for record in event.tokens]
+        assert tokens == expected, "every token, in order, as if it had never paused"
+    assert log.finishes("paused") == {0: cluster_pb2.ENGINE_FINISH_LENGTH, 1: cluster_pb2.ENGINE_FINISH_LENGTH}
+
+
 async def test_engine_full_counts_running_and_queued_sequences(engine):
     link, log = engine
     queue_times = len(log.queue_times)

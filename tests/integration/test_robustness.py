@@ -12,7 +12,7 @@ import pytest
 
 from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2, openengine_pb2_grpc
 
-from .conftest import collect, request
+from .conftest import by_output, collect, request
 from .processes import metric, scrape, wait_for
 
 PUBLIC_METHODS = [(service.full_name, method.name, method.input_type.full_name, method.server_streaming)
@@ -147,6 +147,38 @@ def assert_ended_as_stalled(call) -> None:
         return
     assert responses[-1].WhichOneof("event") == "error", responses[-1]
     assert responses[-1].error.retryable and "accepted no output" in responses[-1].error.message
+
+
+def test_a_client_that_paused_reading_gets_every_token_after_its_request_was_paused(stall_frontend):
+    """A client that takes nothing for longer than OPENENGINE_CLIENT_PAUSE_AFTER_S (0.1 s) has its request paused on
+    the node; once it reads again the request resumes: every token, in order, exact usage."""
+    import asyncio
+
+    from openengine_bench.isolation import NON_READING_OPTIONS
+
+    frontend, metrics_port = stall_frontend
+    pauses = lambda: metric(scrape(metrics_port), "openengine_frontend_client_pauses_total")  # noqa: E731
+    with grpc.insecure_channel(frontend.target) as channel:
+        reference = by_output(collect_stub(openengine_pb2_grpc.InferenceStub(channel), request(max_tokens=1500)))
+    pauses_before = pauses()
+
+    async def pause_then_read_all() -> tuple[list, float]:
+        async with grpc.aio.insecure_channel(frontend.target, options=NON_READING_OPTIONS) as channel:
+            call = openengine_pb2_grpc.InferenceStub(channel).Generate(request(max_tokens=1500), timeout=60)
+            responses = [await call.read()]
+            await asyncio.sleep(1.5)  # 750 steps at 2 ms: the stream blocks, then its request is paused
+            paused = pauses() - pauses_before
+            while (response := await call.read()) is not grpc.aio.EOF:
+                responses.append(response)
+            return responses, paused
+
+    responses, paused_while_not_reading = asyncio.run(pause_then_read_all())
+    assert paused_while_not_reading >= 1, "the request was not paused while its client took nothing"
+    outputs = by_output(responses)
+    assert outputs[0]["ids"] == reference[0]["ids"] and outputs[0]["text"] == reference[0]["text"]
+    assert len(outputs[0]["ids"]) == 1500 and len(outputs[0]["finished"]) == 1
+    assert responses[-1].usage.completion_tokens == 1500
+    assert metric(scrape(metrics_port), "openengine_frontend_paused_streams") == 0
 
 
 # More than the event loop's default executor has threads (min(32, CPUs + 4)): pygrpc-native's own write waits

@@ -82,6 +82,51 @@ def test_cancel_of_a_queued_output_and_of_a_running_request(token_fields):
     assert batch.running_request_ids == ["queued"] and batch.running_sequences == 1
 
 
+def pause(batch: Batch, request_id: str, resume: bool = False) -> None:
+    batch.pause(cluster_pb2.PauseRequest(request_id=request_id, resume=resume))
+
+
+def test_a_paused_request_gets_no_token_keeps_its_slot_and_resumes_where_it_stopped(token_fields):
+    batch = make_batch(token_fields, max_batch=3)
+    batch.enqueue(add("paused", sequences=2))
+    batch.enqueue(add("other"))
+    step(batch, 1)
+    pause(batch, "paused")
+    paused_tokens = 2 * (len(PROMPT) + 1)
+    batch.enqueue(add("waiting"))  # the paused request's slots stay held: the batch is full
+    second, third = step(batch, 2), step(batch, 3)
+    assert [e.request_id for e in [*second.events, *third.events]] == ["other", "other"]
+    assert batch.queued_request_ids == ["waiting"] and second.running == 3
+    assert third.running_tokens == paused_tokens + len(PROMPT) + 3  # paused ones counted, not grown
+    pause(batch, "paused", resume=True)
+    fourth = step(batch, 4)
+    # the same tokens as a request never paused: its second token comes next
+    reference = make_batch(token_fields)
+    reference.enqueue(add("paused", sequences=2))
+    expected = [e.tokens[0].token_id for number in (1, 2) for e in step(reference, number).events][2:]
+    assert [e.tokens[0].token_id for e in fourth.events if e.request_id == "paused"] == expected
+    assert batch.paused_tokens == 0
+
+
+def test_all_paused_is_idle_and_a_paused_request_can_be_cancelled(token_fields):
+    batch = make_batch(token_fields)
+    batch.enqueue(add("a", sequences=2))
+    step(batch, 1)
+    pause(batch, "a")
+    pause(batch, "unknown")  # unknown or finished ids are ignored
+    assert batch.idle and batch.running_sequences == 2 and batch.paused_request_ids == ["a"]
+    events: list[bytes] = []
+    batch.cancel(cluster_pb2.CancelRequest(request_id="a", output_index=0), events)
+    assert batch.paused_tokens == len(PROMPT) + 1
+    batch.cancel(cluster_pb2.CancelRequest(request_id="a"), events)
+    cancelled = cluster_pb2.EngineStep.FromString(b"".join(events)).events
+    assert [(e.output_index, e.finish) for e in cancelled] == [(0, cluster_pb2.ENGINE_FINISH_CANCELLED),
+                                                              (1, cluster_pb2.ENGINE_FINISH_CANCELLED)]
+    assert (batch.running_sequences, batch.paused_tokens, batch.running_request_ids) == (0, 0, [])
+    pause(batch, "a", resume=True)  # resuming what ended does nothing
+    assert batch.idle and batch.running_request_ids == []
+
+
 def test_finished_outputs_leave_the_batch(token_fields):
     batch = make_batch(token_fields)
     batch.enqueue(add("short", max_tokens=3))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 import grpc
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.coordinator.state import ClusterState
+from openengine_serve.frontend import metrics
 from openengine_serve.frontend.fallback_routing import FallbackRouter
 from openengine_serve.frontend.nodes import LaneFailure, NodeConnections, SubmitRefused
 from openengine_serve.frontend.refusal import NotServed, Unavailable
@@ -99,6 +101,70 @@ async def test_the_lane_gives_the_node_a_window_and_acknowledges_each_message_ha
     await settle()
     assert [e.tokens[0].token_id for e in await sink.take()] == [0, 1, 2]
     assert sum(c.handled for c in stub.credits[1:]) == 3, stub.credits  # the opening message is not counted
+
+
+async def test_a_sink_whose_client_takes_nothing_pauses_its_request_on_the_lane_and_resumes_it():
+    nodes = NodeConnections("fe-test", BackgroundTasks(), 1.0, 1.0, pause_after_s=0.05)
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+    sink = nodes.open_sink("r1")
+    conn = await nodes.connect(entry)
+    await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r1"))
+    paused_before = metrics.PAUSED_STREAMS._value.get()
+
+    def event(token: int) -> cluster_pb2.StepResults:
+        return cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(
+            request_id="r1", tokens=[cluster_pb2.TokenRecord(token_id=token)])])
+
+    def pauses() -> list[tuple[str, bool]]:
+        return [(p.request_id, p.resume) for credit in stub.credits for p in credit.pauses]
+
+    try:
+        stub.lane.put_nowait(event(0))
+        await settle()
+        assert not sink.paused, "a stream waiting for events is not writing: nothing to pause"
+        sink.writing_since = time.monotonic()  # the stream hands output to its client, which takes nothing
+        stub.lane.put_nowait(event(1))
+        await settle()
+        assert not sink.paused, "not for pause_after_s yet"
+        await asyncio.sleep(0.06)
+        stub.lane.put_nowait(event(2))
+        stub.lane.put_nowait(event(3))
+        await settle()
+        assert sink.paused and pauses() == [("r1", False)], "paused once"
+        assert metrics.PAUSED_STREAMS._value.get() == paused_before + 1
+        sink.resume()  # the client took the output
+        await settle()
+        assert not sink.paused and pauses() == [("r1", False), ("r1", True)]
+        assert metrics.PAUSED_STREAMS._value.get() == paused_before
+        assert [e.tokens[0].token_id for e in await sink.take()] == [0, 1, 2, 3], "nothing lost or reordered"
+        sink.writing_since = time.monotonic() - 1
+        stub.lane.put_nowait(event(4))
+        await settle()
+        assert sink.paused
+        nodes.close_sink("r1", "n0")  # a stream that ends paused (its request is cancelled or finished)
+        assert metrics.PAUSED_STREAMS._value.get() == paused_before
+    finally:
+        await nodes.close()
+        await settle()
+
+
+async def test_without_a_lane_call_or_with_pausing_off_nothing_is_paused(nodes: NodeConnections):
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+    stub.lane_unimplemented = True  # a node of an older release: Results, no call to say it on
+    conn = await nodes.connect(entry)
+    sink = nodes.open_sink("r1")
+    sink.pause_after_s = 0.01
+    await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r1"))
+    sink.writing_since = time.monotonic() - 1
+    sink.put(cluster_pb2.OutputEvent(request_id="r1"))
+    assert not sink.paused
+    off = nodes.open_sink("r2")  # the fixture's NodeConnections: pause_after_s 0
+    off.set_paused = lambda paused: pytest.fail("paused with pausing off")
+    off.writing_since = time.monotonic() - 100
+    off.put(cluster_pb2.OutputEvent(request_id="r2"))
+    assert not off.paused
 
 
 async def test_a_node_without_the_credited_lane_is_read_over_results(nodes: NodeConnections):

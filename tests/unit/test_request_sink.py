@@ -37,6 +37,25 @@ async def test_silent_request_ends_with_a_retryable_failure():
     assert items[0].retryable and "no progress" in items[0].message
 
 
+async def test_a_paused_request_is_not_taken_for_a_silent_engine_and_resumes_with_a_fresh_clock():
+    paused = RequestSink()
+    paused.set_paused = lambda pause: True
+    paused.paused = True  # its client takes nothing: the node sends nothing on purpose
+    watchdog = asyncio.ensure_future(stall_watchdog({"paused": paused}, stall_timeout_s=0.2,
+                                                    client_stall_timeout_s=30))
+    try:
+        await asyncio.sleep(0.5)
+        assert not paused.items
+        paused.resume()
+        assert not paused.paused
+        await asyncio.sleep(0.1)
+        assert not paused.items, "the engine's silence is counted from the resume"
+        items = await asyncio.wait_for(paused.take(), 2)
+    finally:
+        watchdog.cancel()
+    assert isinstance(items[0], LaneFailure) and "no progress" in items[0].message
+
+
 async def test_a_backlog_merges_token_events_per_output_and_keeps_their_order():
     from openengine_serve.api.openengine_internal.v1 import cluster_pb2
     from openengine_serve.frontend.nodes import COMPACT_AT

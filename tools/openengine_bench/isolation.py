@@ -37,6 +37,7 @@ from . import report
 from .overload import Deployment, running_requests, scrape_values, short_request
 
 STALLS = "openengine_frontend_client_stalls_total"
+PAUSES = "openengine_frontend_client_pauses_total"
 ITL_BOUND = 1.5  # beside / alone, medians of the windows' ITL p99
 # A client that stopped reading: a 1 KiB receive window that never grows, so its stream blocks within a few
 # dozen token messages.
@@ -161,8 +162,10 @@ def measure_isolation(target: str, non_reading: NonReading, stalls: Callable[[],
     return result
 
 
-def run_server(deployment: Deployment, server: str, args: argparse.Namespace) -> dict:
-    frontend = deployment.start_frontend(server, "--client-stall-timeout-s", str(args.stall_timeout_s))
+def run_server(deployment: Deployment, server: str, args: argparse.Namespace, pause_after_s: str = "") -> dict:
+    """`pause_after_s`: the frontend's --client-pause-after-s ("": its default)."""
+    pausing = ("--client-pause-after-s", pause_after_s) if pause_after_s else ()
+    frontend = deployment.start_frontend(server, "--client-stall-timeout-s", str(args.stall_timeout_s), *pausing)
     target = frontend.target
     stalls = lambda: scrape_values(deployment.frontend_metrics, (STALLS,))[STALLS]  # noqa: E731
     non_reading = NonReading(target, args.non_reading, lambda: running_requests(target))
@@ -172,10 +175,12 @@ def run_server(deployment: Deployment, server: str, args: argparse.Namespace) ->
                                    window_s=args.window_s, block_s=args.block_s)
         ended = wait(lambda: stalls() - stalls_before >= args.non_reading, 2 * args.stall_timeout_s + 10)
         freed = wait(lambda: running_requests(target) == 0, 15)
+        pauses = scrape_values(deployment.frontend_metrics, (PAUSES,))[PAUSES]
     finally:
         non_reading.close()
         deployment.stop_frontend()
-    return {"server": server, **result.summary(), "stall_timeout_ended_all": ended, "slots_freed": freed}
+    return {"server": server, "client_pause_after_s": pause_after_s or "default", **result.summary(),
+            "stall_timeout_ended_all": ended, "slots_freed": freed, "client_pauses": pauses}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="more than --block-s plus two windows: the streams stay through both their windows")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=2.0)
+    parser.add_argument("--client-pause-after-s", default="",
+                        help="comma-separated values of the frontend's --client-pause-after-s, each measured in "
+                             "turn per server and round (e.g. 0.1,0: pausing on, then off); default: its default")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every (server, pause value) this many times, alternating, for a spread")
     parser.add_argument("--out", type=Path, default=Path("isolation-out"))
     args = parser.parse_args(argv)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -201,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     deployment = Deployment(args.out, args.nodes, args.step_ms, 512)
+    pause_values = [v.strip() for v in args.client_pause_after_s.split(",") if v.strip()] or [""]
     results = []
     try:
-        for server in servers:
-            results.append(run_server(deployment, server, args))
-            print(json.dumps(results[-1]), flush=True)
+        for _ in range(args.rounds):
+            for server in servers:
+                for pause_after_s in pause_values:
+                    results.append(run_server(deployment, server, args, pause_after_s))
+                    print(json.dumps(results[-1]), flush=True)
     finally:
         deployment.close()
     (args.out / "isolation.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

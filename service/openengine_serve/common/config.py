@@ -171,6 +171,10 @@ class FrontendConfig(CommonConfig):
     client_stall_timeout_s: float = knob(30.0, "a stream whose client accepts no output this long is ended: its "
                                                "engine slot is freed, then a retryable EngineError if the "
                                                "connection takes it, else the stream is cancelled", minimum=0.1)
+    client_pause_after_s: float = knob(0.1, "a stream whose client accepts no output this long has its request "
+                                            "paused on its node (the engine gives it no tokens, its slot stays "
+                                            "held) until the client takes output again; the client stall timeout "
+                                            "still ends it (0: never paused)", minimum=0)
     max_in_flight: int = knob(512, "Generate streams one frontend worker keeps open; beyond it Generate is "
                                    "refused at once (RESOURCE_EXHAUSTED, retry hint in openengine-retry-after-ms). "
                                    "Default: a worker's measured capacity (~8,000 tokens/s) x 64 ms, the "

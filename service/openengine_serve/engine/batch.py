@@ -1,9 +1,10 @@
-"""Rank 0's queue and running batch: admission, cancellation, one token per output per step.
+"""Rank 0's queue and running batch: admission, cancellation, pausing, one token per output per step.
 
 No sockets and no MPI (the worker, engine/worker.py, owns those), so the
 batching arithmetic is tested on its own. `running` and `queued` count
 sequences (outputs), the unit `max_batch` limits; requests are admitted whole,
-by priority (higher first, then FIFO).
+by priority (higher first, then FIFO). A paused request (its client takes no
+output) keeps its slot but gets no token until it is resumed: the steps skip it.
 
 EngineStep messages are assembled from pre-encoded pieces: building a protobuf
 object per token costs several microseconds, which at hundreds of running
@@ -42,10 +43,11 @@ class _RunningRequest:
     """A request in the batch with the encoded fields around the token of each output's events:
     request_id and output_index (fields 1, 2) before it, lane (field 9) after it."""
 
-    __slots__ = ("state", "event_heads", "event_tail")
+    __slots__ = ("state", "event_heads", "event_tail", "held_tokens")
 
     def __init__(self, state: model.RequestState) -> None:
         self.state = state
+        self.held_tokens = 0  # while paused: its tokens in the batch (they do not change until it resumes)
         self.event_heads = {
             index: cluster_pb2.OutputEvent(request_id=state.request_id, output_index=index).SerializeToString()
             for index in state.outputs
@@ -68,15 +70,22 @@ class Batch:
         self.queued_sequences = 0
         self.waiting_tokens = 0
         self._running: dict[str, _RunningRequest] = {}
-        self.running_sequences = 0
+        self._paused: dict[str, _RunningRequest] = {}  # admitted, holding their slots, skipped by the steps
+        self.paused_tokens = 0  # the running tokens of the paused requests
+        self.running_sequences = 0  # paused ones included
 
     @property
     def idle(self) -> bool:
+        """Nothing to step: no request queued, and every admitted one (if any) paused."""
         return not self._running and not self._queued
 
     @property
     def running_request_ids(self) -> list[str]:
-        return list(self._running)
+        return list(self._running) + list(self._paused)
+
+    @property
+    def paused_request_ids(self) -> list[str]:
+        return list(self._paused)
 
     @property
     def queued_request_ids(self) -> list[str]:
@@ -91,10 +100,26 @@ class Batch:
         self.queued_sequences += len(state.outputs)
         self.waiting_tokens += state.prompt_length * len(state.outputs)
 
+    def pause(self, pause: cluster_pb2.PauseRequest) -> None:
+        """Pauses or resumes an admitted request; a queued, unknown or finished one is left as it is (a request
+        is paused once its client stopped taking output, so it has run)."""
+        request_id = pause.request_id
+        if pause.resume:
+            running = self._paused.pop(request_id, None)
+            if running is not None:
+                self.paused_tokens -= running.held_tokens
+                self._running[request_id] = running
+            return
+        running = self._running.pop(request_id, None)
+        if running is not None:
+            running.held_tokens = _tokens_of(running.state)
+            self.paused_tokens += running.held_tokens
+            self._paused[request_id] = running
+
     def cancel(self, cancel: cluster_pb2.CancelRequest, events: list[bytes]) -> None:
         """Finishes the request (or one output) CANCELLED, appending the events; unknown ids are ignored."""
         request_id = cancel.request_id
-        running = self._running.get(request_id)
+        running = self._running.get(request_id) or self._paused.get(request_id)
         state = running.state if running else self._queued.get(request_id)
         if state is None:
             return  # already finished, or never arrived
@@ -108,9 +133,14 @@ class Batch:
             else:
                 self.queued_sequences -= 1
                 self.waiting_tokens -= state.prompt_length
+        if running is not None and request_id in self._paused:  # what it holds shrank (to 0 once every output ended)
+            self.paused_tokens -= running.held_tokens
+            running.held_tokens = _tokens_of(state)
+            self.paused_tokens += running.held_tokens
         if not state.outputs:
             if running:
-                del self._running[request_id]
+                self._running.pop(request_id, None)
+                self._paused.pop(request_id, None)
             else:
                 del self._queued[request_id]
 
@@ -136,11 +166,12 @@ class Batch:
             self.running_sequences += sequences
 
     def generate(self, events: list[bytes]) -> int:
-        """One token for every running output, appending the events; returns the running tokens after the step."""
+        """One token for every running output not paused, appending the events; returns the running tokens after
+        the step (paused requests' included)."""
         token_fields = self._token_fields
         append = events.append
         finished_requests = []
-        running_tokens = 0
+        running_tokens = self.paused_tokens
         for running in self._running.values():
             state = running.state
             next_token = state.next_token
@@ -186,3 +217,8 @@ class Batch:
         if prompt_records:
             event.prompt_tokens.extend(prompt_records)
         return _event_field(event.SerializeToString())
+
+
+def _tokens_of(state: model.RequestState) -> int:
+    """The tokens a request holds in the batch: its prompt and what it generated, per open output."""
+    return sum(state.prompt_length + sequence.position for sequence in state.outputs.values())

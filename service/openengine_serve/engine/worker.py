@@ -7,8 +7,9 @@ WorkerConfig (engine/config.py) arrives broadcast over the parent intercommunica
 
 Rank 0 owns the sockets and the batch (engine/batch.py). Every step it drains
 the commands, admits queued requests while the batch has room, gives every
-running output one token and sends one EngineStep with all of the step's
-events. When idle it waits up to 100 ms for a command and sends an empty
+running output one token (paused requests none) and sends one EngineStep with
+all of the step's events. When idle (nothing queued, every admitted request
+paused or none) it waits up to 100 ms for a command and sends an empty
 EngineStep as a heartbeat. Other ranks follow rank 0's per-step plan, so all
 ranks step together (simulated tensor parallelism).
 """
@@ -62,7 +63,8 @@ class _Scheduler:
             if self._batch.idle:
                 if not self._poller.poll(_IDLE_WAIT_MS):
                     self._broadcast_plan()
-                    self._steps.send(self._batch.step_message(self._step, [], 0, 0.0, self._worker_pids))
+                    self._steps.send(self._batch.step_message(self._step, [], self._batch.paused_tokens, 0.0,
+                                                              self._worker_pids))
                     continue
             started = time.monotonic()
             self._run_step(started)
@@ -106,6 +108,8 @@ class _Scheduler:
                 self._batch.enqueue(command.add)
             elif kind == "cancel":
                 self._batch.cancel(command.cancel, events)
+            elif kind == "pause":
+                self._batch.pause(command.pause)
             elif kind == "shutdown":
                 self._shutdown = True
                 return

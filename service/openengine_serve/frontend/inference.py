@@ -187,6 +187,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             sink.direct = send_directly
         try:
             while open_outputs:
+                if sink.paused:
+                    sink.resume()  # its client took everything written: the engine may go on
                 sink.writing_since = 0.0
                 items = await sink.take()
                 sink.writing_since = time.monotonic()

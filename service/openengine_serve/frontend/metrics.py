@@ -36,6 +36,11 @@ SERVER_INFO = Gauge("openengine_frontend_grpc_server_info", "the public gRPC ser
                     ["implementation", "version"], multiprocess_mode="max")
 CLIENT_STALLS = Counter("openengine_frontend_client_stalls",
                         "streams ended because their client accepted no output for the client stall timeout")
+CLIENT_PAUSES = Counter("openengine_frontend_client_pauses",
+                        "requests paused on their node because their client took no output for "
+                        "OPENENGINE_CLIENT_PAUSE_AFTER_S (resumed once it takes output again)")
+PAUSED_STREAMS = Gauge("openengine_frontend_paused_streams", "streams whose request is paused on its node now",
+                       multiprocess_mode="livesum")
 IN_FLIGHT_REFUSALS = Counter("openengine_frontend_in_flight_refusals",
                              "Generate calls refused because the worker had its maximum of streams open")
 CONNECTIONS_MOVED = Counter("openengine_frontend_connections_moved",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from . import metrics
 from .batched_stream import BatchedStream, Refused, StreamBroken
 from .tasks import BackgroundTasks
 
@@ -49,12 +51,17 @@ class RequestSink:
     While the stream cannot hand output to its client, events pile up here until the client stall timeout.
     From COMPACT_AT queued events on, the plain token events of each output merge into one event holding
     copies of their token records: the lane's messages are freed, and what waits is the token records of
-    the stall window (at most max_tokens × num_sequences) in a few objects, not one object per step."""
+    the stall window (at most max_tokens × num_sequences) in a few objects, not one object per step.
+
+    Backpressure: an event that arrives while the stream has been handing output to its client for more than
+    `pause_after_s` (the client takes nothing) pauses the request on its node (`set_paused(True)`): the engine
+    gives it no tokens, so what waits here stops growing and its tokens cost no engine, node or lane work
+    until the stream resumes it (`resume`, once its client took the output)."""
 
     __slots__ = ("items", "waiter", "last_event_at", "first_event_at", "failed", "writing_since", "owner",
-                 "client_stalled", "direct", "_compact_at", "_merged")
+                 "client_stalled", "direct", "pause_after_s", "set_paused", "paused", "_compact_at", "_merged")
 
-    def __init__(self) -> None:
+    def __init__(self, pause_after_s: float = 0.0) -> None:
         self.items: deque = deque()
         self.waiter: asyncio.Future | None = None
         self.last_event_at = time.monotonic()
@@ -68,6 +75,10 @@ class RequestSink:
         # queue instead (the item, or its serialized delta that did not fit the client's buffer). It saves the
         # stream's wake-up per token.
         self.direct: Callable[[object], object] | None = None
+        self.pause_after_s = pause_after_s  # 0: never paused
+        # Pauses (True) or resumes (False) the request on its node; returns whether it could (set on submission).
+        self.set_paused: Callable[[bool], bool] | None = None
+        self.paused = False
         self._compact_at = COMPACT_AT
         self._merged: dict[int, cluster_pb2.OutputEvent] = {}  # output index -> its merged event in `items`
 
@@ -86,9 +97,21 @@ class RequestSink:
         self.items.append(item)
         if len(self.items) >= self._compact_at:
             self._compact()
+        writing_since = self.writing_since
+        if (writing_since and self.pause_after_s and not self.paused and now - writing_since > self.pause_after_s
+                and self.set_paused is not None):
+            self.paused = self.set_paused(True)
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def resume(self) -> None:
+        """The stream's client took its output: its request, if paused, gets tokens again."""
+        if self.paused:
+            self.paused = False
+            self.last_event_at = time.monotonic()  # the node was silent because it was told to be
+            if self.set_paused is not None:
+                self.set_paused(False)
 
     def fail(self, failure: LaneFailure) -> None:
         if not self.failed:
@@ -137,17 +160,22 @@ class RequestSink:
 
 
 class LaneAcknowledgements:
-    """Tells the node, on its `Lane` call, how many lane messages this frontend handled: one write at a time,
-    the messages handled meanwhile acknowledged together by the next."""
+    """Tells the node, on its `Lane` call, how many lane messages this frontend handled and which requests to
+    pause or resume: one write at a time, what happened meanwhile sent together by the next."""
 
     def __init__(self, call) -> None:
         self._call = call
         self._handled = 0
+        self._pauses: dict[str, bool] = {}  # request id -> resume (its last change wins)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._send(), name="lane-acknowledgements")
 
     def handled(self) -> None:
         self._handled += 1
+        self._wake.set()
+
+    def pause(self, request_id: str, resume: bool) -> None:
+        self._pauses[request_id] = resume
         self._wake.set()
 
     async def _send(self) -> None:
@@ -156,7 +184,10 @@ class LaneAcknowledgements:
                 await self._wake.wait()
                 self._wake.clear()
                 handled, self._handled = self._handled, 0
-                await self._call.write(cluster_pb2.LaneCredit(handled=handled))
+                pauses, self._pauses = self._pauses, {}
+                await self._call.write(cluster_pb2.LaneCredit(handled=handled, pauses=[
+                    cluster_pb2.PauseRequest(request_id=request_id, resume=resume)
+                    for request_id, resume in pauses.items()]))
 
     def close(self) -> None:
         self._task.cancel()
@@ -195,6 +226,7 @@ class NodeConnection:
     requests: set[str] = field(default_factory=set)
     submissions: SubmissionBatcher | None = None  # None: the node has no Submissions call, Submit is unary
     lane_credits: bool = True  # False: the node has no Lane call, its lane is Results
+    acknowledgements: LaneAcknowledgements | None = None  # while the Lane call is open: pauses go on it
 
     def __post_init__(self) -> None:
         # The stub is looked up at each stream opening (unit tests replace it).
@@ -205,9 +237,10 @@ class NodeConnections:
     def __init__(self, frontend_id: str, tasks: BackgroundTasks, connect_timeout_s: float,
                  call_timeout_s: float,
                  open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
-                 lane_window: int = 2) -> None:
+                 lane_window: int = 2, pause_after_s: float = 0.0) -> None:
         self.frontend_id = frontend_id
         self.lane_window = lane_window  # lane messages a node may have sent and this frontend not handled; 0: any
+        self.pause_after_s = pause_after_s  # RequestSink: a client taking nothing this long pauses its request
         self._open_channel = open_channel
         self.connect_timeout_s = connect_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -288,7 +321,7 @@ class NodeConnections:
                 if opened is grpc.aio.EOF:
                     return
                 yield opened
-                acknowledgements = LaneAcknowledgements(call)
+                acknowledgements = conn.acknowledgements = LaneAcknowledgements(call)
                 try:
                     while (results := await call.read()) is not grpc.aio.EOF:
                         # Acknowledged on receipt, before its events wake their streams: the write is scheduled
@@ -296,6 +329,7 @@ class NodeConnections:
                         acknowledgements.handled()
                         yield results
                 finally:
+                    conn.acknowledgements = None
                     acknowledgements.close()
                     call.cancel()
                 return
@@ -325,11 +359,13 @@ class NodeConnections:
         self._tasks.spawn(conn.channel.close())
 
     def open_sink(self, request_id: str) -> RequestSink:
-        sink = self.sinks[request_id] = RequestSink()
+        sink = self.sinks[request_id] = RequestSink(self.pause_after_s)
         return sink
 
     def close_sink(self, request_id: str, node_id: str) -> None:
-        self.sinks.pop(request_id, None)
+        sink = self.sinks.pop(request_id, None)
+        if sink is not None and sink.paused:  # it ends paused: its request is cancelled or finished on the node
+            metrics.PAUSED_STREAMS.dec()
         conn = self.connections.get(node_id)
         if conn is not None:
             conn.requests.discard(request_id)
@@ -340,6 +376,9 @@ class NodeConnections:
         call's AioRpcError. `trace`: traceparent/tracestate pairs (metadata of the unary call, fields of the
         batched submission)."""
         conn.requests.add(engine_request.request_id)
+        sink = self.sinks.get(engine_request.request_id)
+        if sink is not None:
+            sink.set_paused = functools.partial(self.pause, conn, engine_request.request_id)
         request = cluster_pb2.SubmitRequest(request=engine_request)
         if conn.submissions is None:
             await conn.stub.Submit(request, timeout=self.call_timeout_s, metadata=trace)
@@ -359,6 +398,20 @@ class NodeConnections:
             request.ClearField("traceparent")
             request.ClearField("tracestate")
             await conn.stub.Submit(request, timeout=self.call_timeout_s, metadata=trace)
+
+    def pause(self, conn: NodeConnection, request_id: str, paused: bool) -> bool:
+        """Pauses (or resumes) a request on its node, on the lane's call; False when the lane has no call to say
+        it on (a node's `Results` lane, or the lane is reopening)."""
+        acknowledgements = conn.acknowledgements
+        if acknowledgements is None:
+            return False
+        acknowledgements.pause(request_id, resume=not paused)
+        if paused:
+            metrics.CLIENT_PAUSES.inc()
+            metrics.PAUSED_STREAMS.inc()
+        else:
+            metrics.PAUSED_STREAMS.dec()
+        return True
 
     def cancel(self, conn: NodeConnection, request_id: str, output_index: int | None = None) -> None:
         request = cluster_pb2.CancelRequest(request_id=request_id)

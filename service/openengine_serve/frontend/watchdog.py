@@ -29,7 +29,7 @@ async def stall_watchdog(sinks: dict[str, RequestSink], stall_timeout_s: float,
                           silent_s=client_stall_timeout_s)
                 sink.stall_client()
                 continue
-            if sink.last_event_at < silent_since:
+            if sink.last_event_at < silent_since and not sink.paused:  # a paused one waits for its client
                 log_event(logger, "request stalled", logging.WARNING, request_id=request_id, silent_s=stall_timeout_s)
                 sink.fail(LaneFailure(f"no progress from the engine for {stall_timeout_s:g} s; retry the request",
                                       retryable=True))

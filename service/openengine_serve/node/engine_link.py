@@ -261,6 +261,17 @@ class EngineLink:
             self._send(cluster_pb2.EngineCommand(cancel=cancel))
         return True
 
+    def pause(self, request_id: str, resume: bool, lane: str) -> bool:
+        """Asks the worker to pause (or resume) a request of the frontend `lane`: its outputs get no tokens
+        meanwhile and keep their slots. False when no such request is open here."""
+        entry = self._requests.get(request_id)
+        if entry is None or entry.lane != lane:
+            return False
+        with contextlib.suppress(zmq.Again):  # not connected: the worker is lost, its error events are on their way
+            self._send(cluster_pb2.EngineCommand(pause=cluster_pb2.PauseRequest(request_id=request_id,
+                                                                                resume=resume)))
+        return True
+
     def lanes_of_outstanding(self) -> dict[str, str]:
         """request_id -> the lane (frontend id) its events go to."""
         return {request_id: entry.lane for request_id, entry in self._requests.items()}

@@ -3,7 +3,8 @@
 Frontends submit requests here and hold one result lane each (`Lane`, with the
 frontend's credits; `Results` without): what the engine steps produced for a
 frontend goes out as StepResults messages, the steps it cannot send yet folded
-into one waiting message (`ResultLane`). The node registers with the coordinator and
+into one waiting message (`ResultLane`). On `Lane` the frontend also pauses the
+requests whose client takes no output, and resumes them. The node registers with the coordinator and
 heartbeats its load; on SIGTERM it stops taking work, lets running requests
 finish within the drain timeout, then stops its worker.
 """
@@ -295,6 +296,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             with contextlib.suppress(Exception):  # the call ended: the lane's own loop sees it
                 async for credit in request_iterator:
                     lane.acknowledge(credit.handled)
+                    for pause in credit.pauses:  # only this frontend's own requests
+                        self.link.pause(pause.request_id, pause.resume, opening.frontend_id)
 
         credits = asyncio.create_task(read_credits(), name="lane-credits")
         try:

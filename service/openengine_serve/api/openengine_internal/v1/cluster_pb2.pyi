@@ -283,14 +283,24 @@ class ResultsRequest(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
 class LaneCredit(_message.Message):
-    __slots__ = ("frontend_id", "window", "handled")
+    __slots__ = ("frontend_id", "window", "handled", "pauses")
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     HANDLED_FIELD_NUMBER: _ClassVar[int]
+    PAUSES_FIELD_NUMBER: _ClassVar[int]
     frontend_id: str
     window: int
     handled: int
-    def __init__(self, frontend_id: _Optional[str] = ..., window: _Optional[int] = ..., handled: _Optional[int] = ...) -> None: ...
+    pauses: _containers.RepeatedCompositeFieldContainer[PauseRequest]
+    def __init__(self, frontend_id: _Optional[str] = ..., window: _Optional[int] = ..., handled: _Optional[int] = ..., pauses: _Optional[_Iterable[_Union[PauseRequest, _Mapping]]] = ...) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ("request_id", "resume")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    resume: bool
+    def __init__(self, request_id: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class GetNodeLoadRequest(_message.Message):
     __slots__ = ()
@@ -403,14 +413,16 @@ class StepResults(_message.Message):
     def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ...) -> None: ...
 
 class EngineCommand(_message.Message):
-    __slots__ = ("add", "cancel", "shutdown")
+    __slots__ = ("add", "cancel", "shutdown", "pause")
     ADD_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
     add: EngineRequest
     cancel: CancelRequest
     shutdown: bool
-    def __init__(self, add: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., shutdown: _Optional[bool] = ...) -> None: ...
+    pause: PauseRequest
+    def __init__(self, add: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., shutdown: _Optional[bool] = ..., pause: _Optional[_Union[PauseRequest, _Mapping]] = ...) -> None: ...
 
 class EngineStep(_message.Message):
     __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds", "worker_pids")

@@ -546,7 +546,8 @@ class NodeServicer:
         unacknowledged; every later one acknowledges lane messages it has handled.
         What the node may not send yet waits in one message that each engine step
         folds into, so the transport never holds a backlog of steps. A node
-        without it answers UNIMPLEMENTED and the frontend uses Results.
+        without it answers UNIMPLEMENTED and the frontend uses Results. The
+        frontend's messages also pause and resume its requests (LaneCredit.pauses).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -186,16 +186,20 @@ def test_a_client_that_paused_reading_gets_every_token_after_its_request_was_pau
 BLOCKED_NEIGHBOURS = 40
 
 
-def test_a_client_that_paused_reading_gets_its_stream_again_beside_blocked_streams(stall_frontend):
+def test_blocked_streams_are_paused_cost_nothing_and_a_client_that_paused_reading_resumes_beside_them(
+        stall_frontend, cluster):
     import asyncio
 
-    from openengine_bench.isolation import NON_READING_OPTIONS, NonReading
+    from openengine_bench.isolation import NON_READING_OPTIONS, NonReading, cpu_seconds_of
     from openengine_bench.overload import short_request
 
     frontend, metrics_port = stall_frontend
+    _, nodes = cluster
     stalls = lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total")  # noqa: E731
+    paused = lambda: metric(scrape(metrics_port), "openengine_frontend_paused_streams")  # noqa: E731
     stalls_before = stalls()
     blocked = NonReading(frontend.target, BLOCKED_NEIGHBOURS, lambda: running_requests(frontend.target))
+    components = cpu_seconds_of([frontend.proc.pid, *(node.proc.pid for node in nodes)])
 
     async def pause_then_read() -> tuple[int, float]:
         """Reads one message, stops reading for 1 s (its 1 KiB window and the server's buffer for it fill),
@@ -214,13 +218,20 @@ def test_a_client_that_paused_reading_gets_its_stream_again_beside_blocked_strea
             return messages, longest
 
     try:
-        blocked.start(block_s=1.0)
+        blocked.start(block_s=0.0)
+        wait_for(lambda: paused() == BLOCKED_NEIGHBOURS, 20, "every blocked stream paused on its node")
+        before, started = components(), time.monotonic()
+        time.sleep(2.0)
+        # Without the pause they cost the nodes (engines included) and the frontend ~0.5 core at the 2 ms step
+        # (docs/robustness.md): paused, the engines skip them and nothing flows.
+        cores = (components() - before) / (time.monotonic() - started)
         messages, longest = asyncio.run(pause_then_read())
         # still beside them: none was ended by the stall timeout (5 s) before the client read again
         ended_meanwhile = stalls() - stalls_before
     finally:
         blocked.cancel()
         blocked.close()
+    assert cores < 0.15, f"{BLOCKED_NEIGHBOURS} paused streams: the frontend and the nodes used {cores:.2f} cores"
     # Before the fix: nothing for seconds, until the stall timeout ended the blocked streams (and this one).
     assert longest < 1.0 and messages > 100, f"{messages} messages in 1.5 s, longest gap {longest:.2f} s"
     assert ended_meanwhile == 0, "the blocked streams were ended before the measurement: it measured nothing"
@@ -250,12 +261,13 @@ def test_non_reading_streams_do_not_slow_well_behaved_ones_and_are_ended(stack, 
         slow_cluster.coordinator.target, stack.server, "--client-stall-timeout-s", str(ISOLATION_STALL_S)))
     frontend.start().wait_ready(60)
     stalls = lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total")  # noqa: E731
+    pauses = lambda: metric(scrape(metrics_port), "openengine_frontend_client_pauses_total")  # noqa: E731
     non_reading = NonReading(frontend.target, NON_READING_STREAMS, lambda: running_requests(frontend.target))
-    stalls_before = 0.0
+    stalls_before = pauses_before = 0.0
 
     def measure():
-        nonlocal stalls_before
-        stalls_before, started = stalls(), time.monotonic()
+        nonlocal stalls_before, pauses_before
+        stalls_before, pauses_before, started = stalls(), pauses(), time.monotonic()
         result = measure_isolation(frontend.target, non_reading, stalls, pairs=ISOLATION_PAIRS,
                                    well_behaved=ISOLATION_WELL_BEHAVED, window_s=ISOLATION_WINDOW_S,
                                    block_s=ISOLATION_BLOCK_S)
@@ -280,6 +292,8 @@ def test_non_reading_streams_do_not_slow_well_behaved_ones_and_are_ended(stack, 
                  "every non-reading stream ended by the stall timeout")
         for call in non_reading.calls:
             assert_ended_as_stalled(call)
+        # paused on their node before that (OPENENGINE_CLIENT_PAUSE_AFTER_S), every set of them
+        assert pauses() - pauses_before >= (ISOLATION_PAIRS + 1) // 2 * NON_READING_STREAMS
         wait_for(lambda: running_requests(frontend.target) == 0, 10, "GetLoad: no request running")
         wait_for(lambda: slow_cluster.node_running() == 0, 10, "the node's engine slots freed")
         wait_for(lambda: live_reservations(slow_cluster.coordinator.target) == 0, 10, "no reservation left")

@@ -10,7 +10,10 @@ and cancelled after it. ITL is measured by the clients: the gaps between a strea
 first token on (time to first token excluded). The verdict compares the median over windows of each window's
 ITL p99 beside with 1.5x the median alone: a machine's drift and bursts of noise hit both kinds alike and a
 few bad windows do not move a median. The last window's non-reading streams are left to the stall timeout,
-which must end them all and free their engine slots. Writes `isolation.json` into `--out` and prints the figures.
+which must end them all and free their engine slots. The CPU the frontend and the nodes (engine workers
+included) used in each window is recorded too: the non-reading streams' own cost, less noisy than ITL on a
+shared machine. `--client-pause-after-s 0.1,0 --rounds 3` alternates the frontend's pausing on and off
+(before/after). Writes `isolation.json` into `--out` and prints the figures.
 
 The CI form (tests/integration/test_robustness.py -k non_reading) uses the same measurement on the tests'
 50 ms-step node; this command runs the issue's scenario (2 nodes at the 2 ms step) for a quiet machine.
@@ -100,6 +103,31 @@ class NonReading:
         self.channel.close()
 
 
+def cpu_seconds_of(pids: list[int]) -> Callable[[], float]:
+    """A function returning the CPU seconds used so far by the processes `pids` and their descendants (a node's
+    engine launcher, mpiexec and worker ranks included); a process that is gone counts no more."""
+    import psutil
+
+    roots = [psutil.Process(pid) for pid in pids]
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for root in roots:
+            try:
+                processes = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for process in processes:
+                try:
+                    times = process.cpu_times()
+                except psutil.Error:
+                    continue
+                total += times.user + times.system
+        return total
+
+    return cpu_seconds
+
+
 def wait(predicate: Callable[[], object], timeout_s: float) -> bool:
     """Whether `predicate` became true within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -119,6 +147,8 @@ class Isolation:
     gaps_alone: list[int] = field(default_factory=list)  # gaps measured per window
     gaps_beside: list[int] = field(default_factory=list)
     stalls_during_beside: float = 0.0  # non-reading streams ended while a window beside them ran (want 0)
+    cpu_alone: list[float] = field(default_factory=list)  # cores the deployment's components used per window
+    cpu_beside: list[float] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -130,14 +160,20 @@ class Isolation:
                 "median_alone_ms": round(statistics.median(self.alone) * 1000, 2),
                 "median_beside_ms": round(statistics.median(self.beside) * 1000, 2), "ratio": round(self.ratio, 2),
                 "within_bound": self.ratio <= ITL_BOUND, "gaps_alone": self.gaps_alone,
-                "gaps_beside": self.gaps_beside, "stalls_during_beside": self.stalls_during_beside}
+                "gaps_beside": self.gaps_beside, "stalls_during_beside": self.stalls_during_beside,
+                **({"cpu_cores_alone": [round(c, 3) for c in self.cpu_alone],
+                    "cpu_cores_beside": [round(c, 3) for c in self.cpu_beside],
+                    "median_cpu_cores_alone": round(statistics.median(self.cpu_alone), 3),
+                    "median_cpu_cores_beside": round(statistics.median(self.cpu_beside), 3)} if self.cpu_alone else {})}
 
 
 def measure_isolation(target: str, non_reading: NonReading, stalls: Callable[[], float], *, pairs: int,
-                      well_behaved: int, window_s: float, block_s: float, warmup_s: float = 1.0) -> Isolation:
+                      well_behaved: int, window_s: float, block_s: float, warmup_s: float = 1.0,
+                      cpu_seconds: Callable[[], float] | None = None) -> Isolation:
     """`pairs` pairs of windows in ABBA order: alone, beside, beside, alone, alone, ... Two adjacent windows
     beside share their non-reading streams. An odd count ends on a window beside, whose streams are left
-    running for the caller to see them ended by the stall timeout."""
+    running for the caller to see them ended by the stall timeout. `cpu_seconds` (cpu_seconds_of): the CPU
+    the components used in each window is recorded too."""
     if pairs % 2 == 0:
         raise ValueError(f"pairs must be odd (ABBA order then ends on a window beside), got {pairs}")
     asyncio.run(itl_window(target, well_behaved, warmup_s))  # connections, caches, the engine's batch
@@ -148,7 +184,11 @@ def measure_isolation(target: str, non_reading: NonReading, stalls: Callable[[],
         if beside and i % 4 == 1:
             non_reading.start(block_s)
         before = stalls()
+        cpu_before, started = (cpu_seconds() if cpu_seconds else 0.0), time.monotonic()
         gaps = asyncio.run(itl_window(target, well_behaved, window_s))
+        if cpu_seconds:
+            cores = (cpu_seconds() - cpu_before) / (time.monotonic() - started)
+            (result.cpu_beside if beside else result.cpu_alone).append(cores)
         p99 = report.percentile(gaps, 99)
         if beside:
             result.stalls_during_beside += stalls() - before
@@ -171,8 +211,9 @@ def run_server(deployment: Deployment, server: str, args: argparse.Namespace, pa
     non_reading = NonReading(target, args.non_reading, lambda: running_requests(target))
     try:
         stalls_before = stalls()
+        components = cpu_seconds_of([frontend.pid, *(node.pid for node, _ in deployment.nodes)])
         result = measure_isolation(target, non_reading, stalls, pairs=args.pairs, well_behaved=args.well_behaved,
-                                   window_s=args.window_s, block_s=args.block_s)
+                                   window_s=args.window_s, block_s=args.block_s, cpu_seconds=components)
         ended = wait(lambda: stalls() - stalls_before >= args.non_reading, 2 * args.stall_timeout_s + 10)
         freed = wait(lambda: running_requests(target) == 0, 15)
         pauses = scrape_values(deployment.frontend_metrics, (PAUSES,))[PAUSES]

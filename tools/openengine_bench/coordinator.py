@@ -243,7 +243,7 @@ def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: 
                 heartbeat = cluster_pb2.NodeHeartbeatRequest(node_id=peer_id, state=cluster_pb2.NODE_STATE_READY,
                                                              load=load)
             with contextlib.suppress(HeartbeatFailed):  # a late reply: the coordinator's expiry counts it
-                await stream.beat(heartbeat)
+                await stream.beat(heartbeat, quiet=is_node)  # nodes as the real ones: no reply awaited
 
     async def run() -> None:
         # A connection per frontend (as each frontend worker has), the nodes' shared by NODES_PER_CHANNEL: one

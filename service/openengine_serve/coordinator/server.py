@@ -29,9 +29,10 @@ from .state import REFUSAL_STATUS, ClusterState, RankConflict
 logger = logging.getLogger("openengine_serve.coordinator")
 
 REFUSAL_CODES = {kind: STATUS_BY_NUMBER[number] for kind, number in REFUSAL_STATUS.items()}
-# A node's heartbeat replies carry nothing else: shared, never mutated.
-_KNOWN = cluster_pb2.HeartbeatReply(known=True)
-_UNKNOWN = cluster_pb2.HeartbeatReply(known=False)
+# A node's heartbeat replies carry nothing else: shared, never mutated. replies_optional: this coordinator skips
+# the reply of a heartbeat marked reply_optional (NodeHeartbeats).
+_KNOWN = cluster_pb2.HeartbeatReply(known=True, replies_optional=True)
+_UNKNOWN = cluster_pb2.HeartbeatReply(known=False, replies_optional=True)
 
 
 class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
@@ -51,14 +52,19 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                                          nodes=self.state.node_entries(), assigned_rank=entry.rank)
 
     async def NodeHeartbeats(self, request_iterator, context):
-        """One node's heartbeats: one reply each, in order. The stream ending (node stopped, connection lost,
+        """One node's heartbeats: one reply each, in order, except for those marked reply_optional (the node
+        reads no reply for them): none when the node is known, else the stream ends, which the node's next
+        heartbeat sees (it opens a new stream and asks). The stream ending (node stopped, connection lost,
         coordinator restarting) changes nothing: the node is marked DOWN only once it stayed silent for the
         expiry time (`housekeeping`), as when its heartbeats simply stop."""
         with self._open_stream("node"):
             async for heartbeat in request_iterator:
                 known = self.state.node_heartbeat(heartbeat.node_id, heartbeat.state,
                                                   heartbeat.load if heartbeat.HasField("load") else None)
-                yield _KNOWN if known else _UNKNOWN
+                if not heartbeat.reply_optional:
+                    yield _KNOWN if known else _UNKNOWN
+                elif not known:
+                    return
 
     async def RegisterFrontend(self, request, context) -> cluster_pb2.RegisterReply:
         self.state.register_frontend(request.frontend_id, request.address)

@@ -24,7 +24,7 @@ from ..common.logging_setup import log_event
 from ..common import tracing
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
-from .state import REFUSAL_STATUS, ClusterState, RankConflict
+from .state import REFUSAL_STATUS, ClusterState, RankConflict, TableCursor
 
 logger = logging.getLogger("openengine_serve.coordinator")
 
@@ -73,12 +73,13 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
 
     async def FrontendHeartbeats(self, request_iterator, context):
         """One frontend's heartbeats, as NodeHeartbeats; each reply brings the frontend's node table up to date:
-        the whole table first, then the entries that changed since the previous reply on this stream."""
-        table_version = -1  # as of which version this stream's replies gave the frontend the table
+        the whole table first, then the entries that changed since the previous reply on this stream (load
+        figures alone at most every FRONTEND_LOAD_REFRESH_S)."""
+        cursor = TableCursor()  # how far this stream's replies brought the frontend's copy of the table
         with self._open_stream("frontend"):
             async for heartbeat in request_iterator:
                 known = self.state.frontend_heartbeat(heartbeat.frontend_id, heartbeat.live_requests)
-                full, nodes, table_version = self.state.node_table_since(table_version)
+                full, nodes = self.state.node_table_since(cursor)
                 yield cluster_pb2.HeartbeatReply(known=known, nodes=nodes, full_table=full)
 
     @contextlib.contextmanager

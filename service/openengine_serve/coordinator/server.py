@@ -18,7 +18,7 @@ from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.config import CoordinatorConfig
 from ..common.grpc_server import STATUS_BY_NUMBER, create_internal_server
 from ..common.health import Health
-from ..common.lifecycle import bind_address, start_metrics
+from ..common.lifecycle import bind_address, freeze_startup_objects, start_metrics
 from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
 from ..common import tracing
@@ -183,6 +183,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     start_metrics(config.metrics_port)
     await health.start()
     await health.set_ready(True)  # accepting registrations
+    freeze_startup_objects()  # a full collection paused every heartbeat and reservation waiting behind it
     log_event(logger, "coordinator listening", port=config.port, grpc_server="grpcio")
     housekeeping = asyncio.create_task(service.housekeeping())
     await stop.wait()

@@ -13,7 +13,9 @@ coordinator said on this stream that it honours that (`replies_optional`, in
 every reply of this release's coordinators), and is then not waited for: the
 coordinator answers it only by ending the stream when it no longer knows the
 node, which the next heartbeat sees (`done`) and answers by opening a new stream,
-whose first heartbeat asks for its reply (known=false: register). Every
+whose first heartbeat asks for its reply (known=false: register); a heartbeat
+written just as the stream ends fails instead (gRPC: INTERNAL), and the one
+after the backoff's first step opens that stream. Every
 `ACK_EVERY_S` one heartbeat asks for its reply anyway, so a connection that died
 silently still shows within that time.
 

@@ -70,6 +70,25 @@ def test_token_by_token_deltas_equal_protobuf_also_across_split_characters(outpu
     assert streamed + detok.decode(b"", final=True) == ENC.decode(ids)
 
 
+@pytest.mark.parametrize("output_index", [0, 2])
+def test_last_token_at_max_tokens_is_the_same_delta_on_the_cached_path(output_index):
+    """A one-token event that ends the output at max_tokens (every 1-token request's only event) takes the
+    cached bytes when nothing is held back: the same delta and `finished` the general path builds."""
+    whole = ENC.encode(" world")[0]
+    assert STRINGS.one_token_body(whole) is not None
+    split = next(i for i in range(ENC.n_vocab) if STRINGS.one_token_body(i) is None)
+    for token_id in (whole, split):
+        fast = OutputStream(output_index, plan(), ENC, STRINGS)
+        general = OutputStream(output_index, plan(stop_strings=["never matched"]), ENC, STRINGS)
+        assert fast.plain and not general.plain
+        fast_out = fast.on_events([event([token_id], C.ENGINE_FINISH_LENGTH, index=output_index)])
+        general_out = general.on_events([event([token_id], C.ENGINE_FINISH_LENGTH, index=output_index)])
+        delta, count, finished, stop = fast_out
+        assert G.GenerateResponse.FromString(delta) == G.GenerateResponse.FromString(general_out[0])
+        assert (count, finished, stop) == general_out[1:] and fast.generated == general.generated == 1
+        assert finished.finished.reason == G.FINISH_REASON_LENGTH and fast.finished
+
+
 def test_serializer_passes_bytes_and_serializes_messages():
     msg = G.GenerateResponse(request_id="a")
     assert serialize_response(b"raw") == b"raw"

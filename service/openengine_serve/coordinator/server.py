@@ -135,25 +135,28 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
             if where == "unknown":
                 return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_NOT_FOUND)
             targets = [(request.request_id, node)]
-        results = await asyncio.gather(*(self._cancel_on_node(rid, node) for rid, node in targets))
-        if request.WhichOneof("target") != "all_requests" and not results[0]:
-            # Reserved but no longer on its node: it ended and its release (which rides on the frontend's next
-            # batch) has not arrived yet. Saying ABORTED would claim an abort that did nothing.
+        replies = await asyncio.gather(*(self._cancel_on_node(rid, node) for rid, node in targets))
+        aborted = sum(reply.found or reply.held for reply in replies)
+        if request.WhichOneof("target") != "all_requests" and not aborted:
+            # Reserved, but it ended on its node and its release (which rides on the frontend's next batch) has
+            # not arrived yet; or its node could not be reached. Saying ABORTED would claim an abort that did
+            # nothing. (One reserved and not yet submitted is `held`: the node cancels it when it arrives.)
             return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED)
-        return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=sum(results))
+        return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=aborted)
 
-    async def _cancel_on_node(self, request_id: str, node: cluster_pb2.NodeEntry) -> bool:
+    async def _cancel_on_node(self, request_id: str, node: cluster_pb2.NodeEntry) -> cluster_pb2.CancelReply:
+        """The node cancels the request, or holds the cancel for when it arrives (see CancelRequest.hold); an
+        empty reply when the node cannot be reached."""
         channel = self.node_channels.get(node.address)
         if channel is None:
             channel = self.node_channels[node.address] = internal_channel(node.address, self.config)
         try:
-            reply = await cluster_pb2_grpc.NodeStub(channel).Cancel(
-                cluster_pb2.CancelRequest(request_id=request_id), timeout=self.config.rpc_timeout_s)
-            return reply.found
+            return await cluster_pb2_grpc.NodeStub(channel).Cancel(
+                cluster_pb2.CancelRequest(request_id=request_id, hold=True), timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log_event(logger, "abort could not reach node", logging.WARNING, node_id=node.node_id,
                       request_id=request_id, code=exc.code().name)
-            return False
+            return cluster_pb2.CancelReply()
 
     async def GetClusterLoad(self, request, context) -> cluster_pb2.ClusterLoad:
         return self.state.cluster_load()

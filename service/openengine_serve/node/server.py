@@ -276,6 +276,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         return None
 
     async def Cancel(self, request: cluster_pb2.CancelRequest, context) -> cluster_pb2.CancelReply:
+        if request.hold:
+            return self.link.abort(request.request_id)
         output_index = request.output_index if request.HasField("output_index") else None
         return cluster_pb2.CancelReply(found=self.link.cancel(request.request_id, output_index))
 

@@ -263,18 +263,24 @@ class SubmitOutcomes(_message.Message):
     def __init__(self, outcome: _Optional[_Iterable[_Union[SubmitOutcome, _Mapping]]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("request_id", "output_index")
+    __slots__ = ("request_id", "output_index", "hold")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_index: int
-    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ...) -> None: ...
+    hold: bool
+    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class CancelReply(_message.Message):
-    __slots__ = ("found",)
+    __slots__ = ("found", "ended", "held")
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+    ended: bool
+    held: bool
+    def __init__(self, found: _Optional[bool] = ..., ended: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ("frontend_id",)

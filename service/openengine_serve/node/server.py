@@ -383,12 +383,14 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                             interval = await self._register(stub, address) or interval
                             registered = True
                         state = self.state()
+                        draining = state == cluster_pb2.NODE_STATE_DRAINING
+                        # Quiet: no reply awaited, except the drain's (its acknowledgement) and the stream's checks.
                         reply = await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(
-                            node_id=self.node_id, state=state, load=self.load()))
-                        if not reply.known:
+                            node_id=self.node_id, state=state, load=self.load()), quiet=not draining)
+                        if reply is not None and not reply.known:
                             registered = False
                             continue
-                        if state == cluster_pb2.NODE_STATE_DRAINING:
+                        if draining:
                             drain_told.set()
                     except grpc.aio.AioRpcError as exc:  # the registration
                         heartbeats.record_failure()

@@ -6,6 +6,8 @@ import argparse
 import signal
 import sys
 
+from .client_args import add_credential_arguments, credentials, uses_tls
+
 # Imports stay inside the commands: `health` runs every few seconds in every container and must start fast
 # (tests/unit/test_health_probe.py checks what it imports).
 
@@ -44,32 +46,6 @@ def _quiet_broken_pipe() -> None:
     """`openengine-serve info | head` ends quietly. Only for printing commands: servers must keep SIGPIPE
     ignored (Python's default), or a peer closing a socket would kill them."""
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-
-
-def add_credential_arguments(parser: argparse.ArgumentParser) -> None:
-    """Client flags for a secured frontend (TLS, mutual TLS, API key)."""
-    parser.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server with the "
-                                                             "system's roots (implied by --tls-ca-file)")
-    parser.add_argument("--tls-ca-file", default="", help="PEM CA that signed the frontend's certificate")
-    parser.add_argument("--tls-cert-file", default="", help="PEM client certificate (mutual TLS)")
-    parser.add_argument("--tls-key-file", default="", help="PEM key of --tls-cert-file")
-    parser.add_argument("--tls-server-name", default="", help="name expected in the frontend's certificate "
-                                                              "(default: the --target host)")
-    parser.add_argument("--api-key", default="", help="API key, sent as `authorization: Bearer <key>` "
-                                                      "[OPENENGINE_API_KEY]")
-
-
-def _uses_tls(args: argparse.Namespace) -> bool:
-    """As client.Credentials.uses_tls, without importing grpc."""
-    return bool(args.tls or args.tls_ca_file or args.tls_cert_file or args.tls_key_file)
-
-
-def credentials(args: argparse.Namespace):
-    from .client import Credentials
-
-    return Credentials.from_env(tls=args.tls, ca_file=args.tls_ca_file, cert_file=args.tls_cert_file,
-                                key_file=args.tls_key_file, api_key=args.api_key,
-                                server_name=args.tls_server_name)
 
 
 def add_up_security_arguments(up: argparse.ArgumentParser) -> None:
@@ -158,7 +134,7 @@ def _health(args: argparse.Namespace) -> int:
     for TLS (the standard-library probe speaks h2c only)."""
     from .common import health_probe
 
-    status = _health_grpcio(args) if _uses_tls(args) else _health_standard_library(args)
+    status = _health_grpcio(args) if uses_tls(args) else _health_standard_library(args)
     if status is None:
         return 1
     print(f"{args.service}: {health_probe.status_name(status)}")

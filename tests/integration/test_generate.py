@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from openengine_serve.api.openengine.v1 import generation_pb2, lifecycle_pb2, server_pb2
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from openengine_serve.client import AsyncClient, Client
 from openengine_serve.common.vocab import load_encoding
 
@@ -167,6 +168,32 @@ def test_abort_from_second_frontend(stack):
     assert all(f.reason == G.FINISH_REASON_CANCELLED for f in finished)
     assert rest[-1].HasField("usage")
     assert again.status == lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED
+
+
+def test_abort_that_arrives_before_the_submit_cancels_the_request_on_arrival(stack):
+    """The coordinator's Abort can reach the node before the request does (reserved, its Submit on the way):
+    the node holds the cancel, and the request then ends CANCELLED at once, with usage, as an abort of a
+    running one would. Both nodes hold it, so the test does not depend on routing."""
+    req = request(max_tokens=3000)
+    for node in stack.nodes:
+        with grpc.insecure_channel(node.target) as channel:
+            reply = cluster_pb2_grpc.NodeStub(channel).Cancel(
+                cluster_pb2.CancelRequest(request_id=req.request_id, hold=True), timeout=10)
+        assert (reply.found, reply.ended, reply.held) == (False, False, True)
+    with stack.client() as client:
+        started = time.monotonic()
+        responses = collect(client, req)
+    finished = [r.finished for r in responses if r.WhichOneof("event") == "finished"]
+    assert [f.reason for f in finished] == [G.FINISH_REASON_CANCELLED], responses[-3:]
+    assert responses[-1].HasField("usage")
+    assert responses[-1].usage.completion_tokens < 3000
+    assert time.monotonic() - started < 10
+    replies = []
+    for node in stack.nodes:  # a second abort: the node that ran it knows it ended
+        with grpc.insecure_channel(node.target) as channel:
+            replies.append(cluster_pb2_grpc.NodeStub(channel).Cancel(
+                cluster_pb2.CancelRequest(request_id=req.request_id, hold=True), timeout=10))
+    assert sorted((r.ended, r.held) for r in replies) == [(False, True), (True, False)]
 
 
 def test_abort_unknown_and_without_target(stack):

@@ -5,13 +5,14 @@ test_coordinator_stream.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 
 import grpc
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
-from openengine_serve.common.heartbeat_stream import HeartbeatStream
+from openengine_serve.common.heartbeat_stream import HeartbeatFailed, HeartbeatStream
 
 from . import processes
 from .processes import wait_for
@@ -79,4 +80,46 @@ def test_an_idle_node_stops_only_once_the_coordinator_acknowledged_its_drain(dep
         assert list(node_states(view).values()) == [DRAINING]
     finally:
         coord.proc.send_signal(signal.SIGCONT)
+        view.close()
+
+
+def test_quiet_heartbeats_get_no_reply_until_the_coordinator_forgets_the_node(deployment):
+    """A node's usual heartbeat is quiet (reply_optional): the coordinator takes it without a reply. Once the
+    coordinator no longer knows the node (here: DOWN, then its rank given to another node), a quiet heartbeat
+    ends the stream, and the next heartbeat opens a new one whose reply says known=false."""
+    coord = deployment.add(processes.coordinator())
+    view = CoordinatorView(coord.target)
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(coord.target) as channel:
+            stub = cluster_pb2_grpc.CoordinatorStub(channel)
+            for node_id in ("n1", "n2"):
+                entry = cluster_pb2.NodeEntry(node_id=node_id, address="127.0.0.1:1", rank=0, state=READY)
+                if node_id == "n2":
+                    while node_states(view)["n1"] != DOWN:  # silent past the expiry
+                        await asyncio.sleep(0.05)
+                else:
+                    heartbeats = HeartbeatStream(stub.NodeHeartbeats, reply_timeout_s=5)
+                await stub.RegisterNode(cluster_pb2.RegisterNodeRequest(node=entry), timeout=5)
+                if node_id == "n1":
+                    first = await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(node_id="n1"), quiet=True)
+                    assert first.known and first.replies_optional, "a stream's first heartbeat asks"
+                    assert await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(node_id="n1", state=DRAINING),
+                                                 quiet=True) is None
+                    assert node_states(view) == {"n1": DRAINING}, "a quiet heartbeat is taken all the same"
+            assert set(node_states(view)) == {"n2"}  # n1 forgotten: its rank went to n2
+            assert await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(node_id="n1"), quiet=True) is None
+            reply = None
+            for _ in range(50):  # the coordinator ends the stream on reading that heartbeat
+                await asyncio.sleep(0.1)  # (a heartbeat written just as the stream ends fails: then the next one)
+                with contextlib.suppress(HeartbeatFailed):
+                    reply = await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(node_id="n1"), quiet=True)
+                if reply is not None:
+                    break
+            assert reply is not None and not reply.known, "a new stream, whose first heartbeat asks"
+            assert heartbeats.streams_opened >= 2
+
+    try:
+        asyncio.run(scenario())
+    finally:
         view.close()

@@ -86,12 +86,22 @@ class QueuedReplies:
     def __init__(self) -> None:
         self.replies: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.ended_with: grpc.StatusCode | None = None  # set: the call is done, with this status
 
     async def read(self):
         item = await self.replies.get()
         if isinstance(item, Exception):
             raise item
         return item
+
+    def done(self) -> bool:
+        return self.ended_with is not None
+
+    async def code(self) -> grpc.StatusCode | None:
+        return self.ended_with
+
+    async def details(self) -> str:
+        return ""
 
     def cancel(self) -> bool:
         self.cancelled = True

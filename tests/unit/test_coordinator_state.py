@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.coordinator.state import (
+    FRONTEND_LOAD_REFRESH_S,
     ClusterState,
     DeploymentFull,
     DuplicateRequest,
     NoNodeAvailable,
     RankConflict,
     RankNotFound,
+    TableCursor,
 )
 from openengine_serve.common.routing import rendezvous_pick
 
@@ -454,54 +457,88 @@ def table_ids(entries: list[cluster_pb2.NodeEntry]) -> list[str]:
     return [entry.node_id for entry in entries]
 
 
-def test_a_frontend_gets_the_whole_table_first_then_only_what_changed(state: ClusterState) -> None:
+def since(state: ClusterState, cursor: TableCursor) -> tuple[bool, list[str]]:
+    full, entries = state.node_table_since(cursor)
+    return full, table_ids(entries)
+
+
+def test_a_frontend_gets_the_whole_table_first_then_only_what_changed(state: ClusterState, clock: FakeClock) -> None:
     add_node(state, "a")
     add_node(state, "b")
-    full, entries, version = state.node_table_since(-1)
-    assert full and table_ids(entries) == ["a", "b"]
-    assert state.node_table_since(version) == (False, [], version), "nothing changed: nothing to send"
+    cursor = TableCursor()
+    assert since(state, cursor) == (True, ["a", "b"])
+    assert since(state, cursor) == (False, []), "nothing changed: nothing to send"
 
+    clock.advance(FRONTEND_LOAD_REFRESH_S)
     state.node_heartbeat("b", READY, load(running=3))
-    full, entries, version = state.node_table_since(version)
+    full, entries = state.node_table_since(cursor)
     assert not full and table_ids(entries) == ["b"] and entries[0].load.running_requests == 3
+    behind = dataclasses.replace(cursor)
     add_node(state, "c", ready=False)
     state.node_heartbeat("a", DRAINING, None)
-    full, entries, latest = state.node_table_since(version)
+    full, entries = state.node_table_since(cursor)
     assert not full and table_ids(entries) == ["c", "a"]  # in the order they changed
     assert entries[1].state == DRAINING and entries[0].state == STARTING
-    # A frontend further behind gets everything that changed since its own version.
-    assert table_ids(state.node_table_since(version - 1)[1]) == ["b", "c", "a"]
-    assert state.node_table_since(latest)[1] == []
+    # A frontend further behind gets everything that changed since its own cursor.
+    state.node_heartbeat("b", READY, load(running=4, max_running=16))  # limits are not load figures alone
+    assert since(state, behind) == (False, ["c", "a", "b"])
+    assert since(state, cursor) == (False, ["b"]) and since(state, cursor) == (False, [])
+
+
+def test_load_figures_alone_reach_a_frontend_at_most_every_refresh_period(state: ClusterState,
+                                                                          clock: FakeClock) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    cursor = TableCursor()
+    assert since(state, cursor) == (True, ["a", "b"])
+    for running in range(1, 4):
+        clock.advance(1.0)
+        state.node_heartbeat("a", READY, load(running=running))
+        assert since(state, cursor) == (False, []), "figures alone wait for the refresh"
+    state.node_heartbeat("b", DRAINING, None)
+    full, entries = state.node_table_since(cursor)
+    assert table_ids(entries) == ["b"] and entries[0].state == DRAINING, "a state change goes at once"
+    clock.advance(FRONTEND_LOAD_REFRESH_S)
+    full, entries = state.node_table_since(cursor)
+    assert table_ids(entries) == ["a", "b"] and entries[0].load.running_requests == 3, "every change since"
+    state.node_heartbeat("a", READY, load(running=9))
+    assert since(state, cursor) == (False, [])
+    clock.advance(FRONTEND_LOAD_REFRESH_S)
+    assert since(state, cursor) == (False, ["a"])
 
 
 def test_a_node_leaving_the_table_sends_the_whole_table_again(state: ClusterState, clock: FakeClock) -> None:
     add_node(state, "a")
     add_node(state, "b")
-    _, _, version = state.node_table_since(-1)
+    cursor = TableCursor()
+    state.node_table_since(cursor)
     clock.advance(31.0)  # past FORGET_AFTER_EXPIRIES x 3 s: both forgotten
     state.node_heartbeat("b", READY, None)
     state.expire()
-    full, entries, _ = state.node_table_since(version)
-    assert full and table_ids(entries) == ["b"]  # "a" is gone: the frontend's copy must drop it
+    assert since(state, cursor) == (True, ["b"])  # "a" is gone: the frontend's copy must drop it
 
 
-def test_a_heartbeat_that_changes_nothing_leaves_the_table_and_the_index_alone(state: ClusterState) -> None:
+def test_a_heartbeat_that_changes_nothing_leaves_the_table_and_the_index_alone(state: ClusterState,
+                                                                             clock: FakeClock) -> None:
     add_node(state, "a")
     add_node(state, "b")
     state.node_heartbeat("a", READY, load(running=1))
     state.node_heartbeat("b", READY, load(running=1))
-    _, _, version = state.node_table_since(-1)
+    cursor = TableCursor()
+    state.node_table_since(cursor)
     index = state._least_loaded
     pushed = len(index._heap)
     for _ in range(5):
         state.node_heartbeat("a", READY, load(running=1))
         state.node_heartbeat("b", READY, None)
-    assert state.node_table_since(version) == (False, [], version)
+    clock.advance(FRONTEND_LOAD_REFRESH_S)  # whatever changed would be sent now
+    assert since(state, cursor) == (False, [])
     assert len(index._heap) == pushed, "no new load-index entry for an unchanged score"
     # A reservation since the last report still counts until the next report, which then resets it.
     assert reserve(state, "r1") in ("a", "b")
     picked = state.lookup("r1")[1].node_id
     state.node_heartbeat(picked, READY, load(running=1))
-    assert state.node_table_since(version)[1] == [], "same figures: the table is unchanged"
+    clock.advance(FRONTEND_LOAD_REFRESH_S)
+    assert since(state, cursor) == (False, []), "same figures: the table is unchanged"
     # Equal again (the report counts r1): the tie goes to the node picked longest ago.
     assert reserve(state, "r2") != picked

@@ -6,7 +6,9 @@ import grpc
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.common.heartbeat_stream import BACKOFF_FIRST_S, HeartbeatFailed, HeartbeatStream
+from openengine_serve.common.config import CoordinatorConfig
+from openengine_serve.common.heartbeat_stream import ACK_EVERY_S, BACKOFF_FIRST_S, HeartbeatFailed, HeartbeatStream
+from openengine_serve.coordinator.server import CoordinatorService
 
 from .frontend_fakes import QueuedReplies, rpc_error
 
@@ -14,7 +16,8 @@ HEARTBEAT = cluster_pb2.NodeHeartbeatRequest(node_id="n1", state=cluster_pb2.NOD
 
 
 class ScriptedCall(QueuedReplies):
-    """Answers each heartbeat written with the next scripted reply (or error); nothing scripted: no answer."""
+    """Answers each heartbeat written with the next scripted reply (or error); nothing scripted: no answer. A
+    heartbeat marked reply_optional is not answered (as a coordinator that honours it)."""
 
     def __init__(self, script: list) -> None:
         super().__init__()
@@ -25,7 +28,7 @@ class ScriptedCall(QueuedReplies):
         if self.cancelled:
             raise rpc_error(grpc.StatusCode.CANCELLED, "call cancelled")
         self.written.append(message)
-        if self.script:
+        if self.script and not getattr(message, "reply_optional", False):
             self.replies.put_nowait(self.script.pop(0))
 
 
@@ -97,3 +100,74 @@ async def test_a_stream_that_cannot_be_opened_fails_the_heartbeat():
         await heartbeats.beat(HEARTBEAT)
     assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "closed" in failed.value.detail
     assert heartbeats.failures == 1
+
+
+QUIET_OK = cluster_pb2.HeartbeatReply(known=True, replies_optional=True)
+
+
+def quiet_heartbeat() -> cluster_pb2.NodeHeartbeatRequest:
+    heartbeat = cluster_pb2.NodeHeartbeatRequest()
+    heartbeat.CopyFrom(HEARTBEAT)
+    return heartbeat
+
+
+async def test_quiet_heartbeats_skip_the_reply_once_the_coordinator_honours_it_and_ask_again_every_ack_period():
+    clock = [100.0]
+    streams = Streams([QUIET_OK] * 3)
+    heartbeats = HeartbeatStream(streams.open, reply_timeout_s=1.0, now=lambda: clock[0])
+    replies = []
+    for _ in range(4):
+        replies.append(await heartbeats.beat(quiet_heartbeat(), quiet=True))
+        clock[0] += 1.0
+    assert replies[0].known and replies[1:] == [None, None, None], "the first heartbeat of a stream asks"
+    assert [h.reply_optional for h in streams.calls[0].written] == [False, True, True, True]
+    clock[0] += ACK_EVERY_S
+    assert (await heartbeats.beat(quiet_heartbeat(), quiet=True)).known, "a reply at least every ACK_EVERY_S"
+    assert not streams.calls[0].written[-1].reply_optional
+    assert (await heartbeats.beat(quiet_heartbeat(), quiet=False)).known, "not quiet (a drain): always asks"
+    assert heartbeats.replies_skipped == 3 and heartbeats.streams_opened == 1
+
+
+async def test_quiet_heartbeats_to_a_coordinator_of_an_older_release_read_every_reply():
+    streams = Streams([KNOWN] * 3)  # no replies_optional: it answers every heartbeat
+    heartbeats = HeartbeatStream(streams.open, reply_timeout_s=1.0)
+    assert [(await heartbeats.beat(quiet_heartbeat(), quiet=True)).known for _ in range(3)] == [True] * 3
+    assert not any(h.reply_optional for h in streams.calls[0].written) and heartbeats.replies_skipped == 0
+
+
+async def test_a_stream_the_coordinator_ended_is_reopened_and_its_first_heartbeat_asks():
+    streams = Streams([QUIET_OK], [cluster_pb2.HeartbeatReply(known=False, replies_optional=True)],
+                      [QUIET_OK])
+    heartbeats = HeartbeatStream(streams.open, reply_timeout_s=1.0)
+    await heartbeats.beat(quiet_heartbeat(), quiet=True)
+    streams.calls[0].ended_with = grpc.StatusCode.OK  # the coordinator forgot the node
+    assert not (await heartbeats.beat(quiet_heartbeat(), quiet=True)).known
+    assert heartbeats.streams_opened == 2 and heartbeats.failures == 0
+    streams.calls[1].ended_with = grpc.StatusCode.UNAVAILABLE  # broken, not ended: the heartbeat fails
+    with pytest.raises(HeartbeatFailed) as failed:
+        await heartbeats.beat(quiet_heartbeat(), quiet=True)
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and heartbeats.failures == 1
+    assert (await heartbeats.beat(quiet_heartbeat(), quiet=True)).known and heartbeats.streams_opened == 3
+
+
+async def test_the_coordinator_answers_a_quiet_heartbeat_only_by_ending_the_stream_of_an_unknown_node():
+    service = CoordinatorService(CoordinatorConfig())
+    service.state.register_node(cluster_pb2.NodeEntry(node_id="n1", address="127.0.0.1:1"), 0)
+
+    async def replies(*heartbeats):
+        async def sent():
+            for heartbeat in heartbeats:
+                yield heartbeat
+        return [reply async for reply in service.NodeHeartbeats(sent(), None)]
+
+    def heartbeat(node_id, reply_optional):
+        return cluster_pb2.NodeHeartbeatRequest(node_id=node_id, state=cluster_pb2.NODE_STATE_READY,
+                                                reply_optional=reply_optional)
+
+    answered = await replies(heartbeat("n1", False), heartbeat("n1", True), heartbeat("n1", True),
+                             heartbeat("n1", False))
+    assert [(r.known, r.replies_optional) for r in answered] == [(True, True), (True, True)]
+    assert service.state.node_entries()[0].state == cluster_pb2.NODE_STATE_READY, "a quiet heartbeat counts"
+    # Unknown: an older node's heartbeat gets known=false; a quiet one ends the stream, unread ones after it too.
+    assert [r.known for r in await replies(heartbeat("n2", False), heartbeat("n1", False))] == [False, True]
+    assert await replies(heartbeat("n2", True), heartbeat("n1", False)) == []

@@ -48,8 +48,6 @@ QUICK = {"fixed_rounds": 1, "saturation_rounds": 0, "baseline_rounds": 1, "budge
          "fixed_drain_s": 15.0}
 # Quick runs measure the baseline at fixed load only (the floor the CPU/token target is judged against).
 BASELINE_WORKLOADS = {"full": ("fixed", "saturation"), "quick": ("fixed",)}
-CONNECT_MARGIN_S = 1.0   # between handing out jobs and the first request: channels connect meanwhile
-SETTLE_S = 0.5           # pause after a window (saturation: the frontend cleans up the cancelled streams)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,11 +311,13 @@ class Bench:
             raise RuntimeError(f"py-spy failed ({done.returncode}): {done.stderr.strip()[-500:]}")
 
     def _profile_window(self, server: str, scenario: str, pid: int, t0: float, t1: float) -> None:
+        from .load import sleep_until
+
         directory = self.out / "profiles"
         directory.mkdir(parents=True, exist_ok=True)
         stem = f"frontend-{server}-{scenario}"
         half = (t1 - t0) / 2
-        _sleep_until(t0)
+        sleep_until(t0)
         self._py_spy(pid, half, "raw", directory / f"{stem}.txt")
         self._py_spy(pid, half, "flamegraph", directory / f"{stem}.svg")
         summary = report.profile_summary((directory / f"{stem}.txt").read_text(encoding="utf-8"), top=30)
@@ -328,7 +328,7 @@ class Bench:
 
     def measure(self, mode: str, workload: str, connections: int, server: str, r: int, target, placement,
                 cgroup=None) -> dict[str, Any]:
-        from .load import make_jobs, merge_results, poisson_arrivals
+        from .load import CONNECT_MARGIN_S, SETTLE_S, make_jobs, merge_results, poisson_arrivals, sleep_until
         from .stack import CpuSampler, established_connections, thread_seconds
 
         scenario = report.scenario_name(workload, connections)
@@ -364,11 +364,11 @@ class Bench:
             self.pool.collect(len(jobs), timeout=self.s["fixed_drain_s"] + 60.0)
             time.sleep(SETTLE_S * 2)
             return {}
-        _sleep_until(t0)
+        sleep_until(t0)
         throttling = cgroup.throttling if cgroup is not None else dict
         before, cores_before, threads_before = sampler.snapshot(), _core_times(), thread_seconds(target.pid)
         throttled_before = throttling()
-        _sleep_until(t1)
+        sleep_until(t1)
         after, cores_after, threads_after = sampler.snapshot(), _core_times(), thread_seconds(target.pid)
         throttled_after = throttling()
         observed = established_connections(target.port)
@@ -503,12 +503,6 @@ class Bench:
 
 def _f(value: float | None, spec: str = "6.1f") -> str:
     return "   –" if value is None else format(value, spec)
-
-
-def _sleep_until(at: float) -> None:
-    delay = at - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
 
 
 def _core_times() -> dict[int, dict[str, float]]:

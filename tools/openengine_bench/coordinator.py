@@ -221,8 +221,9 @@ class SimulatedDeployment:
 
 def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: list[str]) -> None:
     """Every simulated node and frontend heartbeats once per interval on its own stream to each coordinator (the
-    peers' class, `common/heartbeat_stream.py`), the peers spread evenly over the interval; a node's heartbeat
-    carries new load figures with probability --load-changes. Runs until terminated."""
+    peers' class, `common/heartbeat_stream.py`; the nodes' heartbeats quiet, as the real nodes'), the peers spread
+    evenly over the interval; a node's heartbeat carries new load figures with probability --load-changes. Runs until
+    terminated."""
     interval = args.heartbeat_s
     peers = [(f"bench-node-{rank}", True) for rank in range(args.nodes)] + [(f, False) for f in frontend_ids]
     rng = random.Random(0)
@@ -243,7 +244,7 @@ def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: 
                 heartbeat = cluster_pb2.NodeHeartbeatRequest(node_id=peer_id, state=cluster_pb2.NODE_STATE_READY,
                                                              load=load)
             with contextlib.suppress(HeartbeatFailed):  # a late reply: the coordinator's expiry counts it
-                await stream.beat(heartbeat)
+                await stream.beat(heartbeat, quiet=is_node)  # nodes as the real ones: no reply awaited
 
     async def run() -> None:
         # A connection per frontend (as each frontend worker has), the nodes' shared by NODES_PER_CHANNEL: one

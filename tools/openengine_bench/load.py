@@ -47,6 +47,8 @@ MASK64 = (1 << 64) - 1
 MODEL = "Qwen/Qwen3-0.6B"
 GENERATE = "/openengine.v1.Inference/Generate"
 RPC_TIMEOUT_S = 600.0
+CONNECT_MARGIN_S = 1.0   # between handing out jobs and the first request: channels connect meanwhile
+SETTLE_S = 0.5           # pause after a window (saturation: the frontend cleans up the cancelled streams)
 
 
 # ---------------------------------------------------------------- deterministic requests
@@ -450,3 +452,9 @@ def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         merged["hashes"].update(r["hashes"])
         merged["lag_max_s"] = max(merged["lag_max_s"], r["lag_max_s"])
     return merged
+
+
+def sleep_until(at: float) -> None:
+    delay = at - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)

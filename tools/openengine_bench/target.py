@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from openengine_serve.cli import add_credential_arguments, credentials
+from openengine_serve.client_args import add_credential_arguments, credentials
 
 from . import report
 
@@ -118,8 +118,7 @@ class TargetBench:
         return 0
 
     def measure(self, pool, workload: str, connections: int, r: int) -> dict[str, Any]:
-        from .cli import CONNECT_MARGIN_S, SETTLE_S, _sleep_until
-        from .load import make_jobs, merge_results, poisson_arrivals
+        from .load import CONNECT_MARGIN_S, SETTLE_S, make_jobs, merge_results, poisson_arrivals, sleep_until
         from .stack import CpuSampler, descendants
 
         scenario = report.scenario_name(workload, connections)
@@ -139,9 +138,9 @@ class TargetBench:
         sampler.set_group("frontend", [p for root in self.frontend_pids for p in descendants(root)])
         sampler.set_group("load generator", pool.pids[:len(jobs)])
         pool.submit(jobs)
-        _sleep_until(t0)
+        sleep_until(t0)
         before = sampler.snapshot()
-        _sleep_until(t1)
+        sleep_until(t1)
         after = sampler.snapshot()
         merged = merge_results(pool.collect(len(jobs), timeout=self.args.drain_s + 60.0))
         cpu = CpuSampler.delta(before, after)

@@ -3,8 +3,21 @@
 A unary call per heartbeat cost the coordinator a call's setup each time; with
 1,000 nodes that kept its event loop busy in bursts. Here the peer (node or
 frontend) keeps one stream per coordinator, writes one heartbeat at a time and
-waits for its reply, which the coordinator sends for every heartbeat, in order:
-the same exchange as the unary call had, without a call per heartbeat.
+waits for its reply, which the coordinator sends in order: the same exchange as
+the unary call had, without a call per heartbeat.
+
+Quiet heartbeats (nodes): a reply costs the coordinator about as much as the
+heartbeat itself (a `sendmsg` per reply), and a node's usual reply says only
+"known". A heartbeat sent with `quiet=True` is marked `reply_optional` once the
+coordinator said on this stream that it honours that (`replies_optional`, in
+every reply of this release's coordinators), and is then not waited for: the
+coordinator answers it only by ending the stream when it no longer knows the
+node, which the next heartbeat sees (`done`) and answers by opening a new stream,
+whose first heartbeat asks for its reply (known=false: register); a heartbeat
+written just as the stream ends fails instead (gRPC: INTERNAL), and the one
+after the backoff's first step opens that stream. Every
+`ACK_EVERY_S` one heartbeat asks for its reply anyway, so a connection that died
+silently still shows within that time.
 
 A stream that fails (the coordinator restarted or is gone, or no reply within
 the deadline) is cancelled and the heartbeat fails, as the unary call did; the
@@ -22,12 +35,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
 
 BACKOFF_FIRST_S = 0.05
+# A quiet peer asks for a reply at least this often (a liveness check of the stream).
+ACK_EVERY_S = 10.0
 
 
 class HeartbeatCall(Protocol):
@@ -35,6 +51,9 @@ class HeartbeatCall(Protocol):
 
     async def write(self, message: Any) -> None: ...
     async def read(self) -> Any: ...  # the reply, or grpc.aio.EOF once the coordinator ended the stream
+    async def code(self) -> grpc.StatusCode: ...  # once done: the status the call ended with
+    async def details(self) -> str: ...
+    def done(self) -> bool: ...
     def cancel(self) -> bool: ...
 
 
@@ -52,22 +71,38 @@ class HeartbeatStream:
     """One peer's heartbeat stream to one coordinator (see the module docstring)."""
 
     def __init__(self, open_call: Callable[[], HeartbeatCall], reply_timeout_s: float,
-                 jitter: Callable[[], float] = random.random) -> None:
+                 jitter: Callable[[], float] = random.random, now: Callable[[], float] = time.monotonic) -> None:
         self.streams_opened = 0
         self.failures = 0  # in a row, since the last reply
+        self.replies_skipped = 0  # quiet heartbeats sent without waiting for a reply
         self._open_call = open_call
         self._reply_timeout_s = reply_timeout_s
         self._jitter = jitter
+        self._now = now
         self._call: HeartbeatCall | None = None
+        self._replies_optional = False  # this stream's coordinator honours reply_optional
+        self._replied_at = 0.0
 
-    async def beat(self, heartbeat: Any) -> Any:
-        """Sends one heartbeat and returns its reply; raises HeartbeatFailed (the stream is then closed)."""
+    async def beat(self, heartbeat: Any, quiet: bool = False) -> Any:
+        """Sends one heartbeat and returns its reply; raises HeartbeatFailed (the stream is then closed).
+
+        `quiet` (a NodeHeartbeatRequest): the reply may be skipped (see the module docstring); returns None when
+        it was."""
+        if self._call is not None and self._call.done():
+            await self._ended_by_coordinator()
         try:
             if self._call is None:
                 self._call = self._open_call()
                 self.streams_opened += 1
+                self._replies_optional = False
+            skip_reply = quiet and self._replies_optional and self._now() - self._replied_at < ACK_EVERY_S
+            if quiet:
+                heartbeat.reply_optional = skip_reply
             async with asyncio.timeout(self._reply_timeout_s):  # not wait_for: no extra task per heartbeat
                 await self._call.write(heartbeat)
+                if skip_reply:
+                    self.replies_skipped += 1
+                    return None
                 reply = await self._call.read()
         except TimeoutError:
             self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply within {self._reply_timeout_s:g} s")
@@ -81,7 +116,17 @@ class HeartbeatStream:
         if reply is grpc.aio.EOF:
             self._fail(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the stream")
         self.failures = 0
+        self._replied_at = self._now()
+        self._replies_optional = getattr(reply, "replies_optional", False)
         return reply
+
+    async def _ended_by_coordinator(self) -> None:
+        """The call ended before this heartbeat: with OK, the coordinator no longer knows this peer (it ends a
+        quiet peer's stream to say so): a new stream is opened and its first heartbeat asks. Else it broke."""
+        code = await self._call.code()
+        if code != grpc.StatusCode.OK:
+            self._fail(code, await self._call.details() or "")
+        self._call = None
 
     def record_failure(self) -> None:
         """Another step of the peer's loop failed (its registration): the next heartbeat waits the backoff too."""

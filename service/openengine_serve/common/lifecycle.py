@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from typing import Awaitable, Callable
@@ -52,6 +53,21 @@ def run_component(config: CommonConfig, main: Callable[[asyncio.Event], Awaitabl
         return run(runner())
     finally:
         shutdown_tracing()  # the spans of the last requests
+
+
+# Every request or heartbeat allocates tracked objects (coroutines, futures, frames, dicts) that mostly die young; at
+# CPython's default of 700 allocations the youngest-generation collections scan the live ones again and again. A
+# larger threshold lets most of them go by reference counting first.
+GC_THRESHOLDS = (10_000, 20, 20)
+
+
+def freeze_startup_objects() -> None:
+    """Once a server has started: what startup built is never scanned by the cyclic GC again (a full collection of
+    a process's modules and descriptors took milliseconds, a pause for every call waiting), and young collections
+    come less often (GC_THRESHOLDS)."""
+    gc.collect()  # startup's garbage goes first: nothing frozen is ever collected
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def start_metrics(port: int, registry=None) -> None:

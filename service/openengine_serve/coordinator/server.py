@@ -18,20 +18,21 @@ from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.config import CoordinatorConfig
 from ..common.grpc_server import STATUS_BY_NUMBER, create_internal_server
 from ..common.health import Health
-from ..common.lifecycle import bind_address, start_metrics
+from ..common.lifecycle import bind_address, freeze_startup_objects, start_metrics
 from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
 from ..common import tracing
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
-from .state import REFUSAL_STATUS, ClusterState, RankConflict
+from .state import REFUSAL_STATUS, ClusterState, RankConflict, TableCursor
 
 logger = logging.getLogger("openengine_serve.coordinator")
 
 REFUSAL_CODES = {kind: STATUS_BY_NUMBER[number] for kind, number in REFUSAL_STATUS.items()}
-# A node's heartbeat replies carry nothing else: shared, never mutated.
-_KNOWN = cluster_pb2.HeartbeatReply(known=True)
-_UNKNOWN = cluster_pb2.HeartbeatReply(known=False)
+# A node's heartbeat replies carry nothing else: shared, never mutated. replies_optional: this coordinator skips
+# the reply of a heartbeat marked reply_optional (NodeHeartbeats).
+_KNOWN = cluster_pb2.HeartbeatReply(known=True, replies_optional=True)
+_UNKNOWN = cluster_pb2.HeartbeatReply(known=False, replies_optional=True)
 
 
 class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
@@ -51,14 +52,19 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                                          nodes=self.state.node_entries(), assigned_rank=entry.rank)
 
     async def NodeHeartbeats(self, request_iterator, context):
-        """One node's heartbeats: one reply each, in order. The stream ending (node stopped, connection lost,
+        """One node's heartbeats: one reply each, in order, except for those marked reply_optional (the node
+        reads no reply for them): none when the node is known, else the stream ends, which the node's next
+        heartbeat sees (it opens a new stream and asks). The stream ending (node stopped, connection lost,
         coordinator restarting) changes nothing: the node is marked DOWN only once it stayed silent for the
         expiry time (`housekeeping`), as when its heartbeats simply stop."""
         with self._open_stream("node"):
             async for heartbeat in request_iterator:
                 known = self.state.node_heartbeat(heartbeat.node_id, heartbeat.state,
                                                   heartbeat.load if heartbeat.HasField("load") else None)
-                yield _KNOWN if known else _UNKNOWN
+                if not heartbeat.reply_optional:
+                    yield _KNOWN if known else _UNKNOWN
+                elif not known:
+                    return
 
     async def RegisterFrontend(self, request, context) -> cluster_pb2.RegisterReply:
         self.state.register_frontend(request.frontend_id, request.address)
@@ -67,12 +73,13 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
 
     async def FrontendHeartbeats(self, request_iterator, context):
         """One frontend's heartbeats, as NodeHeartbeats; each reply brings the frontend's node table up to date:
-        the whole table first, then the entries that changed since the previous reply on this stream."""
-        table_version = -1  # as of which version this stream's replies gave the frontend the table
+        the whole table first, then the entries that changed since the previous reply on this stream (load
+        figures alone at most every FRONTEND_LOAD_REFRESH_S)."""
+        cursor = TableCursor()  # how far this stream's replies brought the frontend's copy of the table
         with self._open_stream("frontend"):
             async for heartbeat in request_iterator:
                 known = self.state.frontend_heartbeat(heartbeat.frontend_id, heartbeat.live_requests)
-                full, nodes, table_version = self.state.node_table_since(table_version)
+                full, nodes = self.state.node_table_since(cursor)
                 yield cluster_pb2.HeartbeatReply(known=known, nodes=nodes, full_table=full)
 
     @contextlib.contextmanager
@@ -135,25 +142,28 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
             if where == "unknown":
                 return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_NOT_FOUND)
             targets = [(request.request_id, node)]
-        results = await asyncio.gather(*(self._cancel_on_node(rid, node) for rid, node in targets))
-        if request.WhichOneof("target") != "all_requests" and not results[0]:
-            # Reserved but no longer on its node: it ended and its release (which rides on the frontend's next
-            # batch) has not arrived yet. Saying ABORTED would claim an abort that did nothing.
+        replies = await asyncio.gather(*(self._cancel_on_node(rid, node) for rid, node in targets))
+        aborted = sum(reply.found or reply.held for reply in replies)
+        if request.WhichOneof("target") != "all_requests" and not aborted:
+            # Reserved, but it ended on its node and its release (which rides on the frontend's next batch) has
+            # not arrived yet; or its node could not be reached. Saying ABORTED would claim an abort that did
+            # nothing. (One reserved and not yet submitted is `held`: the node cancels it when it arrives.)
             return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED)
-        return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=sum(results))
+        return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=aborted)
 
-    async def _cancel_on_node(self, request_id: str, node: cluster_pb2.NodeEntry) -> bool:
+    async def _cancel_on_node(self, request_id: str, node: cluster_pb2.NodeEntry) -> cluster_pb2.CancelReply:
+        """The node cancels the request, or holds the cancel for when it arrives (see CancelRequest.hold); an
+        empty reply when the node cannot be reached."""
         channel = self.node_channels.get(node.address)
         if channel is None:
             channel = self.node_channels[node.address] = internal_channel(node.address, self.config)
         try:
-            reply = await cluster_pb2_grpc.NodeStub(channel).Cancel(
-                cluster_pb2.CancelRequest(request_id=request_id), timeout=self.config.rpc_timeout_s)
-            return reply.found
+            return await cluster_pb2_grpc.NodeStub(channel).Cancel(
+                cluster_pb2.CancelRequest(request_id=request_id, hold=True), timeout=self.config.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log_event(logger, "abort could not reach node", logging.WARNING, node_id=node.node_id,
                       request_id=request_id, code=exc.code().name)
-            return False
+            return cluster_pb2.CancelReply()
 
     async def GetClusterLoad(self, request, context) -> cluster_pb2.ClusterLoad:
         return self.state.cluster_load()
@@ -176,6 +186,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     start_metrics(config.metrics_port)
     await health.start()
     await health.set_ready(True)  # accepting registrations
+    freeze_startup_objects()  # a full collection paused every heartbeat and reservation waiting behind it
     log_event(logger, "coordinator listening", port=config.port, grpc_server="grpcio")
     housekeeping = asyncio.create_task(service.housekeeping())
     await stop.wait()

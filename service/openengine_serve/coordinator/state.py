@@ -38,6 +38,12 @@ STARTING = cluster_pb2.NODE_STATE_STARTING
 # Routing keys whose rendezvous node is remembered (until the READY set changes); beyond, the memory starts over.
 AFFINITY_MEMORY = 100_000
 
+# A node's load figures alone (running, queued, tokens, batch size) reach a frontend's copy of the table at most this
+# often; its state, limits and membership at its next heartbeat. The frontends use the figures only when no
+# coordinator answers (GetLoad from the last known table), and with every node's load moving, sending them at each
+# frontend heartbeat made every reply the whole table (ClusterState.node_table_since).
+FRONTEND_LOAD_REFRESH_S = 10.0
+
 # A DOWN node or an expired frontend is forgotten after this many expiry periods
 # without a heartbeat; until then it keeps its rank / id and may come back.
 FORGET_AFTER_EXPIRIES = 10
@@ -97,8 +103,10 @@ class _Node:
     # not yet counted in entry.load, so it is counted in reserved_since_load.
     load_epoch: int = 0
     reserved_since_load: int = 0
-    # The node table's version when this entry last changed (ClusterState.node_table_since).
+    # The node table's version when this entry last changed, and when anything but its load figures last changed
+    # (ClusterState.node_table_since).
     changed_at: int = 0
+    structure_changed_at: int = 0
     request_ids: set[str] = dataclasses.field(default_factory=set)
 
     @property
@@ -132,6 +140,15 @@ class _Frontend:
     request_ids: set[str] = dataclasses.field(default_factory=set)
 
 
+@dataclasses.dataclass(slots=True)
+class TableCursor:
+    """How far one frontend's copy of the node table is (one per heartbeat stream; ClusterState.node_table_since):
+    every change up to `version` except load figures, which only up to `loads_version`, sent at `loads_at`."""
+    version: int = -1  # -1: nothing yet
+    loads_version: int = -1
+    loads_at: float = float("-inf")
+
+
 @dataclasses.dataclass(slots=True, frozen=True)
 class _Reservation:
     frontend_id: str
@@ -154,11 +171,13 @@ class ClusterState:
         node_expiry_s: float = 3.0,
         frontend_expiry_s: float = 3.0,
         finished_memory: int = 100_000,
+        frontend_load_refresh_s: float = FRONTEND_LOAD_REFRESH_S,
     ) -> None:
         for name, value in (
             ("node_expiry_s", node_expiry_s),
             ("frontend_expiry_s", frontend_expiry_s),
             ("finished_memory", finished_memory),
+            ("frontend_load_refresh_s", frontend_load_refresh_s),
         ):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
@@ -166,6 +185,7 @@ class ClusterState:
         self._node_expiry_s = node_expiry_s
         self._frontend_expiry_s = frontend_expiry_s
         self._finished_memory = finished_memory
+        self._frontend_load_refresh_s = frontend_load_refresh_s
 
         self._nodes: dict[str, _Node] = {}
         self._frontends: dict[str, _Frontend] = {}
@@ -179,10 +199,12 @@ class ClusterState:
         self._ready: list[_Node] = []
         self._ready_by_rank: dict[int, _Node] = {}
         self._affinity: dict[str, _Node] = {}
-        # The node table's version: bumped at every change of an entry. Node ids by their last change, oldest
-        # first, so the changes since a version are found without a scan; removals only ask for the whole table.
+        # The node table's version: bumped at every change of an entry. Node ids by their last change (and by their
+        # last change of anything but the load figures), oldest first, so the changes since a version are found
+        # without a scan; removals only ask for the whole table.
         self._table_version = 0
         self._table_changed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._structure_changed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._table_removal_at = 0
         self._routing_decisions = {ROUTE_TARGET_RANK: 0, ROUTE_AFFINITY: 0, ROUTE_LEAST_LOADED: 0}
         self._refusals = {"duplicate": 0, "no_node": 0, "rank_not_found": 0, "deployment_full": 0}
@@ -249,8 +271,11 @@ class ClusterState:
         rescore = False
         if load is not None:
             if node.entry.load != load:
-                node.entry.load.CopyFrom(load)
-                self._entry_changed(node)
+                old = node.entry.load
+                limits_changed = (old.max_running_requests != load.max_running_requests
+                                  or old.max_queued_requests != load.max_queued_requests)
+                old.CopyFrom(load)
+                self._entry_changed(node, structural=limits_changed)
                 rescore = True
             # The report counts the reservations made so far, whether or not the figures moved.
             node.load_epoch += 1
@@ -267,21 +292,30 @@ class ClusterState:
         """The whole node table, DOWN nodes included, for the frontends' copy."""
         return [_copy(node.entry) for node in self._nodes.values()]
 
-    def node_table_since(self, version: int) -> tuple[bool, list[cluster_pb2.NodeEntry], int]:
-        """What a frontend that has the table as of `version` (-1: nothing yet) needs: (whole table?, entries,
-        the version they bring it to). The whole table when a node left it since; else the entries that changed
-        since, in O(changes). The entries are the live ones, not copies: copy them (into a reply) at once.
+    def node_table_since(self, cursor: TableCursor) -> tuple[bool, list[cluster_pb2.NodeEntry]]:
+        """What a frontend whose copy of the table is at `cursor` needs: (whole table?, entries), and moves the
+        cursor to now. The whole table first and when a node left it since; else the entries that changed since,
+        in O(changes): any change every `frontend_load_refresh_s`, in between all but load figures alone (an entry
+        sent carries its current figures). The entries are the live ones, not copies: copy them (into a reply)
+        at once.
         """
-        if version < self._table_removal_at or version < 0:
-            return True, [node.entry for node in self._nodes.values()], self._table_version
-        changed = []
-        for node_id in reversed(self._table_changed):
-            node = self._nodes[node_id]
-            if node.changed_at <= version:
-                break
-            changed.append(node.entry)
-        changed.reverse()
-        return False, changed, self._table_version
+        now = self._now()
+        if cursor.version < self._table_removal_at or cursor.version < 0:
+            full, changed, with_loads = True, [node.entry for node in self._nodes.values()], True
+        else:
+            full, changed = False, []
+            with_loads = now - cursor.loads_at >= self._frontend_load_refresh_s
+            since = cursor.loads_version if with_loads else cursor.version
+            for node_id in reversed(self._table_changed if with_loads else self._structure_changed):
+                node = self._nodes[node_id]
+                if (node.changed_at if with_loads else node.structure_changed_at) <= since:
+                    break
+                changed.append(node.entry)
+            changed.reverse()
+        if with_loads:
+            cursor.loads_version, cursor.loads_at = self._table_version, now
+        cursor.version = self._table_version
+        return full, changed
 
     # -------------------------------------------------------------- frontends
 
@@ -530,11 +564,16 @@ class ClusterState:
         self._entry_changed(node)
         self._rescore(node)
 
-    def _entry_changed(self, node: _Node) -> None:
+    def _entry_changed(self, node: _Node, structural: bool = True) -> None:
+        """`structural`: more than the load figures changed (see FRONTEND_LOAD_REFRESH_S)."""
         self._table_version += 1
         node.changed_at = self._table_version
         self._table_changed[node.entry.node_id] = None
         self._table_changed.move_to_end(node.entry.node_id)
+        if structural:
+            node.structure_changed_at = self._table_version
+            self._structure_changed[node.entry.node_id] = None
+            self._structure_changed.move_to_end(node.entry.node_id)
 
     def _rescore(self, node: _Node) -> None:
         """Tells the load index the node's score (or that it cannot take a request): after any change of its
@@ -546,6 +585,7 @@ class ClusterState:
         node = self._nodes.pop(node_id)
         self._ready_changes += 1
         self._table_changed.pop(node_id, None)
+        self._structure_changed.pop(node_id, None)
         self._table_version += 1
         self._table_removal_at = self._table_version
         self._least_loaded.forget(node_id)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
 import os
 import socket
@@ -15,7 +14,7 @@ from ..api.openengine.v1 import openengine_pb2
 from ..common.config import FrontendConfig
 from ..common.grpc_server import GRPCIO, ServerImplementation, create_server
 from ..common.health import Health
-from ..common.lifecycle import bind_address
+from ..common.lifecycle import bind_address, freeze_startup_objects
 from ..common.logging_setup import log_event
 from ..common.tls import add_public_port, internal_channel
 from ..common.vocab import load_encoding
@@ -42,10 +41,6 @@ NATIVE_FLUSH_S = 0.2  # pygrpc-native: after the last stream ended, before stop(
 # (lane_max_backlog_steps x max_batch token records); the node is a trusted peer: no receive limit.
 NODE_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 PUBLIC_SERVICES = tuple(s.full_name for s in openengine_pb2.DESCRIPTOR.services_by_name.values())
-# Every request allocates a few dozen tracked objects (coroutines, futures, frames, dicts) that mostly die young;
-# at CPython's default of 700 allocations the youngest-generation collections scan the live requests' objects
-# again and again. A larger threshold lets most of them go by reference counting first.
-GC_THRESHOLDS = (10_000, 20, 20)
 
 
 async def serve(config: FrontendConfig, implementation: ServerImplementation, stop: asyncio.Event) -> int:
@@ -55,7 +50,9 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     open_internal_channel = functools.partial(internal_channel, config=config)  # security hook: internal TLS
     nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s,
                             open_channel=functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS),
-                            lane_window=config.lane_window, pause_after_s=config.client_pause_after_s)
+                            lane_window=config.lane_window,
+                            lane_busy_ack_interval_s=config.lane_busy_ack_interval_ms / 1000,
+                            pause_after_s=config.client_pause_after_s)
     coordinator = CoordinatorClient(
         frontend_id, config.coordinators(), f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
         config.coordinator_timeout_s, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only,
@@ -82,9 +79,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     add_public_port(server, bind_address(config.host, config.port), config)  # security hook: TLS
     await server.start()
     await health.start()
-    gc.collect()  # startup's garbage goes first: nothing frozen is ever collected
-    gc.freeze()  # what startup built (tokenizer tables, modules, protobuf descriptors) is never scanned again
-    gc.set_threshold(*GC_THRESHOLDS)
+    freeze_startup_objects()  # tokenizer tables, modules, protobuf descriptors
     mark_worker_ready()
     metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
     log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port,

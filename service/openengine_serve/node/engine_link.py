@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,10 @@ from openengine_serve.engine.config import LAUNCHER_MODULE, WORKER_MODULE, Worke
 log = logging.getLogger(__name__)
 
 _MAX_RESTART_DELAY_S = 5.0
+# How long the link remembers a request that ended here, and an abort of one that has not arrived yet (see
+# EngineLink.abort): far longer than a release or a Submit takes to arrive, at most this many ids each.
+RECENT_IDS_KEPT_S = 60.0
+RECENT_IDS_KEPT = 65536
 
 
 class EngineUnavailable(RuntimeError):
@@ -50,6 +55,35 @@ class EngineLoad:
     running_tokens: int = 0
     waiting_tokens: int = 0
     step_seconds: float = 0.0
+
+
+class RecentIds:
+    """Request ids remembered for `keep_s` seconds, at most `limit` of them (the oldest forgotten first)."""
+
+    def __init__(self, keep_s: float = RECENT_IDS_KEPT_S, limit: int = RECENT_IDS_KEPT) -> None:
+        self._keep_s = keep_s
+        self._limit = limit
+        self._added_at: OrderedDict[str, float] = OrderedDict()  # in the order added
+
+    def add(self, request_id: str) -> None:
+        now = time.monotonic()
+        added_at = self._added_at
+        added_at[request_id] = now
+        added_at.move_to_end(request_id)
+        while len(added_at) > self._limit or next(iter(added_at.values())) < now - self._keep_s:
+            added_at.popitem(last=False)
+
+    def pop(self, request_id: str) -> bool:
+        """Whether the id is remembered; it is forgotten."""
+        added = self._added_at.pop(request_id, None)
+        return added is not None and added >= time.monotonic() - self._keep_s
+
+    def __contains__(self, request_id: str) -> bool:
+        added = self._added_at.get(request_id)
+        return added is not None and added >= time.monotonic() - self._keep_s
+
+    def __len__(self) -> int:
+        return len(self._added_at)
 
 
 class _Outstanding:
@@ -109,6 +143,8 @@ class EngineLink:
         self._ready = asyncio.Event()
         self._restarts = 0
         self._requests: dict[str, _Outstanding] = {}
+        self._ended = RecentIds()  # requests that ended here lately (see abort)
+        self._held_cancels = RecentIds()  # aborted before they were submitted here (see abort)
         self._open_sequences = 0
         # Failed by fail_all() while the worker still runs them: their events are
         # dropped until the worker confirms each output's cancellation.
@@ -244,6 +280,8 @@ class EngineLink:
         self._waiting_since[request.request_id] = time.monotonic()
         self._open_sequences += sequences
         self._requests_changed()
+        if self._held_cancels and self._held_cancels.pop(request.request_id):
+            self.cancel(request.request_id)  # aborted before it arrived: it ends CANCELLED at once
 
     def cancel(self, request_id: str, output_index: int | None = None) -> bool:
         """Asks the worker to cancel a request (or one output); False when it is not open here.
@@ -271,6 +309,17 @@ class EngineLink:
             self._send(cluster_pb2.EngineCommand(pause=cluster_pb2.PauseRequest(request_id=request_id,
                                                                                 resume=resume)))
         return True
+
+    def abort(self, request_id: str) -> cluster_pb2.CancelReply:
+        """The coordinator's Abort of one request it has reserved on this node. Not open here, the request
+        either ended here (its release is still on its way to the coordinator) or has not arrived yet (reserved,
+        its Submit still on its way): the second kind is cancelled as soon as it is submitted."""
+        if self.cancel(request_id):
+            return cluster_pb2.CancelReply(found=True)
+        if request_id in self._ended:
+            return cluster_pb2.CancelReply(ended=True)
+        self._held_cancels.add(request_id)
+        return cluster_pb2.CancelReply(held=True)
 
     def lanes_of_outstanding(self) -> dict[str, str]:
         """request_id -> the lane (frontend id) its events go to."""
@@ -336,6 +385,7 @@ class EngineLink:
         self._open_sequences -= 1
         if not entry.open_outputs:
             del self._requests[request_id]
+            self._ended.add(request_id)
             self._waiting_since.pop(request_id, None)
             self._requests_changed()
 
@@ -369,6 +419,7 @@ class EngineLink:
             return
         step = cluster_pb2.EngineStep(step=self._last_step)
         for request_id, entry in self._requests.items():
+            self._ended.add(request_id)
             for output_index in sorted(entry.open_outputs):
                 step.events.add(request_id=request_id, output_index=output_index, lane=entry.lane,
                                 finish=cluster_pb2.ENGINE_FINISH_ERROR, message=message,

@@ -277,6 +277,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         return None
 
     async def Cancel(self, request: cluster_pb2.CancelRequest, context) -> cluster_pb2.CancelReply:
+        if request.hold:
+            return self.link.abort(request.request_id)
         output_index = request.output_index if request.HasField("output_index") else None
         return cluster_pb2.CancelReply(found=self.link.cancel(request.request_id, output_index))
 
@@ -384,12 +386,14 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                             interval = await self._register(stub, address) or interval
                             registered = True
                         state = self.state()
+                        draining = state == cluster_pb2.NODE_STATE_DRAINING
+                        # Quiet: no reply awaited, except the drain's (its acknowledgement) and the stream's checks.
                         reply = await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(
-                            node_id=self.node_id, state=state, load=self.load()))
-                        if not reply.known:
+                            node_id=self.node_id, state=state, load=self.load()), quiet=not draining)
+                        if reply is not None and not reply.known:
                             registered = False
                             continue
-                        if state == cluster_pb2.NODE_STATE_DRAINING:
+                        if draining:
                             drain_told.set()
                     except grpc.aio.AioRpcError as exc:  # the registration
                         heartbeats.record_failure()

@@ -87,14 +87,16 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeEntry, _Mapping]] = ..., auto_rank: _Optional[bool] = ...) -> None: ...
 
 class NodeHeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "state", "load")
+    __slots__ = ("node_id", "state", "load", "reply_optional")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_OPTIONAL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: NodeState
     load: NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    reply_optional: bool
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., reply_optional: _Optional[bool] = ...) -> None: ...
 
 class RegisterFrontendRequest(_message.Message):
     __slots__ = ("frontend_id", "address")
@@ -123,14 +125,16 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., assigned_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "nodes", "full_table")
+    __slots__ = ("known", "nodes", "full_table", "replies_optional")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     FULL_TABLE_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_OPTIONAL_FIELD_NUMBER: _ClassVar[int]
     known: bool
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
     full_table: bool
-    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ...) -> None: ...
+    replies_optional: bool
+    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ..., replies_optional: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner", "traceparent", "tracestate")
@@ -263,18 +267,24 @@ class SubmitOutcomes(_message.Message):
     def __init__(self, outcome: _Optional[_Iterable[_Union[SubmitOutcome, _Mapping]]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("request_id", "output_index")
+    __slots__ = ("request_id", "output_index", "hold")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_index: int
-    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ...) -> None: ...
+    hold: bool
+    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class CancelReply(_message.Message):
-    __slots__ = ("found",)
+    __slots__ = ("found", "ended", "held")
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+    ended: bool
+    held: bool
+    def __init__(self, found: _Optional[bool] = ..., ended: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class ResultsRequest(_message.Message):
     __slots__ = ("frontend_id",)

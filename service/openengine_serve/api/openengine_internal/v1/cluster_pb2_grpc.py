@@ -96,11 +96,12 @@ class CoordinatorServicer:
 
     def NodeHeartbeats(self, request_iterator, context):
         """A node's heartbeats: one long-lived stream per node and coordinator. The node
-        writes one heartbeat per interval (or at once when it starts draining) and
-        waits for its reply; the coordinator answers every heartbeat with exactly one
-        HeartbeatReply, in order. The stream ending changes nothing on the
-        coordinator: a node is marked DOWN only when no heartbeat arrived for the
-        expiry time, whatever became of its streams.
+        writes one heartbeat per interval (or at once when it starts draining). The
+        coordinator answers each heartbeat with exactly one HeartbeatReply, in order,
+        except those marked reply_optional: it skips their reply, and ends the
+        stream (status OK) instead when it does not know the node. The stream ending
+        changes nothing on the coordinator: a node is marked DOWN only when no
+        heartbeat arrived for the expiry time, whatever became of its streams.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

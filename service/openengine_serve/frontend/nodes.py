@@ -427,14 +427,16 @@ class NodeConnections:
         """Pauses (or resumes) a request on its node, on the lane's call; False when the lane has no call to say
         it on (a node's `Results` lane, or the lane is reopening)."""
         acknowledgements = conn.acknowledgements
-        if acknowledgements is None:
-            return False
-        acknowledgements.pause(request_id, resume=not paused)
         if paused:
+            if acknowledgements is None:
+                return False
+            acknowledgements.pause(request_id, resume=False)
             metrics.CLIENT_PAUSES.inc()
             metrics.PAUSED_STREAMS.inc()
-        else:
-            metrics.PAUSED_STREAMS.dec()
+            return True
+        metrics.PAUSED_STREAMS.dec()
+        if acknowledgements is not None:  # else its lane broke meanwhile: the node cancelled its requests
+            acknowledgements.pause(request_id, resume=True)
         return True
 
     def cancel(self, conn: NodeConnection, request_id: str, output_index: int | None = None) -> None:

@@ -164,10 +164,10 @@ class PeerHeartbeats:
     """One peer's loop with one coordinator (see the module docstring); `run` until cancelled.
 
     Hooks: `register()` registers and returns the heartbeat interval the coordinator asks for (None or 0: keep
-    `interval_s`), raising grpc.aio.AioRpcError when it fails; `heartbeat()` builds the next heartbeat, `quiet(heartbeat)`
-    says whether its reply may be skipped; `on_reply(heartbeat, reply)` gets every reply read (known or not);
-    `on_register_failed(exc)` and `on_heartbeat_failed(exc)` are told of each failure. `wake`, once set, cuts the
-    wait short: the next heartbeat goes at once.
+    `interval_s`), raising grpc.aio.AioRpcError when it fails; `heartbeat()` builds the next heartbeat,
+    `quiet(heartbeat)` says whether its reply may be skipped; `on_reply(heartbeat, reply)` gets every reply read
+    (known or not); `on_register_failed(exc)` and `on_heartbeat_failed(exc)` are told of each failure. `wake`, once
+    set, cuts the wait short: the next heartbeat goes at once.
 
     Two choices differ between the peers as they were built (kept, not merged): after known=false a node registers
     at once, a frontend at its next heartbeat (`register_at_once_when_forgotten`); after a failed heartbeat a

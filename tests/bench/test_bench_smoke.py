@@ -171,3 +171,5 @@ def test_bench_one_token_short(tmp_path):
     assert result["server"] == "grpcio" and result["label"] == "smoke"
     assert result["requests_per_s"] > 0 and result["errors"] == 0, result
     assert result["frontend_cpu_us_per_request"] > 0 and result["coordinator_cpu_us_per_request"] >= 0, result
+    assert result["load_generator_cpu_us_per_request"] > 0, result
+    assert result["load_generator_loop"] in ("uvloop", "asyncio"), result

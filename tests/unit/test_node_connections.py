@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 import grpc
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.coordinator.state import ClusterState
 from openengine_serve.frontend.fallback_routing import FallbackRouter
-from openengine_serve.frontend.nodes import LaneFailure, NodeConnections, SubmitRefused
+from openengine_serve.frontend.nodes import BUSY_TURN_S, LaneAcknowledgements, LaneFailure, NodeConnections, SubmitRefused
 from openengine_serve.frontend.refusal import NotServed, Unavailable
 from openengine_serve.frontend.tasks import BackgroundTasks
 
@@ -99,6 +100,49 @@ async def test_the_lane_gives_the_node_a_window_and_acknowledges_each_message_ha
     await settle()
     assert [e.tokens[0].token_id for e in await sink.take()] == [0, 1, 2]
     assert sum(c.handled for c in stub.credits[1:]) == 3, stub.credits  # the opening message is not counted
+
+
+class RecordedCredits:
+    """A Lane call's write side: the loop time of each LaneCredit written."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[float, int]] = []
+
+    async def write(self, credit: cluster_pb2.LaneCredit) -> None:
+        self.written.append((asyncio.get_running_loop().time(), credit.handled))
+
+
+async def busy_turns(turns: int) -> None:
+    """A saturated loop: `turns` turns, each blocking the loop for twice BUSY_TURN_S."""
+    for _ in range(turns):
+        time.sleep(2 * BUSY_TURN_S)
+        await asyncio.sleep(0)
+
+
+async def test_an_acknowledgement_goes_out_at_once_when_the_loop_has_room():
+    call = RecordedCredits()
+    acknowledgements = LaneAcknowledgements(call, min_interval_s=1.0)
+    acknowledgements.handled()
+    await settle()
+    assert [handled for _, handled in call.written] == [1]
+    acknowledgements.close()
+
+
+async def test_a_busy_loop_paces_the_acknowledgements_and_those_handled_meanwhile_go_together():
+    loop = asyncio.get_running_loop()
+    call = RecordedCredits()
+    acknowledgements = LaneAcknowledgements(call, min_interval_s=0.05)
+    busy = asyncio.create_task(busy_turns(5))
+    acknowledgements.handled()
+    handled_at = loop.time()
+    await busy
+    acknowledgements.handled()  # while the first waits
+    async with asyncio.timeout(1.0):
+        while not call.written:
+            await asyncio.sleep(0.01)
+    [(written_at, handled)] = call.written
+    assert handled == 2 and written_at - handled_at >= 0.05
+    acknowledgements.close()
 
 
 async def test_a_node_without_the_credited_lane_is_read_over_results(nodes: NodeConnections):

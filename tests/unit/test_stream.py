@@ -70,6 +70,25 @@ def test_token_by_token_deltas_equal_protobuf_also_across_split_characters(outpu
     assert streamed + detok.decode(b"", final=True) == ENC.decode(ids)
 
 
+@pytest.mark.parametrize("output_index", [0, 2])
+def test_last_token_at_max_tokens_is_the_same_delta_on_the_cached_path(output_index):
+    """A one-token event that ends the output at max_tokens (every 1-token request's only event) takes the
+    cached bytes when nothing is held back: the same delta and `finished` the general path builds."""
+    whole = ENC.encode(" world")[0]
+    assert STRINGS.one_token_body(whole) is not None
+    split = next(i for i in range(ENC.n_vocab) if STRINGS.one_token_body(i) is None)
+    for token_id in (whole, split):
+        fast = OutputStream(output_index, plan(), ENC, STRINGS)
+        general = OutputStream(output_index, plan(stop_strings=["never matched"]), ENC, STRINGS)
+        assert fast.plain and not general.plain
+        fast_out = fast.on_events([event([token_id], C.ENGINE_FINISH_LENGTH, index=output_index)])
+        general_out = general.on_events([event([token_id], C.ENGINE_FINISH_LENGTH, index=output_index)])
+        delta, count, finished, stop = fast_out
+        assert G.GenerateResponse.FromString(delta) == G.GenerateResponse.FromString(general_out[0])
+        assert (count, finished, stop) == general_out[1:] and fast.generated == general.generated == 1
+        assert finished.finished.reason == G.FINISH_REASON_LENGTH and fast.finished
+
+
 def test_serializer_passes_bytes_and_serializes_messages():
     msg = G.GenerateResponse(request_id="a")
     assert serialize_response(b"raw") == b"raw"
@@ -120,7 +139,7 @@ def test_length_and_cancel_finishes():
 
 async def _stream_one_event_at_a_time(ids, send_now):
     """Inference.stream fed one event per step (the stream idle in between, as on the lane); every message in
-    the order the client would get it, and how many went through send_now."""
+    the order the client would get it, how many sends were tried, and how many messages went through `write`."""
     from openengine_serve.frontend.inference import Inference
     from openengine_serve.frontend.nodes import RequestSink
 
@@ -133,10 +152,11 @@ async def _stream_one_event_at_a_time(ids, send_now):
 
     inference = Inference.__new__(Inference)
     inference.encoding, inference.strings = ENC, STRINGS
-    accepted, out, direct = Accepted(), [], []
+    accepted, out, direct, written = Accepted(), [], [], []
 
     async def write(message):
         out.append(serialize_response(message))
+        written.append(message)
 
     def send(data):
         direct.append(data)
@@ -153,7 +173,7 @@ async def _stream_one_event_at_a_time(ids, send_now):
         last = n == len(ids) - 1
         accepted.sink.put(event([token_id], C.ENGINE_FINISH_LENGTH if last else C.ENGINE_FINISH_NONE))
     await asyncio.wait_for(task, 5)
-    return out, len(direct)
+    return out, len(direct), len(written)
 
 
 async def test_deltas_sent_by_the_lane_reader_equal_the_stream_s_own_writes():
@@ -161,17 +181,31 @@ async def test_deltas_sent_by_the_lane_reader_equal_the_stream_s_own_writes():
     the client gets the same messages in the same order, a send that finds the client's buffer full goes out
     through the stream's own write, once and in order, and the token metrics count every delta once."""
     ids = ENC.encode("Héllo wörld, 你好世界 🤖🎉 naïve café — done and done again")
-    expected, _ = await _stream_one_event_at_a_time(ids, None)
+    expected, _, _ = await _stream_one_event_at_a_time(ids, None)
     assert len(expected) == len(ids) + 1, "one delta per token and the finished message"
-    sent, direct = await _stream_one_event_at_a_time(ids, lambda n: True)
+    sent, direct, _ = await _stream_one_event_at_a_time(ids, lambda n: True)
     assert sent == expected
     assert direct > len(ids) // 2, "most deltas go out from the lane reader"
     counts = _metric_counts()
-    sent, _ = await _stream_one_event_at_a_time(ids, lambda n: n % 3 != 0)  # every third finds the buffer full
+    sent, _, _ = await _stream_one_event_at_a_time(ids, lambda n: n % 3 != 0)  # every third finds the buffer full
     assert sent == expected
     await asyncio.sleep(0)  # the metrics' flush
     tokens, gaps = (after - before for after, before in zip(_metric_counts(), counts))
     assert (tokens, gaps) == (len(ids), len(ids) - 1), "every delta counted once, whichever path sent it"
+
+
+async def test_a_full_buffer_is_tried_once_more_after_a_loop_iteration_before_the_write():
+    """pygrpc-native: a message of the stream's own that the client's buffer cannot take (mostly the `finished`
+    right behind the last delta) is sent again after one loop iteration, while the server's I/O thread drains
+    the buffer, and only then written (pygrpc-native's write waits for room in a thread pool). The client gets
+    the same messages in the same order either way."""
+    ids = ENC.encode(" world")  # one token: its delta and the finished both come from the stream itself
+    expected, _, _ = await _stream_one_event_at_a_time(ids, None)
+    assert len(expected) == 2
+    sent, tries, written = await _stream_one_event_at_a_time(ids, lambda n: n % 2 == 0)  # full at each first try
+    assert (sent, tries, written) == (expected, 4, 0)
+    sent, tries, written = await _stream_one_event_at_a_time(ids, lambda n: False)  # stays full: the write
+    assert (sent, tries, written) == (expected, 4, 2)
 
 
 def _metric_counts() -> tuple[float, float]:

@@ -492,3 +492,15 @@ def test_client_values_echoed_in_messages_are_cut_short(req):
     with pytest.raises(Refusal) as rejected:
         validate(req)
     assert len(rejected.value.message) < 300
+
+
+def test_unset_sampling_and_response_plan_as_their_empty_messages():
+    """An unset sampling or response message skips its checks: the plan equals that of the empty message set."""
+    from openengine_serve.frontend import validation
+
+    assert validation._check_sampling(pb.SamplingParams(), LIMITS) == validation._DEFAULT_SAMPLING
+    unset = pb.GenerateRequest(request_id="r", model=MODEL, prompt="Hi")
+    empty = pb.GenerateRequest(request_id="r", model=MODEL, prompt="Hi", sampling=pb.SamplingParams(),
+                               response=pb.ResponseOptions(), guided=pb.GuidedDecoding(), kv=pb.KvOptions())
+    assert not unset.HasField("sampling") and empty.HasField("sampling") and empty.HasField("response")
+    assert validate(unset) == validate(empty)

@@ -11,6 +11,10 @@ load generator and the backend beside it cannot show directly.
 
 `--pythonpath DIR` runs the deployment from another source tree (an older
 checkout's service/), for before/after figures on the same machine.
+
+The load generator runs on the components' event loop (uvloop where it exists; `--loop asyncio` for asyncio's
+own, as the earlier one-token figures in docs/benchmarks.md were taken), and its own CPU per request is
+reported too: on two cores it competes with the worker it measures.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2_grpc
+from openengine_serve.common.lifecycle import event_loop_name, new_event_loop
 
 from .stack import cpu_seconds  # one pid (coordinator.cpu_seconds sums a list of pids)
 
@@ -44,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--pythonpath", default="", help="run the deployment from this source tree")
     p.add_argument("--label", default="", help="a name for this run in the output (e.g. before, after)")
+    p.add_argument("--loop", choices=("default", "asyncio"), default="default",
+                   help="the load generator's event loop: the components' (uvloop where it exists) or asyncio's own")
     p.add_argument("--output", default="bench-results", help="directory for one-token.jsonl (appended)")
     return p
 
@@ -90,14 +98,17 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
         done0, errors0 = state["done"], state["errors"]
         state["record"] = True
         f0, c0, t0 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
+        g0 = cpu_seconds(os.getpid())
         await asyncio.sleep(args.window_s)
         f1, c1, t1 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
+        g1 = cpu_seconds(os.getpid())
         done = state["done"] - done0
         results.append({"requests_per_s": done / (t1 - t0), "frontend_cores": (f1 - f0) / (t1 - t0),
                         "frontend_cpu_us_per_request": 1e6 * (f1 - f0) / max(1, done),
                         # what one worker would serve with a whole core to itself: bound by its CPU per request
                         "requests_per_frontend_core_s": done / max(f1 - f0, 1e-9),
                         "coordinator_cpu_us_per_request": 1e6 * (c1 - c0) / max(1, done),
+                        "load_generator_cpu_us_per_request": 1e6 * (g1 - g0) / max(1, done),
                         "errors": state["errors"] - errors0})
     state["record"], state["stop"] = False, True
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -111,11 +122,14 @@ def run_server(server: str, args: argparse.Namespace) -> list[dict]:
 
     up = UpStack(server, nodes=args.nodes, workers=1, pythonpath=args.pythonpath).start()
     try:
-        results = asyncio.run(drive(up.target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"),
-                                    args))
+        loop_factory = asyncio.new_event_loop if args.loop == "asyncio" else new_event_loop
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            results = runner.run(drive(up.target, child_named(up.pid, "frontend"),
+                                       child_named(up.pid, "coordinator"), args))
     finally:
         up.stop()
-    return [{"server": server, "label": args.label, **result} for result in results]
+    loop = "asyncio" if args.loop == "asyncio" else event_loop_name()
+    return [{"server": server, "label": args.label, "load_generator_loop": loop, **result} for result in results]
 
 
 def main(argv: list[str]) -> int:
@@ -129,6 +143,7 @@ def main(argv: list[str]) -> int:
             print(f"{server:14} {args.label:8} {result['requests_per_s']:8.0f} req/s  frontend "
                   f"{result['frontend_cpu_us_per_request']:6.0f} µs/req ({result['frontend_cores']:.2f} cores, "
                   f"{result['requests_per_frontend_core_s']:5.0f} req/s per core)  "
-                  f"coordinator {result['coordinator_cpu_us_per_request']:5.0f} µs/req  errors {result['errors']}",
+                  f"coordinator {result['coordinator_cpu_us_per_request']:5.0f} µs/req  "
+                  f"load generator {result['load_generator_cpu_us_per_request']:4.0f} µs/req  errors {result['errors']}",
                   flush=True)
     return 0

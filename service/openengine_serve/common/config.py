@@ -188,6 +188,12 @@ class FrontendConfig(CommonConfig):
                                "has not handled yet; the node folds what waits beyond it into one message, so a "
                                "new request's first token never queues behind a transport full of old steps "
                                "(0: no limit, the transport's flow control alone)", minimum=0)
+    lane_busy_ack_interval_ms: float = knob(20.0, "while this worker's event loop is busy (a turn over 2 ms), "
+                                                 "the least time between its acknowledgements of one node's "
+                                                 "result lane messages: the node folds the steps meanwhile into "
+                                                 "one message, so a saturated worker writes fewer, larger deltas "
+                                                 "(ITL in chunks of about this); 0: acknowledged on receipt "
+                                                 "(docs/robustness.md, overload)", minimum=0, maximum=1000)
     probe_timeout_s: float = knob(5.0, "the Control.Health inference probe reports DEGRADED when its one token "
                                        "takes longer", minimum=0.05)
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")

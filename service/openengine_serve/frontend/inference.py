@@ -26,7 +26,7 @@ from .refusal import (DuplicateRequest, InvalidRequest, KeyAtLimit, NotServed, O
                       Unsupported)
 from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests
-from .stream import ENGINE_ERROR, OutputStream, TokenStrings, engine_error, prompt_output
+from .stream import ENGINE_ERROR, OutputStream, TokenStrings, engine_error, prompt_output, serialize_response
 from .text import encode_prompt
 from .validation import GenerationPlan, ModelLimits, RequestMetadata, parse_metadata, validate_generate
 
@@ -181,6 +181,18 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             last_token_at = _count_delta(1, last_token_at)
             return None
 
+        async def send_or_write(item) -> None:
+            """pygrpc-native: the non-blocking send, once more after one loop iteration when the client's buffer
+            was full (its I/O thread drains the message before, e.g. the token delta right before a `finished`),
+            and only then `write`, whose full-buffer path waits in a thread pool."""
+            data = serialize_response(item)
+            if send_now(data):
+                return
+            await asyncio.sleep(0)
+            if not send_now(data):
+                await write(data)
+
+        emit = write if send_now is None else send_or_write
         if send_now is not None and single_output and outputs[0].plain:
             only_output = outputs[0]
             sink.direct = send_directly
@@ -203,7 +215,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                     return
                 if not prompt_sent and items[0].prompt_tokens:
                     prompt_sent = True
-                    await write(prompt_output(plan, items[0], self.strings))
+                    await emit(prompt_output(plan, items[0], self.strings))
                 new_tokens = 0
                 for index, events in ((0, items),) if single_output else _by_output(items):
                     output = outputs[index]
@@ -214,13 +226,13 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                         accepted.cancel_output(index)
                     if delta is not None:
                         new_tokens += delta_tokens
-                        await write(delta)
+                        await emit(delta)
                     if finished is not None:
                         open_outputs -= 1
                         finish_reasons.append(finished.finished.reason)
                         if not open_outputs:
                             finished.usage.CopyFrom(_usage(plan, outputs))
-                        await write(finished)
+                        await emit(finished)
                 if new_tokens:
                     if first_token_at is None:
                         first_token_at = time.perf_counter()

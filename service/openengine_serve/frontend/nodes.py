@@ -136,12 +136,23 @@ class RequestSink:
         return items
 
 
+BUSY_TURN_S = 0.002  # a turn of the event loop longer than this: the loop is busy (see LaneAcknowledgements)
+
+
 class LaneAcknowledgements:
     """Tells the node, on its `Lane` call, how many lane messages this frontend handled: one write at a time,
-    the messages handled meanwhile acknowledged together by the next."""
+    the messages handled meanwhile acknowledged together by the next.
 
-    def __init__(self, call) -> None:
+    With `min_interval_s` the credits are paced by the frontend's capacity: when the turn of the event loop in
+    which a message's streams run takes longer than BUSY_TURN_S, the acknowledgement waits until
+    `min_interval_s` after the message arrived. The node folds the steps meanwhile into its next message, each
+    stream then writes one larger delta per message instead of one per step (fewer writes per token), and the
+    loop gets idle time. At normal load that turn is short and the acknowledgement goes out at once.
+    0: acknowledged on receipt."""
+
+    def __init__(self, call, min_interval_s: float = 0.0) -> None:
         self._call = call
+        self._min_interval_s = min_interval_s
         self._handled = 0
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._send(), name="lane-acknowledgements")
@@ -154,9 +165,21 @@ class LaneAcknowledgements:
         with contextlib.suppress(Exception):  # the call ended: its reader sees it
             while True:
                 await self._wake.wait()
-                self._wake.clear()
+                if self._min_interval_s:
+                    await self._pace()
+                self._wake.clear()  # what was handled while this waited goes out with it
                 handled, self._handled = self._handled, 0
                 await self._call.write(cluster_pb2.LaneCredit(handled=handled))
+
+    async def _pace(self) -> None:
+        """If the loop is busy, waits until min_interval_s after it was called. sleep(0) resumes after everything that was ready
+        when it yielded (the streams the message woke), so the time it takes is their work."""
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        await asyncio.sleep(0)
+        turn = loop.time() - asked
+        if turn > BUSY_TURN_S:
+            await asyncio.sleep(self._min_interval_s - turn)
 
     def close(self) -> None:
         self._task.cancel()
@@ -205,9 +228,10 @@ class NodeConnections:
     def __init__(self, frontend_id: str, tasks: BackgroundTasks, connect_timeout_s: float,
                  call_timeout_s: float,
                  open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
-                 lane_window: int = 2) -> None:
+                 lane_window: int = 2, lane_busy_ack_interval_s: float = 0.0) -> None:
         self.frontend_id = frontend_id
         self.lane_window = lane_window  # lane messages a node may have sent and this frontend not handled; 0: any
+        self.lane_busy_ack_interval_s = lane_busy_ack_interval_s  # LaneAcknowledgements: credit pacing when busy
         self._open_channel = open_channel
         self.connect_timeout_s = connect_timeout_s
         self.call_timeout_s = call_timeout_s
@@ -288,11 +312,11 @@ class NodeConnections:
                 if opened is grpc.aio.EOF:
                     return
                 yield opened
-                acknowledgements = LaneAcknowledgements(call)
+                acknowledgements = LaneAcknowledgements(call, self.lane_busy_ack_interval_s)
                 try:
                     while (results := await call.read()) is not grpc.aio.EOF:
-                        # Acknowledged on receipt, before its events wake their streams: the write is scheduled
-                        # ahead of their work, and the node's next message folds everything meanwhile.
+                        # Scheduled before its events wake their streams, so the node's next message is under way
+                        # while they work (or, paced, after the busy interval); it folds everything meanwhile.
                         acknowledgements.handled()
                         yield results
                 finally:

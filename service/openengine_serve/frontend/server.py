@@ -50,7 +50,8 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     open_internal_channel = functools.partial(internal_channel, config=config)  # security hook: internal TLS
     nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s,
                             open_channel=functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS),
-                            lane_window=config.lane_window)
+                            lane_window=config.lane_window,
+                            lane_busy_ack_interval_s=config.lane_busy_ack_interval_ms / 1000)
     coordinator = CoordinatorClient(
         frontend_id, config.coordinators(), f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
         config.coordinator_timeout_s, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only,

@@ -146,7 +146,13 @@ class OutputStream:
         """The steady state, answered from cached bytes: a plain output (no stop strings, no logprobs), one token,
         not the last, nothing held back. The serialized delta (counted as generated), else None (on_events then
         builds it; same bytes)."""
-        if not self.plain or self.detokenizer.pending or event.finish != ENGINE_NONE:
+        if event.finish != ENGINE_NONE:
+            return None
+        return self._cached_one_token_delta(event)
+
+    def _cached_one_token_delta(self, event: cluster_pb2.OutputEvent) -> bytes | None:
+        """one_token_delta without the check that the event does not finish the output."""
+        if not self.plain or self.detokenizer.pending:
             return None
         tokens = event.tokens
         if len(tokens) != 1:
@@ -170,9 +176,14 @@ class OutputStream:
         GenerateResponse when logprobs were asked) or None; `finished` is a GenerateResponse or None;
         stop_output says the node must be told to stop this output (a stop string matched here)."""
         if len(events) == 1:
-            delta = self.one_token_delta(events[0])
-            if delta is not None:
-                return delta, 1, None, False
+            event = events[0]
+            finish = event.finish
+            if finish == ENGINE_NONE or finish == ENGINE_LENGTH:
+                # A one-token event of a plain output: its delta from cached bytes; at max_tokens (every
+                # 1-token request's only event) with nothing held back, the text needs no flush either.
+                delta = self._cached_one_token_delta(event)
+                if delta is not None:
+                    return delta, 1, None if finish == ENGINE_NONE else self.finish(FINISH_LENGTH), False
         plan = self.plan
         if len(events) == 1:
             records = list(events[0].tokens)

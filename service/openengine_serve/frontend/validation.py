@@ -217,13 +217,17 @@ def validate_generate(
     model = _resolve_model(request.model, limits)
     _check_supported_features(request)
 
-    sampling = _check_sampling(request.sampling, limits)
+    # Unset sampling/response messages (most requests) have nothing to check: their defaults directly.
+    sampling = _check_sampling(request.sampling, limits) if request.HasField("sampling") else _DEFAULT_SAMPLING
     stopping = request.stopping
     requested_max_tokens, min_tokens = _check_output_length(stopping, limits)
     stop_strings, stop_token_ids = _stop_conditions(stopping.conditions, limits)
     response = request.response
-    output_candidates = _candidates(response, "output_candidates", limits)
-    prompt_candidates = _candidates(response, "prompt_candidates", limits)
+    if request.HasField("response"):
+        output_candidates = _candidates(response, "output_candidates", limits)
+        prompt_candidates = _candidates(response, "prompt_candidates", limits)
+    else:
+        output_candidates = prompt_candidates = None
 
     prompt_token_ids = _prompt_token_ids(request, input_kind, limits, encode)
     max_tokens = _fit_max_tokens(input_kind, len(prompt_token_ids), requested_max_tokens, limits)
@@ -299,6 +303,11 @@ def _check_sampling(sampling: generation_pb2.SamplingParams, limits: ModelLimits
                      repetition_penalty, num_sequences, sampling.seed if sampling.HasField("seed") else None)
 
 
+# What _check_sampling makes of an unset SamplingParams (tests/unit/test_validation.py checks they agree).
+_DEFAULT_SAMPLING = _Sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, frequency_penalty=0.0,
+                              presence_penalty=0.0, repetition_penalty=1.0, num_sequences=1, seed=None)
+
+
 def _check_output_length(stopping: generation_pb2.StoppingOptions, limits: ModelLimits) -> tuple[int | None, int]:
     """Step 6 without the stop conditions: (max_tokens as requested or None, min_tokens)."""
     requested_max_tokens = stopping.max_tokens if stopping.HasField("max_tokens") else None
@@ -364,28 +373,34 @@ def _resolve_model(requested: str, limits: ModelLimits) -> str:
 def _check_supported_features(request: generation_pb2.GenerateRequest) -> None:
     if request.media:
         raise Unsupported("media input is not supported (media must be empty)")
-    guide = request.guided.WhichOneof("guide")
-    if guide is not None:
-        raise Unsupported(f"guided decoding is not supported (guided.{guide} is set)")
-    kv = request.kv
-    if kv.HasField("session"):
-        raise Unsupported("KV sessions are not supported (kv.session is set)")
-    if kv.bypass_prefix_cache:
-        raise Unsupported("kv.bypass_prefix_cache is not supported; leave it unset or false")
-    if kv.HasField("cache_salt"):
-        raise Unsupported("kv.cache_salt is not supported; leave it unset")
+    # An unset message sets nothing (most requests): its fields are not looked at.
+    if request.HasField("guided"):
+        guide = request.guided.WhichOneof("guide")
+        if guide is not None:
+            raise Unsupported(f"guided decoding is not supported (guided.{guide} is set)")
+    if request.HasField("kv"):
+        kv = request.kv
+        if kv.HasField("session"):
+            raise Unsupported("KV sessions are not supported (kv.session is set)")
+        if kv.bypass_prefix_cache:
+            raise Unsupported("kv.bypass_prefix_cache is not supported; leave it unset or false")
+        if kv.HasField("cache_salt"):
+            raise Unsupported("kv.cache_salt is not supported; leave it unset")
     if request.lora_name:
         raise Unsupported(f"LoRA is not enabled (lora_name {shown(request.lora_name)}); leave lora_name empty")
-    for candidates_field in ("prompt_candidates", "output_candidates"):
-        if getattr(request.response, candidates_field).WhichOneof("selection") == "all":
-            raise Unsupported(
-                f"response.{candidates_field}.all is not supported; only top_n and token_ids are"
-            )
+    if request.HasField("response"):
+        for candidates_field in ("prompt_candidates", "output_candidates"):
+            if getattr(request.response, candidates_field).WhichOneof("selection") == "all":
+                raise Unsupported(
+                    f"response.{candidates_field}.all is not supported; only top_n and token_ids are"
+                )
 
 
 def _stop_conditions(
     conditions: Sequence[generation_pb2.StopCondition], limits: ModelLimits
 ) -> tuple[list[str], list[int]]:
+    if not conditions:
+        return [], []
     if len(conditions) > limits.max_stop_conditions:
         raise InvalidRequest(
             f"stopping.conditions must have at most {limits.max_stop_conditions} entries, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -85,6 +86,7 @@ class CoordinatorClient:
         if not addresses:
             raise ValueError("at least one coordinator address is needed")
         self.frontend_id = frontend_id
+        self.incarnation = uuid.uuid4().hex  # tells a coordinator this process from a restarted one of the same id
         self.addresses = tuple(addresses)
         self.address = ",".join(self.addresses)
         self.advertised_address = advertised_address
@@ -130,7 +132,8 @@ class CoordinatorClient:
 
     async def _register(self, shard: CoordinatorShard) -> None:
         reply = await shard.stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
-            frontend_id=self.frontend_id, address=self.advertised_address), timeout=self.call_timeout_s)
+            frontend_id=self.frontend_id, address=self.advertised_address, incarnation=self.incarnation),
+            timeout=self.call_timeout_s)
         self._set_reachable(shard, True)
         self._set_nodes(shard, reply.nodes)
         log_event(logger, "registered with coordinator", frontend_id=self.frontend_id, coordinator=shard.address)

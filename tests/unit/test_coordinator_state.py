@@ -363,6 +363,19 @@ def test_frontend_registering_again_has_restarted(state: ClusterState) -> None:
     assert state.lookup("r1") == ("finished", None)
 
 
+def test_frontend_registering_again_keeps_its_reservations_unless_its_incarnation_changed(
+        state: ClusterState) -> None:
+    """A frontend registers again after a failed heartbeat: the same process (incarnation) keeps its live
+    requests' reservations; a restarted one under the same id (a new incarnation) has none left."""
+    add_node(state, "a")
+    state.register_frontend("fe-1", "fe-1:8000", "first")
+    reserve(state, "r1", frontend="fe-1")
+    state.register_frontend("fe-1", "fe-1:8000", "first")
+    assert state.lookup("r1")[0] == "live"
+    state.register_frontend("fe-1", "fe-1:8000", "second")
+    assert state.lookup("r1") == ("finished", None)
+
+
 def test_snapshot_and_cluster_load(state: ClusterState, clock: FakeClock) -> None:
     add_node(state, "a")
     add_node(state, "b", ready=False)

@@ -1,13 +1,17 @@
-"""A peer's heartbeat stream to one coordinator (common/heartbeat_stream.py), over scripted streams: no network."""
+"""A peer's heartbeat stream to one coordinator and the loop around it (common/heartbeat_stream.py), over scripted
+streams: no network."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.config import CoordinatorConfig
-from openengine_serve.common.heartbeat_stream import ACK_EVERY_S, BACKOFF_FIRST_S, HeartbeatFailed, HeartbeatStream
+from openengine_serve.common.heartbeat_stream import (ACK_EVERY_S, BACKOFF_FIRST_S, HeartbeatFailed, HeartbeatStream,
+                                                       PeerHeartbeats)
 from openengine_serve.coordinator.server import CoordinatorService
 
 from .frontend_fakes import QueuedReplies, rpc_error
@@ -171,3 +175,114 @@ async def test_the_coordinator_answers_a_quiet_heartbeat_only_by_ending_the_stre
     # Unknown: an older node's heartbeat gets known=false; a quiet one ends the stream, unread ones after it too.
     assert [r.known for r in await replies(heartbeat("n2", False), heartbeat("n1", False))] == [False, True]
     assert await replies(heartbeat("n2", True), heartbeat("n1", False)) == []
+
+
+# ------------------------------------------------------------------ the loop (PeerHeartbeats)
+
+FORGOTTEN = cluster_pb2.HeartbeatReply(known=False)
+DRAINING = cluster_pb2.NODE_STATE_DRAINING
+
+
+class Peer:
+    """A peer's hooks for PeerHeartbeats, writing down what the loop did. The interval is long: a heartbeat that
+    comes within a test's few seconds came at once, after the backoff, or woken."""
+
+    def __init__(self, streams: Streams, registrations: list | None = None, **options) -> None:
+        self.events: list = []
+        self.registrations = registrations or []  # each registration's result: an interval, or an error to raise
+        self.state = cluster_pb2.NODE_STATE_READY
+        self.loop = PeerHeartbeats(
+            HeartbeatStream(streams.open, reply_timeout_s=1.0, jitter=lambda: 0.0), interval_s=60.0,
+            register=self.register, heartbeat=self.heartbeat,
+            on_reply=lambda heartbeat, reply: self.events.append(("reply", reply.known)),
+            on_register_failed=lambda exc: self.events.append(("register failed", exc.code())),
+            on_heartbeat_failed=lambda exc: self.events.append(("heartbeat failed", exc.code)), **options)
+        self.task = asyncio.create_task(self.loop.run())
+
+    async def register(self):
+        self.events.append("register")
+        result = self.registrations.pop(0) if self.registrations else None
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def heartbeat(self) -> cluster_pb2.NodeHeartbeatRequest:
+        self.events.append("heartbeat")
+        return cluster_pb2.NodeHeartbeatRequest(node_id="n1", state=self.state)
+
+    async def settled(self, count: int) -> list:
+        """The events, once there are `count` of them and no more came for a moment."""
+        async with asyncio.timeout(3):
+            while len(self.events) < count:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        return self.events
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self.task
+
+
+async def test_the_loop_registers_heartbeats_and_registers_again_at_once_when_forgotten():
+    streams = Streams([FORGOTTEN, KNOWN, KNOWN])
+    peer = Peer(streams)
+    assert await peer.settled(6) == ["register", "heartbeat", ("reply", False),
+                                     "register", "heartbeat", ("reply", True)], "then waits the interval"
+    assert peer.loop.interval_s == 60.0, "a registration that asks for no interval keeps the peer's"
+    peer.loop.wake.set()  # e.g. a node's drain: the next heartbeat now
+    assert (await peer.settled(8))[6:] == ["heartbeat", ("reply", True)]
+    await peer.stop()
+    assert streams.calls[0].cancelled, "the loop's end closes its stream"
+
+
+async def test_a_peer_may_register_again_at_its_next_heartbeat_instead():
+    peer = Peer(Streams([FORGOTTEN, KNOWN]), register_at_once_when_forgotten=False)
+    assert await peer.settled(3) == ["register", "heartbeat", ("reply", False)]
+    peer.loop.wake.set()
+    assert (await peer.settled(6))[3:] == ["register", "heartbeat", ("reply", True)]
+    await peer.stop()
+
+
+async def test_a_failed_registration_counts_into_the_backoff_and_is_tried_again():
+    unavailable = rpc_error(grpc.StatusCode.UNAVAILABLE, "no coordinator")
+    peer = Peer(Streams([KNOWN]), registrations=[unavailable, None])
+    # The second registration within the test's seconds: after the backoff's first step, not the interval.
+    assert await peer.settled(5) == ["register", ("register failed", grpc.StatusCode.UNAVAILABLE),
+                                     "register", "heartbeat", ("reply", True)]
+    assert peer.loop.stream.failures == 0 and peer.loop.stream.next_delay(60.0) == 60.0
+    await peer.stop()
+
+
+@pytest.mark.parametrize("register_after_failed_heartbeat", [False, True])
+async def test_a_failed_heartbeat_is_told_and_the_next_goes_after_the_backoff(register_after_failed_heartbeat):
+    streams = Streams([KNOWN, rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset")], [KNOWN])
+    peer = Peer(streams, register_after_failed_heartbeat=register_after_failed_heartbeat)
+    await peer.settled(3)
+    peer.loop.wake.set()
+    registers_again = ["register"] if register_after_failed_heartbeat else []
+    assert (await peer.settled(7 + len(registers_again)))[3:] == [
+        "heartbeat", ("heartbeat failed", grpc.StatusCode.UNAVAILABLE), *registers_again,
+        "heartbeat", ("reply", True)]
+    assert peer.loop.stream.streams_opened == 2
+    await peer.stop()
+
+
+async def test_quiet_heartbeats_are_not_handed_a_reply_and_a_draining_one_is():
+    streams = Streams([QUIET_OK, QUIET_OK])
+    peer = Peer(streams, quiet=lambda heartbeat: heartbeat.state != DRAINING)
+    await peer.settled(3)
+    peer.loop.wake.set()
+    assert (await peer.settled(4))[3:] == ["heartbeat"], "quiet: the reply skipped"
+    peer.state = DRAINING
+    peer.loop.wake.set()
+    assert (await peer.settled(6))[4:] == ["heartbeat", ("reply", True)]
+    assert [h.reply_optional for h in streams.calls[0].written] == [False, True, False]
+    await peer.stop()
+
+
+async def test_the_interval_is_the_one_the_registration_asked_for_when_it_asked():
+    peer = Peer(Streams([KNOWN] * 3), registrations=[0.02])
+    assert (await peer.settled(7))[:7] == ["register"] + ["heartbeat", ("reply", True)] * 3
+    assert peer.loop.interval_s == 0.02
+    await peer.stop()

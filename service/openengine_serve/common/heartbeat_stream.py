@@ -1,4 +1,5 @@
-"""A peer's heartbeats to one coordinator on one long-lived stream (`NodeHeartbeats`, `FrontendHeartbeats`).
+"""A peer's heartbeats to one coordinator on one long-lived stream (`NodeHeartbeats`, `FrontendHeartbeats`), and
+the loop around them (`PeerHeartbeats`: register, heartbeat, register again when forgotten).
 
 A unary call per heartbeat cost the coordinator a call's setup each time; with
 1,000 nodes that kept its event loop busy in bursts. Here the peer (node or
@@ -29,14 +30,22 @@ than with the unary calls, which retried only at the next interval), and one
 that is down gets at most a heartbeat per interval from each. Nothing on the
 coordinator follows the stream: a peer is lost only after the expiry time
 without a heartbeat, however its streams end.
+
+The loop (`PeerHeartbeats`) is the same for a node and a frontend: register when
+needed (a failed registration counts into the backoff), heartbeat, register again
+when a reply says known=false, wait `next_delay`. What differs comes in as hooks:
+the heartbeat and its handling (a node's drain acknowledgement, a frontend's node
+table), what a failure means to the peer (a log line, an unreachable coordinator),
+and a node's `wake` (it heartbeats at once when it starts draining).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -149,3 +158,72 @@ class HeartbeatStream:
         self.close()
         self.record_failure()
         raise HeartbeatFailed(code, detail) from None
+
+
+class PeerHeartbeats:
+    """One peer's loop with one coordinator (see the module docstring); `run` until cancelled.
+
+    Hooks: `register()` registers and returns the heartbeat interval the coordinator asks for (None or 0: keep
+    `interval_s`), raising grpc.aio.AioRpcError when it fails; `heartbeat()` builds the next heartbeat,
+    `quiet(heartbeat)` says whether its reply may be skipped; `on_reply(heartbeat, reply)` gets every reply read
+    (known or not); `on_register_failed(exc)` and `on_heartbeat_failed(exc)` are told of each failure. `wake`, once
+    set, cuts the wait short: the next heartbeat goes at once.
+
+    Two choices differ between the peers as they were built (kept, not merged): after known=false a node registers
+    at once, a frontend at its next heartbeat (`register_at_once_when_forgotten`); after a failed heartbeat a
+    frontend registers again before its next one, a node only once a reply says known=false
+    (`register_after_failed_heartbeat`).
+    """
+
+    def __init__(self, stream: HeartbeatStream, interval_s: float, *,
+                 register: Callable[[], Awaitable[float | None]],
+                 heartbeat: Callable[[], Any],
+                 on_reply: Callable[[Any, Any], None],
+                 on_register_failed: Callable[[grpc.aio.AioRpcError], None],
+                 on_heartbeat_failed: Callable[[HeartbeatFailed], None],
+                 quiet: Callable[[Any], bool] = lambda heartbeat: False,
+                 wake: asyncio.Event | None = None,
+                 register_at_once_when_forgotten: bool = True,
+                 register_after_failed_heartbeat: bool = False) -> None:
+        self.stream = stream
+        self.interval_s = interval_s
+        self.wake = wake if wake is not None else asyncio.Event()
+        self._register = register
+        self._heartbeat = heartbeat
+        self._quiet = quiet
+        self._on_reply = on_reply
+        self._on_register_failed = on_register_failed
+        self._on_heartbeat_failed = on_heartbeat_failed
+        self._register_at_once_when_forgotten = register_at_once_when_forgotten
+        self._register_after_failed_heartbeat = register_after_failed_heartbeat
+
+    async def run(self) -> None:
+        registered = False
+        try:
+            while True:
+                self.wake.clear()  # a wake from here on (a node's drain) asks for the heartbeat after this one
+                try:
+                    if not registered:
+                        self.interval_s = await self._register() or self.interval_s
+                        registered = True
+                    heartbeat = self._heartbeat()
+                    reply = await self.stream.beat(heartbeat, quiet=self._quiet(heartbeat))
+                    if reply is not None:  # None: a quiet heartbeat whose reply was skipped
+                        self._on_reply(heartbeat, reply)
+                        registered = reply.known
+                        if not registered and self._register_at_once_when_forgotten:
+                            continue
+                except grpc.aio.AioRpcError as exc:  # the registration (the heartbeat raises HeartbeatFailed)
+                    self.stream.record_failure()
+                    self._on_register_failed(exc)
+                except HeartbeatFailed as exc:
+                    self._on_heartbeat_failed(exc)
+                    if self._register_after_failed_heartbeat:
+                        registered = False
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives just after `wake` was set
+                # (as a node's drain does), and the node's stop then waited for this loop until it was killed.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.stream.next_delay(self.interval_s)):
+                        await self.wake.wait()
+        finally:
+            self.stream.close()

@@ -67,7 +67,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                     return
 
     async def RegisterFrontend(self, request, context) -> cluster_pb2.RegisterReply:
-        self.state.register_frontend(request.frontend_id, request.address)
+        self.state.register_frontend(request.frontend_id, request.address, request.incarnation)
         log_event(logger, "frontend registered", frontend_id=request.frontend_id, address=request.address)
         return cluster_pb2.RegisterReply(heartbeat_interval_s=self.config.heartbeat_s, nodes=self.state.node_entries())
 

@@ -136,6 +136,7 @@ class _Frontend:
     # known=False until it registers and tells its address.
     registered: bool
     expired: bool = False
+    incarnation: str = ""  # the frontend process's, from its registration ("" unknown)
     reported_live_requests: int = 0
     request_ids: set[str] = dataclasses.field(default_factory=set)
 
@@ -319,17 +320,20 @@ class ClusterState:
 
     # -------------------------------------------------------------- frontends
 
-    def register_frontend(self, frontend_id: str, address: str) -> None:
-        """Adds a frontend. One already registered has restarted: its reservations are dropped."""
+    def register_frontend(self, frontend_id: str, address: str, incarnation: str = "") -> None:
+        """Adds a frontend. One already registered has restarted, unless it names the same incarnation (it
+        registers again after a failed heartbeat): a restarted one's reservations are dropped."""
         if not frontend_id:
             raise ValueError("frontend_id must be non-empty")
         frontend = self._frontends.get(frontend_id)
         if frontend is None:
-            self._frontends[frontend_id] = _Frontend(address=address, last_heartbeat=self._now(), registered=True)
+            self._frontends[frontend_id] = _Frontend(address=address, last_heartbeat=self._now(), registered=True,
+                                                     incarnation=incarnation)
             return
-        if frontend.registered:
+        if frontend.registered and not (incarnation and incarnation == frontend.incarnation):
             self._drop_reservations(frontend.request_ids)
         # Adopted through Reserve (see _Frontend.registered): its reservations are its live requests.
+        frontend.incarnation = incarnation
         frontend.address = address
         frontend.registered = True
         frontend.expired = False

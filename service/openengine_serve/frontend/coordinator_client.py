@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
-from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream
+from ..common.heartbeat_stream import HeartbeatStream, PeerHeartbeats
 from ..common.logging_setup import log_event
 from ..common.routing import owning_coordinator
 from .refusal import DuplicateRequest, NotServed, Overloaded, Refusal, Unavailable
@@ -85,6 +86,7 @@ class CoordinatorClient:
         if not addresses:
             raise ValueError("at least one coordinator address is needed")
         self.frontend_id = frontend_id
+        self.incarnation = uuid.uuid4().hex  # tells a coordinator this process from a restarted one of the same id
         self.addresses = tuple(addresses)
         self.address = ",".join(self.addresses)
         self.advertised_address = advertised_address
@@ -116,32 +118,30 @@ class CoordinatorClient:
         await asyncio.gather(*(self._heartbeat_loop(shard) for shard in self.shards))
 
     async def _heartbeat_loop(self, shard: CoordinatorShard) -> None:
-        registered = False
-        while True:
-            try:
-                if not registered:
-                    reply = await shard.stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
-                        frontend_id=self.frontend_id, address=self.advertised_address), timeout=self.call_timeout_s)
-                    self._set_reachable(shard, True)
-                    self._set_nodes(shard, reply.nodes)
-                    registered = True
-                    log_event(logger, "registered with coordinator", frontend_id=self.frontend_id,
-                              coordinator=shard.address)
-                # live_requests is this frontend's total on every coordinator (a gauge to read per coordinator).
-                reply = await shard.heartbeats.beat(cluster_pb2.FrontendHeartbeatRequest(
-                    frontend_id=self.frontend_id, live_requests=self._live_requests()))
-                registered = reply.known
-                self._set_reachable(shard, True)
-                self._set_nodes(shard, reply.nodes, merge=not reply.full_table)
-                shard.reservations.flush()  # releases kept since a broken stream, when no request came since
-            except grpc.aio.AioRpcError as exc:  # the registration
-                shard.heartbeats.record_failure()
-                self._set_reachable(shard, False, exc)
-                registered = False
-            except HeartbeatFailed as exc:
-                self._set_reachable(shard, False, detail=str(exc))
-                registered = False
-            await asyncio.sleep(shard.heartbeats.next_delay(self.heartbeat_s))
+        """Registers with one coordinator, then heartbeats on its stream (`common/heartbeat_stream.py :
+        PeerHeartbeats`); each reply brings its node table up to date, a failure marks it unreachable."""
+        await PeerHeartbeats(
+            shard.heartbeats, self.heartbeat_s, register=lambda: self._register(shard),
+            # live_requests is this frontend's total on every coordinator (a gauge to read per coordinator).
+            heartbeat=lambda: cluster_pb2.FrontendHeartbeatRequest(frontend_id=self.frontend_id,
+                                                                   live_requests=self._live_requests()),
+            on_reply=lambda heartbeat, reply: self._heartbeat_answered(shard, reply),
+            on_register_failed=lambda exc: self._set_reachable(shard, False, exc),
+            on_heartbeat_failed=lambda exc: self._set_reachable(shard, False, detail=str(exc)),
+            register_at_once_when_forgotten=False, register_after_failed_heartbeat=True).run()
+
+    async def _register(self, shard: CoordinatorShard) -> None:
+        reply = await shard.stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
+            frontend_id=self.frontend_id, address=self.advertised_address, incarnation=self.incarnation),
+            timeout=self.call_timeout_s)
+        self._set_reachable(shard, True)
+        self._set_nodes(shard, reply.nodes)
+        log_event(logger, "registered with coordinator", frontend_id=self.frontend_id, coordinator=shard.address)
+
+    def _heartbeat_answered(self, shard: CoordinatorShard, reply: cluster_pb2.HeartbeatReply) -> None:
+        self._set_reachable(shard, True)
+        self._set_nodes(shard, reply.nodes, merge=not reply.full_table)
+        shard.reservations.flush()  # releases kept since a broken stream, when no request came since
 
     def _set_reachable(self, shard: CoordinatorShard, reachable: bool, exc: grpc.aio.AioRpcError | None = None,
                        detail: str = "") -> None:

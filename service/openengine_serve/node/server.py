@@ -24,7 +24,7 @@ from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.config import NodeConfig
 from ..common.grpc_server import create_internal_server
 from ..common.health import Health
-from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream
+from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream, PeerHeartbeats
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
@@ -369,46 +369,35 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             wake.set()
 
     async def _coordinator_loop(self, address: str) -> None:
-        """Registers, then heartbeats load on one stream (`common/heartbeat_stream.py`, reopened after a break);
+        """Registers, then heartbeats state and load on one stream (`common/heartbeat_stream.py : PeerHeartbeats`);
         registers again whenever the coordinator forgot us."""
         wake = self.wakes.setdefault(address, asyncio.Event())
         drain_told = self.drain_told.setdefault(address, asyncio.Event())
+
+        def drain_acknowledged(heartbeat: cluster_pb2.NodeHeartbeatRequest, reply: cluster_pb2.HeartbeatReply):
+            if reply.known and heartbeat.state == cluster_pb2.NODE_STATE_DRAINING:
+                drain_told.set()
+
+        def registration_failed(exc: grpc.aio.AioRpcError) -> None:
+            log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name, detail=exc.details(),
+                      coordinator=address)
+
+        def heartbeat_failed(exc: HeartbeatFailed) -> None:
+            log_event(logger, "coordinator heartbeat failed", logging.WARNING, code=exc.code.name,
+                      detail=exc.detail, coordinator=address, failures=heartbeats.failures)
+
         async with internal_channel(address, self.config) as channel:
             stub = cluster_pb2_grpc.CoordinatorStub(channel)
             heartbeats = HeartbeatStream(stub.NodeHeartbeats, self.config.rpc_timeout_s)
-            registered = False
-            interval = 1.0
-            try:
-                while True:
-                    wake.clear()  # a wake from here on (the drain) asks for the heartbeat after this one
-                    try:
-                        if not registered:
-                            interval = await self._register(stub, address) or interval
-                            registered = True
-                        state = self.state()
-                        draining = state == cluster_pb2.NODE_STATE_DRAINING
-                        # Quiet: no reply awaited, except the drain's (its acknowledgement) and the stream's checks.
-                        reply = await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(
-                            node_id=self.node_id, state=state, load=self.load()), quiet=not draining)
-                        if reply is not None and not reply.known:
-                            registered = False
-                            continue
-                        if draining:
-                            drain_told.set()
-                    except grpc.aio.AioRpcError as exc:  # the registration
-                        heartbeats.record_failure()
-                        log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name,
-                                  detail=exc.details(), coordinator=address)
-                    except HeartbeatFailed as exc:
-                        log_event(logger, "coordinator heartbeat failed", logging.WARNING, code=exc.code.name,
-                                  detail=exc.detail, coordinator=address, failures=heartbeats.failures)
-                    # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives just after `wake` was
-                    # set (as the drain does), and the node's stop then waited for this loop until it was killed.
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(heartbeats.next_delay(interval)):
-                            await wake.wait()
-            finally:
-                heartbeats.close()
+            await PeerHeartbeats(
+                heartbeats, interval_s=1.0, register=lambda: self._register(stub, address),
+                heartbeat=lambda: cluster_pb2.NodeHeartbeatRequest(node_id=self.node_id, state=self.state(),
+                                                                   load=self.load()),
+                # Quiet: no reply awaited, except the drain's (its acknowledgement) and the stream's checks.
+                quiet=lambda heartbeat: heartbeat.state != cluster_pb2.NODE_STATE_DRAINING,
+                on_reply=drain_acknowledged,
+                on_register_failed=registration_failed, on_heartbeat_failed=heartbeat_failed,
+                wake=wake).run()
 
     async def _register(self, stub: cluster_pb2_grpc.CoordinatorStub, address: str) -> float:
         """Registers; returns the heartbeat interval asked for. Without a rank yet, the first coordinator that

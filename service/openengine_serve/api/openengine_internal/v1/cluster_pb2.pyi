@@ -99,12 +99,14 @@ class NodeHeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., reply_optional: _Optional[bool] = ...) -> None: ...
 
 class RegisterFrontendRequest(_message.Message):
-    __slots__ = ("frontend_id", "address")
+    __slots__ = ("frontend_id", "address", "incarnation")
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     frontend_id: str
     address: str
-    def __init__(self, frontend_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, frontend_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class FrontendHeartbeatRequest(_message.Message):
     __slots__ = ("frontend_id", "live_requests")

@@ -187,7 +187,7 @@ async def busy_turns(turns: int) -> None:
 async def test_an_acknowledgement_goes_out_at_once_when_the_loop_has_room():
     call = RecordedCredits()
     acknowledgements = LaneAcknowledgements(call, min_interval_s=1.0)
-    acknowledgements.handled()
+    acknowledgements.handled(5)  # behind (it covers steps 1-5), but the loop has room
     await settle()
     assert [handled for _, handled in call.written] == [1]
     acknowledgements.close()
@@ -198,15 +198,28 @@ async def test_a_busy_loop_paces_the_acknowledgements_and_those_handled_meanwhil
     call = RecordedCredits()
     acknowledgements = LaneAcknowledgements(call, min_interval_s=0.05)
     busy = asyncio.create_task(busy_turns(5))
-    acknowledgements.handled()
+    acknowledgements.handled(5)  # the node folded steps 1-5: this frontend is behind
     handled_at = loop.time()
     await busy
-    acknowledgements.handled()  # while the first waits
+    acknowledgements.handled(9)  # while the first waits
     async with asyncio.timeout(1.0):
         while not call.written:
             await asyncio.sleep(0.01)
     [(written_at, handled)] = call.written
     assert handled == 2 and written_at - handled_at >= 0.05
+    acknowledgements.close()
+
+
+async def test_a_frontend_that_keeps_up_acknowledges_at_once_however_busy_its_loop():
+    """One step per message: its streams' tokens must not come in chunks because their turns are long."""
+    call = RecordedCredits()
+    acknowledgements = LaneAcknowledgements(call, min_interval_s=1.0)
+    busy = asyncio.create_task(busy_turns(5))
+    acknowledgements.handled(1)
+    async with asyncio.timeout(0.5):
+        while not call.written:
+            await asyncio.sleep(0.001)
+    await busy
     acknowledgements.close()
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import time
@@ -75,6 +76,7 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
     channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
     stubs = [openengine_pb2_grpc.InferenceStub(c) for c in channels]
     state = {"done": 0, "errors": 0, "stop": False, "record": False}
+    error_codes: collections.Counter = collections.Counter()  # "CODE: details" of every failed call
 
     async def loop(i: int) -> None:
         stub = stubs[i % len(stubs)]
@@ -85,8 +87,9 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
             try:
                 async for _ in stub.Generate(request, timeout=30):
                     pass
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as exc:
                 state["errors"] += 1
+                error_codes[f"{exc.code().name}: {(exc.details() or '')[:200]}"] += 1
                 continue
             if state["record"]:
                 state["done"] += 1
@@ -96,6 +99,7 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
     results = []
     for _ in range(args.rounds):
         done0, errors0 = state["done"], state["errors"]
+        error_codes.clear()
         state["record"] = True
         f0, c0, t0 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
         g0 = cpu_seconds(os.getpid())
@@ -109,7 +113,8 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
                         "requests_per_frontend_core_s": done / max(f1 - f0, 1e-9),
                         "coordinator_cpu_us_per_request": 1e6 * (c1 - c0) / max(1, done),
                         "load_generator_cpu_us_per_request": 1e6 * (g1 - g0) / max(1, done),
-                        "errors": state["errors"] - errors0})
+                        "errors": state["errors"] - errors0,
+                        "error_codes": dict(error_codes.most_common(5))})
     state["record"], state["stop"] = False, True
     await asyncio.gather(*tasks, return_exceptions=True)
     for channel in channels:
@@ -120,7 +125,8 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
 def run_server(server: str, args: argparse.Namespace) -> list[dict]:
     from .stack import UpStack
 
-    up = UpStack(server, nodes=args.nodes, workers=1, pythonpath=args.pythonpath).start()
+    up = UpStack(server, nodes=args.nodes, workers=1, pythonpath=args.pythonpath,  # the stack's log beside the results
+                 log_path=Path(args.output) / f"one-token-{server}-{args.label or 'run'}.log").start()
     try:
         loop_factory = asyncio.new_event_loop if args.loop == "asyncio" else new_event_loop
         with asyncio.Runner(loop_factory=loop_factory) as runner:
@@ -144,6 +150,6 @@ def main(argv: list[str]) -> int:
                   f"{result['frontend_cpu_us_per_request']:6.0f} µs/req ({result['frontend_cores']:.2f} cores, "
                   f"{result['requests_per_frontend_core_s']:5.0f} req/s per core)  "
                   f"coordinator {result['coordinator_cpu_us_per_request']:5.0f} µs/req  "
-                  f"load generator {result['load_generator_cpu_us_per_request']:4.0f} µs/req  errors {result['errors']}",
-                  flush=True)
+                  f"load generator {result['load_generator_cpu_us_per_request']:4.0f} µs/req  errors {result['errors']}"
+                  + (f" {result['error_codes']}" if result["error_codes"] else ""), flush=True)
     return 0

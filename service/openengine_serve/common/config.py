@@ -192,7 +192,8 @@ class FrontendConfig(CommonConfig):
                                "has not handled yet; the node folds what waits beyond it into one message, so a "
                                "new request's first token never queues behind a transport full of old steps "
                                "(0: no limit, the transport's flow control alone)", minimum=0)
-    lane_busy_ack_interval_ms: float = knob(20.0, "while this worker's event loop is busy (a turn over 2 ms), "
+    lane_busy_ack_interval_ms: float = knob(20.0, "while this worker is behind on a node's result lane (the "
+                                                 "node folded steps) and its event loop busy (a turn over 2 ms), "
                                                  "the least time between its acknowledgements of one node's "
                                                  "result lane messages: the node folds the steps meanwhile into "
                                                  "one message, so a saturated worker writes fewer, larger deltas "

@@ -166,22 +166,28 @@ class LaneAcknowledgements:
     """Tells the node, on its `Lane` call, how many lane messages this frontend handled and which requests to
     pause or resume: one write at a time, what happened meanwhile sent together by the next.
 
-    With `min_interval_s` the credits are paced by the frontend's capacity: when the turn of the event loop in
-    which a message's streams run takes longer than BUSY_TURN_S, the acknowledgement waits until
-    `min_interval_s` after the message arrived. The node folds the steps meanwhile into its next message, each
-    stream then writes one larger delta per message instead of one per step (fewer writes per token), and the
-    loop gets idle time. At normal load that turn is short and the acknowledgement goes out at once.
-    0: acknowledged on receipt."""
+    With `min_interval_s` the credits are paced by the frontend's capacity: when this frontend is behind (the
+    node folded several steps into the message) and the turn of the event loop in which the message's streams
+    run takes longer than BUSY_TURN_S, the acknowledgement waits until `min_interval_s` after the message
+    arrived. The node folds the steps meanwhile into its next message, each stream then writes one larger delta
+    per message instead of one per step (fewer writes per token), and the loop gets idle time. A frontend that
+    keeps up gets one step per message and acknowledges at once, however long its turns: its streams' tokens
+    do not come in chunks. 0: acknowledged on receipt."""
 
     def __init__(self, call, min_interval_s: float = 0.0) -> None:
         self._call = call
         self._min_interval_s = min_interval_s
         self._handled = 0
+        self._last_step = 0
+        self._behind = False  # the last message handled covered more than one engine step
         self._pauses: dict[str, bool] = {}  # request id -> resume (its last change wins)
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._send(), name="lane-acknowledgements")
 
-    def handled(self) -> None:
+    def handled(self, step: int) -> None:
+        """One more lane message handled; `step`: its (last) engine step."""
+        self._behind = step > self._last_step + 1
+        self._last_step = step
         self._handled += 1
         self._wake.set()
 
@@ -203,8 +209,11 @@ class LaneAcknowledgements:
                     for request_id, resume in pauses.items()]))
 
     async def _pace(self) -> None:
-        """If the loop is busy, waits until min_interval_s after it was called. sleep(0) resumes after everything that was ready
-        when it yielded (the streams the message woke), so the time it takes is their work."""
+        """If this frontend is behind and its loop busy, waits until min_interval_s after it was called. sleep(0)
+        resumes after everything that was ready when it yielded (the streams the message woke), so the time it
+        takes is their work."""
+        if not self._behind:
+            return
         loop = asyncio.get_running_loop()
         asked = loop.time()
         await asyncio.sleep(0)
@@ -350,7 +359,7 @@ class NodeConnections:
                     while (results := await call.read()) is not grpc.aio.EOF:
                         # Scheduled before its events wake their streams, so the node's next message is under way
                         # while they work (or, paced, after the busy interval); it folds everything meanwhile.
-                        acknowledgements.handled()
+                        acknowledgements.handled(results.step)
                         yield results
                 finally:
                     conn.acknowledgements = None

@@ -121,6 +121,9 @@ def rerender(out: Path) -> int:
             if raw.exists():
                 profiles[server][scenario] = {**report.profile_summary(raw.read_text(encoding="utf-8"), top=30),
                                               "file": prof.get("file", "")}
+    for record in old["rounds"]:  # budgeted windows are judged again with the current thresholds
+        if report.placement_of(record) == report.BUDGET and record.get("mode") == "stack":
+            record["bottleneck"], record["frontend_limited"] = report.classify_budget_window(record)
     result = report.build_result(old["meta"], old["rounds"], hashes, old["meta"].get("connections", [32, 1]),
                                  profiles)
     result["identical"] = old["identical"]  # per-request hashes are not kept in the JSON
@@ -445,7 +448,7 @@ class Bench:
                                         process_util.get("node"))
         errors = sum(merged["errors"].values())
         client_cpu = cpu.get("load generator")
-        return {
+        record = {
             "mode": mode, "placement": placement.name, "quota_cpus": placement.quota_cpus,
             "scenario": report.scenario_name(workload, connections), "workload": workload,
             "connections": connections, "server": server, "round": r, "window_s": window,
@@ -468,6 +471,9 @@ class Bench:
             "client_lag_max_ms": merged["lag_max_s"] * 1e3, "connections_observed": observed,
             "bottleneck": limited_by,
         }
+        if placement.name == report.BUDGET:
+            record["bottleneck"], record["frontend_limited"] = report.classify_budget_window(record)
+        return record
 
     # ---------------------------------------------------------------- meta
 

@@ -72,7 +72,8 @@ PLACEMENT_TITLES = {
     PINNED: "frontend pinned to its own CPU before it starts",
     "quota": "frontend in a cgroup CPU quota, every core visible (as under `docker --cpus` or a Kubernetes limit)",
     "shared": "frontend unconstrained, every core visible",
-    BUDGET: "budgeted saturation: frontend in a small cgroup CPU quota, meant to be the bottleneck (checked per window)",
+    BUDGET: "budgeted saturation: frontend in a small cgroup CPU quota, meant to be the bottleneck (checked per "
+            "window)",
 }
 
 
@@ -581,7 +582,8 @@ def render(result: Mapping[str, Any]) -> str:
     parts.append(f"machine: {meta.get('nproc')} cores, {meta.get('cpu_model')}, Python {meta.get('python')}; "
                  f"frontend CPUs {meta.get('frontend_cpus')} (when pinned), everything else on "
                  f"{meta.get('other_cpus')}; quota {meta.get('quota_cpus', '–')} CPU, budget "
-                 f"{meta.get('budget_cpus', '–')} CPU")
+                 f"{meta.get('budget_cpus', '–')} CPU with {meta.get('budget_inflight') or meta.get('inflight')} "
+                 "in flight")
     parts.append(f"workload: {meta.get('prompt_tokens')} prompt tokens, {meta.get('output_tokens')} output tokens "
                  f"per request, engine step {meta.get('step_ms')} ms; fixed load {meta.get('rate')} req/s, "
                  f"saturation {meta.get('inflight')} in flight; windows: fixed {meta.get('fixed_window_s')} s, "

@@ -403,3 +403,26 @@ def test_parse_cpus():
     assert parse_cpus("0-2,5") == [0, 1, 2, 5]
     with pytest.raises(ValueError):
         parse_cpus("")
+
+
+def test_rerender_judges_older_budget_windows_again(tmp_path):
+    """`bench --rerender` of a bench.json whose budget windows all said "frontend quota" (before the headroom
+    rule): the window with the other core full no longer counts, and the target says so."""
+    from openengine_bench import cli
+
+    rounds = [_budget_round(G, 1, 2000.0, 0.6), _budget_round(N, 1, 3600.0, 0.7),
+              _budget_round(G, 2, 2500.0, 0.6), _budget_round(N, 2, 2000.0, 1.0)]
+    for r in rounds:
+        r["bottleneck"] = "frontend quota (0.25 of 0.25 CPU, throttled in 95 % of periods)"
+        del r["frontend_limited"]
+    result = report.build_result({}, rounds, {}, [32])
+    result["identical"] = {}
+    report.write_json(result, tmp_path / "bench.json")
+    assert cli.main(["--rerender", "--output", str(tmp_path)]) == 0
+    back = report.read_json(tmp_path / "bench.json")
+    assert [r["frontend_limited"] for r in back["rounds"]] == [True, True, True, False]
+    assert back["rounds"][3]["bottleneck"].startswith("rest of the machine (other cores 1.00 busy")
+    worst = {t["name"]: t for t in back["targets"]}[
+        "budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"]
+    assert worst["value"] == pytest.approx(1.8) and worst["detail"].startswith("1 of 2 rounds")
+    assert "1 of 2 rounds frontend-limited in both windows" in (tmp_path / "report.md").read_text()

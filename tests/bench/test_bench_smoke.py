@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from openengine_bench import coordinator as bench_coordinator
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -127,7 +129,7 @@ def test_bench_coordinator_small(tmp_path):
     out = tmp_path / "coordinator"
     done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "1,2",
                            "--coordinator-cpus", "0.5", "--nodes", "20",
-                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "0.6",
+                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "0.6", "--rate-window-s", "0.6",
                            "--warmup-s", "0.3", "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads((out / "coordinator.json").read_text())
@@ -136,8 +138,12 @@ def test_bench_coordinator_small(tmp_path):
     for run in result["runs"]:
         assert [(s["path"], s["load"]) for s in run["scenarios"]] == [
             ("unary", "saturation (32 loops)"), ("batched", "saturation (32 loops)"),
-            ("unary", "40/s"), ("batched", "40/s")]
-        for scenario in run["scenarios"]:
+            ("unary", "40/s"), ("batched", "40/s"), (bench_coordinator.FLOOR_PATH, "40/s")]
+        *through_coordinators, floor = run["scenarios"]
+        # The floor: the same stream and client against a trivial server in a process of its own.
+        assert floor["errors"] == 0 and floor["reservations_per_s"] > 0, floor
+        assert 0 < floor["latency_p50_ms"] <= floor["latency_p99_ms"], floor
+        for scenario in through_coordinators:
             assert scenario["errors"] == 0, scenario
             assert scenario["reservations_per_s"] > 0 and scenario["coordinator_cpu_us_per_request"] > 0, scenario
             assert scenario["latency_p50_ms"] <= scenario["latency_p99_ms"], scenario
@@ -146,8 +152,9 @@ def test_bench_coordinator_small(tmp_path):
             assert scenario["limited_by"], scenario
         assert len(run["memory"]) == run["coordinators"] and run["memory"][0]["rss_registered_mb"] > 0
     assert result["runs"][0]["scenarios"][1]["requests_per_batch"] > 1  # 32 loops over 4 frontends share batches
-    assert [row["coordinators"] for row in result["summary"]["scaling"]] == [2] * 4
+    assert [row["coordinators"] for row in result["summary"]["scaling"]] == [2] * 4  # not the floor's
     text = (out / "coordinator.md").read_text()
+    assert "ms through the trivial server on the same stream" in text
     assert "| 1 | 2 | batched | saturation (32 loops) |" in text
     assert "Coordinator benchmark: 1,2 coordinator(s), 1 round(s)" in text
     assert "each coordinator in its own 0.5-CPU cgroup quota" in text

@@ -146,6 +146,27 @@ async def test_while_a_batch_is_unanswered_later_ticks_gather_and_go_out_once_it
     assert len(call.written) == 2
 
 
+async def test_a_reservation_does_not_wait_behind_an_unanswered_batch_of_releases_alone(batcher, streams):
+    first = asyncio.create_task(batcher.reserve(reservation("r0")))
+    await settle()
+    [call] = streams.calls
+    call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n0")))
+    await first
+    batcher.release("r0")
+    await settle()
+    assert [list(b.release) for b in call.written] == [[], ["r0"]]  # the release alone, unanswered
+    batcher.release("r-later")
+    await settle()
+    assert len(call.written) == 2  # releases alone still wait for the unanswered batch
+    second = asyncio.create_task(batcher.reserve(reservation("r1")))
+    await settle()
+    assert len(call.written) == 3  # the reservation went out at once, the waiting release riding on it
+    assert [r.request_id for r in call.written[2].reserve] == ["r1"] and list(call.written[2].release) == ["r-later"]
+    call.answer()  # the releases' batch, then the reservation's: replies in order
+    call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n1")))
+    assert (await second).node_id == "n1"
+
+
 async def test_a_large_tick_is_split_into_batches_of_at_most_max_batch(streams):
     batcher = ReservationBatcher("fe-1", streams.open, max_batch=2, max_unanswered=3)
     tasks = [asyncio.create_task(batcher.reserve(reservation(f"r{i}"))) for i in range(5)]

@@ -41,7 +41,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -269,19 +269,21 @@ HOPS = (
 )
 
 
-def _log_fields(path: Path, event: str, wanted: set[str]) -> dict[str, dict[str, float]]:
-    """request id -> its `*_at` fields, from the key=value log lines of `event` about the wanted requests."""
-    out: dict[str, dict[str, float]] = {}
+def log_lines(path: Path, event: str, numeric: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, float]]]:
+    """(request id, its `*_at` fields and the `numeric` ones) of each key=value log line of `event`."""
     marker = f"event={event}" if " " not in event else f'event="{event}"'
     with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as log:
         for line in log:
             if marker not in line:
                 continue
             fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
-            request_id = fields.get("request_id")
-            if request_id in wanted:
-                out[request_id] = {k: float(v) for k, v in fields.items() if k.endswith("_at")}
-    return out
+            yield fields.get("request_id", ""), {k: float(v) for k, v in fields.items()
+                                                 if k.endswith("_at") or k in numeric}
+
+
+def log_fields(path: Path, event: str, wanted: set[str]) -> dict[str, dict[str, float]]:
+    """request id -> its `*_at` fields, from the key=value log lines of `event` about the wanted requests."""
+    return {request_id: fields for request_id, fields in log_lines(path, event) if request_id in wanted}
 
 
 def hop_timings(log_dir: Path, probes: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -291,9 +293,9 @@ def hop_timings(log_dir: Path, probes: Sequence[dict[str, Any]]) -> dict[str, di
     node: dict[str, dict[str, float]] = {}
     for path in sorted(log_dir.glob("*.log")):
         if path.name.startswith("frontend"):
-            frontend |= _log_fields(path, "first token", wanted)
+            frontend |= log_fields(path, "first token", wanted)
         elif path.name.startswith("node"):
-            node |= _log_fields(path, "first event on lane", wanted)
+            node |= log_fields(path, "first event on lane", wanted)
     per_hop: dict[str, list[float]] = {hop: [] for hop, _, _ in HOPS}
     for probe in probes:
         request_id = probe["request_id"]

@@ -157,9 +157,16 @@ class BatchedStream:
             await self._wake.wait()
             await asyncio.sleep(0)  # let the rest of this tick's callbacks (already scheduled) add theirs
             self._wake.clear()
-            while (self._calls or self._riders) and len(self._unanswered) < self.max_unanswered:
+            while self._may_send():
                 if not await self._send_one():
                     break  # the stream broke: what is left waits for the next call, rider or flush
+
+    def _may_send(self) -> bool:
+        """Calls wait only behind batches that carry calls: a batch of riders alone (a release) holds back no call
+        (the replies stay in order, one per batch). Riders alone wait until nothing is unanswered."""
+        if self._calls:
+            return sum(1 for futures, _ in self._unanswered if futures) < self.max_unanswered
+        return bool(self._riders) and len(self._unanswered) < self.max_unanswered
 
     async def _send_one(self) -> bool:
         calls, self._calls = self._calls[:self.max_batch], self._calls[self.max_batch:]

@@ -143,10 +143,19 @@ def _placed_rounds():
             rounds.append(_round(G, r, f"fixed-c{c}", placement="quota", cpu_us_per_token=g, ttft_p99_ms=100.0))
             rounds.append(_round(N, r, f"fixed-c{c}", placement="quota", cpu_us_per_token=n, ttft_p99_ms=40.0))
     for r, (g, n) in enumerate([(2000.0, 3600.0), (2500.0, 3500.0), (2000.0, 3400.0)], start=1):
-        rounds.append(_round(G, r, "saturation-c32", placement="budget", tokens_per_s=g,
-                             bottleneck="frontend quota (0.50 of 0.5 CPU, throttled in 80 % of periods)"))
-        rounds.append(_round(N, r, "saturation-c32", placement="budget", tokens_per_s=n, bottleneck="x"))
+        rounds.append(_budget_round(G, r, g, other_core_busy=0.6))
+        rounds.append(_budget_round(N, r, n, other_core_busy=0.7))
     return rounds
+
+
+def _budget_round(server, r, tokens_per_s, other_core_busy, frontend_util=0.25, **metrics):
+    record = _round(server, r, "saturation-c32", placement="budget", tokens_per_s=tokens_per_s, quota_cpus=0.25,
+                    frontend_util=frontend_util, throttled_share=0.95, other_core_busy=other_core_busy,
+                    machine_idle_cores=0.5, tokens_per_message=12.0,
+                    process_util={"frontend": frontend_util, "node": 0.3, "load generator": 0.4, "engine": 0.2,
+                                  "idle (all cores)": 0.5}, **metrics)
+    record["bottleneck"], record["frontend_limited"] = report.classify_budget_window(record)
+    return record
 
 
 def test_targets_per_placement_and_budget_worst_round():
@@ -155,8 +164,9 @@ def test_targets_per_placement_and_budget_worst_round():
     targets = {t["name"]: t for t in result["targets"]}
     assert targets["quota: CPU/token native/grpcio at fixed load, 32 conn"]["value"] == pytest.approx(95 / 155)
     assert targets["quota: TTFT p99 native/grpcio at fixed load, 1 conn"]["verdict"] == "PASS"          # 0.4
-    worst = targets["budget: saturation tokens/s native/grpcio, 32 conn, worst round"]
+    worst = targets["budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"]
     assert worst["value"] == pytest.approx(1.4) and worst["verdict"] == "MISS"      # median 1.7 would pass
+    assert worst["detail"].startswith("3 of 3 rounds frontend-limited in both windows")
     assert "median 1.70" in worst["detail"]
     assert not any(name.startswith("pinned") for name in targets)  # no pinned rounds: no pinned targets
     assert set(result["summary"]) == {"quota", "budget"}
@@ -168,7 +178,69 @@ def test_render_has_one_section_per_placement_and_the_budget_rounds():
     assert [s.split("`")[1] for s in sections] == ["pinned", "quota", "budget"]
     assert "### Budgeted saturation, round by round" in text
     assert "| saturation-c32 | 2     | 2,500" in text and "1.40×" in text
-    assert "frontend quota (0.50 of 0.5 CPU" in text
+    assert "frontend quota (0.25 of 0.25 CPU, throttled in 95 % of periods); other cores 0.60 busy" in text
+    assert "saturation-c32: 3 of 3 rounds frontend-limited in both windows" in text
+    assert "frontend quota alone in 3 of 3 windows" in text
+
+
+# ---------------------------------------------------------------- budgeted saturation: what limited a window
+
+REST = {"load generator": 0.45, "node": 0.3, "engine": 0.2, "coordinator": 0.02}
+
+
+def test_budget_window_is_frontend_limited_only_at_quota_with_headroom():
+    text, limited = report.budget_limiter(0.25, 0.25, 0.97, 0.60, 0.9, REST)
+    assert limited and text == "frontend quota (0.25 of 0.25 CPU, throttled in 97 % of periods); other cores 0.60 busy"
+    # "nearly" its quota: 90 % of it counts, below does not
+    assert report.budget_limiter(0.226, 0.25, 0.5, 0.6, 0.9, REST)[1]
+    text, limited = report.budget_limiter(0.20, 0.25, 0.3, 0.6, 0.9, REST)
+    assert not limited and "not the frontend: 0.20 of its 0.25-CPU quota, below 90 %" in text
+    assert "not the rest: other cores 0.60 busy" in text
+
+
+def test_budget_window_with_a_busy_other_core_is_not_frontend_limited():
+    # The seventh run's 0.81x round: native at its quota while the other core was full.
+    text, limited = report.budget_limiter(0.48, 0.5, 0.79, 1.00, 0.53, {**REST, "steal (all cores)": 0.21,
+                                                                         "irq+softirq (all cores)": 0.01})
+    assert not limited
+    assert text.startswith("rest of the machine (other cores 1.00 busy, headroom needs below 0.85; "
+                           "load generator 0.45, node 0.30, steal (all cores) 0.21, engine 0.20)")
+    assert text.endswith("; frontend quota (0.48 of 0.5 CPU, throttled in 79 % of periods)")
+    assert "coordinator" not in text and "irq" not in text  # below 0.05 core: not named
+    assert not report.budget_limiter(0.5, 0.5, 1.0, 0.85, 0.5, REST)[1]  # the threshold itself is no headroom
+    text, limited = report.budget_limiter(0.3, 0.5, 0.1, 0.95, 0.1, REST)
+    assert not limited and "rest of the machine" in text and "not the frontend" in text
+
+
+def test_budget_window_without_cores_of_its_own_uses_machine_idle():
+    assert report.budget_limiter(0.5, 0.5, 1.0, None, 0.40, REST) == (
+        "frontend quota (0.50 of 0.5 CPU, throttled in 100 % of periods); machine idle 0.40 core", True)
+    text, limited = report.budget_limiter(0.5, 0.5, 1.0, None, 0.05, REST)
+    assert not limited and text.startswith("rest of the machine (machine idle 0.05 core, headroom needs at least 0.15")
+    assert report.budget_limiter(0.5, 0.5, 1.0, None, None, REST) == ("unknown (no per-core figures)", False)
+    assert not report.budget_limiter(None, 0.5, None, 0.5, 0.5, REST)[1]
+
+
+def test_budget_verdict_from_a_stored_record_and_rounds_that_count():
+    rounds = [_budget_round(G, 1, 2000.0, 0.6), _budget_round(N, 1, 3600.0, 0.7),
+              _budget_round(G, 2, 2500.0, 0.6), _budget_round(N, 2, 2000.0, 0.97),      # 0.8x, rest was full
+              _budget_round(G, 3, 2000.0, 0.6, frontend_util=0.1), _budget_round(N, 3, 3400.0, 0.6)]
+    assert [r["frontend_limited"] for r in rounds] == [True, True, True, False, False, True]
+    stored = {k: v for k, v in rounds[3].items() if k not in ("frontend_limited", "bottleneck")}  # older JSON
+    assert report.frontend_limited(stored) is False
+    assert "frontend" not in report.classify_budget_window(stored)[0].split("; ")[0]  # the rest, named first
+    assert report.budget_valid_rounds(rounds, "saturation-c32") == {1: True, 2: False, 3: False}
+    targets = {t["name"]: t for t in report.build_result({}, rounds, {}, [32])["targets"]}
+    worst = targets["budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"]
+    assert worst["value"] == pytest.approx(1.8) and worst["verdict"] == "PASS"  # the 0.8x round does not count
+    assert worst["detail"].startswith("1 of 3 rounds frontend-limited in both windows")
+    assert "every round, not a measure of the servers: per round pair: median 1.70, min 0.80" in worst["detail"]
+    table = report.round_table(rounds)
+    assert "| no (native not limited by the frontend alone): not a measure of the servers |" in table
+    assert "| no (grpcio not limited by the frontend alone): not a measure of the servers |" in table
+    assert "saturation-c32: 1 of 3 rounds frontend-limited in both windows" in table and "1.80×" in table
+    none_valid = report.build_result({}, rounds[2:4], {}, [32])["targets"]
+    assert [t["verdict"] for t in none_valid if t["name"].startswith("budget")] == ["N/A"]
 
 
 def test_limiter_names_quota_machine_and_backend():
@@ -331,3 +403,26 @@ def test_parse_cpus():
     assert parse_cpus("0-2,5") == [0, 1, 2, 5]
     with pytest.raises(ValueError):
         parse_cpus("")
+
+
+def test_rerender_judges_older_budget_windows_again(tmp_path):
+    """`bench --rerender` of a bench.json whose budget windows all said "frontend quota" (before the headroom
+    rule): the window with the other core full no longer counts, and the target says so."""
+    from openengine_bench import cli
+
+    rounds = [_budget_round(G, 1, 2000.0, 0.6), _budget_round(N, 1, 3600.0, 0.7),
+              _budget_round(G, 2, 2500.0, 0.6), _budget_round(N, 2, 2000.0, 1.0)]
+    for r in rounds:
+        r["bottleneck"] = "frontend quota (0.25 of 0.25 CPU, throttled in 95 % of periods)"
+        del r["frontend_limited"]
+    result = report.build_result({}, rounds, {}, [32])
+    result["identical"] = {}
+    report.write_json(result, tmp_path / "bench.json")
+    assert cli.main(["--rerender", "--output", str(tmp_path)]) == 0
+    back = report.read_json(tmp_path / "bench.json")
+    assert [r["frontend_limited"] for r in back["rounds"]] == [True, True, True, False]
+    assert back["rounds"][3]["bottleneck"].startswith("rest of the machine (other cores 1.00 busy")
+    worst = {t["name"]: t for t in back["targets"]}[
+        "budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"]
+    assert worst["value"] == pytest.approx(1.8) and worst["detail"].startswith("1 of 2 rounds")
+    assert "1 of 2 rounds frontend-limited in both windows" in (tmp_path / "report.md").read_text()

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from openengine_bench import coordinator as bench_coordinator
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -43,9 +45,12 @@ def test_bench_quick(tmp_path):
     for r in stack:
         if r["placement"] != "pinned":  # the frontend saw every core, and the quota's accounting was read
             assert r["throttled_share"] is not None and r["frontend_core_busy"] is None, r
-    # A 0.5-CPU quota with 512 streams in flight: the frontend cannot use more than its quota.
+    # A small quota with 512 streams in flight: the frontend cannot use more than its quota; each window says
+    # whether the quota alone limited it (whether it did depends on the machine's load).
     budget = [r for r in stack if r["placement"] == "budget"]
-    assert all(r["frontend_util"] <= 0.5 * 1.15 for r in budget), [r["frontend_util"] for r in budget]
+    quota = result["meta"]["budget_cpus"]
+    assert all(r["frontend_util"] <= quota * 1.15 for r in budget), (quota, [r["frontend_util"] for r in budget])
+    assert all(isinstance(r["frontend_limited"], bool) for r in budget)
     assert all(r["bottleneck"] != "unknown" for r in stack)
     assert all(r["errors"] == 0 for r in result["rounds"])
     assert {r["server"] for r in result["rounds"] if r["mode"] == "baseline"} == {"grpcio", "pygrpc-native"}
@@ -56,13 +61,18 @@ def test_bench_quick(tmp_path):
     # Every target was measured (N/A means a round it needs is missing); the timing targets may MISS on a
     # shared machine, the correctness ones may not.
     targets = {t["name"]: t for t in result["targets"]}
-    assert [name for name, t in targets.items() if t["value"] is None or t["verdict"] == "N/A"] == []
+    budget_target = "budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"
+    assert [name for name, t in targets.items()
+            if name != budget_target and (t["value"] is None or t["verdict"] == "N/A")] == []
+    valid = all(r["frontend_limited"] for r in budget)  # one round: one window per server
+    assert targets[budget_target]["detail"].startswith(f"{int(valid)} of 1 rounds frontend-limited in both windows")
+    assert (targets[budget_target]["value"] is None) == (not valid)
     assert targets["errors (all rounds, both servers, every mode)"]["verdict"] == "PASS"
     assert targets["requests with different tokens on the two servers"]["verdict"] == "PASS"
     assert sorted(targets) == sorted([
         "pinned: CPU/token native/grpcio at fixed load, 32 conn", "pinned: TTFT p99 native/grpcio at fixed load, 32 conn",
         "quota: CPU/token native/grpcio at fixed load, 32 conn", "quota: TTFT p99 native/grpcio at fixed load, 32 conn",
-        "budget: saturation tokens/s native/grpcio, 32 conn, worst round",
+        budget_target,
         "pinned: native CPU/token / bare per-message floor, fixed load, 32 conn",
         "errors (all rounds, both servers, every mode)", "requests with different tokens on the two servers"])
 
@@ -119,7 +129,7 @@ def test_bench_coordinator_small(tmp_path):
     out = tmp_path / "coordinator"
     done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "1,2",
                            "--coordinator-cpus", "0.5", "--nodes", "20",
-                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "0.6",
+                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "0.6", "--rate-window-s", "0.6",
                            "--warmup-s", "0.3", "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads((out / "coordinator.json").read_text())
@@ -128,8 +138,12 @@ def test_bench_coordinator_small(tmp_path):
     for run in result["runs"]:
         assert [(s["path"], s["load"]) for s in run["scenarios"]] == [
             ("unary", "saturation (32 loops)"), ("batched", "saturation (32 loops)"),
-            ("unary", "40/s"), ("batched", "40/s")]
-        for scenario in run["scenarios"]:
+            ("unary", "40/s"), ("batched", "40/s"), (bench_coordinator.FLOOR_PATH, "40/s")]
+        *through_coordinators, floor = run["scenarios"]
+        # The floor: the same stream and client against a trivial server in a process of its own.
+        assert floor["errors"] == 0 and floor["reservations_per_s"] > 0, floor
+        assert 0 < floor["latency_p50_ms"] <= floor["latency_p99_ms"], floor
+        for scenario in through_coordinators:
             assert scenario["errors"] == 0, scenario
             assert scenario["reservations_per_s"] > 0 and scenario["coordinator_cpu_us_per_request"] > 0, scenario
             assert scenario["latency_p50_ms"] <= scenario["latency_p99_ms"], scenario
@@ -138,8 +152,9 @@ def test_bench_coordinator_small(tmp_path):
             assert scenario["limited_by"], scenario
         assert len(run["memory"]) == run["coordinators"] and run["memory"][0]["rss_registered_mb"] > 0
     assert result["runs"][0]["scenarios"][1]["requests_per_batch"] > 1  # 32 loops over 4 frontends share batches
-    assert [row["coordinators"] for row in result["summary"]["scaling"]] == [2] * 4
+    assert [row["coordinators"] for row in result["summary"]["scaling"]] == [2] * 4  # not the floor's
     text = (out / "coordinator.md").read_text()
+    assert "ms through the trivial server on the same stream" in text
     assert "| 1 | 2 | batched | saturation (32 loops) |" in text
     assert "Coordinator benchmark: 1,2 coordinator(s), 1 round(s)" in text
     assert "each coordinator in its own 0.5-CPU cgroup quota" in text

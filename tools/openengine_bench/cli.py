@@ -70,9 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "pinned (to --frontend-cpus before it starts), quota (a cgroup CPU quota of --quota-cpus, "
                         "every core visible; needs root), shared (no constraint). Default: all three")
     p.add_argument("--quota-cpus", type=float, default=1.0, help="the quota placement's CPU quota (default 1.0)")
-    p.add_argument("--budget-cpus", type=float, default=0.5,
+    p.add_argument("--budget-cpus", type=float, default=0.25,
                    help="budgeted saturation: the frontend's cgroup CPU quota, small enough that it is the "
-                        "bottleneck while the rest has headroom (default 0.5; needs root)")
+                        "bottleneck while the rest has headroom (default 0.25; 0.5 before the paced lane credits "
+                        "made a saturated frontend 2-3x cheaper per token; needs root)")
+    p.add_argument("--budget-inflight", type=int, default=0,
+                   help="budgeted saturation: requests kept in flight (default 0: --inflight)")
     p.add_argument("--budget-connections", default="32",
                    help="budgeted saturation: client connection counts (default 32)")
     p.add_argument("--no-budget", action="store_true", help="skip the budgeted saturation")
@@ -121,6 +124,9 @@ def rerender(out: Path) -> int:
             if raw.exists():
                 profiles[server][scenario] = {**report.profile_summary(raw.read_text(encoding="utf-8"), top=30),
                                               "file": prof.get("file", "")}
+    for record in old["rounds"]:  # budgeted windows are judged again with the current thresholds
+        if report.placement_of(record) == report.BUDGET and record.get("mode") == "stack":
+            record["bottleneck"], record["frontend_limited"] = report.classify_budget_window(record)
     result = report.build_result(old["meta"], old["rounds"], hashes, old["meta"].get("connections", [32, 1]),
                                  profiles)
     result["identical"] = old["identical"]  # per-request hashes are not kept in the JSON
@@ -176,6 +182,7 @@ class Bench:
         self.budget = None if args.no_budget or self.s["budget_rounds"] <= 0 else Placement(
             report.BUDGET, pinned=False, quota_cpus=args.budget_cpus)
         self.budget_connections = [int(c) for c in args.budget_connections.split(",") if c.strip()]
+        self.budget_inflight = args.budget_inflight or args.inflight
         self.cgroups: dict[float, Any] = {}  # quota in CPUs -> QuotaCgroup
         self.rounds: list[dict[str, Any]] = []
         self.hashes: dict[str, dict[str, dict[str, str]]] = {}
@@ -193,10 +200,12 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         if self.frontend_cpus != self.other_cpus:
             pin_tree(os.getpid(), self.other_cpus)  # the orchestrator stays off the frontend's core too
+        budget = (f", budgeted saturation at {self.budget.quota_cpus:g} CPU, {self.budget_inflight} in flight"
+                  if self.budget else "")
         self.log(f"frontend CPUs {self.frontend_cpus}, other CPUs {self.other_cpus}, "
                  f"{self.client_procs} load generator process(es); placements "
                  f"{', '.join(p.name for p in self.placements)}"
-                 f"{f', budgeted saturation at {self.budget.quota_cpus:g} CPU' if self.budget else ''}; "
+                 f"{budget}; "
                  f"output in {self.out}/")
         self.pool = LoadPool(self.client_procs, self.other_cpus)
         self.stack = Stack(self.out, self.frontend_cpus, self.other_cpus, step_ms=self.args.step_ms,
@@ -349,8 +358,7 @@ class Bench:
             jobs = make_jobs(kind="fixed", drain_timeout_s=self.s["fixed_drain_s"],
                              arrivals=poisson_arrivals(self.args.rate, t1 - start_at, tag), **common)
         else:
-            jobs = make_jobs(kind="saturation", drain_timeout_s=0.0, inflight=self.args.inflight,
-                             **common)
+            jobs = make_jobs(kind="saturation", drain_timeout_s=0.0, inflight=self.inflight(placement), **common)
         sampler = CpuSampler()
         sampler.set_group("frontend" if mode == "stack" else "bare server", [target.pid])
         sampler.set_group("coordinator", [self.stack.coordinator.pid])
@@ -394,6 +402,9 @@ class Bench:
                  f"limited by: {record['bottleneck']}")
         time.sleep(SETTLE_S * (2 if workload == "saturation" else 1))
         return record
+
+    def inflight(self, placement) -> int:
+        return self.budget_inflight if placement.name == report.BUDGET else self.args.inflight
 
     def record(self, mode, workload, connections, server, r, window, merged, cpu, cores_before, cores_after,
                observed, placement, throttled) -> dict[str, Any]:
@@ -445,10 +456,11 @@ class Bench:
                                         process_util.get("node"))
         errors = sum(merged["errors"].values())
         client_cpu = cpu.get("load generator")
-        return {
+        record = {
             "mode": mode, "placement": placement.name, "quota_cpus": placement.quota_cpus,
             "scenario": report.scenario_name(workload, connections), "workload": workload,
             "connections": connections, "server": server, "round": r, "window_s": window,
+            "inflight": self.inflight(placement) if workload == "saturation" else None,
             "tokens": tokens, "messages": merged["window_messages"], "tokens_per_s": tokens / window,
             "tokens_per_message": tokens / merged["window_messages"] if merged["window_messages"] else None,
             "frontend_cpu_s": front_cpu, "cpu_us_per_token": (front_cpu / tokens * 1e6) if tokens else None,
@@ -468,6 +480,9 @@ class Bench:
             "client_lag_max_ms": merged["lag_max_s"] * 1e3, "connections_observed": observed,
             "bottleneck": limited_by,
         }
+        if placement.name == report.BUDGET:
+            record["bottleneck"], record["frontend_limited"] = report.classify_budget_window(record)
+        return record
 
     # ---------------------------------------------------------------- meta
 
@@ -490,6 +505,7 @@ class Bench:
             "client": self.args.client,
             "budget_cpus": self.budget.quota_cpus if self.budget else None,
             "budget_connections": self.budget_connections if self.budget else [],
+            "budget_inflight": self.budget_inflight if self.budget else None,
             "inflight": self.args.inflight, "prompt_tokens": self.args.prompt_tokens,
             "output_tokens": self.args.output_tokens, "step_ms": self.args.step_ms,
             "max_batch": self.args.max_batch, "max_queue": self.args.max_queue, "log_level": self.args.log_level,

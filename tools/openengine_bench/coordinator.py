@@ -13,8 +13,13 @@ coordinator. Then, in one run and side by side:
 - batched: the same loops through each simulated frontend's own
   `ReservationBatcher` (the frontend's class): one stream per frontend,
   reservations and releases coalesced per event-loop tick;
-- each path also at a fixed --rate (requests/s, open loop) for the latency a
-  request sees at ordinary load.
+- each path also at a fixed --rate (requests/s, open loop; --rate-window-s) for
+  the latency a request sees at ordinary load;
+- the floor of that latency: the batched path at --rate against a trivial server
+  (same grpc.aio server, loop and stream; every reservation answered at once, no
+  state) in a process of its own, right after, while the heartbeats go on. On a
+  VM whose scheduler alone delays a 1 ms sleep by several ms now and then, the
+  p99 through the coordinator means little without it.
 
 With --coordinators N every simulated node and frontend registers and
 heartbeats with each coordinator, and each request goes to the coordinator that
@@ -46,6 +51,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import gc
 import json
 import multiprocessing
 import os
@@ -60,7 +66,9 @@ import grpc
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from openengine_serve.client import is_serving
+from openengine_serve.common.grpc_server import create_internal_server
 from openengine_serve.common.heartbeat_stream import HeartbeatFailed, HeartbeatStream
+from openengine_serve.common.lifecycle import freeze_startup_objects, new_event_loop
 from openengine_serve.common.net import free_port
 from openengine_serve.common.routing import owning_coordinator
 from openengine_serve.frontend.reservation_stream import ReservationBatcher
@@ -102,7 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels", type=int, default=8, help="unary path: client channels (default 8)")
     p.add_argument("--rate", type=float, default=40.0, help="fixed load: requests/s (default 40; 0: saturation "
                                                              "only)")
-    p.add_argument("--window-s", type=float, default=5.0, help="measured window per scenario (default 5)")
+    p.add_argument("--window-s", type=float, default=5.0, help="measured window per saturation scenario (default 5)")
+    p.add_argument("--rate-window-s", type=float, default=20.0,
+                   help="measured window at --rate (default 20: 800 reservations at 40/s, so the p99 is not one "
+                        "wait)")
+    p.add_argument("--no-floor", action="store_true",
+                   help="leave out the floor: the batched path at --rate against a trivial server in its own "
+                        "process (same stream and client, every reservation answered at once), measured after the "
+                        "coordinator in the same conditions, so the p99 the coordinator adds can be told from what "
+                        "the machine and the transport cost")
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--paths", default="unary,batched", help="which paths to measure (default unary,batched)")
     p.add_argument("--coordinator-pythonpath", default="",
@@ -257,9 +273,64 @@ def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: 
                 if group not in stubs:
                     stubs[group] = cluster_pb2_grpc.CoordinatorStub(grpc.aio.insecure_channel(target))
                 beats.append(beat(stubs[group], peer_id, is_node, i * interval / len(peers)))
+        # As in every component: one full collection in this process held back ≈30 heartbeats, which then reached
+        # the coordinator in one burst (1,000 real nodes are not paused together).
+        freeze_startup_objects()
         await asyncio.gather(*beats)
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(run())
+
+
+FLOOR_PATH = "batched, trivial server (floor)"
+FLOOR_NODE = cluster_pb2.NodeEntry(node_id="floor-node", address="127.0.0.1:1")
+
+
+class TrivialCoordinator(cluster_pb2_grpc.CoordinatorServicer):
+    """The floor: answers every batched reservation with the same node at once, and keeps no state."""
+
+    async def Reservations(self, request_iterator, context):
+        async for batch in request_iterator:
+            yield cluster_pb2.ReservationReplies(outcome=[cluster_pb2.ReservationOutcome(node=FLOOR_NODE)
+                                                          for _ in batch.reserve])
+
+
+def serve_trivial_coordinator(ports: "multiprocessing.Queue[int]") -> None:
+    """Runs in a process of its own: the same grpc.aio server, options, event loop and GC settings as the
+    coordinator."""
+    async def serve() -> None:
+        server = create_internal_server()
+        cluster_pb2_grpc.add_CoordinatorServicer_to_server(TrivialCoordinator(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        freeze_startup_objects()
+        ports.put(port)
+        await server.wait_for_termination()
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(serve())
+
+
+class TrivialServer:
+    """`serve_trivial_coordinator` in a spawned process; measured like the coordinators (`measure` reads its pid)."""
+    cpus = 0.0
+
+    def __enter__(self) -> "TrivialServer":
+        context = multiprocessing.get_context("spawn")
+        ports = context.Queue()
+        self.process = context.Process(target=serve_trivial_coordinator, args=(ports,), daemon=True,
+                                       name="bench-trivial-coordinator")
+        self.process.start()
+        self.targets = [f"127.0.0.1:{ports.get(timeout=30)}"]
+        self.pids = [self.process.pid]
+        return self
+
+    def throttling(self) -> list[dict[str, float]]:
+        return []
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        self.process.join(timeout=10)
 
 
 class UnaryPath:
@@ -293,10 +364,9 @@ class UnaryPath:
 
 
 class BatchedPath:
-    name = "batched"
-
-    def __init__(self, targets: list[str], frontend_ids: list[str]) -> None:
+    def __init__(self, targets: list[str], frontend_ids: list[str], name: str = "batched") -> None:
         # One channel and one stream per simulated frontend and coordinator, as each frontend process has.
+        self.name = name
         self.targets = targets
         self.channels = [grpc.aio.insecure_channel(target) for _ in frontend_ids for target in targets]
         channels = iter(self.channels)
@@ -433,6 +503,7 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
     for its share at once) or an open loop at `rate` requests/s."""
     coordinator_pids = coordinators.pids
     latencies: list[float] = []
+    finished_at: list[float] = []
     done = 0
     recording = False
     stop = False
@@ -441,16 +512,24 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
     def count_error(exc: Exception) -> None:
         errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__] += 1
 
+    # The latencies are those of the reservations asked for inside the window (each waited for, even past its end):
+    # counting those that merely finished in it counted the warm-up's first ones, which queue behind the first
+    # 512 at once (≈1.4 s at saturation).
+    window = [float("inf"), float("inf")]
+
     async def reserve(i: int) -> tuple | None:
         nonlocal done
+        asked_at = time.monotonic()
         try:
             held, latency = await path.reserve(i)
         except Exception as exc:  # noqa: BLE001 - counted and reported by kind
             count_error(exc)
             return None
         if recording:
-            latencies.append(latency)
             done += 1
+        if window[0] <= asked_at < window[1]:
+            latencies.append(latency)
+            finished_at.append(time.monotonic())
         return held
 
     async def release(held: tuple) -> None:
@@ -488,6 +567,7 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
             i += 1
             next_at += 1.0 / rate
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+        await asyncio.gather(*pending, return_exceptions=True)
 
     if rate:
         loops = [asyncio.create_task(open_loop())]
@@ -504,8 +584,10 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
     recording = True
     throttled0, idle0 = coordinators.throttling(), machine_idle_seconds()
     each0, own0, t0 = cpu_seconds_each(coordinator_pids), time.process_time(), time.monotonic()
-    await asyncio.sleep(args.window_s)
+    window[0] = t0
+    await asyncio.sleep(args.rate_window_s if rate else args.window_s)
     each1, own1, t1 = cpu_seconds_each(coordinator_pids), time.process_time(), time.monotonic()
+    window[1] = t1
     throttled1, idle1 = coordinators.throttling(), machine_idle_seconds()
     cpu0, cpu1 = sum(each0), sum(each1)
     recording = False
@@ -535,6 +617,9 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
         "coordinator_limited": coordinator_limited,
         "latency_p50_ms": 1e3 * percentile(latencies, 0.50),
         "latency_p99_ms": 1e3 * percentile(latencies, 0.99),
+        # The window's longest waits with when they came (s into the window): one stall decides a short window's p99.
+        "latency_longest_ms": [(round(1e3 * wait, 2), round(at - t0, 3))
+                               for wait, at in sorted(zip(latencies, finished_at), reverse=True)[:5]],
         "errors": sum(errors.values()),
         "error_kinds": dict(errors),
     }
@@ -581,15 +666,31 @@ async def drive(coordinators: Coordinators, args: argparse.Namespace, round_numb
     known = {"unary": lambda: UnaryPath(targets, args.channels, deployment.frontend_ids),
              "batched": lambda: BatchedPath(targets, deployment.frontend_ids)}
     paths = [known[name.strip()]() for name in args.paths.split(",") if name.strip()]
+    # The simulated frontends' process collects its garbage as a frontend process does (frozen startup objects,
+    # fewer young collections), and each scenario's garbage before the next: otherwise a full collection of the
+    # saturation's garbage (≈30 ms measured) lands in the fixed-rate window as "reservation latency".
+    freeze_startup_objects()
     try:
         for rate in [None] + ([args.rate] if args.rate else []):
             for path in paths:
+                gc.collect()
                 scenario = await measure(path, coordinators, args, rate)
                 # What the requests add on top of the heartbeats (measured alone before).
                 extra_cores = max(0.0, scenario["coordinator_cores"] - result["heartbeat_only_cores"])
                 scenario["marginal_cpu_us_per_request"] = 1e6 * extra_cores / max(1e-9, scenario["reservations_per_s"])
                 result["scenarios"].append(scenario)
                 print(json.dumps({"round": round_number, "coordinators": len(targets), **scenario}), flush=True)
+        if args.rate and "batched" in [path.name for path in paths] and not args.no_floor:
+            with TrivialServer() as trivial:
+                floor = BatchedPath(trivial.targets, deployment.frontend_ids, name=FLOOR_PATH)
+                try:
+                    gc.collect()
+                    scenario = await measure(floor, trivial, args, args.rate)
+                finally:
+                    await floor.close()
+            scenario["marginal_cpu_us_per_request"] = scenario["coordinator_cpu_us_per_request"]
+            result["scenarios"].append(scenario)
+            print(json.dumps({"round": round_number, "coordinators": len(targets), **scenario}), flush=True)
     finally:
         for path in paths:
             await path.close()
@@ -623,7 +724,7 @@ def summarize(runs: list[dict]) -> dict:
     scaling = []
     base = min(run["coordinators"] for run in runs) if runs else 1
     for (count, path, load), scenarios in groups.items():
-        if count == base:
+        if count == base or path == FLOOR_PATH:  # the floor's server is the same whatever the coordinator count
             continue
         base_by_round = {s["round"]: s for s in groups.get((base, path, load), [])}
         pairs = [(s, base_by_round[s["round"]]) for s in scenarios if s["round"] in base_by_round]
@@ -644,6 +745,19 @@ def summarize(runs: list[dict]) -> dict:
                            [m["rss_registered_mb"] for run in runs if run["coordinators"] == count
                             for m in run["memory"]])})
     return {"scenarios": rows, "scaling": scaling, "memory_per_coordinator": memory}
+
+
+def floor_line(run: dict) -> str:
+    """The p99 at the fixed rate through the coordinator next to the trivial server's, same run ('' without one)."""
+    at_rate = {s["path"]: s for s in run["scenarios"] if s["load"].endswith("/s")}
+    if FLOOR_PATH not in at_rate or "batched" not in at_rate:
+        return ""
+    coordinator, floor = at_rate["batched"], at_rate[FLOOR_PATH]
+    return (f"\nRound {run['round']}, {run['coordinators']} coordinator(s), {coordinator['load']}: p99 "
+            f"{coordinator['latency_p99_ms']:.2f} ms through the coordinator, {floor['latency_p99_ms']:.2f} ms through "
+            f"the trivial server on the same stream (p50 {coordinator['latency_p50_ms']:.2f} / "
+            f"{floor['latency_p50_ms']:.2f} ms): the coordinator's own share of the p99 is "
+            f"{coordinator['latency_p99_ms'] - floor['latency_p99_ms']:+.2f} ms.")
 
 
 def render(result: dict) -> str:
@@ -670,6 +784,7 @@ def render(result: dict) -> str:
                          f"{s['latency_p50_ms']:.2f} | {s['latency_p99_ms']:.2f} | "
                          f"{s.get('requests_per_batch', 1):.1f} | {s['load_generator_cores']:.2f} | {s['errors']} | "
                          f"{s['limited_by']} |")
+    lines += [floor_line(run) for run in result["runs"] if floor_line(run)]
     lines += ["", "Memory and heartbeats per run:", ""]
     for run in result["runs"]:
         memory = ", ".join(f"{m['rss_empty_mb']:.1f} → {m['rss_registered_mb']:.1f} MB "
@@ -718,7 +833,9 @@ def main(argv: list[str]) -> int:
     for round_number in range(1, args.rounds + 1):
         for count in args.coordinators:
             with Coordinators(count, args.coordinator_cpus, args, out) as coordinators:
-                runs.append(asyncio.run(drive(coordinators, args, round_number)))
+                # The simulated frontends on the loop a frontend process runs (uvloop where installed).
+                with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                    runs.append(runner.run(drive(coordinators, args, round_number)))
     result = {
         "config": {k: v for k, v in vars(args).items() if k not in ("coordinator", "output")},
         "cpus": os.cpu_count(),

@@ -55,6 +55,15 @@ TARGET_TTFT_RATIO = 0.5          # native/grpcio TTFT p99 at fixed load, <=
 BUSY = 0.90  # a core this busy over the window counts as saturated
 THROTTLED = 0.10  # a quota throttled in this share of its periods limited the frontend
 IDLE = 0.10  # machine idle below this many cores: the machine's CPU limited the window
+# Budgeted saturation: a window measures the servers only when the frontend's quota limited it and nothing else
+# did. At its quota: the frontend used QUOTA_USED of it over the window (the throttled share alone is not
+# enough: a bursty process is throttled in some periods far below its quota). Headroom for the rest (node,
+# engine, coordinator, load generator, pinned to the other cores): those cores, from /proc/stat (every process,
+# interrupts, steal), below OTHER_BUSY_MAX busy on average; with no separate cores, HEADROOM_IDLE cores idle.
+QUOTA_USED = 0.90
+OTHER_BUSY_MAX = 0.85
+HEADROOM_IDLE = 0.15
+REST_SHOWN = 0.05  # the rest's consumers named in a verdict: this many cores or more
 
 # Placements in report order; the harness's `budget` is the saturation run under a small quota.
 PINNED, BUDGET = "pinned", "budget"
@@ -63,7 +72,8 @@ PLACEMENT_TITLES = {
     PINNED: "frontend pinned to its own CPU before it starts",
     "quota": "frontend in a cgroup CPU quota, every core visible (as under `docker --cpus` or a Kubernetes limit)",
     "shared": "frontend unconstrained, every core visible",
-    BUDGET: "budgeted saturation: frontend in a small cgroup CPU quota, so it is the bottleneck",
+    BUDGET: "budgeted saturation: frontend in a small cgroup CPU quota, meant to be the bottleneck (checked per "
+            "window)",
 }
 
 
@@ -160,6 +170,66 @@ def limiter(workload: str, frontend_util: float | None, quota_cpus: float | None
     return "none saturated (latency-bound: engine step pacing / queueing)"
 
 
+def budget_limiter(frontend_util: float | None, quota_cpus: float | None, throttled_share: float | None,
+                   other_core_busy: float | None, machine_idle_cores: float | None,
+                   rest_util: Mapping[str, float] | None = None) -> tuple[str, bool]:
+    """What limited a budgeted-saturation window, and whether it was the frontend's quota alone.
+
+    frontend_util: the frontend's CPU over the window (cores); other_core_busy: mean busy share of the cores the
+    rest of the stack is pinned to (None when there are none of its own); rest_util: {process group: cores} of
+    everything else, to name what filled those cores. Frontend-limited means at its quota (QUOTA_USED) with
+    headroom elsewhere (other cores below OTHER_BUSY_MAX busy, or HEADROOM_IDLE cores idle without them);
+    a window that is not is no measure of the servers' relative cost.
+    """
+    at_quota = bool(quota_cpus) and frontend_util is not None and frontend_util >= QUOTA_USED * quota_cpus
+    quota_text = (f"frontend quota ({fmt_number(frontend_util)} of {quota_cpus:g} CPU, throttled in "
+                  f"{(throttled_share or 0.0) * 100:.0f} % of periods)" if quota_cpus else "no frontend quota")
+    consumers = sorted(((cores, name) for name, cores in (rest_util or {}).items() if cores >= REST_SHOWN),
+                       reverse=True)
+    named = ", ".join(f"{name} {cores:.2f}" for cores, name in consumers)
+    if other_core_busy is not None:
+        headroom = other_core_busy < OTHER_BUSY_MAX
+        rest_text = f"other cores {other_core_busy:.2f} busy"
+        limit_text = f"below {OTHER_BUSY_MAX:.2f}"
+    elif machine_idle_cores is not None:
+        headroom = machine_idle_cores >= HEADROOM_IDLE
+        rest_text = f"machine idle {machine_idle_cores:.2f} core"
+        limit_text = f"at least {HEADROOM_IDLE:.2f}"
+    else:
+        return "unknown (no per-core figures)", False
+    if at_quota and headroom:
+        return f"{quota_text}; {rest_text}", True
+    reasons = []
+    if not headroom:
+        reasons.append(f"rest of the machine ({rest_text}, headroom needs {limit_text}{f'; {named}' if named else ''})")
+    if at_quota:
+        reasons.append(quota_text)
+    elif quota_cpus and frontend_util is not None:
+        reasons.append(f"not the frontend: {fmt_number(frontend_util)} of its {quota_cpus:g}-CPU quota, below "
+                       f"{QUOTA_USED * 100:.0f} %")
+    if headroom:
+        reasons.append(f"not the rest: {rest_text}")
+    return "; ".join(reasons), False
+
+
+REST_EXCLUDED = ("frontend", "bare server", "idle (all cores)")
+
+
+def classify_budget_window(record: Mapping[str, Any]) -> tuple[str, bool]:
+    """`budget_limiter` over a round record's stored figures (so older bench.json files can be rerendered)."""
+    util = record.get("process_util") or {}
+    rest = {name: cores for name, cores in util.items() if name not in REST_EXCLUDED}
+    return budget_limiter(record.get("frontend_util"), record.get("quota_cpus"), record.get("throttled_share"),
+                          record.get("other_core_busy"), record.get("machine_idle_cores"), rest)
+
+
+def frontend_limited(record: Mapping[str, Any]) -> bool:
+    """Whether a budgeted window was limited by the frontend's quota alone (recomputed if not stored)."""
+    if "frontend_limited" in record:
+        return bool(record["frontend_limited"])
+    return classify_budget_window(record)[1]
+
+
 def machine_reason(machine_idle_cores: float | None) -> str:
     """'' unless the machine had no idle CPU left over the window."""
     if machine_idle_cores is not None and machine_idle_cores < IDLE:
@@ -244,7 +314,8 @@ def evaluate_targets(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, A
 
     summary: {placement: {mode: {scenario: {server: {metric: summary}}}}} (see `build_result`). Per placement
     with fixed-load rounds: CPU per token and TTFT p99 ratios; full-core saturation where it ran; the budgeted
-    saturation's ratio in its worst round; the native floor from the pinned baseline; errors and tokens overall.
+    saturation's ratio in its worst frontend-limited round; the native floor from the pinned baseline; errors and
+    tokens overall.
     """
     targets: list[dict[str, Any]] = []
     groups = by_placement(rounds)
@@ -272,8 +343,11 @@ def evaluate_targets(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, A
             sat = scenario_name("saturation", c)
             pair = paired_ratios(place_rounds, "stack", sat, "tokens_per_s")
             if placement == BUDGET:
-                add(f"budget: saturation tokens/s native/grpcio, {c} conn, worst round", pair["min"], ">=",
-                    TARGET_SATURATION_RATIO, _pair_detail(pair))
+                valid = budget_valid_rounds(place_rounds, sat)
+                valid_pair = paired_ratios([r for r in place_rounds if valid.get(r["round"])], "stack", sat,
+                                           "tokens_per_s")
+                add(f"budget: saturation tokens/s native/grpcio, {c} conn, worst frontend-limited round",
+                    valid_pair["min"], ">=", TARGET_SATURATION_RATIO, _budget_detail(valid, valid_pair, pair))
             else:
                 add(f"{placement}: saturation tokens/s native/grpcio, {c} conn (full cores)",
                     median_ratio(summary[placement], "stack", sat, "tokens_per_s"), ">=", TARGET_SATURATION_RATIO,
@@ -297,6 +371,26 @@ def evaluate_targets(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, A
     add("requests with different tokens on the two servers", float(mismatched) if compared else None, "==", 0.0,
         f"{compared} requests compared")
     return targets
+
+
+def budget_valid_rounds(rounds: Sequence[Mapping[str, Any]], scenario: str) -> dict[int, bool]:
+    """{round: both servers' windows limited by the frontend's quota alone} for a budgeted scenario; only those
+    rounds' ratios measure the servers."""
+    by_round: dict[int, dict[str, Mapping[str, Any]]] = {}
+    for r in rounds:
+        if r["mode"] == "stack" and r["scenario"] == scenario and r["server"] in SERVERS:
+            by_round.setdefault(r["round"], {})[r["server"]] = r
+    return {number: all(s in pair and frontend_limited(pair[s]) for s in SERVERS)
+            for number, pair in sorted(by_round.items())}
+
+
+def _budget_detail(valid: Mapping[int, bool], valid_pair: Mapping[str, Any], every_pair: Mapping[str, Any]) -> str:
+    counted = f"{sum(valid.values())} of {len(valid)} rounds frontend-limited in both windows"
+    if valid_pair.get("median") is not None:
+        counted += f" ({_pair_detail(valid_pair)})"
+    if every_pair.get("median") is not None:
+        counted += f"; every round, not a measure of the servers: {_pair_detail(every_pair)}"
+    return counted
 
 
 def _pair_detail(pair: Mapping[str, Any]) -> str:
@@ -405,7 +499,11 @@ def process_table(rounds: Sequence[Mapping[str, Any]], mode: str = "stack") -> s
                                                             if k[1] in SERVERS else 9)):
         records = by_key[(scenario, server)]
         cells = [fmt_number(summarize(r.get("process_util", {}).get(g) for r in records)["median"]) for g in groups]
-        limits = sorted({r.get("bottleneck", "unknown") for r in records})
+        if all(placement_of(r) == BUDGET for r in records):  # one verdict per window: in the round table
+            limits = [f"frontend quota alone in {sum(frontend_limited(r) for r in records)} of {len(records)} "
+                      "windows (each window's verdict: round table above)"]
+        else:
+            limits = sorted({r.get("bottleneck", "unknown") for r in records})
         rows.append([scenario, server, *cells, "; ".join(limits)])
     return format_table(headers, rows)
 
@@ -445,7 +543,9 @@ def targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
 
 
 def round_table(rounds: Sequence[Mapping[str, Any]], metric: str = "tokens_per_s") -> str:
-    """One row per round pair of every saturation scenario: each server's value, the ratio, what limited it."""
+    """One row per round pair of every budgeted saturation scenario: each server's value and tokens per message,
+    the ratio, whether it measures the servers (both windows limited by the frontend's quota alone), what limited
+    each window; then per scenario the rounds that count."""
     rows = []
     by_key: dict[tuple[str, int], dict[str, Mapping[str, Any]]] = {}
     for r in rounds:
@@ -453,11 +553,25 @@ def round_table(rounds: Sequence[Mapping[str, Any]], metric: str = "tokens_per_s
             by_key.setdefault((r["scenario"], r["round"]), {})[r["server"]] = r
     for (scenario, number), servers in sorted(by_key.items(), key=lambda kv: (_scenario_order(kv[0][0]), kv[0][1])):
         g, n = servers.get(GRPCIO, {}), servers.get(NATIVE, {})
+        not_limited = [name for name, w in (("grpcio", g), ("native", n)) if not (w and frontend_limited(w))]
+        counts = "yes" if not not_limited else (f"no ({' and '.join(not_limited)} not limited by the frontend "
+                                                f"alone): not a measure of the servers")
         rows.append([scenario, str(number), fmt_number(g.get(metric)), fmt_number(n.get(metric)),
-                     fmt_ratio(ratio(n.get(metric), g.get(metric))),
+                     fmt_ratio(ratio(n.get(metric), g.get(metric))), counts,
+                     fmt_number(g.get("tokens_per_message")), fmt_number(n.get("tokens_per_message")),
                      g.get("bottleneck", "–"), n.get("bottleneck", "–")])
-    return format_table(["scenario", "round", f"grpcio {METRICS[metric][0]}", f"native {METRICS[metric][0]}",
-                         "native/grpcio", "grpcio limited by", "native limited by"], rows)
+    table = format_table(["scenario", "round", f"grpcio {METRICS[metric][0]}", f"native {METRICS[metric][0]}",
+                          "native/grpcio", "measures the servers", "grpcio tokens/message",
+                          "native tokens/message", "grpcio limited by", "native limited by"], rows)
+    lines = [table, ""]
+    for scenario in sorted({key[0] for key in by_key}, key=_scenario_order):
+        valid = budget_valid_rounds(rounds, scenario)
+        pair = paired_ratios([r for r in rounds if valid.get(r["round"])], "stack", scenario, metric)
+        lines.append(f"{scenario}: {sum(valid.values())} of {len(valid)} rounds frontend-limited in both windows "
+                     f"(frontend at ≥ {QUOTA_USED * 100:.0f} % of its quota, the other cores below "
+                     f"{OTHER_BUSY_MAX:.2f} busy); native/grpcio over them: "
+                     f"{_fmt_ratio_range(pair)} (the target counts only these)")
+    return "\n".join(lines)
 
 
 def render(result: Mapping[str, Any]) -> str:
@@ -468,7 +582,8 @@ def render(result: Mapping[str, Any]) -> str:
     parts.append(f"machine: {meta.get('nproc')} cores, {meta.get('cpu_model')}, Python {meta.get('python')}; "
                  f"frontend CPUs {meta.get('frontend_cpus')} (when pinned), everything else on "
                  f"{meta.get('other_cpus')}; quota {meta.get('quota_cpus', '–')} CPU, budget "
-                 f"{meta.get('budget_cpus', '–')} CPU")
+                 f"{meta.get('budget_cpus', '–')} CPU with {meta.get('budget_inflight') or meta.get('inflight')} "
+                 "in flight")
     parts.append(f"workload: {meta.get('prompt_tokens')} prompt tokens, {meta.get('output_tokens')} output tokens "
                  f"per request, engine step {meta.get('step_ms')} ms; fixed load {meta.get('rate')} req/s, "
                  f"saturation {meta.get('inflight')} in flight; windows: fixed {meta.get('fixed_window_s')} s, "

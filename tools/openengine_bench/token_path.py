@@ -1,13 +1,18 @@
 """The frontend's per-token Python path alone, in one process: CPU per token, for A/B of per-token changes.
 
     python -m openengine_bench.token_path [--streams 10] [--requests 400] [--tokens 128] [--server pygrpc-native]
+                                          [--lane credited] [--count-calls]
 
 What runs is the frontend's own code from the lane read on: `NodeConnections` reads a node's result lane (a
 stand-in stub yielding one StepResults per engine step with one token per open stream, the last one finishing
 it), hands each event to its request's sink, and `Inference.stream` turns the events into deltas and writes
 them. With `--server pygrpc-native` the writes go through pygrpc-native's own Python call context
 (`context.write`, and the frontend's non-blocking send where the tree has one) onto a stand-in for its Rust
-front that accepts every message; with `--server none` `write` is an empty coroutine. No gRPC transport, no
+front that accepts every message; with `--server none` `write` is an empty coroutine. `--lane plain` reads the
+node's `Results` stream; `--lane credited` (the default, what a node of this release serves) its acknowledged
+`Lane` call, so the per-message acknowledgements (LaneAcknowledgements, the credit pacing and pausing checks with
+the frontend's default settings) run too, each credit write a stand-in that completes after one loop iteration
+(grpc.aio's own cost per write is not in the figure: the JSON counts the writes). No gRPC transport, no
 node, no client: what is left is exactly what a per-token change of the frontend can move, measured as
 process CPU time (`time.process_time`) over the whole run ÷ tokens, without the noise of a full stack on a
 shared machine. Streams run closed-loop (`--streams` open at a time) and between steps the lane yields to
@@ -61,6 +66,9 @@ class Lane:
     def Results(self, request):  # noqa: N802 - the stub's method name
         return self._steps()
 
+    def Lane(self):  # noqa: N802 - the stub's method name
+        return LaneCall(self._steps())
+
     async def _steps(self):
         yield cluster_pb2.StepResults()  # the first message only says the lane is open
         step = 0
@@ -79,6 +87,31 @@ class Lane:
             yield results
             for _ in range(YIELDS_PER_STEP):
                 await asyncio.sleep(0)
+
+
+class LaneCall:
+    """A node's acknowledged `Lane` call: the lane's messages to read, the frontend's credits counted."""
+
+    written = 0  # credit writes, over every call
+
+    def __init__(self, steps) -> None:
+        self._steps = steps
+
+    async def write(self, _credit) -> None:
+        LaneCall.written += 1
+        await asyncio.sleep(0)  # a grpc.aio write completes after the transport took the message
+
+    async def read(self):
+        import grpc
+
+        try:
+            return await self._steps.__anext__()
+        except StopAsyncIteration:
+            return grpc.aio.EOF
+
+    def cancel(self) -> None:
+        pass
+
 
 
 class NoChannel:
@@ -111,15 +144,29 @@ def native_context(call_id: int, sent: Sent):
     return native_aio._Context(server, call)
 
 
+def frontend_lane_settings() -> dict:
+    """NodeConnections' lane settings as the frontend passes them (frontend/server.py), for the ones this tree has."""
+    from openengine_serve.common.config import FrontendConfig
+
+    config = FrontendConfig()
+    settings = {"lane_window": getattr(config, "lane_window", 2),
+                "lane_busy_ack_interval_s": getattr(config, "lane_busy_ack_interval_ms", 0.0) / 1000,
+                "pause_after_s": getattr(config, "client_pause_after_s", 0.0)}
+    accepted = inspect.signature(NodeConnections).parameters
+    return {name: value for name, value in settings.items() if name in accepted}
+
+
 async def run(args) -> dict:
     encoding = load_encoding()
     inference = Inference.__new__(Inference)  # only what `stream` uses
     inference.encoding, inference.strings = encoding, TokenStrings(encoding)
     lane = Lane(encoding, args.tokens)
-    nodes = NodeConnections("token-path", BackgroundTasks(), 5.0, 5.0)
+    nodes = NodeConnections("token-path", BackgroundTasks(), 5.0, 5.0, **frontend_lane_settings())
     entry = cluster_pb2.NodeEntry(node_id="node-0", address="127.0.0.1:1")
     conn = NodeConnection(entry, NoChannel(), lane)
-    conn.lane_credits = False  # the stand-in lane is the plain `Results` stream (no acknowledged `Lane` call)
+    conn.lane_credits = args.lane == "credited"
+    if args.lane == "plain":
+        nodes.lane_window = 0  # the plain `Results` stream (no acknowledged `Lane` call)
     nodes.connections[entry.node_id] = conn
     await nodes.connect(entry)
     takes_send_now = "send_now" in inspect.signature(Inference.stream).parameters
@@ -160,13 +207,28 @@ async def run(args) -> dict:
     for _ in range(3):  # warm the per-token caches and the code paths
         await one_request(-1 - _)
     sent.messages = 0
+    LaneCall.written = 0
+    profiler = None
+    if args.count_calls:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     started_cpu, started_wall = time.process_time(), time.perf_counter()
     await asyncio.gather(*(slot(i) for i in range(args.streams)))
     cpu, wall = time.process_time() - started_cpu, time.perf_counter() - started_wall
+    if profiler is not None:
+        profiler.disable()
     lane.closed = True
     await nodes.close()
     tokens = args.requests * args.tokens
-    return {"server": args.server, "streams": args.streams, "tokens": tokens, "messages": sent.messages,
+    extra = {}
+    if profiler is not None:
+        import pstats
+
+        extra["python_calls_per_token"] = round(pstats.Stats(profiler).total_calls / tokens, 2)
+    return {**extra, "server": args.server, "streams": args.streams, "tokens": tokens, "messages": sent.messages,
+            "lane": args.lane, "credit_writes": LaneCall.written,
             "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "cpu_us_per_token": round(cpu / tokens * 1e6, 2),
             "non_blocking_send": bool(takes_send_now and nonblocking_send and args.server == "pygrpc-native")}
 
@@ -178,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--server", choices=("pygrpc-native", "none"), default="pygrpc-native")
+    p.add_argument("--lane", choices=("credited", "plain"), default="credited",
+                   help="the node's acknowledged Lane call (default) or its plain Results stream")
+    p.add_argument("--count-calls", action="store_true",
+                   help="count the Python function calls per token (cProfile; the stand-in lane's own included): "
+                        "a noise-free measure of per-token work, the CPU figure is then inflated by the profiler")
     args = p.parse_args(argv)
     try:
         import uvloop

@@ -26,7 +26,8 @@ from .refusal import (DuplicateRequest, InvalidRequest, KeyAtLimit, NotServed, O
                       Unsupported)
 from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests
-from .stream import ENGINE_ERROR, OutputStream, TokenStrings, engine_error, prompt_output, serialize_response
+from .stream import (ENGINE_ERROR, ENGINE_NONE, OutputStream, TokenStrings, engine_error, prompt_output,
+                     serialize_response)
 from .text import encode_prompt
 from .validation import GenerationPlan, ModelLimits, RequestMetadata, parse_metadata, validate_generate
 
@@ -171,16 +172,19 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         finish_reasons: list[int] = []
 
         def send_directly(item):
-            """RequestSink.direct: None when the item went out here, else what the task must handle."""
+            """RequestSink.direct: None when the item went out here, else what the task must handle. Runs per token
+            in the lane reader, so _count_delta is inlined."""
             nonlocal last_token_at
-            if last_token_at is None or type(item) is not OUTPUT_EVENT:
+            if last_token_at is None or type(item) is not OUTPUT_EVENT or item.finish != ENGINE_NONE:
                 return item
-            delta = only_output.one_token_delta(item)
+            delta = one_token_delta(item)
             if delta is None:
                 return item
             if not send_now(delta):
                 return delta  # the client's buffer is full (or the call ended): the task writes it, and waits
-            last_token_at = _count_delta(1, last_token_at)
+            now = perf_counter()
+            add_delta(1, now - last_token_at)
+            last_token_at = now
             return None
 
         async def send_or_write(item) -> None:
@@ -196,7 +200,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
 
         emit = write if send_now is None else send_or_write
         if send_now is not None and single_output and outputs[0].plain:
-            only_output = outputs[0]
+            one_token_delta, add_delta, perf_counter = outputs[0].one_token_delta, metrics.DELTAS.add, time.perf_counter
             sink.direct = send_directly
         try:
             while open_outputs:

@@ -199,21 +199,22 @@ class LaneAcknowledgements:
         with contextlib.suppress(Exception):  # the call ended: its reader sees it
             while True:
                 await self._wake.wait()
-                if self._min_interval_s:
+                if self._behind and self._min_interval_s:  # checked here: no coroutine per message keeping up
                     await self._pace()
                 self._wake.clear()  # what was handled while this waited goes out with it
                 handled, self._handled = self._handled, 0
+                if not self._pauses:  # the common case: a credit alone
+                    await self._call.write(cluster_pb2.LaneCredit(handled=handled))
+                    continue
                 pauses, self._pauses = self._pauses, {}
                 await self._call.write(cluster_pb2.LaneCredit(handled=handled, pauses=[
                     cluster_pb2.PauseRequest(request_id=request_id, resume=resume)
                     for request_id, resume in pauses.items()]))
 
     async def _pace(self) -> None:
-        """If this frontend is behind and its loop busy, waits until min_interval_s after it was called. sleep(0)
+        """This frontend is behind: if its loop is busy, waits until min_interval_s after it was called. sleep(0)
         resumes after everything that was ready when it yielded (the streams the message woke), so the time it
         takes is their work."""
-        if not self._behind:
-            return
         loop = asyncio.get_running_loop()
         asked = loop.time()
         await asyncio.sleep(0)

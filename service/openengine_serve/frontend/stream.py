@@ -144,14 +144,8 @@ class OutputStream:
 
     def one_token_delta(self, event: cluster_pb2.OutputEvent) -> bytes | None:
         """The steady state, answered from cached bytes: a plain output (no stop strings, no logprobs), one token,
-        not the last, nothing held back. The serialized delta (counted as generated), else None (on_events then
-        builds it; same bytes)."""
-        if event.finish != ENGINE_NONE:
-            return None
-        return self._cached_one_token_delta(event)
-
-    def _cached_one_token_delta(self, event: cluster_pb2.OutputEvent) -> bytes | None:
-        """one_token_delta without the check that the event does not finish the output."""
+        nothing held back. The serialized delta (counted as generated), else None (on_events then builds it; same
+        bytes). Whether the event finishes the output is the caller's check (a delta then needs its `finished`)."""
         if not self.plain or self.detokenizer.pending:
             return None
         tokens = event.tokens
@@ -181,7 +175,7 @@ class OutputStream:
             if finish == ENGINE_NONE or finish == ENGINE_LENGTH:
                 # A one-token event of a plain output: its delta from cached bytes; at max_tokens (every
                 # 1-token request's only event) with nothing held back, the text needs no flush either.
-                delta = self._cached_one_token_delta(event)
+                delta = self.one_token_delta(event)
                 if delta is not None:
                     return delta, 1, None if finish == ENGINE_NONE else self.finish(FINISH_LENGTH), False
         plan = self.plan

@@ -77,12 +77,18 @@ async def test_reservations_of_one_tick_go_out_as_one_batch_and_are_answered_in_
     assert await waiting[2] == n1
 
 
-async def test_a_release_rides_on_the_next_batch_and_a_tick_of_releases_alone_is_one_message(batcher, streams):
+async def first_reservation_answered(batcher: ReservationBatcher, streams: Streams) -> ScriptedCall:
+    """Reserves "r0" on a new stream and answers it; returns the stream's call."""
     first = asyncio.create_task(batcher.reserve(reservation("r0")))
     await settle()
     [call] = streams.calls
     call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n0")))
     await first
+    return call
+
+
+async def test_a_release_rides_on_the_next_batch_and_a_tick_of_releases_alone_is_one_message(batcher, streams):
+    call = await first_reservation_answered(batcher, streams)
     batcher.release("r0")
     second = asyncio.create_task(batcher.reserve(reservation("r1")))
     await settle()
@@ -147,11 +153,7 @@ async def test_while_a_batch_is_unanswered_later_ticks_gather_and_go_out_once_it
 
 
 async def test_a_reservation_does_not_wait_behind_an_unanswered_batch_of_releases_alone(batcher, streams):
-    first = asyncio.create_task(batcher.reserve(reservation("r0")))
-    await settle()
-    [call] = streams.calls
-    call.answer(cluster_pb2.ReservationOutcome(node=node_entry("n0")))
-    await first
+    call = await first_reservation_answered(batcher, streams)
     batcher.release("r0")
     await settle()
     assert [list(b.release) for b in call.written] == [[], ["r0"]]  # the release alone, unanswered

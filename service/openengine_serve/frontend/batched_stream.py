@@ -10,7 +10,8 @@ messages (requests reach the frontend one completion at a time, so a tick alone
 rarely holds more than one); an idle stream sends a call at once.
 
 Riders (e.g. releases) need no answer: they go out with the next batch and are kept
-until the batch that carried them is answered. When the stream breaks, every call not
+until the batch that carried them is answered. A batch of riders alone counts against
+MAX_UNANSWERED for riders only: a call does not wait behind it (the first token's time). When the stream breaks, every call not
 yet answered fails with `StreamBroken` and the unanswered riders are sent again on the
 next stream. The next call or `flush` opens a new stream.
 """

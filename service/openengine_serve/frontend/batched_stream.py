@@ -11,9 +11,10 @@ rarely holds more than one); an idle stream sends a call at once.
 
 Riders (e.g. releases) need no answer: they go out with the next batch and are kept
 until the batch that carried them is answered. A batch of riders alone counts against
-MAX_UNANSWERED for riders only: a call does not wait behind it (the first token's time). When the stream breaks, every call not
-yet answered fails with `StreamBroken` and the unanswered riders are sent again on the
-next stream. The next call or `flush` opens a new stream.
+MAX_UNANSWERED for riders only: a call does not wait behind it (that wait was part of
+the first token's time). When the stream breaks, every call not yet answered fails with
+`StreamBroken` and the unanswered riders are sent again on the next stream. The next
+call or `flush` opens a new stream.
 """
 
 from __future__ import annotations

@@ -234,7 +234,12 @@ def test_budget_verdict_from_a_stored_record_and_rounds_that_count():
     worst = targets["budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"]
     assert worst["value"] == pytest.approx(1.8) and worst["verdict"] == "PASS"  # the 0.8x round does not count
     assert worst["detail"].startswith("1 of 3 rounds frontend-limited in both windows")
-    assert "every round, not a measure of the servers: per round pair: median 1.70, min 0.80" in worst["detail"]
+    assert ("every round, including those that do not measure the servers: per round pair: median 1.70, min 0.80"
+            in worst["detail"])
+    all_valid = report.build_result({}, rounds[:2], {}, [32])["targets"]
+    (budget,) = [t for t in all_valid if t["name"].startswith("budget")]
+    assert budget["detail"] == "1 of 1 rounds frontend-limited in both windows (per round pair: median 1.80, min 1.80, " \
+        "max 1.80 (1))"  # no second figure when every round counts
     table = report.round_table(rounds)
     assert "| no (native not limited by the frontend alone): not a measure of the servers |" in table
     assert "| no (grpcio not limited by the frontend alone): not a measure of the servers |" in table

@@ -388,8 +388,8 @@ def _budget_detail(valid: Mapping[int, bool], valid_pair: Mapping[str, Any], eve
     counted = f"{sum(valid.values())} of {len(valid)} rounds frontend-limited in both windows"
     if valid_pair.get("median") is not None:
         counted += f" ({_pair_detail(valid_pair)})"
-    if every_pair.get("median") is not None:
-        counted += f"; every round, not a measure of the servers: {_pair_detail(every_pair)}"
+    if every_pair.get("median") is not None and not all(valid.values()):
+        counted += f"; every round, including those that do not measure the servers: {_pair_detail(every_pair)}"
     return counted
 
 

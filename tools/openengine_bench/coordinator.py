@@ -501,20 +501,21 @@ def limited_by(load: str, coordinator_cores: list[float], quota_cpus: float, thr
 async def measure(path, coordinators: Coordinators, args: argparse.Namespace, rate: float | None) -> dict:
     """Saturation (rate None: --concurrency closed loops, or with --in-step one loop per simulated frontend asking
     for its share at once) or an open loop at `rate` requests/s."""
+    gc.collect()  # the previous scenario's garbage goes before this one starts (see `drive`)
     coordinator_pids = coordinators.pids
     latencies: list[float] = []
     finished_at: list[float] = []
     done = 0
-    recording = False
     stop = False
     errors: collections.Counter[str] = collections.Counter()
 
     def count_error(exc: Exception) -> None:
         errors[exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__] += 1
 
-    # The latencies are those of the reservations asked for inside the window (each waited for, even past its end):
-    # counting those that merely finished in it counted the warm-up's first ones, which queue behind the first
-    # 512 at once (≈1.4 s at saturation).
+    # [start, end) of the measured window. Throughput counts the reservations answered inside it; the latencies
+    # are those of the reservations asked for inside it (each waited for, even past its end): counting those that
+    # merely finished in it counted the warm-up's first ones, which queue behind the first 512 at once (≈1.4 s at
+    # saturation).
     window = [float("inf"), float("inf")]
 
     async def reserve(i: int) -> tuple | None:
@@ -525,11 +526,12 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
         except Exception as exc:  # noqa: BLE001 - counted and reported by kind
             count_error(exc)
             return None
-        if recording:
+        answered_at = time.monotonic()
+        if window[0] <= answered_at < window[1]:
             done += 1
         if window[0] <= asked_at < window[1]:
             latencies.append(latency)
-            finished_at.append(time.monotonic())
+            finished_at.append(answered_at)
         return held
 
     async def release(held: tuple) -> None:
@@ -581,7 +583,6 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
         load = f"saturation ({args.concurrency} loops)"
     await asyncio.sleep(args.warmup_s)
     batches_before = path.batches() if hasattr(path, "batches") else 0
-    recording = True
     throttled0, idle0 = coordinators.throttling(), machine_idle_seconds()
     each0, own0, t0 = cpu_seconds_each(coordinator_pids), time.process_time(), time.monotonic()
     window[0] = t0
@@ -590,7 +591,6 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
     window[1] = t1
     throttled1, idle1 = coordinators.throttling(), machine_idle_seconds()
     cpu0, cpu1 = sum(each0), sum(each1)
-    recording = False
     stop = True
     await asyncio.gather(*loops, return_exceptions=True)
     elapsed = t1 - t0
@@ -667,30 +667,32 @@ async def drive(coordinators: Coordinators, args: argparse.Namespace, round_numb
              "batched": lambda: BatchedPath(targets, deployment.frontend_ids)}
     paths = [known[name.strip()]() for name in args.paths.split(",") if name.strip()]
     # The simulated frontends' process collects its garbage as a frontend process does (frozen startup objects,
-    # fewer young collections), and each scenario's garbage before the next: otherwise a full collection of the
-    # saturation's garbage (≈30 ms measured) lands in the fixed-rate window as "reservation latency".
+    # fewer young collections), and each scenario's garbage before the next (`measure`): otherwise a full
+    # collection of the saturation's garbage (≈30 ms measured) lands in the fixed-rate window as "reservation
+    # latency".
     freeze_startup_objects()
+
+    def keep(scenario: dict) -> None:
+        result["scenarios"].append(scenario)
+        print(json.dumps({"round": round_number, "coordinators": len(targets), **scenario}), flush=True)
+
     try:
         for rate in [None] + ([args.rate] if args.rate else []):
             for path in paths:
-                gc.collect()
                 scenario = await measure(path, coordinators, args, rate)
                 # What the requests add on top of the heartbeats (measured alone before).
                 extra_cores = max(0.0, scenario["coordinator_cores"] - result["heartbeat_only_cores"])
                 scenario["marginal_cpu_us_per_request"] = 1e6 * extra_cores / max(1e-9, scenario["reservations_per_s"])
-                result["scenarios"].append(scenario)
-                print(json.dumps({"round": round_number, "coordinators": len(targets), **scenario}), flush=True)
+                keep(scenario)
         if args.rate and "batched" in [path.name for path in paths] and not args.no_floor:
             with TrivialServer() as trivial:
                 floor = BatchedPath(trivial.targets, deployment.frontend_ids, name=FLOOR_PATH)
                 try:
-                    gc.collect()
                     scenario = await measure(floor, trivial, args, args.rate)
                 finally:
                     await floor.close()
             scenario["marginal_cpu_us_per_request"] = scenario["coordinator_cpu_us_per_request"]
-            result["scenarios"].append(scenario)
-            print(json.dumps({"round": round_number, "coordinators": len(targets), **scenario}), flush=True)
+            keep(scenario)
     finally:
         for path in paths:
             await path.close()
@@ -784,7 +786,7 @@ def render(result: dict) -> str:
                          f"{s['latency_p50_ms']:.2f} | {s['latency_p99_ms']:.2f} | "
                          f"{s.get('requests_per_batch', 1):.1f} | {s['load_generator_cores']:.2f} | {s['errors']} | "
                          f"{s['limited_by']} |")
-    lines += [floor_line(run) for run in result["runs"] if floor_line(run)]
+    lines += [line for line in map(floor_line, result["runs"]) if line]
     lines += ["", "Memory and heartbeats per run:", ""]
     for run in result["runs"]:
         memory = ", ".join(f"{m['rss_empty_mb']:.1f} → {m['rss_registered_mb']:.1f} MB "

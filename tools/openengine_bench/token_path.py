@@ -32,6 +32,8 @@ import random
 import sys
 import time
 
+import grpc
+
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.vocab import load_encoding
 from openengine_serve.frontend.inference import Inference
@@ -102,8 +104,6 @@ class LaneCall:
         await asyncio.sleep(0)  # a grpc.aio write completes after the transport took the message
 
     async def read(self):
-        import grpc
-
         try:
             return await self._steps.__anext__()
         except StopAsyncIteration:
@@ -111,7 +111,6 @@ class LaneCall:
 
     def cancel(self) -> None:
         pass
-
 
 
 class NoChannel:
@@ -128,7 +127,6 @@ class Sent:
 
 def native_context(call_id: int, sent: Sent):
     """pygrpc-native's own call context on a stand-in front that accepts every message."""
-    import grpc
     import pygrpc_native.aio as native_aio
     from pygrpc_native._native import STREAM_SENT
 

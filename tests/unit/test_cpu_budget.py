@@ -130,8 +130,8 @@ def test_no_proc_files_is_no_quota(tmp_path):
     assert cpu_budget(str(tmp_path), affinity=3).cpus == 3
 
 
-@pytest.mark.parametrize("cpus, override, expected", [(0.5, 0, 1), (1.0, 0, 1), (1.01, 0, 2), (16, 0, 2),
-                                                     (0.5, 3, 3), (16, 1, 1)])
+@pytest.mark.parametrize("cpus, override, expected", [(0.5, 0, 1), (1.0, 0, 1), (2.0, 0, 1), (3.99, 0, 1), (4.0, 0, 2),
+                                                     (16, 0, 2), (0.5, 3, 3), (16, 1, 1)])
 def test_native_io_threads(cpus, override, expected):
     assert native_io_threads(CpuBudget(cpus=cpus, affinity=16, quota=None), override) == expected
 
@@ -148,4 +148,5 @@ def test_workers_share_the_budget():
     budget = CpuBudget(cpus=2.0, affinity=4, quota=2.0)
     assert budget.shared_by(1) is budget
     assert budget.shared_by(4) == CpuBudget(cpus=0.5, affinity=4, quota=2.0)
-    assert native_io_threads(budget.shared_by(2)) == 1 and native_io_threads(budget) == 2
+    eight = CpuBudget(cpus=8.0, affinity=8, quota=None)
+    assert native_io_threads(eight.shared_by(4)) == 1 and native_io_threads(eight.shared_by(2)) == 2

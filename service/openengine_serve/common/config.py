@@ -204,7 +204,7 @@ class FrontendConfig(CommonConfig):
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
     native_io_threads: int = knob(0, "pygrpc-native's Rust I/O threads per worker (0: derived from the worker's "
                                      "CPU budget, the smaller of CPU affinity and cgroup CPU quota divided by the "
-                                     "workers: 1 when it is at most one CPU, else 2)", minimum=0, maximum=64)
+                                     "workers: 1 below 4 CPUs, else 2)", minimum=0, maximum=64)
     max_connection_age_s: float = knob(0.0, "a client connection older than this is made to reconnect, which "
                                             "spreads load over frontends added later (0: off). grpcio: GOAWAY, "
                                             "calls still open get OPENENGINE_DRAIN_TIMEOUT_S to finish. "

@@ -147,11 +147,13 @@ def test_step_bytes_equal_protobuf_serialization(token_fields):
         hand = batch.step_message(number, events, running_tokens, 0.002, [11, 12])
         parsed = cluster_pb2.EngineStep.FromString(hand)
         assert len(parsed.events) == 3 and all(len(event.tokens) == 1 for event in parsed.events)
+        assert [event.first for event in parsed.events] == [number == 1] * 3, "each output's first token says so"
         assert hand == parsed.SerializeToString()
         rebuilt = cluster_pb2.EngineStep(
             step=number, running=3, running_tokens=running_tokens, step_seconds=0.002, worker_pids=[11, 12],
             events=[cluster_pb2.OutputEvent(request_id=e.request_id, output_index=e.output_index, lane=e.lane,
-                                            tokens=[cluster_pb2.TokenRecord(token_id=e.tokens[0].token_id)])
+                                            tokens=[cluster_pb2.TokenRecord(token_id=e.tokens[0].token_id)],
+                                            first=number == 1)
                     for e in parsed.events])
         assert hand == rebuilt.SerializeToString()
 

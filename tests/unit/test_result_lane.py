@@ -103,6 +103,35 @@ def test_with_a_window_unacknowledged_messages_hold_the_next_and_steps_fold_mean
     asyncio.run(main())
 
 
+def test_a_first_token_goes_out_past_the_window_with_what_waits():
+    async def main():
+        lane = ResultLane(max_backlog_steps=10, window=1)
+        lane.put(1, [event("a", 1)])
+        await lane.take()
+        waiting = asyncio.ensure_future(lane.take())
+        lane.put(2, [event("a", 2)])
+        await asyncio.sleep(0)
+        assert not waiting.done(), "no credit: a running request's token waits"
+        first = event("b", 7)
+        first.first = True
+        lane.put(3, [event("a", 3), first])
+        message = await asyncio.wait_for(waiting, 1)
+        assert [(e.request_id, [t.token_id for t in e.tokens]) for e in message.events] == [
+            ("a", [2, 3]), ("b", [7])], "the new request's first token and what waited, in order"
+        assert lane.unacknowledged == 2 and not lane.credit.is_set()
+        waiting = asyncio.ensure_future(lane.take())
+        lane.put(4, [event("b", 8)])
+        await asyncio.sleep(0)
+        assert not waiting.done(), "past the window once: later tokens wait for credits again"
+        lane.acknowledge(1)
+        await asyncio.sleep(0)
+        assert not waiting.done(), "one message still unacknowledged of a window of 1"
+        lane.acknowledge(1)
+        assert [e.tokens[0].token_id for e in (await asyncio.wait_for(waiting, 1)).events] == [8]
+
+    asyncio.run(main())
+
+
 def test_without_a_window_every_waiting_message_is_handed_over():
     async def main():
         lane = ResultLane(max_backlog_steps=10)

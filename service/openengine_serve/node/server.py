@@ -51,7 +51,8 @@ class ResultLane:
 
     With a `window` (the frontend's credits, `Lane`), at most that many messages are handed to gRPC and not
     yet acknowledged by the frontend: the backlog stays here, where it folds, instead of in the transport's
-    flow-control window, where every step stays its own message the frontend must read in turn."""
+    flow-control window, where every step stays its own message the frontend must read in turn. A step with
+    an output's first token goes out at once, past the window (the waiting message with it)."""
 
     __slots__ = ("max_backlog_steps", "step", "events", "backlog_steps", "ready", "idle", "_folding", "first_events",
                  "window", "unacknowledged", "credit")
@@ -84,6 +85,10 @@ class ResultLane:
         else:
             self.events.extend(events)
         self.backlog_steps += 1
+        if not self.credit.is_set() and any(event.first for event in events):
+            # A request's first token does not wait for the frontend's credits: it is the request's TTFT, and
+            # the wait is up to the frontend's credit pacing. One message past the window per such step.
+            self.credit.set()
         self.ready.set()
         self.idle.clear()
         if self.backlog_steps <= self.max_backlog_steps:

@@ -395,7 +395,7 @@ class TokenRecord(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., has_logprob: _Optional[bool] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[LogProbEntry, _Mapping]]] = ...) -> None: ...
 
 class OutputEvent(_message.Message):
-    __slots__ = ("request_id", "output_index", "tokens", "finish", "finish_token_id", "message", "retryable", "prompt_tokens", "lane")
+    __slots__ = ("request_id", "output_index", "tokens", "finish", "finish_token_id", "message", "retryable", "prompt_tokens", "lane", "first")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,7 @@ class OutputEvent(_message.Message):
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_index: int
     tokens: _containers.RepeatedCompositeFieldContainer[TokenRecord]
@@ -414,7 +415,8 @@ class OutputEvent(_message.Message):
     retryable: bool
     prompt_tokens: _containers.RepeatedCompositeFieldContainer[TokenRecord]
     lane: str
-    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., finish: _Optional[_Union[EngineFinish, str]] = ..., finish_token_id: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., prompt_tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., lane: _Optional[str] = ...) -> None: ...
+    first: bool
+    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., finish: _Optional[_Union[EngineFinish, str]] = ..., finish_token_id: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., prompt_tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., lane: _Optional[str] = ..., first: _Optional[bool] = ...) -> None: ...
 
 class StepResults(_message.Message):
     __slots__ = ("step", "events")

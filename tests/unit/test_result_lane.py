@@ -103,7 +103,17 @@ def test_with_a_window_unacknowledged_messages_hold_the_next_and_steps_fold_mean
     asyncio.run(main())
 
 
-def test_a_first_token_goes_out_past_the_window_with_what_waits():
+def first(request_id: str, token: int) -> cluster_pb2.OutputEvent:
+    first_event = event(request_id, token)
+    first_event.first = True
+    return first_event
+
+
+def tokens(message: cluster_pb2.StepResults) -> list[tuple[str, list[int]]]:
+    return [(e.request_id, [t.token_id for t in e.tokens]) for e in message.events]
+
+
+def test_first_tokens_go_out_alone_past_the_window_while_the_rest_folds():
     async def main():
         lane = ResultLane(max_backlog_steps=10, window=1)
         lane.put(1, [event("a", 1)])
@@ -112,22 +122,38 @@ def test_a_first_token_goes_out_past_the_window_with_what_waits():
         lane.put(2, [event("a", 2)])
         await asyncio.sleep(0)
         assert not waiting.done(), "no credit: a running request's token waits"
-        first = event("b", 7)
-        first.first = True
-        lane.put(3, [event("a", 3), first])
-        message = await asyncio.wait_for(waiting, 1)
-        assert [(e.request_id, [t.token_id for t in e.tokens]) for e in message.events] == [
-            ("a", [2, 3]), ("b", [7])], "the new request's first token and what waited, in order"
-        assert lane.unacknowledged == 2 and not lane.credit.is_set()
+        lane.put(3, [event("a", 3), first("b", 7)])
+        assert tokens(await asyncio.wait_for(waiting, 1)) == [("b", [7])], "the new request's first token, alone"
+        assert lane.unacknowledged == 2 and not lane.idle.is_set()
         waiting = asyncio.ensure_future(lane.take())
-        lane.put(4, [event("b", 8)])
+        lane.put(4, [event("b", 8), first("c", 5)])
         await asyncio.sleep(0)
-        assert not waiting.done(), "past the window once: later tokens wait for credits again"
+        assert not waiting.done(), "one message past the window at a time: c's first token waits too"
         lane.acknowledge(1)
+        assert tokens(await asyncio.wait_for(waiting, 1)) == [("c", [5])], "the slot past the window is free again"
+        waiting = asyncio.ensure_future(lane.take())
         await asyncio.sleep(0)
-        assert not waiting.done(), "one message still unacknowledged of a window of 1"
-        lane.acknowledge(1)
-        assert [e.tokens[0].token_id for e in (await asyncio.wait_for(waiting, 1)).events] == [8]
+        assert not waiting.done()
+        lane.acknowledge(2)
+        assert tokens(await asyncio.wait_for(waiting, 1)) == [("a", [2, 3]), ("b", [8])], \
+            "the running streams' tokens folded meanwhile, in order"
+        lane.taken()
+        assert lane.idle.is_set()
+
+    asyncio.run(main())
+
+
+def test_first_tokens_held_join_the_next_message_when_credit_comes_first():
+    async def main():
+        lane = ResultLane(max_backlog_steps=10, window=1)
+        lane.put(1, [event("a", 1)])
+        await lane.take()
+        lane.put(2, [first("b", 7)])  # the slot past the window is free: b's first token can go alone
+        assert tokens(await lane.take()) == [("b", [7])]
+        lane.put(3, [first("c", 5), event("a", 2)])  # no slot: c waits beside a's folded token
+        assert not lane.credit.is_set()
+        lane.acknowledge(2)
+        assert tokens(await asyncio.wait_for(lane.take(), 1)) == [("c", [5]), ("a", [2])]
 
     asyncio.run(main())
 
@@ -138,6 +164,9 @@ def test_without_a_window_every_waiting_message_is_handed_over():
         for step in range(1, 4):
             lane.put(step, [event("a", step)])
             assert (await lane.take()).events[0].tokens[0].token_id == step
-        assert lane.unacknowledged == 0
+        lane.put(4, [first("b", 1)])
+        assert tokens(await asyncio.wait_for(lane.take(), 1)) == [("b", [1])]
+        lane.acknowledge(1)  # a Lane opened with window 0 acknowledges too: never a limit
+        assert lane.unacknowledged == 0 and lane.credit.is_set()
 
     asyncio.run(main())

@@ -51,18 +51,25 @@ class ResultLane:
 
     With a `window` (the frontend's credits, `Lane`), at most that many messages are handed to gRPC and not
     yet acknowledged by the frontend: the backlog stays here, where it folds, instead of in the transport's
-    flow-control window, where every step stays its own message the frontend must read in turn. A step with
-    an output's first token goes out at once, past the window (the waiting message with it)."""
+    flow-control window, where every step stays its own message the frontend must read in turn.
+
+    An output's first token does not wait for credits: it is its request's TTFT, and with the frontend's credit
+    pacing the wait could be tens of ms. With no credit left, first tokens go out alone in one message past the
+    window (one such message at a time), while the running streams' tokens keep folding: a frontend that is
+    behind still gets them in few messages."""
 
     __slots__ = ("max_backlog_steps", "step", "events", "backlog_steps", "ready", "idle", "_folding", "first_events",
-                 "window", "unacknowledged", "credit")
+                 "window", "unacknowledged", "credit", "first_tokens")
 
     def __init__(self, max_backlog_steps: int, window: int = 0) -> None:
         self.max_backlog_steps = max_backlog_steps
         self.window = window  # 0: no credits (Results), gRPC's flow control alone
         self.unacknowledged = 0  # messages handed to gRPC the frontend has not acknowledged
-        self.credit = asyncio.Event()  # set: unacknowledged < window (or no window)
+        # set: take() may send: unacknowledged < window (or no window), or first tokens wait and no message is
+        # out past the window
+        self.credit = asyncio.Event()
         self.credit.set()
+        self.first_tokens: list[cluster_pb2.OutputEvent] = []  # first-token events held while no credit was left
         self.step = 0
         self.events: list[cluster_pb2.OutputEvent] = []
         self.backlog_steps = 0  # steps merged into the waiting message
@@ -77,6 +84,13 @@ class ResultLane:
 
     def put(self, step: int, events: list[cluster_pb2.OutputEvent]) -> list[str]:
         self.step = step
+        if self.window and self.unacknowledged >= self.window and any(event.first for event in events):
+            self.first_tokens.extend(event for event in events if event.first)
+            events = [event for event in events if not event.first]
+            self.idle.clear()
+            self._update_credit()
+            if not events:
+                return []
         if self.backlog_steps == 1:  # the first step behind: index the waiting message's own events
             waiting, self.events = self.events, []
             self._fold(waiting)
@@ -85,10 +99,6 @@ class ResultLane:
         else:
             self.events.extend(events)
         self.backlog_steps += 1
-        if not self.credit.is_set() and any(event.first for event in events):
-            # A request's first token does not wait for the frontend's credits: it is the request's TTFT, and
-            # the wait is up to the frontend's credit pacing. One message past the window per such step.
-            self.credit.set()
         self.ready.set()
         self.idle.clear()
         if self.backlog_steps <= self.max_backlog_steps:
@@ -118,27 +128,37 @@ class ResultLane:
 
     async def take(self) -> cluster_pb2.StepResults:
         await self.credit.wait()
-        await self.ready.wait()
+        first_tokens, self.first_tokens = self.first_tokens, []
+        if self.window and self.unacknowledged >= self.window:  # past the window: the first tokens alone
+            message = cluster_pb2.StepResults(step=self.step, events=first_tokens)
+        else:
+            if not first_tokens:
+                await self.ready.wait()
+            message = cluster_pb2.StepResults(step=self.step, events=first_tokens + self.events)
+            self.events = []
+            self._folding.clear()
+            self.backlog_steps = 0
+            self.ready.clear()
         if self.window:
             self.unacknowledged += 1
-            if self.unacknowledged >= self.window:
-                self.credit.clear()
-        message = cluster_pb2.StepResults(step=self.step, events=self.events)
-        self.events = []
-        self._folding.clear()
-        self.backlog_steps = 0
-        self.ready.clear()
+            self._update_credit()
         return message
 
     def taken(self) -> None:
-        if not self.ready.is_set():
+        if not self.ready.is_set() and not self.first_tokens:
             self.idle.set()
 
     def acknowledge(self, handled: int) -> None:
         """The frontend handled `handled` more of the messages it was sent."""
         self.unacknowledged = max(0, self.unacknowledged - handled)
-        if self.unacknowledged < self.window:
+        self._update_credit()
+
+    def _update_credit(self) -> None:
+        if (not self.window or self.unacknowledged < self.window
+                or (self.first_tokens and self.unacknowledged == self.window)):
             self.credit.set()
+        else:
+            self.credit.clear()
 
 
 def _log_first_events(first_events: list[tuple[str, float, float]], built_at: float, events: int) -> None:

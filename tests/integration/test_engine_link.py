@@ -171,7 +171,7 @@ async def test_engine_full_counts_running_and_queued_sequences(engine):
         with pytest.raises(EngineFull):
             link.submit(long_request("full-d"))
         await log.until(lambda: log.steps[-1].running == 3 and log.steps[-1].queued == 3)
-        for request_id in ("full-a", "full-b", "full-c"):
+        for request_id in ("full-c", "full-b", "full-a"):  # the queued first: none is admitted by a's cancel
             link.cancel(request_id)
         await log.until(lambda: not link.outstanding)
     assert link.load.running == 0

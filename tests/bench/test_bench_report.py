@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -181,6 +182,20 @@ def test_render_has_one_section_per_placement_and_the_budget_rounds():
     assert "frontend quota (0.25 of 0.25 CPU, throttled in 95 % of periods); other cores 0.60 busy" in text
     assert "saturation-c32: 3 of 3 rounds frontend-limited in both windows" in text
     assert "frontend quota alone in 3 of 3 windows" in text
+
+
+def test_the_machine_line_says_what_a_wake_up_costs_when_it_was_measured():
+    def machine_line(meta):
+        return report.render(report.build_result(meta, _rounds(), {}, [32, 1])).splitlines()[2]
+
+    assert ", a thread wake-up costs 41.5 µs of CPU;" in machine_line({"rate": 40, "wake_up_cpu_us": 41.5})
+    assert "wake-up" not in machine_line({"rate": 40})  # a result from before the probe, re-rendered
+
+
+def test_the_wake_up_probe_measures_a_positive_cpu_time_per_sleep():
+    from openengine_bench.cli import wake_up_cpu_us
+
+    assert 0 < wake_up_cpu_us([min(os.sched_getaffinity(0))]) < 2000  # µs; 2 ms sleeps cannot cost more
 
 
 # ---------------------------------------------------------------- budgeted saturation: what limited a window

@@ -207,6 +207,8 @@ class Bench:
                  f"{', '.join(p.name for p in self.placements)}"
                  f"{budget}; "
                  f"output in {self.out}/")
+        self.wake_up_cpu_us = wake_up_cpu_us(self.frontend_cpus)  # before anything of the stack runs
+        self.log(f"a thread's sleep and wake-up costs {self.wake_up_cpu_us:.0f} µs of CPU on the frontend's CPU")
         self.pool = LoadPool(self.client_procs, self.other_cpus)
         self.stack = Stack(self.out, self.frontend_cpus, self.other_cpus, step_ms=self.args.step_ms,
                            max_batch=self.args.max_batch, max_queue=self.args.max_queue,
@@ -498,7 +500,7 @@ class Bench:
             "duration_s": round(duration_s, 1), "nproc": os.cpu_count(), "cpu_model": _cpu_model(),
             "python": platform.python_version(), "platform": platform.platform(),
             "grpcio": version("grpcio"), "pygrpc_native": version("pygrpc-native"), "protobuf": version("protobuf"),
-            "event_loop": event_loop_name(),
+            "event_loop": event_loop_name(), "wake_up_cpu_us": round(self.wake_up_cpu_us, 1),
             "frontend_cpus": self.frontend_cpus, "other_cpus": self.other_cpus, "client_procs": self.client_procs,
             "servers": self.servers, "connections": self.connections, "rate": self.args.rate,
             "placements": [p.name for p in self.placements], "quota_cpus": self.args.quota_cpus,
@@ -539,6 +541,30 @@ def _core_delta(before, after, cpu: int) -> dict[str, float]:
     if cpu not in before or cpu not in after:
         return {"tasks": 0.0, "irq": 0.0, "steal": 0.0, "idle": 0.0}
     return {k: after[cpu][k] - before[cpu][k] for k in after[cpu]}
+
+
+# A thread that sleeps 2 ms WAKE_UPS times, in a child process: the CPU time it used per sleep is what one wake-up
+# costs on this machine (a few µs on bare metal; tens to hundreds on some VMs, where the fixed load's CPU per
+# token then follows the number of wake-ups of the frontend's threads more than their work).
+WAKE_UPS = 500
+_WAKE_UP_PROBE = f"""
+import resource, time
+before = resource.getrusage(resource.RUSAGE_SELF)
+for _ in range({WAKE_UPS}):
+    time.sleep(0.002)
+after = resource.getrusage(resource.RUSAGE_SELF)
+print((after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / {WAKE_UPS} * 1e6)
+"""
+
+
+def wake_up_cpu_us(cpus: list[int]) -> float:
+    """CPU time (µs) of one sleep and wake-up of a thread on `cpus` (see _WAKE_UP_PROBE)."""
+    from .stack import format_cpus
+
+    command = [sys.executable, "-c", _WAKE_UP_PROBE]
+    if shutil.which("taskset"):
+        command = ["taskset", "-c", format_cpus(cpus), *command]
+    return float(subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout)
 
 
 def _cpu_model() -> str:

@@ -579,7 +579,9 @@ def render(result: Mapping[str, Any]) -> str:
     rounds = result["rounds"]
     parts = [f"# openengine-serve bench ({'quick' if result['meta'].get('quick') else 'full'} run)", ""]
     meta = result["meta"]
-    parts.append(f"machine: {meta.get('nproc')} cores, {meta.get('cpu_model')}, Python {meta.get('python')}; "
+    wake_up = meta.get("wake_up_cpu_us")
+    parts.append(f"machine: {meta.get('nproc')} cores, {meta.get('cpu_model')}, Python {meta.get('python')}"
+                 f"{'' if wake_up is None else f', a thread wake-up costs {wake_up:g} µs of CPU'}; "
                  f"frontend CPUs {meta.get('frontend_cpus')} (when pinned), everything else on "
                  f"{meta.get('other_cpus')}; quota {meta.get('quota_cpus', '–')} CPU, budget "
                  f"{meta.get('budget_cpus', '–')} CPU with {meta.get('budget_inflight') or meta.get('inflight')} "

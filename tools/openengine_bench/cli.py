@@ -310,13 +310,11 @@ class Bench:
             self.stack.stop_frontend()
 
     def _py_spy(self, pid: int, seconds: float, fmt: str, path: Path) -> None:
-        from .stack import format_cpus
+        from .stack import pinned
 
         exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        command = [exe, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "100", "-f", fmt,
-                   "-o", str(path)]
-        if shutil.which("taskset"):
-            command = ["taskset", "-c", format_cpus(self.other_cpus), *command]
+        command = pinned([exe, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "100", "-f", fmt,
+                          "-o", str(path)], self.other_cpus)
         done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
         if done.returncode != 0:
             raise RuntimeError(f"py-spy failed ({done.returncode}): {done.stderr.strip()[-500:]}")
@@ -559,11 +557,9 @@ print((after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / {W
 
 def wake_up_cpu_us(cpus: list[int]) -> float:
     """CPU time (µs) of one sleep and wake-up of a thread on `cpus` (see _WAKE_UP_PROBE)."""
-    from .stack import format_cpus
+    from .stack import pinned
 
-    command = [sys.executable, "-c", _WAKE_UP_PROBE]
-    if shutil.which("taskset"):
-        command = ["taskset", "-c", format_cpus(cpus), *command]
+    command = pinned([sys.executable, "-c", _WAKE_UP_PROBE], cpus)
     return float(subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout)
 
 

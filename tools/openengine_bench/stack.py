@@ -58,6 +58,14 @@ def format_cpus(cpus: Iterable[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
 
+def pinned(command: list[str], cpus: Iterable[int]) -> list[str]:
+    """`command` run on `cpus` (when taskset is there). taskset execs the command: the pid stays the command's,
+    and every thread inherits the mask."""
+    if shutil.which("taskset"):
+        return ["taskset", "-c", format_cpus(cpus), *command]
+    return command
+
+
 def split_cpus(frontend_spec: str) -> tuple[list[int], list[int]]:
     """(frontend CPUs, other CPUs) within this process's allowed CPUs. With one CPU both share it."""
     allowed = sorted(os.sched_getaffinity(0))
@@ -248,10 +256,7 @@ class Process:
 
     def start(self) -> "Process":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = list(self.command)
-        if shutil.which("taskset"):
-            # taskset execs the command: the pid stays the component's, and every thread inherits the mask.
-            command = ["taskset", "-c", format_cpus(self.cpus), *command]
+        command = pinned(list(self.command), self.cpus)
         env = {**os.environ, **self.env}
         # mpiexec lives next to the interpreter in a venv; MPI Spawn looks it up on PATH.
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])

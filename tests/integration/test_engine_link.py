@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.engine import model
+from openengine_serve.engine.simulated import model
 from openengine_serve.node.engine_link import EngineFull, EngineLink, EngineUnavailable
 
 from .processes import alive, descendants

@@ -1,12 +1,13 @@
-"""The engine's batching arithmetic and step encoding, without MPI or sockets (engine/batch.py)."""
+"""The engine's batching arithmetic and step encoding, without MPI or sockets (engine/simulated/batch.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.engine.batch import Batch, encode_token_fields
+from openengine_serve.engine.simulated.batch import Batch, encode_token_fields
 from openengine_serve.engine.config import WorkerConfig
+from openengine_serve.engine.interface import step_message
 
 PROMPT = [9707, 11, 1879]
 
@@ -31,7 +32,7 @@ def step(batch: Batch, number: int = 1) -> cluster_pb2.EngineStep:
     events: list[bytes] = []
     batch.admit()
     running_tokens = batch.generate(events)
-    return cluster_pb2.EngineStep.FromString(batch.step_message(number, events, running_tokens, 0.001, [11]))
+    return cluster_pb2.EngineStep.FromString(step_message(number, events, batch.load(running_tokens), 0.001, [11]))
 
 
 def test_admission_counts_sequences_and_takes_whole_requests_by_priority(token_fields):
@@ -144,7 +145,7 @@ def test_step_bytes_equal_protobuf_serialization(token_fields):
         events: list[bytes] = []
         batch.admit()
         running_tokens = batch.generate(events)
-        hand = batch.step_message(number, events, running_tokens, 0.002, [11, 12])
+        hand = step_message(number, events, batch.load(running_tokens), 0.002, [11, 12])
         parsed = cluster_pb2.EngineStep.FromString(hand)
         assert len(parsed.events) == 3 and all(len(event.tokens) == 1 for event in parsed.events)
         assert [event.first for event in parsed.events] == [number == 1] * 3, "each output's first token says so"
@@ -160,7 +161,8 @@ def test_step_bytes_equal_protobuf_serialization(token_fields):
 
 def test_idle_heartbeat_is_an_empty_step(token_fields):
     batch = make_batch(token_fields)
-    assert batch.step_message(7, [], 0, 0.0, [11]) == cluster_pb2.EngineStep(step=7, worker_pids=[11]).SerializeToString()
+    assert step_message(7, [], batch.load(0), 0.0, [11]) == cluster_pb2.EngineStep(
+        step=7, worker_pids=[11]).SerializeToString()
 
 
 def test_worker_config_round_trips_and_rejects_bad_values():

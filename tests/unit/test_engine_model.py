@@ -6,7 +6,7 @@ import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.vocab import BPE_RANKS, EOS_TOKEN_ID, load_encoding
-from openengine_serve.engine import model
+from openengine_serve.engine.simulated import model
 
 FINISH = cluster_pb2
 

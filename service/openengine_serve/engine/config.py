@@ -20,13 +20,23 @@ class WorkerConfig:
     command_address: str  # ZMQ address the node binds for EngineCommand (the worker PULLs)
     step_address: str  # ZMQ address the node binds for EngineStep (the worker PUSHes)
     max_batch: int  # most sequences (outputs) running at once
-    step_ms: float = 2.0  # step period in milliseconds
-    ranks: int = 1  # MPI processes of the worker (they step together)
+    engine: str = "simulated"  # "simulated" or "llama.cpp" (engine/interface.py: create_engine)
+    step_ms: float = 2.0  # simulated: step period in milliseconds
+    ranks: int = 1  # simulated: MPI processes of the worker (they step together)
+    model_path: str = ""  # llama.cpp: the GGUF file
+    context_size: int = 16384  # llama.cpp: KV cache cells shared by every sequence
+    prefill_chunk: int = 256  # llama.cpp: prompt tokens per step, over every admitted prompt
+    threads: int = 1  # llama.cpp: CPU threads of the decode
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1 or self.ranks < 1 or self.step_ms <= 0:
-            raise ValueError(f"invalid engine worker config: need max_batch >= 1, ranks >= 1 and step_ms > 0, "
-                             f"got {self}")
+        if (self.max_batch < 1 or self.ranks < 1 or self.step_ms <= 0 or self.context_size < 1
+                or self.prefill_chunk < 1 or self.threads < 1):
+            raise ValueError(f"invalid engine worker config: need max_batch >= 1, ranks >= 1, step_ms > 0, "
+                             f"context_size >= 1, prefill_chunk >= 1 and threads >= 1, got {self}")
+        if self.engine not in ("simulated", "llama.cpp"):
+            raise ValueError(f"invalid engine worker config: engine must be simulated or llama.cpp, got {self.engine!r}")
+        if self.engine == "llama.cpp" and (self.ranks != 1 or not self.model_path):
+            raise ValueError(f"invalid engine worker config: llama.cpp runs in one rank and needs model_path, got {self}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

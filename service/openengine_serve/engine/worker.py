@@ -1,17 +1,18 @@
-"""The simulated engine worker: a continuous-batching loop over the simulated model.
+"""The engine worker: a continuous-batching loop over one engine (engine/interface.py).
 
     python -m openengine_serve.engine.worker
 
 Started only by `openengine_serve.engine.launcher` through MPI Spawn; its
 WorkerConfig (engine/config.py) arrives broadcast over the parent intercommunicator.
 
-Rank 0 owns the sockets and the batch (engine/batch.py). Every step it drains
-the commands, admits queued requests while the batch has room, gives every
-running output one token (paused requests none) and sends one EngineStep with
-all of the step's events. When idle (nothing queued, every admitted request
-paused or none) it waits up to 100 ms for a command and sends an empty
-EngineStep as a heartbeat. Other ranks follow rank 0's per-step plan, so all
-ranks step together (simulated tensor parallelism).
+Rank 0 owns the sockets and the engine (llama.cpp or simulated). It loads the
+model first: its first EngineStep tells the node the worker is ready. Every
+step it drains the commands, lets the engine admit what fits and step, and
+sends one EngineStep with all of the step's events. When idle (nothing queued,
+every admitted request paused or none) it waits up to 100 ms for a command and
+sends an empty EngineStep as a heartbeat. Other ranks (the simulated engine
+only) follow rank 0's per-step plan, so all ranks step together (simulated
+tensor parallelism).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import zmq
 from mpi4py import MPI
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.engine import model
-from openengine_serve.engine.batch import Batch
 from openengine_serve.engine.config import WorkerConfig
+from openengine_serve.engine.interface import Engine, create_engine, step_message
 from openengine_serve.engine.launcher import WORKER_PIDS_TAG, WORKERS_DONE_TAG
 
 _IDLE_WAIT_MS = 100
@@ -40,11 +40,12 @@ _PLAN_STEP, _PLAN_BATCH, _PLAN_SHUTDOWN = range(3)
 
 
 class _Scheduler:
-    """Rank 0: the command socket, the step socket, and the steps of its batch."""
+    """Rank 0: the command socket, the step socket, and the steps of its engine."""
 
-    def __init__(self, config: WorkerConfig, world: MPI.Intracomm, worker_pids: list[int]) -> None:
+    def __init__(self, engine: Engine, config: WorkerConfig, world: MPI.Intracomm, worker_pids: list[int]) -> None:
         self._world = world
-        self._step_s = config.step_ms / 1000.0
+        self._engine = engine
+        self._step_s = engine.step_period_s
         self._worker_pids = worker_pids
         self._zmq = zmq.Context()
         self._commands = self._zmq.socket(zmq.PULL)
@@ -53,21 +54,19 @@ class _Scheduler:
         self._steps.connect(config.step_address)
         self._poller = zmq.Poller()
         self._poller.register(self._commands, zmq.POLLIN)
-        self._batch = Batch(config.max_batch)
         self._step = 0
         self._plan = array.array("q", [0, 0, 0])
         self._shutdown = False
 
     def run(self) -> None:
         while not self._shutdown:
-            if self._batch.idle:
-                if not self._poller.poll(_IDLE_WAIT_MS):
-                    self._broadcast_plan()
-                    self._steps.send(self._batch.step_message(self._step, [], self._batch.paused_tokens, 0.0,
-                                                              self._worker_pids))
-                    continue
+            if self._engine.idle and not self._wait_for_command():
+                continue
             started = time.monotonic()
-            self._run_step(started)
+            if not self._run_step(started):
+                # queued work that cannot run yet (the batch holds paused requests): wait for a command
+                self._wait_for_command()
+                continue
             delay = started + self._step_s - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -76,24 +75,38 @@ class _Scheduler:
         self._steps.close(linger=0)
         self._zmq.term()
 
-    def _run_step(self, started: float) -> None:
+    def _wait_for_command(self) -> bool:
+        """Up to 100 ms for a command (True when one came); without one, an empty step as the heartbeat."""
+        if self._poller.poll(_IDLE_WAIT_MS):
+            return True
+        self._broadcast_plan()
+        self._steps.send(step_message(self._step, [], self._engine.load(), 0.0, self._worker_pids))
+        return False
+
+    def _run_step(self, started: float) -> bool:
+        """One step: False when the engine had nothing it could run (then no step is sent, unless a command
+        produced events)."""
         events: list[bytes] = []
         self._drain_commands(events)
         if self._shutdown:
-            return
-        self._batch.admit()
+            return True
         self._step += 1
         self._broadcast_plan()
-        running_tokens = self._batch.generate(events)
-        self._steps.send(self._batch.step_message(self._step, events, running_tokens,
-                                                  time.monotonic() - started, self._worker_pids))
+        stepped = self._engine.step(events)
+        if stepped or events:
+            self._steps.send(step_message(self._step, events, self._engine.load(), time.monotonic() - started,
+                                          self._worker_pids))
+        else:
+            self._step -= 1  # nothing sent: step numbers stay consecutive (only the simulated engine has followers,
+            # and it always steps)
+        return stepped
 
     def _broadcast_plan(self) -> None:
         if self._world.size == 1:
             return
         plan = self._plan
         plan[_PLAN_STEP] = self._step
-        plan[_PLAN_BATCH] = self._batch.running_sequences
+        plan[_PLAN_BATCH] = self._engine.load().running
         plan[_PLAN_SHUTDOWN] = self._shutdown
         self._world.Ibcast(plan, root=0).Wait()
 
@@ -105,11 +118,11 @@ class _Scheduler:
                 return
             kind = command.WhichOneof("command")
             if kind == "add":
-                self._batch.enqueue(command.add)
+                self._engine.enqueue(command.add)
             elif kind == "cancel":
-                self._batch.cancel(command.cancel, events)
+                self._engine.cancel(command.cancel, events)
             elif kind == "pause":
-                self._batch.pause(command.pause)
+                self._engine.pause(command.pause)
             elif kind == "shutdown":
                 self._shutdown = True
                 return
@@ -137,8 +150,11 @@ def main() -> None:
     worker_pids = world.gather(os.getpid(), root=0)
     if world.rank == 0:
         parent.send(worker_pids, dest=0, tag=WORKER_PIDS_TAG)
-        model.warm_up()
-        _Scheduler(config, world, worker_pids).run()
+        engine = create_engine(config)  # loads the model: the node is not ready before the first step
+        try:
+            _Scheduler(engine, config, world, worker_pids).run()
+        finally:
+            engine.close()
         parent.send(None, dest=0, tag=WORKERS_DONE_TAG)
     else:
         _follow(world)

@@ -65,18 +65,40 @@ class NodeLoad(_message.Message):
     def __init__(self, running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., decode_batch_size: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_queued_requests: _Optional[int] = ...) -> None: ...
 
 class NodeEntry(_message.Message):
-    __slots__ = ("node_id", "address", "rank", "state", "load")
+    __slots__ = ("node_id", "address", "rank", "state", "load", "model")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     rank: int
     state: NodeState
     load: NodeLoad
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ...) -> None: ...
+    model: ModelCard
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., model: _Optional[_Union[ModelCard, _Mapping]] = ...) -> None: ...
+
+class ModelCard(_message.Message):
+    __slots__ = ("name", "aliases", "engine", "context_length", "max_output_tokens", "tokenizer", "tokenizer_digest", "tokenizer_data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    engine: str
+    context_length: int
+    max_output_tokens: int
+    tokenizer: str
+    tokenizer_digest: str
+    tokenizer_data: bytes
+    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., tokenizer_data: _Optional[bytes] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "auto_rank")
@@ -318,6 +340,10 @@ class GetNodeLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetModelRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Candidates(_message.Message):
     __slots__ = ("top_n", "token_ids", "all")
     TOP_N_FIELD_NUMBER: _ClassVar[int]
@@ -329,7 +355,7 @@ class Candidates(_message.Message):
     def __init__(self, top_n: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "temperature", "top_p", "top_k", "seed", "has_seed", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
+    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "temperature", "top_p", "top_k", "seed", "has_seed", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +370,10 @@ class EngineRequest(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -363,12 +393,16 @@ class EngineRequest(_message.Message):
     top_k: int
     seed: int
     has_seed: bool
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
     output_logprobs: bool
     output_candidates: Candidates
     prompt_logprobs: bool
     prompt_candidates: Candidates
     prompt_logprob_start: int
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
 
 class LogProbEntry(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")

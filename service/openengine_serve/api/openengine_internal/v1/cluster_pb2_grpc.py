@@ -503,6 +503,11 @@ class NodeStub:
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.GetNodeLoadRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.NodeEntry.FromString,
                 _registered_method=True)
+        self.GetModel = channel.unary_unary(
+                '/openengine_internal.v1.Node/GetModel',
+                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ModelCard.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -560,6 +565,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModel(self, request, context):
+        """The model this node serves, with its tokenizer (a frontend asks once per tokenizer_digest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -592,6 +604,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.GetNodeLoad,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.GetNodeLoadRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.NodeEntry.SerializeToString,
+            ),
+            'GetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.GetModelRequest.FromString,
+                    response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ModelCard.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -758,6 +775,33 @@ class Node:
             '/openengine_internal.v1.Node/GetNodeLoad',
             openengine__internal_dot_v1_dot_cluster__pb2.GetNodeLoadRequest.SerializeToString,
             openengine__internal_dot_v1_dot_cluster__pb2.NodeEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/openengine_internal.v1.Node/GetModel',
+            openengine__internal_dot_v1_dot_cluster__pb2.GetModelRequest.SerializeToString,
+            openengine__internal_dot_v1_dot_cluster__pb2.ModelCard.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
-"""Rank 0's queue and running batch: admission, cancellation, pausing, one token per output per step.
+"""The simulated engine: its queue and running batch (admission, cancellation, pausing, one token per output
+per step) behind the engine interface (engine/interface.py).
 
 No sockets and no MPI (the worker, engine/worker.py, owns those), so the
 batching arithmetic is tested on its own. `running` and `queued` count
@@ -21,17 +22,14 @@ import itertools
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.protowire import field_tag, length_delimited, varint
 from openengine_serve.common.vocab import VOCAB_SIZE
-from openengine_serve.engine import model
+from openengine_serve.engine.config import WorkerConfig
+from openengine_serve.engine.interface import Engine, EngineLoad, event_field
+from openengine_serve.engine.simulated import model
 
 _FINISH_WITH_TOKEN = (cluster_pb2.ENGINE_FINISH_EOS, cluster_pb2.ENGINE_FINISH_STOP_TOKEN)
 
-_EVENTS_TAG = field_tag(cluster_pb2.EngineStep, "events")
 _TOKENS_TAG = field_tag(cluster_pb2.OutputEvent, "tokens")
 _TOKEN_ID_TAG = field_tag(cluster_pb2.TokenRecord, "token_id")
-
-
-def _event_field(event_payload: bytes) -> bytes:
-    return length_delimited(_EVENTS_TAG, event_payload)
 
 
 def encode_token_fields() -> tuple[bytes, ...]:
@@ -187,7 +185,7 @@ class Batch:
                         self.running_sequences -= 1
                         continue
                 else:
-                    append(_event_field(heads[sequence.output_index] + token_fields[token_id] + tail))
+                    append(event_field(heads[sequence.output_index] + token_fields[token_id] + tail))
                 running_tokens += sequence.position
             running_tokens += state.prompt_length * len(state.outputs)
             if not state.outputs:
@@ -196,14 +194,9 @@ class Batch:
             del self._running[request_id]
         return running_tokens
 
-    def step_message(self, step: int, events: list[bytes], running_tokens: int, step_seconds: float,
-                     worker_pids: list[int]) -> bytes:
-        """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..9)."""
-        load = cluster_pb2.EngineStep(
-            running=self.running_sequences, queued=self.queued_sequences, running_tokens=running_tokens,
-            waiting_tokens=self.waiting_tokens, step_seconds=step_seconds, worker_pids=worker_pids,
-        ).SerializeToString()
-        return cluster_pb2.EngineStep(step=step).SerializeToString() + b"".join(events) + load
+    def load(self, running_tokens: int) -> EngineLoad:
+        """The load figures after a step that left `running_tokens` (Batch.generate's result)."""
+        return EngineLoad(self.running_sequences, self.queued_sequences, running_tokens, self.waiting_tokens)
 
     @staticmethod
     def _event(state: model.RequestState, output_index: int, finish: int,
@@ -218,9 +211,41 @@ class Batch:
         prompt_records = state.take_prompt_records(output_index)
         if prompt_records:
             event.prompt_tokens.extend(prompt_records)
-        return _event_field(event.SerializeToString())
+        return event_field(event.SerializeToString())
 
 
 def _tokens_of(state: model.RequestState) -> int:
     """The tokens a request holds in the batch: its prompt and what it generated, per open output."""
     return sum(state.prompt_length + sequence.position for sequence in state.outputs.values())
+
+
+class SimulatedEngine(Engine):
+    """The engine interface over one Batch: a step every `step_ms`, one token per running output."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        model.warm_up()
+        self.step_period_s = config.step_ms / 1000.0
+        self._batch = Batch(config.max_batch)
+        self._running_tokens = 0
+
+    @property
+    def idle(self) -> bool:
+        return self._batch.idle
+
+    def enqueue(self, request: cluster_pb2.EngineRequest) -> None:
+        self._batch.enqueue(request)
+
+    def cancel(self, cancel: cluster_pb2.CancelRequest, events: list[bytes]) -> None:
+        self._batch.cancel(cancel, events)
+
+    def pause(self, pause: cluster_pb2.PauseRequest) -> None:
+        self._batch.pause(pause)
+
+    def step(self, events: list[bytes]) -> bool:
+        self._batch.admit()
+        self._running_tokens = self._batch.generate(events)
+        return True
+
+    def load(self) -> EngineLoad:
+        # While idle the batch holds only paused requests: their tokens.
+        return self._batch.load(self._batch.paused_tokens if self._batch.idle else self._running_tokens)

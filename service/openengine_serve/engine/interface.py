@@ -1,0 +1,95 @@
+"""The one interface every engine implements, and the step message the worker sends for all of them.
+
+The worker loop (engine/worker.py) owns the sockets and the pacing; an engine
+owns its queue, its batch and its model:
+
+- created from the WorkerConfig (`create_engine`): loads the model;
+- `enqueue`: a new request waits for admission;
+- `step`: admits what fits (batch slots, KV cache), runs one step (prompt
+  chunks and one token for every running output) and appends the step's
+  OutputEvents; finished outputs free their slot and KV cache;
+- `cancel`, `pause`: a request (or one output) ends CANCELLED, or is paused
+  (it keeps its slot and KV cache but gets no tokens) and resumed;
+- `load`: the running and queued sequences and tokens the node reports.
+
+Events are appended already serialized as EngineStep's `events` field
+(`event_field`), so an engine may hand-encode the common shapes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.protowire import field_tag, length_delimited
+from openengine_serve.engine.config import WorkerConfig
+
+_EVENTS_TAG = field_tag(cluster_pb2.EngineStep, "events")
+
+
+class EngineLoad(NamedTuple):
+    running: int  # sequences admitted (paused ones included)
+    queued: int  # sequences waiting for admission
+    running_tokens: int  # tokens the admitted sequences hold (prompt and output)
+    waiting_tokens: int  # prompt tokens of the queued sequences
+
+
+class Engine(ABC):
+    # The least time between two steps (the simulated engine's step); 0: step as fast as the model runs.
+    step_period_s: float = 0.0
+
+    @property
+    @abstractmethod
+    def idle(self) -> bool:
+        """Nothing to step: no request queued, and every admitted one (if any) paused."""
+
+    @abstractmethod
+    def enqueue(self, request: cluster_pb2.EngineRequest) -> None:
+        """A new request; it is admitted by a later `step` when it fits."""
+
+    @abstractmethod
+    def cancel(self, cancel: cluster_pb2.CancelRequest, events: list[bytes]) -> None:
+        """Finishes the request (or one output) CANCELLED, appending the events; unknown ids are ignored."""
+
+    @abstractmethod
+    def pause(self, pause: cluster_pb2.PauseRequest) -> None:
+        """Pauses or resumes an admitted request; others are left as they are."""
+
+    @abstractmethod
+    def step(self, events: list[bytes]) -> bool:
+        """Admits what fits and runs one step, appending its events; False when there was nothing to run."""
+
+    @abstractmethod
+    def load(self) -> EngineLoad:
+        """The figures of the last step."""
+
+    def close(self) -> None:
+        """Frees the model (the process is about to exit)."""
+
+
+def create_engine(config: WorkerConfig) -> Engine:
+    """The engine the config names, with its model loaded (the engines' modules are imported only here)."""
+    if config.engine == "llama.cpp":
+        from openengine_serve.engine.llamacpp.engine import LlamaEngine
+
+        return LlamaEngine(config)
+    from openengine_serve.engine.simulated.batch import SimulatedEngine
+
+    return SimulatedEngine(config)
+
+
+def event_field(event_payload: bytes) -> bytes:
+    """A serialized OutputEvent as EngineStep's `events` field."""
+    return length_delimited(_EVENTS_TAG, event_payload)
+
+
+def step_message(step: int, events: list[bytes], load: EngineLoad, step_seconds: float,
+                 worker_pids: list[int]) -> bytes:
+    """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..9), in field order,
+    so the bytes equal protobuf's own serialization of the same message."""
+    figures = cluster_pb2.EngineStep(
+        running=load.running, queued=load.queued, running_tokens=load.running_tokens,
+        waiting_tokens=load.waiting_tokens, step_seconds=step_seconds, worker_pids=worker_pids,
+    ).SerializeToString()
+    return cluster_pb2.EngineStep(step=step).SerializeToString() + b"".join(events) + figures

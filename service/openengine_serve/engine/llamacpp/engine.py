@@ -1,0 +1,415 @@
+"""The llama.cpp engine: continuous batching of a real GGUF model in one llama.cpp context.
+
+It works as llama.cpp's own server does with parallel slots, from Python, with
+Python's work per step and per sequence rather than per token of a prompt:
+
+- Every admitted output is a llama.cpp sequence (a `seq_id`) in one KV cache
+  shared by all of them (runtime.py).
+- Each step is one decode batch: one token for every running output, then
+  chunks of the admitted prompts up to `prefill_chunk` tokens (chunked
+  prefill: running streams keep getting a token every step while a long
+  prompt is read). Logits are computed only where a token is sampled, or, when
+  prompt logprobs were asked, for the prompt's tokens.
+- A request with several outputs reads its prompt once: when the prompt is in,
+  the other outputs share its KV cells and each samples its first token from
+  the same logits row.
+- Requests are admitted by priority, then in arrival order, while their outputs
+  fit in `max_batch` and their prompt fits in the free KV cells. When the
+  running outputs would outgrow the KV cache, the request admitted last is
+  preempted: its KV is freed and it goes back to the head of the queue, to
+  read its prompt and its output so far again (vLLM's recompute preemption);
+  nothing it already streamed is sent again.
+- A finished, cancelled or failed output frees its sequence's KV cells at once;
+  a paused request keeps them and gets no tokens until resumed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+
+import numpy as np
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.engine.config import WorkerConfig
+from openengine_serve.engine.interface import Engine, EngineLoad, event_field
+from openengine_serve.engine.llamacpp.runtime import LlamaError, LlamaModel, TokenBatch
+from openengine_serve.engine.llamacpp.sampling import OutputSampler, log_softmax, token_record
+
+logger = logging.getLogger("openengine_serve.engine")
+
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+
+FINISH_NONE = cluster_pb2.ENGINE_FINISH_NONE
+FINISH_EOS = cluster_pb2.ENGINE_FINISH_EOS
+FINISH_STOP_TOKEN = cluster_pb2.ENGINE_FINISH_STOP_TOKEN
+FINISH_LENGTH = cluster_pb2.ENGINE_FINISH_LENGTH
+FINISH_CANCELLED = cluster_pb2.ENGINE_FINISH_CANCELLED
+FINISH_ERROR = cluster_pb2.ENGINE_FINISH_ERROR
+
+
+class _Output:
+    """One output of a request: its tokens (prompt, then output) and how many of them are in the KV cache."""
+
+    __slots__ = ("index", "seq_id", "tokens", "cached", "shares_prompt", "generated", "sampler")
+
+    def __init__(self, index: int, prompt: list[int], sampler: OutputSampler) -> None:
+        self.index = index
+        self.seq_id = -1  # while admitted
+        self.tokens = list(prompt)
+        self.cached = 0
+        self.shares_prompt = False  # its first len(prompt) cells are the request's shared prompt cells
+        self.generated = 0
+        self.sampler = sampler
+
+
+class _Request:
+    """A request in the engine, queued or admitted."""
+
+    __slots__ = ("request", "request_id", "lane", "prompt", "outputs", "order", "paused", "forked",
+                 "prompt_cells", "prompt_records", "prompt_records_sent")
+
+    def __init__(self, request: cluster_pb2.EngineRequest, order: tuple[int, int], vocab_size: int,
+                 end_of_generation: np.ndarray) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.lane = request.frontend_id
+        self.prompt = list(request.prompt_token_ids)
+        self.outputs = {index: _Output(index, self.prompt, OutputSampler(request, index, vocab_size,
+                                                                         end_of_generation))
+                        for index in range(max(1, request.num_sequences))}
+        self.order = order  # (-priority, arrival): the queue's order, kept when preempted
+        self.paused = False
+        self.forked = False  # the outputs beyond the first have taken the prompt's KV cells
+        self.prompt_cells = 0  # KV cells of the prompt shared by the forked outputs
+        self.prompt_records: list[cluster_pb2.TokenRecord] | None = [] if request.prompt_logprobs else None
+        self.prompt_records_sent = False
+
+    @property
+    def leader(self) -> _Output:
+        """Before the fork, the output that reads the prompt."""
+        return self.outputs[min(self.outputs)]
+
+    def cells(self) -> int:
+        """KV cells it holds: the shared prompt once, then each output's own."""
+        return self.prompt_cells + sum(o.cached - (self.prompt_cells if o.shares_prompt else 0)
+                                       for o in self.outputs.values())
+
+    def close(self) -> None:
+        for output in self.outputs.values():
+            output.sampler.close()
+
+
+class _Run:
+    """A run of one output's tokens in the step's batch."""
+
+    __slots__ = ("request", "output", "first_index", "start", "count", "samples")
+
+    def __init__(self, request: _Request, output: _Output, first_index: int, start: int, count: int,
+                 samples: bool) -> None:
+        self.request = request
+        self.output = output
+        self.first_index = first_index  # batch index of the run's first token
+        self.start = start  # position of the run's first token
+        self.count = count
+        self.samples = samples  # the run ends with the output's last token: a token is sampled after it
+
+
+class LlamaEngine(Engine):
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.max_batch > MAX_SEQUENCES:
+            raise ValueError(f"the llama.cpp engine runs at most {MAX_SEQUENCES} sequences (OPENENGINE_MAX_BATCH), "
+                             f"got {config.max_batch}")
+        self.max_batch = config.max_batch
+        self.prefill_chunk = config.prefill_chunk
+        self.model = LlamaModel(config.model_path, context_size=config.context_size,
+                                batch_tokens=config.max_batch + config.prefill_chunk, sequences=config.max_batch,
+                                threads=config.threads)
+        self.context_size = self.model.context_size
+        self._eog = frozenset(self.model.end_of_generation.tolist())
+        self._batch = TokenBatch(config.max_batch + config.prefill_chunk)
+        self._free_seq_ids = list(range(config.max_batch - 1, -1, -1))
+        self._queue: list[tuple[tuple[int, int], _Request]] = []  # heap; cancelled entries stay until popped
+        self._queued: dict[str, _Request] = {}
+        self._running: dict[str, _Request] = {}  # admitted, in admission order
+        self._arrivals = itertools.count()
+        self.running_sequences = 0
+        self.queued_sequences = 0
+        self.waiting_tokens = 0
+        self.cells = 0  # KV cells held by the admitted requests (as of the last step)
+
+    # ------------------------------------------------------------ the interface
+
+    @property
+    def idle(self) -> bool:
+        return not self._queued and all(r.paused for r in self._running.values())
+
+    def enqueue(self, request: cluster_pb2.EngineRequest) -> None:
+        state = _Request(request, (-request.priority, next(self._arrivals)), self.model.vocab_size,
+                         self.model.end_of_generation)
+        self._push(state)
+
+    def cancel(self, cancel: cluster_pb2.CancelRequest, events: list[bytes]) -> None:
+        request_id = cancel.request_id
+        state = self._running.get(request_id) or self._queued.get(request_id)
+        if state is None:
+            return
+        indices = [cancel.output_index] if cancel.HasField("output_index") else sorted(state.outputs)
+        for index in indices:
+            if index in state.outputs:
+                self._finish(state, state.outputs[index], FINISH_CANCELLED, events)
+
+    def pause(self, pause: cluster_pb2.PauseRequest) -> None:
+        state = self._running.get(pause.request_id)
+        if state is not None:
+            state.paused = not pause.resume
+
+    def step(self, events: list[bytes]) -> bool:
+        self._admit()
+        runs = self._plan()
+        while runs and self._cells_after(runs) > self.context_size:
+            if not self._preempt_one(events):
+                break
+            runs = self._plan()
+        if not runs:
+            return False
+        try:
+            self.model.decode(self._batch)
+        except LlamaError as exc:
+            logger.error("decode failed: %s", exc)
+            for state in list(self._running.values()):
+                self._fail(state, f"the engine failed a step ({exc}); retry the request", events)
+            return True
+        for run in runs:
+            run.output.cached += run.count
+            if run.request.prompt_records is not None and not run.request.prompt_records_sent:
+                self._prompt_records(run)
+        for run in runs:
+            if run.samples and run.output.index in run.request.outputs:
+                self._sample(run, events)
+        self.cells = sum(state.cells() for state in self._running.values())
+        return True
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(self.running_sequences, self.queued_sequences, self.cells, self.waiting_tokens)
+
+    def close(self) -> None:
+        for state in list(self._running.values()) + list(self._queued.values()):
+            state.close()
+        self.model.close()
+
+    # ------------------------------------------------------------ admission and preemption
+
+    def _push(self, state: _Request) -> None:
+        self._queued[state.request_id] = state
+        heapq.heappush(self._queue, (state.order, state))
+        self.queued_sequences += len(state.outputs)
+        self.waiting_tokens += len(state.prompt) * len(state.outputs)
+
+    def _admit(self) -> None:
+        queue = self._queue
+        cells = self.cells
+        while queue:
+            state = queue[0][1]
+            if self._queued.get(state.request_id) is not state:  # cancelled while queued
+                heapq.heappop(queue)
+                continue
+            sequences = len(state.outputs)
+            if self._running and self.running_sequences + sequences > self.max_batch:
+                return
+            # Room for what it reads first, next to one more cell per running output.
+            needed = max(len(o.tokens) for o in state.outputs.values())
+            if self._running and cells + self.running_sequences + needed > self.context_size:
+                return
+            cells += needed
+            heapq.heappop(queue)
+            del self._queued[state.request_id]
+            self.queued_sequences -= sequences
+            self.waiting_tokens -= len(state.prompt) * sequences
+            for output in state.outputs.values():
+                output.seq_id = self._free_seq_ids.pop()
+            self._running[state.request_id] = state
+            self.running_sequences += sequences
+
+    def _cells_after(self, runs: list[_Run]) -> int:
+        return sum(state.cells() for state in self._running.values()) + sum(run.count for run in runs)
+
+    def _preempt_one(self, events: list[bytes]) -> bool:
+        """Sends the request admitted last back to the queue, its KV freed; False when only one is running (then
+        it cannot grow: its outputs ask more KV than the cache has, and it fails)."""
+        if len(self._running) < 2:
+            state = next(iter(self._running.values()), None)
+            if state is not None:
+                self._fail(state, f"the request's outputs need more KV cache than this node has "
+                                  f"({self.context_size} cells, OPENENGINE_CONTEXT_SIZE); ask fewer num_sequences or "
+                                  f"max_tokens", events, retryable=False)
+            return False
+        request_id = next(reversed(self._running))
+        state = self._running.pop(request_id)
+        for output in state.outputs.values():
+            self._release_sequence(output)
+            output.cached = 0
+            output.shares_prompt = False
+        state.prompt_cells = 0
+        state.forked = True  # each output reads its own tokens again
+        if not state.prompt_records_sent and state.prompt_records is not None:
+            state.prompt_records = []
+        self.running_sequences -= len(state.outputs)
+        self._push(state)
+        logger.info("preempted request_id=%s (KV cache full: %d cells)", request_id, self.context_size)
+        return True
+
+    def _release_sequence(self, output: _Output) -> None:
+        if output.seq_id >= 0:
+            self.model.forget(output.seq_id)
+            self._free_seq_ids.append(output.seq_id)
+            output.seq_id = -1
+
+    # ------------------------------------------------------------ a step
+
+    def _plan(self) -> list[_Run]:
+        """The step's batch: one token for every decoding output, then prompt chunks within the budget."""
+        batch = self._batch
+        batch.clear()
+        runs: list[_Run] = []
+        reading: list[tuple[_Request, _Output]] = []
+        for state in self._running.values():
+            if state.paused:
+                continue
+            for output in (state.outputs.values() if state.forked else (state.leader,)):
+                pending = len(output.tokens) - output.cached
+                if pending == 1:
+                    runs.append(_Run(state, output, batch.add(output.tokens[-1:], output.cached, output.seq_id, 0),
+                                     output.cached, 1, True))
+                else:
+                    reading.append((state, output))
+        budget = self.prefill_chunk
+        for state, output in reading:
+            if budget <= 0:
+                break
+            pending = len(output.tokens) - output.cached
+            count = min(pending, budget)
+            samples = count == pending
+            logits_from = self._prompt_logits_from(state, output.cached, count)
+            if logits_from is None and samples:
+                logits_from = count - 1
+            first = batch.add(output.tokens[output.cached:output.cached + count], output.cached, output.seq_id,
+                              logits_from)
+            runs.append(_Run(state, output, first, output.cached, count, samples))
+            budget -= count
+        return runs
+
+    @staticmethod
+    def _prompt_logits_from(state: _Request, start: int, count: int) -> int | None:
+        """Where logits are needed in a run reading the prompt for its logprobs (the row of position p predicts
+        the token at p + 1), or None."""
+        if state.prompt_records is None or state.prompt_records_sent:
+            return None
+        first_needed = max(state.request.prompt_logprob_start, 1) - 1
+        end = min(start + count, len(state.prompt) - 1)  # the last prompt token's row predicts the output
+        if end <= max(start, first_needed):
+            return None
+        return max(first_needed - start, 0)
+
+    def _prompt_records(self, run: _Run) -> None:
+        """Prompt logprob records from the rows of a run that read prompt tokens."""
+        state = run.request
+        records = state.prompt_records
+        start_index = state.request.prompt_logprob_start
+        prompt = state.prompt
+        if run.start == 0 and start_index == 0:
+            records.append(cluster_pb2.TokenRecord(token_id=prompt[0]))  # nothing before it predicts it
+        candidates = state.request.prompt_candidates
+        for offset in range(run.count):
+            position = run.start + offset
+            predicted = position + 1
+            if predicted >= len(prompt) or predicted < start_index or not self._batch.logits[run.first_index + offset]:
+                continue
+            logprobs = log_softmax(self.model.logits(run.first_index + offset))
+            records.append(token_record(prompt[predicted], logprobs, candidates))
+
+    def _sample(self, run: _Run, events: list[bytes]) -> None:
+        state, output = run.request, run.output
+        index = run.first_index + run.count - 1
+        row = self.model.logits(index)
+        if state.forked:
+            self._next_token(state, output, index, row, events)
+            return
+        # The prompt is in: every output shares its cells and samples from this row.
+        state.forked = True
+        prompt_cells = len(state.prompt)
+        state.prompt_cells = prompt_cells
+        outputs = list(state.outputs.values())
+        pristine = row.copy() if len(outputs) > 1 else None
+        for other in outputs:
+            if other is not output:
+                self.model.share(output.seq_id, other.seq_id)
+                other.cached = output.cached
+            other.shares_prompt = True
+        for number, other in enumerate(outputs):
+            if number and pristine is not None:
+                row[:] = pristine
+            self._next_token(state, other, index, row, events)
+
+    def _next_token(self, state: _Request, output: _Output, index: int, row: np.ndarray, events: list[bytes]) -> None:
+        request = state.request
+        logprobs = log_softmax(row) if request.output_logprobs else None
+        token_id = output.sampler.choose(self.model, index, row, output.generated)
+        output.sampler.accept(token_id)
+        output.tokens.append(token_id)
+        output.generated += 1
+        generated = output.generated
+        record = token_record(token_id, logprobs, request.output_candidates)
+        stops_allowed = generated >= request.min_tokens
+        if stops_allowed and not request.ignore_eos and token_id in self._eog:
+            finish = FINISH_EOS
+        elif stops_allowed and token_id in request.stop_token_ids:
+            finish = FINISH_STOP_TOKEN
+        elif generated >= max(1, request.max_tokens) or len(output.tokens) >= self.context_size:
+            finish = FINISH_LENGTH
+        else:
+            finish = FINISH_NONE
+        event = cluster_pb2.OutputEvent(request_id=state.request_id, output_index=output.index, lane=state.lane,
+                                        tokens=[record], first=generated == 1)
+        if not state.prompt_records_sent and state.prompt_records is not None and output.index == min(state.outputs):
+            event.prompt_tokens.extend(state.prompt_records)
+            state.prompt_records_sent = True
+        if finish == FINISH_NONE:
+            events.append(event_field(event.SerializeToString()))
+            return
+        event.finish = finish
+        if finish in (FINISH_EOS, FINISH_STOP_TOKEN):
+            event.finish_token_id = token_id
+        self._end_output(state, output, event, events)
+
+    # ------------------------------------------------------------ ends
+
+    def _finish(self, state: _Request, output: _Output, finish: int, events: list[bytes], message: str = "",
+                retryable: bool = False) -> None:
+        event = cluster_pb2.OutputEvent(request_id=state.request_id, output_index=output.index, lane=state.lane,
+                                        finish=finish, message=message, retryable=retryable)
+        self._end_output(state, output, event, events)
+
+    def _fail(self, state: _Request, message: str, events: list[bytes], retryable: bool = True) -> None:
+        for output in list(state.outputs.values()):
+            self._finish(state, output, FINISH_ERROR, events, message, retryable)
+
+    def _end_output(self, state: _Request, output: _Output, event: cluster_pb2.OutputEvent,
+                    events: list[bytes]) -> None:
+        """Closes the output: its event, its sequence's KV cells, its sampler; the request when it was its last."""
+        events.append(event_field(event.SerializeToString()))
+        del state.outputs[output.index]
+        output.sampler.close()
+        admitted = state.request_id in self._running
+        if admitted:
+            self._release_sequence(output)
+            self.running_sequences -= 1
+        else:
+            self.queued_sequences -= 1
+            self.waiting_tokens -= len(state.prompt)
+        if not state.outputs:
+            if admitted:
+                del self._running[state.request_id]
+            else:
+                del self._queued[state.request_id]

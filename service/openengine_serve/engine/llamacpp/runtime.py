@@ -1,0 +1,137 @@
+"""One llama.cpp model and context, and the token batch the engine decodes each step.
+
+The context is made as llama.cpp's own server makes one for parallel slots: a
+KV cache shared by every sequence (`kv_unified`: any sequence may use any
+cell, so a request may use the model's whole context while others are short),
+`n_seq_max` sequence ids, and one micro-batch as large as the step's batch, so
+every step is one graph evaluation. Flash attention is on: its CPU kernel skips
+the cells of other sequences, which a shared cache otherwise pays for.
+
+The batch's arrays are NumPy arrays handed to llama.cpp by pointer, so a step
+fills them with slice assignments rather than one ctypes call per token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from openengine_serve.common.llama_library import llama_cpp
+
+
+class LlamaError(RuntimeError):
+    """llama.cpp refused: the model did not load, or a decode failed."""
+
+
+class TokenBatch:
+    """A llama_batch over NumPy arrays: `add` appends a run of one sequence's tokens."""
+
+    def __init__(self, capacity: int) -> None:
+        lib = llama_cpp()
+        self.capacity = capacity
+        self.tokens = np.zeros(capacity, np.int32)
+        self.positions = np.zeros(capacity, np.int32)
+        self.seq_ids = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        self._n_seq_id = np.ones(capacity, np.int32)
+        int_p = ctypes.POINTER(ctypes.c_int32)
+        # token i's sequence list is the one-element array at seq_ids[i]
+        self._seq_id_pointers = (int_p * capacity)(
+            *(ctypes.cast(self.seq_ids.ctypes.data + 4 * i, int_p) for i in range(capacity)))
+        batch = lib.llama_batch()
+        batch.token = self.tokens.ctypes.data_as(int_p)
+        batch.embd = None
+        batch.pos = self.positions.ctypes.data_as(int_p)
+        batch.n_seq_id = self._n_seq_id.ctypes.data_as(int_p)
+        batch.seq_id = ctypes.cast(self._seq_id_pointers, ctypes.POINTER(int_p))
+        batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.native = batch
+        self.size = 0
+
+    def clear(self) -> None:
+        self.size = 0
+
+    @property
+    def room(self) -> int:
+        return self.capacity - self.size
+
+    def add(self, tokens, start_position: int, seq_id: int, logits_from: int | None) -> int:
+        """Appends `tokens` at positions start_position.. of `seq_id`; logits for the run's tokens from index
+        `logits_from` on (None: no logits). Returns the batch index of the run's first token."""
+        first, count = self.size, len(tokens)
+        end = first + count
+        self.tokens[first:end] = tokens
+        self.positions[first:end] = np.arange(start_position, start_position + count, dtype=np.int32)
+        self.seq_ids[first:end] = seq_id
+        self.logits[first:end] = 0
+        if logits_from is not None:
+            self.logits[first + logits_from:end] = 1
+        self.size = end
+        return first
+
+
+class LlamaModel:
+    """The loaded GGUF model and its context; every call is made from the worker's one thread."""
+
+    def __init__(self, path: str, *, context_size: int, batch_tokens: int, sequences: int, threads: int) -> None:
+        lib = self._lib = llama_cpp()
+        model_params = lib.llama_model_default_params()
+        self._model = lib.llama_model_load_from_file(path.encode(), model_params)
+        if not self._model:
+            raise LlamaError(f"llama.cpp could not load the model {path} (see its log above)")
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
+        self.trained_context = lib.llama_model_n_ctx_train(self._model)
+        self.end_of_generation = np.array(
+            [t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, t)], np.int32)
+        params = lib.llama_context_default_params()
+        params.n_ctx = context_size
+        params.n_batch = params.n_ubatch = batch_tokens
+        params.n_seq_max = sequences
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = True
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.no_perf = True
+        self._context = lib.llama_init_from_model(self._model, params)
+        if not self._context:
+            lib.llama_model_free(self._model)
+            raise LlamaError(f"llama.cpp could not create a context of {context_size} KV cells for {sequences} "
+                             f"sequences (see its log above)")
+        self.context_size = lib.llama_n_ctx(self._context)
+        self._memory = lib.llama_get_memory(self._context)
+        self._logits_ith = lib.llama_get_logits_ith
+        self._float_p = ctypes.POINTER(ctypes.c_float)
+
+    @property
+    def context(self):
+        """The llama_context, for the samplers."""
+        return self._context
+
+    def decode(self, batch: TokenBatch) -> None:
+        batch.native.n_tokens = batch.size
+        status = self._lib.llama_decode(self._context, batch.native)
+        if status != 0:
+            # 1: no KV slot for the batch (the engine's accounting keeps it from happening); <0: an error
+            raise LlamaError(f"llama_decode failed with status {status} on a batch of {batch.size} tokens")
+
+    def logits(self, batch_index: int) -> np.ndarray:
+        """The logits row of the token at `batch_index` of the last decode (writable: masks apply in place)."""
+        pointer = self._logits_ith(self._context, batch_index)
+        return np.ctypeslib.as_array(ctypes.cast(pointer, self._float_p), shape=(self.vocab_size,))
+
+    def forget(self, seq_id: int) -> None:
+        """Frees every KV cell of the sequence."""
+        self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+
+    def share(self, source_seq_id: int, target_seq_id: int) -> None:
+        """The target sequence gets the source's KV cells (shared, not copied, in a unified cache)."""
+        self._lib.llama_memory_seq_cp(self._memory, source_seq_id, target_seq_id, -1, -1)
+
+    def close(self) -> None:
+        if self._context:
+            self._lib.llama_free(self._context)
+            self._context = None
+        if self._model:
+            self._lib.llama_model_free(self._model)
+            self._model = None

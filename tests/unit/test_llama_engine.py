@@ -1,0 +1,185 @@
+"""The llama.cpp engine's scheduling on the real model, in this process (no MPI, no sockets): chunked prefill,
+admission, preemption when the KV cache is full, cancel, pause, several outputs of one prompt.
+
+Greedy outputs are compared with the same request served alone. Every step here stays below 64 tokens
+(prefill_chunk 32, at most 4 sequences) and the KV cache below 512 cells: ggml's CPU flash attention then takes
+the same kernel whatever the batch holds, so a row's logits do not depend on its neighbours
+(docs/engines.md, batch invariance).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2 as C
+from openengine_serve.engine.config import WorkerConfig
+from openengine_serve.engine.llamacpp.engine import LlamaEngine
+from openengine_serve.engine.model_card import default_model_path
+
+PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+
+
+def engine(max_batch: int = 4, context_size: int = 4096, prefill_chunk: int = 32) -> LlamaEngine:
+    return LlamaEngine(WorkerConfig(command_address="-", step_address="-", max_batch=max_batch, engine="llama.cpp",
+                                    model_path=default_model_path(), context_size=context_size,
+                                    prefill_chunk=prefill_chunk, threads=2))
+
+
+def add(request_id: str, prompt=PROMPT, max_tokens: int = 8, **fields) -> C.EngineRequest:
+    return C.EngineRequest(request_id=request_id, frontend_id="fe", prompt_token_ids=prompt, max_tokens=max_tokens,
+                           ignore_eos=True, **fields)
+
+
+def step(llama: LlamaEngine) -> list[C.OutputEvent]:
+    events: list[bytes] = []
+    llama.step(events)
+    return list(C.EngineStep.FromString(b"".join(events)).events)
+
+
+def record(outputs: dict, events: list[C.OutputEvent]) -> list[C.OutputEvent]:
+    """Adds the events to `outputs`: per output, its tokens and finish event."""
+    for event in events:
+        out = outputs.setdefault((event.request_id, event.output_index), {"ids": [], "finish": None})
+        out["ids"] += [t.token_id for t in event.tokens]
+        if event.finish:
+            out["finish"] = event
+    return events
+
+
+def run(llama: LlamaEngine, outputs: dict | None = None, max_steps: int = 2000) -> dict[tuple[str, int], dict]:
+    """Steps until idle."""
+    outputs = {} if outputs is None else outputs
+    for _ in range(max_steps):
+        if llama.idle:
+            return outputs
+        record(outputs, step(llama))
+    raise AssertionError("the engine did not become idle")
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Greedy outputs of requests served one at a time (the reference for the scheduling tests)."""
+    llama = engine()
+    results = {}
+    for name, prompt, max_tokens in (("short", PROMPT, 40), ("long", list(range(1000, 1300)), 40),
+                                     ("a", list(range(1000, 1100)), 80), ("b", list(range(2000, 2100)), 80)):
+        llama.enqueue(add(name, prompt, max_tokens=max_tokens))
+        results[name] = run(llama)[(name, 0)]["ids"]
+    llama.close()
+    return results
+
+
+def test_a_long_prompt_is_read_in_chunks_while_a_running_stream_keeps_getting_tokens(alone):
+    llama = engine(prefill_chunk=64)
+    llama.enqueue(add("short", max_tokens=40))
+    step(llama)  # the short prompt in, its first token out
+    llama.enqueue(add("long", list(range(1000, 1300)), max_tokens=40))
+    steps_to_first_long_token = 0
+    while True:
+        events = step(llama)
+        steps_to_first_long_token += 1
+        assert any(e.request_id == "short" for e in events), "the running stream gets a token every step"
+        if any(e.request_id == "long" for e in events):
+            break
+    assert steps_to_first_long_token == 5, "300 prompt tokens in chunks of 64"
+    assert len(run(llama)[("long", 0)]["ids"]) == 39
+
+
+def test_a_full_kv_cache_preempts_the_last_admitted_and_its_output_is_unchanged(alone):
+    """Two requests whose prompt and output do not fit the cache together: the one admitted last is
+    preempted, reads its prompt and output again later, and still produces what it produces alone."""
+    llama = engine(context_size=256)
+    assert llama.context_size == 256
+    llama.enqueue(add("a", list(range(1000, 1100)), max_tokens=80))
+    llama.enqueue(add("b", list(range(2000, 2100)), max_tokens=80))
+    outputs: dict = {}
+    record(outputs, step(llama))
+    steps_together = 1
+    while llama.running_sequences == 2:
+        record(outputs, step(llama))
+        steps_together += 1
+    assert (llama.running_sequences, llama.queued_sequences) == (1, 1), "b went back to the queue"
+    assert 20 < steps_together < 80, "preempted once the two outgrew the 256 cells"
+    run(llama, outputs)
+    assert outputs[("a", 0)]["ids"] == alone["a"]
+    assert outputs[("b", 0)]["ids"] == alone["b"], "the preempted request went on as if alone"
+    assert {o["finish"].finish for o in outputs.values()} == {C.ENGINE_FINISH_LENGTH}
+    assert llama.cells == 0 and sorted(llama._free_seq_ids) == [0, 1, 2, 3], "every sequence freed"
+
+
+def test_a_request_larger_than_the_cache_fails_with_what_to_do():
+    llama = engine(context_size=256)
+    llama.enqueue(add("huge", max_tokens=80, num_sequences=4, temperature=1.0))
+    outputs = run(llama)
+    finishes = [o["finish"] for o in outputs.values()]
+    assert {f.finish for f in finishes} == {C.ENGINE_FINISH_ERROR}
+    assert not finishes[0].retryable and "OPENENGINE_CONTEXT_SIZE" in finishes[0].message
+    assert llama.cells == 0 and llama.running_sequences == 0
+
+
+def test_several_outputs_read_the_prompt_once_and_share_its_cells(alone):
+    llama = engine()
+    llama.enqueue(add("three", max_tokens=40, num_sequences=3))
+    events = step(llama)
+    assert [(e.output_index, e.first) for e in events] == [(0, True), (1, True), (2, True)]
+    assert llama.cells == len(PROMPT), "the prompt's cells once, not per output"
+    outputs = run(llama)
+    assert [[events[i].tokens[0].token_id] + outputs[("three", i)]["ids"] for i in range(3)] == [alone["short"]] * 3, \
+        "greedy outputs agree"
+
+
+def test_cancel_ends_queued_and_running_outputs_and_frees_their_sequences():
+    llama = engine(max_batch=2)
+    llama.enqueue(add("a", max_tokens=500, num_sequences=2))
+    llama.enqueue(add("queued", max_tokens=5))
+    step(llama)
+    assert (llama.running_sequences, llama.queued_sequences) == (2, 1)
+    events: list[bytes] = []
+    llama.cancel(C.CancelRequest(request_id="a", output_index=1), events)
+    llama.cancel(C.CancelRequest(request_id="queued"), events)
+    cancelled = C.EngineStep.FromString(b"".join(events)).events
+    assert [(e.request_id, e.output_index, e.finish) for e in cancelled] == [
+        ("a", 1, C.ENGINE_FINISH_CANCELLED), ("queued", 0, C.ENGINE_FINISH_CANCELLED)]
+    assert (llama.running_sequences, llama.queued_sequences, len(llama._free_seq_ids)) == (1, 0, 1)
+    llama.cancel(C.CancelRequest(request_id="a"), events)
+    assert llama.idle and llama.running_sequences == 0 and len(llama._free_seq_ids) == 2
+
+
+def test_a_paused_request_gets_no_tokens_until_resumed(alone):
+    llama = engine()
+    llama.enqueue(add("paused", max_tokens=40))
+    llama.enqueue(add("other", max_tokens=40))
+    step(llama)
+    llama.pause(C.PauseRequest(request_id="paused"))
+    for _ in range(5):
+        assert {e.request_id for e in step(llama)} == {"other"}
+    llama.pause(C.PauseRequest(request_id="paused", resume=True))
+    outputs = run(llama)
+    assert outputs[("paused", 0)]["ids"] == alone["short"][1:], "it went on where it stopped"
+
+
+def test_priority_orders_admission_when_the_batch_is_full():
+    llama = engine(max_batch=1)
+    llama.enqueue(add("running", max_tokens=3))
+    step(llama)
+    llama.enqueue(add("low", max_tokens=1))
+    llama.enqueue(add("high", max_tokens=1, priority=5))
+    order = [e.request_id for _ in range(8) for e in step(llama) if e.finish]
+    assert order == ["running", "high", "low"]
+
+
+def test_prompt_logprobs_cover_the_prompt_from_its_start_index():
+    llama = engine(prefill_chunk=4)  # the prompt's rows come from two chunks
+    llama.enqueue(add("p", max_tokens=1, prompt_logprobs=True, prompt_logprob_start=2,
+                      prompt_candidates=C.Candidates(top_n=2)))
+    first = next(e for e in run_events(llama) if e.tokens)
+    records = first.prompt_tokens
+    assert [r.token_id for r in records] == PROMPT[2:]
+    assert all(r.has_logprob and r.rank >= 1 and len(r.candidates) == 2 for r in records)
+
+
+def run_events(llama: LlamaEngine) -> list[C.OutputEvent]:
+    events = []
+    while not llama.idle:
+        events += step(llama)
+    return events

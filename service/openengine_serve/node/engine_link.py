@@ -121,9 +121,13 @@ class EngineLink:
                  on_step: Callable[[cluster_pb2.EngineStep], None],
                  on_ready_change: Callable[[], None] = lambda: None,
                  on_queue_time: Callable[[float], None] = lambda seconds: None,
-                 stall_timeout_s: float = 3.0, start_timeout_s: float = 60.0) -> None:
+                 stall_timeout_s: float = 3.0, start_timeout_s: float = 60.0,
+                 engine_options: dict | None = None) -> None:
+        """`engine_options`: the WorkerConfig's engine fields (engine, model_path, context_size, ...); without
+        them the worker runs the simulated engine."""
         if max_batch < 1 or max_queue < 0 or ranks < 1 or step_ms <= 0:
             raise ValueError("need max_batch >= 1, max_queue >= 0, ranks >= 1 and step_ms > 0")
+        self._engine_options = dict(engine_options or {})
         self._step_ms = step_ms
         self._max_batch = max_batch
         self._capacity = max_batch + max_queue
@@ -471,7 +475,8 @@ class EngineLink:
         step_port = steps.bind_to_random_port("tcp://127.0.0.1")
         config = WorkerConfig(command_address=f"tcp://127.0.0.1:{command_port}",
                               step_address=f"tcp://127.0.0.1:{step_port}",
-                              max_batch=self._max_batch, step_ms=self._step_ms, ranks=self._ranks)
+                              max_batch=self._max_batch, step_ms=self._step_ms, ranks=self._ranks,
+                              **self._engine_options)
         env = dict(os.environ)
         # MPI Spawn runs `mpiexec`, which lives next to the interpreter in a venv.
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])

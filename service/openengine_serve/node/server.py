@@ -30,8 +30,10 @@ from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
 from ..common import tracing
 from ..common.tracing import SUBMIT_SPAN
+from ..engine.model_card import without_tokenizer
 from . import metrics
 from .engine_link import EngineFull, EngineLink, EngineUnavailable
+from .model import engine_options, load_card
 
 logger = logging.getLogger("openengine_serve.node")
 
@@ -175,9 +177,11 @@ def _log_first_events(first_events: list[tuple[str, float, float]], built_at: fl
 
 
 class NodeService(cluster_pb2_grpc.NodeServicer):
-    def __init__(self, config: NodeConfig, node_id: str) -> None:
+    def __init__(self, config: NodeConfig, node_id: str, card: cluster_pb2.ModelCard) -> None:
         self.config = config
         self.node_id = node_id
+        self.card = card  # with the tokenizer: GetModel
+        self.card_summary = without_tokenizer(card)  # in NodeEntry
         self.rank = config.node_rank
         self.lanes: dict[str, ResultLane] = {}
         # With debug logging only: request id -> when it was submitted, until its first event reaches its lane.
@@ -188,7 +192,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                                on_ready_change=self.readiness_changed.set,
                                on_queue_time=metrics.QUEUE_SECONDS.observe,
                                stall_timeout_s=config.engine_stall_timeout_s,
-                               start_timeout_s=config.engine_start_timeout_s)
+                               start_timeout_s=config.engine_start_timeout_s,
+                               engine_options=engine_options(config, card))
         self.health = Health()
         self.draining = False
         self.wakes: dict[str, asyncio.Event] = {}  # per coordinator address; set: heartbeat it now
@@ -366,6 +371,9 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     async def GetNodeLoad(self, request, context) -> cluster_pb2.NodeEntry:
         return self.entry()
 
+    async def GetModel(self, request, context) -> cluster_pb2.ModelCard:
+        return self.card
+
     # ---------------------------------------------------------------- state
 
     def state(self) -> int:
@@ -383,7 +391,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
 
     def entry(self) -> cluster_pb2.NodeEntry:
         return cluster_pb2.NodeEntry(node_id=self.node_id, address=self.config.resolved_advertise_address(),
-                                     rank=max(self.rank, 0), state=self.state(), load=self.load())
+                                     rank=max(self.rank, 0), state=self.state(), load=self.load(),
+                                     model=self.card_summary)
 
     # ---------------------------------------------------------------- coordinator
 
@@ -471,7 +480,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
 
 async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
     node_id = f"node-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    service = NodeService(config, node_id)
+    card = load_card(config)  # before anything binds: a missing model stops the node with what to do
+    service = NodeService(config, node_id, card)
     server = create_internal_server()
     cluster_pb2_grpc.add_NodeServicer_to_server(service, server)
     service.health.register(server)
@@ -483,7 +493,8 @@ async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
               advertise=config.resolved_advertise_address(), grpc_server="grpcio")
     await service.link.start()
     log_event(logger, "engine worker ready", launcher_pid=service.link.launcher_pid,
-              pids=list(service.link.worker_pids), step_ms=config.step_ms)
+              pids=list(service.link.worker_pids), engine=card.engine, model=card.name,
+              context_length=card.context_length, max_batch=config.max_batch)
     tasks = [asyncio.create_task(service.health_loop()),
              asyncio.create_task(service.coordinator_loop())]
     await stop.wait()

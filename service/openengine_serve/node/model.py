@@ -1,0 +1,53 @@
+"""The node's model: which engine, which file, and the ModelCard it registers with.
+
+Everything here runs at start, before the node binds its port: a missing model
+file, a file that is not a llama-architecture GGUF or a missing llama.cpp stop
+the node with one line saying what to do (exit 2), not with a worker that
+fails to spawn.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from ..api.openengine_internal.v1 import cluster_pb2
+from ..common.config import ConfigError, NodeConfig
+from ..common.cpu_budget import cpu_budget
+from ..common.grpc_server import DependencyError
+from ..common import gguf
+from ..engine.model_card import (LLAMA_CPP, ModelNotFound, default_model_path, gguf_card, simulated_card)
+
+
+def model_path(config: NodeConfig) -> str:
+    """The GGUF file a llama.cpp node serves: OPENENGINE_MODEL_PATH, else the embedded SmolLM2."""
+    if config.model_path:
+        return config.model_path
+    try:
+        return default_model_path()
+    except ModelNotFound as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def load_card(config: NodeConfig) -> cluster_pb2.ModelCard:
+    """The card of the model this node serves, with its tokenizer; ConfigError or DependencyError saying what
+    is missing."""
+    if config.engine != LLAMA_CPP:
+        return simulated_card()
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise DependencyError("the llama.cpp engine needs llama-cpp-python, which is not installed: "
+                              "pip install 'openengine-serve[node]' (it compiles llama.cpp), or run this node with "
+                              "OPENENGINE_ENGINE=simulated")
+    path = model_path(config)
+    try:
+        return gguf_card(path, config.context_size)
+    except gguf.GgufError as exc:
+        raise ConfigError(f"OPENENGINE_MODEL_PATH: {exc}") from None
+
+
+def engine_options(config: NodeConfig, card: cluster_pb2.ModelCard) -> dict:
+    """The WorkerConfig fields of the node's engine."""
+    if card.engine != LLAMA_CPP:
+        return {"engine": card.engine}
+    threads = config.threads or max(1, int(cpu_budget().cpus))
+    return {"engine": LLAMA_CPP, "model_path": model_path(config), "context_size": config.context_size,
+            "prefill_chunk": config.prefill_chunk, "threads": threads}

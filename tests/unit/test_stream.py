@@ -3,6 +3,7 @@
 import asyncio
 import codecs
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -151,7 +152,7 @@ async def _stream_one_event_at_a_time(ids, send_now):
             self.trace = NO_TRACE
 
     inference = Inference.__new__(Inference)
-    inference.encoding, inference.strings = ENC, STRINGS
+    inference.model = SimpleNamespace(loaded=SimpleNamespace(tokenizer=ENC, strings=STRINGS))
     accepted, out, direct, written = Accepted(), [], [], []
 
     async def write(message):

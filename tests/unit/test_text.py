@@ -7,7 +7,8 @@ import random
 import pytest
 
 from openengine_serve.common.vocab import EOS_TOKEN_ID, VOCAB_SIZE, load_encoding, token_bytes
-from openengine_serve.frontend.text import IncrementalDetokenizer, StopStringMatcher, encode_prompt
+from openengine_serve.common.tokenizers import Qwen3Tokenizer
+from openengine_serve.frontend.text import IncrementalDetokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")
@@ -34,23 +35,23 @@ def detokenize_in_chunks(encoding, token_ids: list[int], rng: random.Random) -> 
     return deltas
 
 
-# --- encode_prompt -------------------------------------------------------------
+# --- Qwen3Tokenizer.encode -------------------------------------------------------------
 
 
-def test_encode_prompt_matches_plain_tiktoken_for_ordinary_text(encoding):
+def test_qwen3_encode_matches_plain_tiktoken_for_ordinary_text(encoding):
     text = "Hello, world! 你好 🎉"
-    assert encode_prompt(encoding, text) == encoding.encode(text)
+    assert Qwen3Tokenizer().encode(text) == encoding.encode(text)
 
 
-def test_encode_prompt_parses_special_tokens_as_specials(encoding):
-    ids = encode_prompt(encoding, "<|im_start|>user\nhi<|im_end|>")
+def test_qwen3_encode_parses_special_tokens_as_specials(encoding):
+    ids = Qwen3Tokenizer().encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == encoding.encode_single_token("<|im_start|>")
     assert ids[-1] == EOS_TOKEN_ID
 
 
-def test_encode_prompt_normalizes_to_nfc(encoding):
+def test_qwen3_encode_normalizes_to_nfc(encoding):
     decomposed = "cafe\u0301"  # e + combining acute accent
-    assert encode_prompt(encoding, decomposed) == encoding.encode("caf\u00e9")
+    assert Qwen3Tokenizer().encode(decomposed) == encoding.encode("caf\u00e9")
 
 
 # --- IncrementalDetokenizer ----------------------------------------------------

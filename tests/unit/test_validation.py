@@ -26,6 +26,7 @@ LIMITS = ModelLimits(
     max_context_length=64,
     max_output_tokens=16,
     max_num_sequences=4,
+    vocab_size=VOCAB_SIZE,
 )
 INVALID = InvalidRequest
 NOT_FOUND = NotServed
@@ -408,15 +409,12 @@ def test_plan_carries_the_request_metadata():
 
 
 def test_real_tokenizer_counts_prompt_tokens():
-    from functools import partial
+    from openengine_serve.common.tokenizers import Qwen3Tokenizer
 
-    from openengine_serve.common.vocab import load_encoding
-    from openengine_serve.frontend.text import encode_prompt
-
-    encoding = load_encoding()
+    tokenizer = Qwen3Tokenizer()
     prompt = "<|im_start|>user\nHello there<|im_end|>"
-    plan = validate_generate(request(prompt=prompt), RequestMetadata(), LIMITS, partial(encode_prompt, encoding))
-    assert plan.prompt_token_ids == encode_prompt(encoding, prompt)
+    plan = validate_generate(request(prompt=prompt), RequestMetadata(), LIMITS, tokenizer.encode)
+    assert plan.prompt_token_ids == tokenizer.encode(prompt)
     assert plan.max_tokens == min(16, 64 - len(plan.prompt_token_ids))
 
 

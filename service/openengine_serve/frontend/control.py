@@ -16,8 +16,8 @@ from ..common.health import Health
 from ..common.logging_setup import log_event
 from . import auth
 from .coordinator_client import AbortIncomplete, CoordinatorClient
-from .inference import MAX_TOP_N
 from .probe import InferenceProbe
+from .served_model import ServedModel
 from .refusal import InvalidRequest
 from .validation import check_request_id, shown
 
@@ -34,8 +34,9 @@ NOT_READY = lifecycle_pb2.HEALTH_STATE_NOT_READY
 
 class Control(openengine_pb2_grpc.ControlServicer):
     def __init__(self, config: FrontendConfig, frontend_id: str, implementation: ServerImplementation,
-                 coordinator: CoordinatorClient, health: Health, probe: InferenceProbe) -> None:
+                 coordinator: CoordinatorClient, health: Health, probe: InferenceProbe, model: ServedModel) -> None:
         self.config = config
+        self.model = model
         self.frontend_id = frontend_id
         self.implementation = implementation
         self.coordinator = coordinator
@@ -44,10 +45,11 @@ class Control(openengine_pb2_grpc.ControlServicer):
 
     async def GetServerInfo(self, request, context) -> server_pb2.ServerInfo:
         nodes = self.coordinator.ready_nodes() or list(self.coordinator.nodes.values())
+        loaded = self.model.loaded
         info = server_pb2.ServerInfo(
             engine_name=ENGINE_NAME, engine_version=__version__,
             engine_role=server_pb2.ENGINE_ROLE_AGGREGATED, instance_id=self.frontend_id,
-            supported_models=[self.config.model, *self.config.aliases()],
+            supported_models=list(loaded.limits.served_names) if loaded else [],
             schema_revision=SCHEMA_REVISION, minimum_client_revision=SCHEMA_REVISION, schema_release=SCHEMA_RELEASE,
             parallelism=server_pb2.ParallelismInfo(tensor_parallel_size=1, pipeline_parallel_size=1,
                                                    data_parallel_size=len(nodes)),
@@ -55,10 +57,17 @@ class Control(openengine_pb2_grpc.ControlServicer):
         if nodes:
             info.capacity.max_running_requests = sum(n.load.max_running_requests for n in nodes)
         info.extra.update({**self.implementation.describe(), "frontend_id": self.frontend_id})
+        if loaded:
+            info.extra.update({"engine": loaded.card.engine, "model": loaded.card.name})
         return info
 
     async def GetModelInfo(self, request, context) -> model_pb2.ModelInfo:
-        names = (self.config.model, *self.config.aliases())
+        loaded = self.model.loaded
+        if loaded is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet (no ready node); retry")
+            return
+        limits = loaded.limits
+        names = limits.served_names
         if not request.model:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model is required; served: {', '.join(names)}")
             return
@@ -67,20 +76,27 @@ class Control(openengine_pb2_grpc.ControlServicer):
                                 f"model {shown(request.model)} is not served; served: {', '.join(names)}")
             return
         logprobs = model_pb2.LogprobCapabilities(
-            supported=True, max_top_n=MAX_TOP_N,
+            supported=True, max_top_n=limits.max_top_n,
             candidate_selection_modes=[model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N,
                                        model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS])
-        return model_pb2.ModelInfo(
-            model_id=self.config.model, served_model_name=self.config.model,
-            served_model_aliases=list(self.config.aliases()),
-            max_context_length=self.config.max_context_length, max_output_tokens=self.config.max_output_tokens,
-            tokenizer_modes=["qwen3-bpe"], supports_text_input=True, supports_token_ids_input=True,
+        tokenizer = loaded.tokenizer
+        info = model_pb2.ModelInfo(
+            model_id=loaded.card.name, served_model_name=limits.served_model_name,
+            served_model_aliases=list(limits.aliases),
+            max_context_length=limits.max_context_length, max_output_tokens=limits.max_output_tokens,
+            tokenizer_modes=[tokenizer.mode], supports_text_input=True, supports_token_ids_input=True,
             generation=model_pb2.GenerationCapabilities(
                 prompt_logprobs=logprobs, output_logprobs=logprobs,
                 guided_decoding=model_pb2.GuidedDecodingCapabilities(supported=False),
-                max_num_sequences=self.config.max_num_sequences, supports_priority=True,
+                max_num_sequences=limits.max_num_sequences, supports_priority=True,
                 supports_stop_in_output=True, supports_cache_salt=False, supports_prefix_cache_bypass=False),
             supports_lora=False, supports_multimodal=False)
+        info.extra.update({"engine": loaded.card.engine, "vocab_size": tokenizer.n_vocab,
+                           "end_of_generation_token_ids": list(tokenizer.end_of_generation),
+                           "max_candidate_token_ids": limits.max_candidate_token_ids,
+                           "chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
+                           "eos_token": tokenizer.eos_token, "tokenizer_digest": loaded.card.tokenizer_digest})
+        return info
 
     async def GetLoad(self, request, context) -> server_pb2.LoadInfo:
         load = await self.coordinator.cluster_load()
@@ -123,8 +139,14 @@ class Control(openengine_pb2_grpc.ControlServicer):
         checks.append(lifecycle_pb2.HealthCheck(
             name="scheduler", state=READY if ready_nodes else NOT_READY,
             message=f"{len(ready_nodes)} ready nodes of {len(coordinator.nodes)} known"))
-        checks.append(lifecycle_pb2.HealthCheck(name="model", state=READY,
-                                                message=f"{self.config.model}: tokenizer loaded"))
+        loaded = self.model.loaded
+        if loaded is None:
+            checks.append(lifecycle_pb2.HealthCheck(name="model", state=lifecycle_pb2.HEALTH_STATE_STARTING,
+                                                    message="waiting for a ready node's model"))
+        else:
+            checks.append(lifecycle_pb2.HealthCheck(
+                name="model", state=READY, message=f"{loaded.name} ({loaded.card.engine}): tokenizer "
+                                                   f"{loaded.tokenizer.mode} loaded from node {loaded.node_id}"))
         return checks
 
     async def Abort(self, request: lifecycle_pb2.AbortRequest, context) -> lifecycle_pb2.AbortResponse:

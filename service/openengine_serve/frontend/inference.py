@@ -26,15 +26,12 @@ from .refusal import (DuplicateRequest, InvalidRequest, KeyAtLimit, NotServed, O
                       Unsupported)
 from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests
-from .stream import (ENGINE_ERROR, ENGINE_NONE, OutputStream, TokenStrings, engine_error, prompt_output,
-                     serialize_response)
-from .text import encode_prompt
-from .validation import GenerationPlan, ModelLimits, RequestMetadata, parse_metadata, validate_generate
+from .served_model import LoadedModel, ServedModel
+from .stream import ENGINE_ERROR, ENGINE_NONE, OutputStream, engine_error, prompt_output, serialize_response
+from .validation import GenerationPlan, RequestMetadata, parse_metadata, validate_generate
 
 logger = logging.getLogger("openengine_serve.frontend")
 
-MAX_TOP_N = 20
-MAX_STOP_CONDITIONS = 16
 REFUSAL_CODES: dict[type[Refusal], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NotServed: grpc.StatusCode.NOT_FOUND,
@@ -54,27 +51,27 @@ Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
 
 
 class Inference(openengine_pb2_grpc.InferenceServicer):
-    def __init__(self, config: FrontendConfig, encoding, requests: Requests, health: Health,
+    def __init__(self, config: FrontendConfig, model: ServedModel, requests: Requests, health: Health,
                  server_implementation: str = "") -> None:
-        self.encoding = encoding
+        self.model = model
         self.server_implementation = server_implementation  # for the request span
-        self.strings = TokenStrings(encoding)
         self.requests = requests
         self.health = health
         self.max_in_flight = config.max_in_flight
         self.key_max_in_flight = config.api_key_max_in_flight
         self.client_stall_timeout_s = config.client_stall_timeout_s
-        self.limits = ModelLimits(
-            served_model_name=config.model, aliases=config.aliases(), max_context_length=config.max_context_length,
-            max_output_tokens=config.max_output_tokens, max_num_sequences=config.max_num_sequences,
-            max_top_n=MAX_TOP_N, max_stop_conditions=MAX_STOP_CONDITIONS, vocab_size=encoding.n_vocab)
 
-    def encode(self, text: str) -> list[int]:
-        return encode_prompt(self.encoding, text)
+    def loaded(self) -> LoadedModel:
+        """The served model; Unavailable while no node has told this frontend its model yet."""
+        loaded = self.model.loaded
+        if loaded is None:
+            raise Unavailable("this frontend has not loaded the model's tokenizer yet (no ready node); retry")
+        return loaded
 
     def plan(self, request: generation_pb2.GenerateRequest, metadata: RequestMetadata) -> GenerationPlan:
         """The validated request; raises a Refusal naming what is wrong."""
-        return validate_generate(request, metadata, self.limits, self.encode)
+        loaded = self.loaded()
+        return validate_generate(request, metadata, loaded.limits, loaded.tokenizer.encode)
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:
         # A coroutine writing with context.write, not an async generator: when the client cancels, the
@@ -160,7 +157,9 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         slowly)."""
         request_id = plan.request_id
         sink = accepted.sink
-        outputs = [OutputStream(i, plan, self.encoding, self.strings) for i in range(plan.num_sequences)]
+        loaded = self.loaded()
+        strings = loaded.strings
+        outputs = [OutputStream(i, plan, loaded.tokenizer, strings) for i in range(plan.num_sequences)]
         open_outputs = plan.num_sequences
         single_output = open_outputs == 1
         prompt_sent = not plan.prompt_logprobs
@@ -223,7 +222,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                     return
                 if not prompt_sent and items[0].prompt_tokens:
                     prompt_sent = True
-                    await emit(prompt_output(plan, items[0], self.strings))
+                    await emit(prompt_output(plan, items[0], strings))
                 new_tokens = 0
                 for index, events in ((0, items),) if single_output else _by_output(items):
                     output = outputs[index]

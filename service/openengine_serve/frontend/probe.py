@@ -11,13 +11,12 @@ from .refusal import Refusal
 from .validation import RequestMetadata
 
 PROBE_REQUEST_PREFIX = "inference-probe-"
-PROBE_TOKEN_ID = 9707  # any id inside the vocabulary
+PROBE_TEXT = "Hello"  # its last token is the probe's prompt
 
 
 class InferenceProbe:
-    def __init__(self, frontend_id: str, model: str, inference: Inference, timeout_s: float) -> None:
+    def __init__(self, frontend_id: str, inference: Inference, timeout_s: float) -> None:
         self.frontend_id = frontend_id
-        self.model = model
         self.inference = inference
         self.timeout_s = timeout_s
         self._probe: asyncio.Future | None = None
@@ -32,9 +31,10 @@ class InferenceProbe:
     async def _run(self) -> lifecycle_pb2.HealthCheck:
         self._count += 1
         try:
+            loaded = self.inference.loaded()
             plan = self.inference.plan(generation_pb2.GenerateRequest(
-                request_id=f"{PROBE_REQUEST_PREFIX}{self.frontend_id}-{self._count}", model=self.model,
-                token_ids=generation_pb2.TokenIds(ids=[PROBE_TOKEN_ID]),
+                request_id=f"{PROBE_REQUEST_PREFIX}{self.frontend_id}-{self._count}", model=loaded.name,
+                token_ids=generation_pb2.TokenIds(ids=loaded.tokenizer.encode(PROBE_TEXT)[-1:]),
                 stopping=generation_pb2.StoppingOptions(max_tokens=1, ignore_eos=True)), RequestMetadata())
             errors: list[str] = []
 

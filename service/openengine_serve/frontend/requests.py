@@ -171,8 +171,9 @@ def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.Engine
         request_id=plan.request_id, frontend_id=frontend_id, prompt_token_ids=plan.prompt_token_ids,
         num_sequences=plan.num_sequences, max_tokens=plan.max_tokens, min_tokens=plan.min_tokens,
         stop_token_ids=plan.stop_token_ids, ignore_eos=plan.ignore_eos, priority=plan.metadata.priority,
-        temperature=plan.temperature, top_p=plan.top_p, top_k=plan.top_k,
-        seed=plan.seed or 0, has_seed=plan.seed is not None,
+        temperature=plan.temperature, top_p=plan.top_p, top_k=plan.top_k, min_p=plan.min_p,
+        frequency_penalty=plan.frequency_penalty, presence_penalty=plan.presence_penalty,
+        repetition_penalty=plan.repetition_penalty, seed=plan.seed or 0, has_seed=plan.seed is not None,
         output_logprobs=plan.output_logprobs, prompt_logprobs=plan.prompt_logprobs,
         prompt_logprob_start=plan.prompt_logprob_start)
     for target, selection in ((req.output_candidates, plan.output_candidates),

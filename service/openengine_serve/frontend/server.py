@@ -17,7 +17,6 @@ from ..common.health import Health
 from ..common.lifecycle import bind_address, freeze_startup_objects
 from ..common.logging_setup import log_event
 from ..common.tls import add_public_port, internal_channel
-from ..common.vocab import load_encoding
 from . import auth, limits, metrics
 from .connection_age import ConnectionAges
 from .control import Control
@@ -29,6 +28,7 @@ from .probe import InferenceProbe
 from .public_api import add_public_service
 from .ready_file import mark_worker_ready
 from .requests import Requests
+from .served_model import ServedModel
 from .stream import serialize_response
 from .tasks import BackgroundTasks
 from .watchdog import measure_loop_lag, stall_watchdog
@@ -45,9 +45,9 @@ PUBLIC_SERVICES = tuple(s.full_name for s in openengine_pb2.DESCRIPTOR.services_
 
 async def serve(config: FrontendConfig, implementation: ServerImplementation, stop: asyncio.Event) -> int:
     frontend_id = config.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}"
-    encoding = load_encoding()
     tasks = BackgroundTasks()
     open_internal_channel = functools.partial(internal_channel, config=config)  # security hook: internal TLS
+    model = ServedModel(config, functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS))
     nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s,
                             open_channel=functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS),
                             lane_window=config.lane_window,
@@ -55,12 +55,13 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
                             pause_after_s=config.client_pause_after_s)
     coordinator = CoordinatorClient(
         frontend_id, config.coordinators(), f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
-        config.coordinator_timeout_s, live_requests=lambda: requests.open_count, on_node_table=nodes.keep_only,
+        config.coordinator_timeout_s, live_requests=lambda: requests.open_count,
+        on_node_table=lambda table: (nodes.keep_only(table), model.on_node_table(table)),
         open_channel=open_internal_channel)
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
     health = Health(readiness_aliases=PUBLIC_SERVICES)
-    inference = Inference(config, encoding, requests, health, implementation.name)
-    probe = InferenceProbe(frontend_id, config.model, inference, config.probe_timeout_s)
+    inference = Inference(config, model, requests, health, implementation.name)
+    probe = InferenceProbe(frontend_id, inference, config.probe_timeout_s)
 
     # grpcio sends GOAWAY at the maximum connection age itself; pygrpc-native cannot (connection_age.py)
     ages = (ConnectionAges(config.max_connection_age_s, config.port)
@@ -73,20 +74,21 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
                            max_connection_age_grace_s=config.drain_timeout_s)
     if implementation.name == GRPCIO:
         serve_through_generic_handlers(server)
-    add_public_services(server, inference, Control(config, frontend_id, implementation, coordinator, health, probe))
+    add_public_services(server, inference,
+                        Control(config, frontend_id, implementation, coordinator, health, probe, model))
     health.register(server)
     reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
     add_public_port(server, bind_address(config.host, config.port), config)  # security hook: TLS
     await server.start()
     await health.start()
-    freeze_startup_objects()  # tokenizer tables, modules, protobuf descriptors
+    freeze_startup_objects()  # modules, protobuf descriptors
     mark_worker_ready()
     metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
     log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port,
-              **implementation.describe(), model=config.model)
+              **implementation.describe())
 
     background = [asyncio.create_task(coordinator.heartbeat_loop()),
-                  asyncio.create_task(_follow_readiness(coordinator, health)),
+                  asyncio.create_task(_follow_readiness(coordinator, model, health)),
                   asyncio.create_task(stall_watchdog(nodes.sinks, config.stall_timeout_s,
                                                      config.client_stall_timeout_s)),
                   asyncio.create_task(measure_loop_lag())]
@@ -145,11 +147,18 @@ def add_public_services(server, inference: Inference, control: Control) -> None:
     add_public_service(server, services["Control"], control)
 
 
-async def _follow_readiness(coordinator: CoordinatorClient, health: Health) -> None:
-    """SERVING while at least one node is ready, re-checked at every node table the coordinator sends. A
-    coordinator outage alone keeps it SERVING (Control.Health says DEGRADED): the last known node table still
-    routes, and dropping every frontend would stop all traffic."""
+async def _follow_readiness(coordinator: CoordinatorClient, model: ServedModel, health: Health) -> None:
+    """SERVING while at least one node is ready and this frontend has that node's model (tokenizer), re-checked
+    at every node table the coordinator sends and when the model is loaded. A coordinator outage alone keeps it
+    SERVING (Control.Health says DEGRADED): the last known node table still routes, and dropping every frontend
+    would stop all traffic."""
     while True:
-        await health.set_ready(bool(coordinator.ready_nodes()))
-        await coordinator.table_updated.wait()
+        await health.set_ready(model.ready_on(coordinator.nodes.values()))
+        waits = [asyncio.ensure_future(event.wait()) for event in (coordinator.table_updated, model.changed)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
         coordinator.table_updated.clear()
+        model.changed.clear()

@@ -1,4 +1,4 @@
-"""Text on the frontend: prompt encoding, incremental detokenization, stop strings.
+"""Text on the frontend: incremental detokenization, stop strings (prompts are encoded by common/tokenizers.py).
 
 The detokenizer and the stop-string matcher run once per generated token, so
 both keep only a small amount of state and never rescan what they already
@@ -8,19 +8,7 @@ emitted.
 from __future__ import annotations
 
 import codecs
-import unicodedata
 from collections.abc import Iterable, Sequence
-
-import tiktoken
-
-
-def encode_prompt(encoding: tiktoken.Encoding, text: str) -> list[int]:
-    """Tokenizes a prompt the way Qwen's tokenizer does.
-
-    The text is NFC-normalized first, and special-token text in it (for example
-    ``<|im_start|>`` from a chat template) becomes the special token's id.
-    """
-    return encoding.encode(unicodedata.normalize("NFC", text), allowed_special="all")
 
 
 class IncrementalDetokenizer:
@@ -28,12 +16,12 @@ class IncrementalDetokenizer:
 
     A token can end in the middle of a multi-byte UTF-8 character; those bytes
     are held back until the character is complete. The concatenation of every
-    ``push`` and the final ``flush`` equals ``encoding.decode(all_ids)``,
+    ``push`` and the final ``flush`` equals the tokenizer's decode of all ids,
     invalid bytes included (each becomes U+FFFD, as with ``errors="replace"``).
     """
 
-    def __init__(self, encoding: tiktoken.Encoding) -> None:
-        self._encoding = encoding
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # Bytes of an incomplete character are held back. While none are, a token whose bytes are
         # complete UTF-8 on their own decodes to exactly its own text (the streaming fast path).
@@ -41,7 +29,7 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds tokens and returns only the text they complete."""
-        text = self._decoder.decode(self._encoding.decode_bytes(token_ids))
+        text = self._decoder.decode(self._tokenizer.decode_bytes(token_ids))
         self.pending = bool(self._decoder.getstate()[0])
         return text
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from openengine_serve.api.openengine.v1 import generation_pb2
-from openengine_serve.common.vocab import VOCAB_SIZE
 
 from .refusal import InvalidRequest, NotServed, Unsupported
 
@@ -63,9 +62,10 @@ class ModelLimits:
     max_context_length: int
     max_output_tokens: int
     max_num_sequences: int
+    vocab_size: int
     max_top_n: int = 20
+    max_candidate_token_ids: int = 20
     max_stop_conditions: int = 16
-    vocab_size: int = VOCAB_SIZE
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -440,6 +440,11 @@ def _candidates(
         return ("top_n", selection.top_n) if selection.top_n else None
     if kind == "token_ids":
         ids = tuple(selection.token_ids.ids)
+        if len(ids) > limits.max_candidate_token_ids:
+            raise InvalidRequest(
+                f"response.{candidates_field}.token_ids.ids must list at most {limits.max_candidate_token_ids} "
+                f"token ids, got {len(ids)}"
+            )
         for index, token_id in enumerate(ids):
             if token_id >= limits.vocab_size:
                 raise InvalidRequest(

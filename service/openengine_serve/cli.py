@@ -64,47 +64,72 @@ def _generate(args: argparse.Namespace) -> int:
     _quiet_broken_pipe()
     import uuid
 
-    from .api.openengine.v1 import generation_pb2
-    from .client import Client
-
-    request = generation_pb2.GenerateRequest(
-        request_id=args.request_id or f"cli-{uuid.uuid4()}", model=args.model, prompt=args.prompt)
-    if args.max_tokens is not None:
-        request.stopping.max_tokens = args.max_tokens
-    if args.ignore_eos:
-        request.stopping.ignore_eos = True
-    if args.seed is not None:
-        request.sampling.seed = args.seed
-    for stop in args.stop:
-        request.stopping.conditions.add(stop_text=stop)
     import grpc
+
+    from .api.openengine.v1 import generation_pb2
+    from .chat import ChatTemplateError, render_chat
+    from .client import Client, served_model
+
+    with Client(args.target, credentials=credentials(args)) as client:
+        model_name, prompt = args.model, args.prompt
+        if args.chat or not model_name:  # the server's model (and its chat template)
+            try:
+                model = served_model(client, model_name, timeout=args.timeout)
+            except grpc.RpcError as exc:
+                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 2
+            model_name = model.served_model_name
+            if args.chat:
+                try:
+                    prompt = render_chat(model, args.prompt, system=args.system)
+                except ChatTemplateError as exc:
+                    print(f"error: --chat: {exc}", file=sys.stderr)
+                    return 2
+        request = generation_pb2.GenerateRequest(
+            request_id=args.request_id or f"cli-{uuid.uuid4()}", model=model_name, prompt=prompt)
+        if args.max_tokens is not None:
+            request.stopping.max_tokens = args.max_tokens
+        if args.ignore_eos:
+            request.stopping.ignore_eos = True
+        if args.seed is not None:
+            request.sampling.seed = args.seed
+        if args.temperature is not None:
+            request.sampling.temperature = args.temperature
+        for stop in args.stop:
+            request.stopping.conditions.add(stop_text=stop)
+        return _print_stream(client, request, args.timeout)
+
+
+def _print_stream(client, request, timeout: float) -> int:
+    import grpc
+
+    from .api.openengine.v1 import generation_pb2
 
     line_open = False  # streamed text not yet ended by a newline: an error message starts on its own line
 
-    with Client(args.target, credentials=credentials(args)) as client:
-        try:
-            for response in client.generate(request, timeout=args.timeout):
-                event = response.WhichOneof("event")
-                if event == "token":
-                    sys.stdout.write(response.token.text)
-                    sys.stdout.flush()
-                    line_open = line_open or bool(response.token.text)
-                elif event == "finished":
-                    sys.stdout.write("\n")
-                    line_open = False
-                    reason = generation_pb2.FinishReason.Name(response.finished.reason)
-                    print(f"[finished output={response.finished.output_index} reason={reason}]", file=sys.stderr)
-                elif event == "error":
-                    print(("\n" if line_open else "") + f"[error code={response.error.code} "
-                          f"retryable={response.error.retryable}] {response.error.message}", file=sys.stderr)
-                    return 1
-                if response.HasField("usage"):
-                    u = response.usage
-                    print(f"[usage prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
-                          f"total_tokens={u.total_tokens}]", file=sys.stderr)
-        except grpc.RpcError as exc:
-            print(("\n" if line_open else "") + f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 2
+    try:
+        for response in client.generate(request, timeout=timeout):
+            event = response.WhichOneof("event")
+            if event == "token":
+                sys.stdout.write(response.token.text)
+                sys.stdout.flush()
+                line_open = line_open or bool(response.token.text)
+            elif event == "finished":
+                sys.stdout.write("\n")
+                line_open = False
+                reason = generation_pb2.FinishReason.Name(response.finished.reason)
+                print(f"[finished output={response.finished.output_index} reason={reason}]", file=sys.stderr)
+            elif event == "error":
+                print(("\n" if line_open else "") + f"[error code={response.error.code} "
+                      f"retryable={response.error.retryable}] {response.error.message}", file=sys.stderr)
+                return 1
+            if response.HasField("usage"):
+                u = response.usage
+                print(f"[usage prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+                      f"total_tokens={u.total_tokens}]", file=sys.stderr)
+    except grpc.RpcError as exc:
+        print(("\n" if line_open else "") + f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -193,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-server", choices=cfg.GRPC_SERVERS, default=None,
                     help="frontend gRPC server [OPENENGINE_GRPC_SERVER, default grpcio]")
     up.add_argument("--workers", type=int, default=None, help="frontend worker processes [OPENENGINE_FRONTEND_WORKERS]")
+    up.add_argument("--engine", choices=cfg.ENGINES, default=None,
+                    help="the nodes' engine [OPENENGINE_ENGINE, default llama.cpp: SmolLM2-135M-Instruct, or "
+                         "OPENENGINE_MODEL_PATH]")
     up.add_argument("--coordinator-port", type=int, default=0, help="default: a free port")
     up.add_argument("--node-port", type=int, default=0, help="first node's port, further nodes count up "
                                                              "(default: free ports)")
@@ -208,8 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one generation to stdout; usage and finish reason to stderr")
     gen.add_argument("--target", default="127.0.0.1:50051")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message in the model's chat template (from ModelInfo)")
+    gen.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
+    gen.add_argument("--model", default=None, help="served model name (default: the first the server names)")
     gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None, help="0: greedy (default: the server's, 1.0)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")

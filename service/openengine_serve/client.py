@@ -337,3 +337,15 @@ class AsyncClient(_Connection):
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def served_model(client: Client, model: str | None = None, *, timeout: float = 10.0):
+    """ModelInfo of `model`, or of the first model the server names when None (a served model's name or alias)."""
+    from .api.openengine.v1 import model_pb2, server_pb2
+
+    if not model:
+        server = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=timeout)
+        if not server.supported_models:
+            raise DeadlineExceeded("the server names no model yet (no ready node); retry")
+        model = server.supported_models[0]
+    return client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model=model), timeout=timeout)

@@ -45,9 +45,9 @@ def run_stack(args: argparse.Namespace) -> int:
                                   "--metrics-port", str(metrics_port(9092))])]
     for i in range(args.nodes):
         port = args.node_port + i if args.node_port else free_port(host)
-        plan.append((f"node-{i}", python + ["node", *common, "--port", str(port), "--node-rank", str(i),
-                                            "--coordinator-address", coordinator,
-                                            "--metrics-port", str(metrics_port(9093 + i))]))
+        node = python + ["node", *common, "--port", str(port), "--node-rank", str(i), "--coordinator-address",
+                         coordinator, "--metrics-port", str(metrics_port(9093 + i))]
+        plan.append((f"node-{i}", node + (["--engine", args.engine] if args.engine else [])))
     frontend = python + ["frontend", *common, "--port", str(args.port), "--coordinator-address", coordinator,
                          "--metrics-port", str(metrics_port(9091))]
     if args.grpc_server:

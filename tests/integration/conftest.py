@@ -21,8 +21,9 @@ SERVERS = ("grpcio", "pygrpc-native")
 MODEL = "Qwen/Qwen3-0.6B"
 
 
-def request(prompt="The quick brown fox", *, max_tokens=24, seed=7, ignore_eos=True, **stopping) -> G.GenerateRequest:
-    req = G.GenerateRequest(request_id=f"t-{uuid.uuid4()}", model=MODEL, prompt=prompt,
+def request(prompt="The quick brown fox", *, max_tokens=24, seed=7, ignore_eos=True, model=MODEL,
+            **stopping) -> G.GenerateRequest:
+    req = G.GenerateRequest(request_id=f"t-{uuid.uuid4()}", model=model, prompt=prompt,
                             stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, **stopping))
     req.sampling.seed = seed
     return req

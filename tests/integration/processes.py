@@ -79,8 +79,9 @@ def coordinator(**env) -> Component:
 
 
 def node(coordinator_target: str, rank: int, *extra: str, **env) -> Component:
+    """A node on the simulated engine (deterministic tokens); `extra` "--engine", "llama.cpp" for the real model."""
     return Component(f"node{rank}", ["node", "--metrics-port", "0", "--coordinator-address", coordinator_target,
-                                     "--node-rank", str(rank), *extra], env)
+                                     "--node-rank", str(rank), "--engine", "simulated", *extra], env)
 
 
 def frontend(coordinator_target: str, server: str, *extra: str, **env) -> Component:

@@ -1,4 +1,4 @@
-"""`openengine-serve up`: the embedded default for a newcomer."""
+"""`openengine-serve up`: the embedded default for a newcomer (the real model, SmolLM2-135M-Instruct)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,20 @@ import time
 
 import pytest
 
-from openengine_serve.client import Client
+from openengine_serve.client import Client, served_model
 
 from . import processes
 from .conftest import request
 
 
 READY_LINE_TIMEOUT_S = 120.0
+
+
+def generates(target: str, max_tokens: int) -> bool:
+    """A generation of the model the stack serves (whatever its name) ends with its usage."""
+    with Client(target) as client:
+        model = served_model(client, timeout=10).served_model_name
+        return list(client.generate(request(max_tokens=max_tokens, model=model), timeout=60))[-1].HasField("usage")
 
 
 def first_line(proc: subprocess.Popen, timeout: float = READY_LINE_TIMEOUT_S) -> str:
@@ -26,7 +33,7 @@ def first_line(proc: subprocess.Popen, timeout: float = READY_LINE_TIMEOUT_S) ->
     reader.start()
     reader.join(timeout)
     if not line:
-        proc.kill()
+        proc.send_signal(signal.SIGTERM)  # `up` stops its children (killed, it would leave them running)
         raise AssertionError(f"`up` printed no line within {timeout:.0f} s (exit code {proc.poll()})")
     return line[0]
 
@@ -41,8 +48,7 @@ def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
         assert f"ready on 127.0.0.1:{port}" in line, line
         children = processes.descendants(proc.pid)
         assert len([p for p in children if "openengine_serve" in processes.cmdline(p)]) >= 4
-        with Client(f"127.0.0.1:{port}") as client:
-            assert list(client.generate(request(max_tokens=8), timeout=30))[-1].HasField("usage")
+        assert generates(f"127.0.0.1:{port}", 8)
         proc.send_signal(signal.SIGTERM)
         stopping = time.monotonic()
         assert proc.wait(timeout=60) == 0
@@ -52,8 +58,12 @@ def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
         processes.wait_for(lambda: not any(processes.alive(p) and processes.cmdline(p)
                                            for p in children), 10, "every child of `up` to exit")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # `up` stops its children in order (killed, it would leave them running)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def test_two_stacks_side_by_side():
@@ -64,8 +74,7 @@ def test_two_stacks_side_by_side():
         for proc, port in zip(procs, ports):
             assert f"ready on 127.0.0.1:{port}" in first_line(proc)
         for port in ports:
-            with Client(f"127.0.0.1:{port}") as client:
-                assert list(client.generate(request(max_tokens=4), timeout=30))[-1].HasField("usage")
+            assert generates(f"127.0.0.1:{port}", 4)
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGINT)

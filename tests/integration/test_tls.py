@@ -218,7 +218,7 @@ def test_up_with_mutual_tls_and_api_keys_checks_readiness_over_tls_and_says_so(t
     keys = tmp_path / "keys"
     keys.write_text("user up-user k-up-41\n")
     port = processes.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine", "simulated",
                              "--tls-cert-file", pki.cert_file, "--tls-key-file", pki.key_file,
                              "--tls-client-ca-file", pki.ca_file, "--api-keys-file", str(keys),
                              "--tls-ca-file", pki.ca_file, "--client-cert-file", pki.client_cert_file,

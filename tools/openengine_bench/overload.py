@@ -373,7 +373,8 @@ class Deployment:
         for rank in range(nodes):
             metrics_port = free_port(HOST)
             node = self._start(f"node{rank}", "node", "--coordinator-address", self.coordinator.target,
-                               "--node-rank", str(rank), "--step-ms", str(step_ms), "--max-batch", str(max_batch),
+                               "--node-rank", str(rank), "--engine", "simulated", "--step-ms", str(step_ms),
+                               "--max-batch", str(max_batch),
                                "--max-queue", str(4 * max_batch), metrics_port=metrics_port,
                                log_level=log_level)
             self.nodes.append((node, metrics_port))

@@ -329,7 +329,7 @@ class Stack:
         port = free_port(HOST)
         self.node = Process("node", self._python(
             "node", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level,
-            "--coordinator-address", self.coordinator.target, "--node-rank", "0",
+            "--coordinator-address", self.coordinator.target, "--node-rank", "0", "--engine", "simulated",
             "--step-ms", str(self.step_ms), "--max-batch", str(self.max_batch), "--max-queue", str(self.max_queue)),
             self.other_cpus, self.log_dir / "node.log", port).start()
         self.node.wait_ready(timeout, lambda: is_serving(self.node.target))
@@ -427,7 +427,7 @@ class UpStack:
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])  # mpiexec
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.pythonpath, env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "openengine_serve", "up", "--nodes", str(self.nodes),
+        command = [sys.executable, "-m", "openengine_serve", "up", "--nodes", str(self.nodes), "--engine", "simulated",
                    "--grpc-server", self.server, "--host", HOST, "--port", str(self.port),
                    "--coordinator-port", str(self.coordinator_port), "--workers", str(self.workers)]
         if self.log_path is None:

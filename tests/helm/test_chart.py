@@ -31,6 +31,9 @@ from .chart_helpers import (
 pytestmark = pytest.mark.helm
 
 COMPONENTS = ("frontend", "coordinator", "node")
+# The node's engine and model settings (templates/node.yaml).
+NODE_ENGINE_ENV = {"OPENENGINE_ENGINE", "OPENENGINE_MODEL_PATH", "OPENENGINE_CONTEXT_SIZE", "OPENENGINE_PREFILL_CHUNK",
+                   "OPENENGINE_THREADS", "OPENENGINE_MAX_BATCH", "OPENENGINE_MAX_QUEUE", "OPENENGINE_STEP_MS"}
 PORTS = {"frontend": (50051, 9091), "coordinator": (50052, 9092), "node": (50053, 9093)}
 # Prometheus Operator, KEDA and cert-manager CRDs: kubernetes-validate ships no
 # schema for them, so they are checked structurally in test_service_monitor /
@@ -189,6 +192,21 @@ def test_client_dry_run_install(helm, yaml, variant: str) -> None:
         ({"lifecycle": {"preStopSleepSeconds": 0}}, "/lifecycle/preStopSleepSeconds"),
         ({"frontend": {"service": {"headless": "yes"}}}, "/frontend/service/headless"),
         ({"frontend": {"maxConnectionAgeSeconds": -1}}, "/frontend/maxConnectionAgeSeconds"),
+        ({"node": {"engine": "vllm"}}, "/node/engine"),
+        ({"node": {"engine": "LLAMA.CPP"}}, "/node/engine"),
+        # llama.cpp runs at most 256 sequences (the node refuses more); the simulated engine has no limit.
+        ({"node": {"maxBatch": 300}}, "/node/maxBatch"),
+        ({"node": {"engine": "llama.cpp", "maxBatch": 257}}, "/node/maxBatch"),
+        ({"node": {"maxBatch": -1, "engine": "simulated"}}, "/node/maxBatch"),
+        ({"node": {"contextSize": 32}}, "/node/contextSize"),
+        ({"node": {"prefillChunk": 0}}, "/node/prefillChunk"),
+        ({"node": {"threads": 257}}, "/node/threads"),
+        ({"node": {"stepMs": 0}}, "/node/stepMs"),
+        ({"node": {"model": {"file": "/models/x.gguf"}}}, "'file' not allowed"),
+        ({"node": {"model": {"path": "/models/x.gguf", "volume": {"name": "m", "hostPath": {"path": "/m"}}}}},
+         "/node/model/volume"),
+        ({"node": {"model": {"mountPath": "models"}}}, "/node/model/mountPath"),
+        ({"node": {"modelPath": "/models/x.gguf"}}, "'modelPath' not allowed"),
     ],
 )
 def test_schema_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
@@ -206,6 +224,13 @@ def test_schema_accepts_both_servers(chart) -> None:
         chart.validate_schema({"frontend": {"grpcServer": server}})
 
 
+def test_schema_accepts_both_engines_and_their_batch_limits(chart) -> None:
+    for values in ({"node": {"engine": "llama.cpp", "maxBatch": 256}},
+                   {"node": {"engine": "simulated", "maxBatch": 300}},
+                   {"node": {"engine": "simulated", "maxBatch": 0}}):
+        chart.validate_schema(values)
+
+
 @pytest.mark.parametrize(
     ("values", "complaint"),
     [
@@ -220,6 +245,18 @@ def test_schema_accepts_both_servers(chart) -> None:
         (
             {"frontend": {"service": {"headless": True, "type": "LoadBalancer"}}},
             "frontend.service.headless needs frontend.service.type ClusterIP, not LoadBalancer",
+        ),
+        (
+            {"node": {"model": {"volume": {"persistentVolumeClaim": {"claimName": "models"}}}}},
+            "node.model.volume is set but node.model.path is empty",
+        ),
+        (
+            {"node": {"model": {"path": "/data/m.gguf", "volume": {"persistentVolumeClaim": {"claimName": "m"}}}}},
+            "node.model.path /data/m.gguf is not in node.model.mountPath /models",
+        ),
+        (
+            {"node": {"model": {"path": "/models-old/m.gguf", "volume": {"hostPath": {"path": "/m"}}}}},
+            "node.model.path /models-old/m.gguf is not in node.model.mountPath /models",
         ),
     ],
 )
@@ -266,7 +303,7 @@ def test_component_environment(render) -> None:
     assert no["OPENENGINE_COORDINATOR_ADDRESS"] == coordinator
     assert "OPENENGINE_COORDINATOR_ADDRESS" not in co
     assert fe["OPENENGINE_FRONTEND_WORKERS"] == "2"
-    assert fe["OPENENGINE_MODEL"] == "Qwen/Qwen3-0.6B"
+    assert "OPENENGINE_MODEL" not in fe  # the frontend takes the nodes' model's name
     assert fe["OPENENGINE_MAX_CONNECTION_AGE_S"] == "0"
     assert {"OPENENGINE_FRONTEND_WORKERS", "OPENENGINE_MODEL"}.isdisjoint(co.keys() | no.keys())
     # The node advertises its pod IP; POD_IP must be defined before it is referenced.
@@ -274,7 +311,16 @@ def test_component_environment(render) -> None:
     assert names.index("POD_IP") < names.index("OPENENGINE_ADVERTISE_ADDRESS")
     assert no["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert no["OPENENGINE_ADVERTISE_ADDRESS"] == "$(POD_IP):50053"
-    assert (no["OPENENGINE_STEP_MS"], no["OPENENGINE_MAX_BATCH"], no["OPENENGINE_MAX_QUEUE"]) == ("2", "256", "1024")
+    assert {k: v for k, v in no.items() if k in NODE_ENGINE_ENV} == {
+        "OPENENGINE_ENGINE": "llama.cpp",
+        "OPENENGINE_CONTEXT_SIZE": "16384",
+        "OPENENGINE_PREFILL_CHUNK": "256",
+        "OPENENGINE_THREADS": "0",
+        "OPENENGINE_MAX_BATCH": "0",  # the engine's default (32 for llama.cpp)
+        "OPENENGINE_MAX_QUEUE": "1024",
+        "OPENENGINE_STEP_MS": "2",
+    }  # no OPENENGINE_MODEL_PATH: the embedded model
+    assert NODE_ENGINE_ENV.isdisjoint(fe.keys() | co.keys())
     assert "OPENENGINE_ADVERTISE_ADDRESS" not in fe
     assert "OPENENGINE_NODE_EXPIRY_S" not in co  # null keeps the component's default
     # The coordinator Service really serves that address.
@@ -287,9 +333,100 @@ def test_everything_environment(render) -> None:
     assert r.env("coordinator")["OPENENGINE_NODE_EXPIRY_S"] == "15"
     no = r.env("node")
     assert (no["OPENENGINE_STEP_MS"], no["OPENENGINE_MAX_BATCH"], no["OPENENGINE_MAX_QUEUE"]) == ("5", "64", "4096")
+    assert no["OPENENGINE_ENGINE"] == "llama.cpp"
     assert r.env("frontend")["EXTRA"] == "1"
     assert r.env("frontend")["OPENENGINE_GRPC_SERVER"] == "pygrpc-native"
     assert r.env("frontend")["OPENENGINE_DRAIN_TIMEOUT_S"] == "120"
+
+
+# --------------------------------------------------------------------------
+# The node's engine and model
+# --------------------------------------------------------------------------
+
+
+def _volumes(component: str, r) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in r.deployment(component)["spec"]["template"]["spec"]["volumes"]}
+
+
+def _quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(quantity))
+    assert match, quantity
+    return int(float(match.group(1)) * units.get(match.group(2), 1))
+
+
+def test_default_node_serves_the_embedded_model_without_a_volume(render) -> None:
+    r = render()
+    no = r.env("node")
+    assert no["OPENENGINE_ENGINE"] == "llama.cpp"
+    assert "OPENENGINE_MODEL_PATH" not in no
+    for component in COMPONENTS:
+        assert set(_volumes(component, r)) == {"tmp"}, component
+        assert [m["name"] for m in r.container(component)["volumeMounts"]] == ["tmp"], component
+
+
+# SmolLM2-135M-Instruct, the node image's default model: the GGUF file, the KV cache per cell
+# (30 layers x K and V x 192 x 2 bytes) and the node's processes (Python, MPI).
+DEFAULT_MODEL_BYTES = 93 * 10**6
+KV_BYTES_PER_CELL = 30 * 2 * 192 * 2
+PROCESS_BYTES = 150 * 10**6
+
+
+def test_default_node_memory_fits_the_default_model(render, chart) -> None:
+    """The memory limit holds the model, the KV cache at the default context size and the processes,
+    with room to spare; the request holds them too."""
+    values = chart.merge_values({})
+    resources = render().container("node")["resources"]
+    need = DEFAULT_MODEL_BYTES + values["node"]["contextSize"] * KV_BYTES_PER_CELL + PROCESS_BYTES
+    assert _quantity_bytes(resources["requests"]["memory"]) >= need
+    assert _quantity_bytes(resources["limits"]["memory"]) >= 2 * need
+    assert "cpu" not in resources["limits"]  # CPU throttling hurts token latency
+
+
+def test_own_model_from_a_volume(render) -> None:
+    r = render(VARIANTS["own-model"])
+    no = r.env("node")
+    assert no["OPENENGINE_MODEL_PATH"] == "/models/my-model.Q4_K_M.gguf"
+    assert (no["OPENENGINE_CONTEXT_SIZE"], no["OPENENGINE_PREFILL_CHUNK"], no["OPENENGINE_THREADS"],
+            no["OPENENGINE_MAX_BATCH"]) == ("8192", "128", "4", "64")
+    assert _volumes("node", r)["model"] == {
+        "name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    mounts = [m for m in r.container("node")["volumeMounts"] if m["name"] == "model"]
+    assert mounts == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+    # Only the node mounts the model: frontends get the tokenizer from the nodes.
+    for component in ("frontend", "coordinator"):
+        assert "model" not in _volumes(component, r)
+        assert "OPENENGINE_MODEL_PATH" not in r.env(component)
+    assert r.container("node")["resources"]["limits"]["memory"] == "8Gi"
+    assert "model SmolLM2" not in r.notes and "model /models/my-model.Q4_K_M.gguf" in r.notes
+
+
+def test_own_model_at_another_mount_path_or_in_the_image(render) -> None:
+    r = render({"node": {"model": {"path": "/srv/gguf/llama.gguf", "mountPath": "/srv/gguf",
+                                   "volume": {"hostPath": {"path": "/var/models", "type": "Directory"}}}}})
+    assert r.env("node")["OPENENGINE_MODEL_PATH"] == "/srv/gguf/llama.gguf"
+    assert _volumes("node", r)["model"]["hostPath"] == {"path": "/var/models", "type": "Directory"}
+    assert {"name": "model", "mountPath": "/srv/gguf", "readOnly": True} in r.container("node")["volumeMounts"]
+    # A path without a volume: a file the user's node image carries.
+    baked = render({"node": {"model": {"path": "/opt/models/m.gguf"}}})
+    assert baked.env("node")["OPENENGINE_MODEL_PATH"] == "/opt/models/m.gguf"
+    assert set(_volumes("node", baked)) == {"tmp"}
+
+
+def test_simulated_engine(render) -> None:
+    r = render(VARIANTS["simulated"])
+    no = r.env("node")
+    engine = (no["OPENENGINE_ENGINE"], no["OPENENGINE_STEP_MS"], no["OPENENGINE_MAX_BATCH"])
+    assert engine == ("simulated", "0.5", "512")  # above llama.cpp's 256: the schema allows it here
+    assert "OPENENGINE_MODEL_PATH" not in no
+    assert "engine simulated" in r.notes and "--chat" not in r.notes
+
+
+def test_frontend_model_name_is_optional(render) -> None:
+    assert "OPENENGINE_MODEL" not in render().env("frontend")
+    named = render({"frontend": {"model": "smollm2"}})
+    assert named.env("frontend")["OPENENGINE_MODEL"] == "smollm2"
+    assert "OPENENGINE_MODEL" not in named.env("node")
 
 
 LIVENESS_P99_BOUND_S = 1.0
@@ -321,7 +458,8 @@ def test_grpc_probes(render, chart, variant: str) -> None:
         budget = values[component]["startupTimeoutSeconds"]
         assert startup["failureThreshold"] == math.ceil(budget / startup["periodSeconds"])
         assert startup["failureThreshold"] * startup["periodSeconds"] >= budget
-    # The node spawns an MPI worker (~30 s): its start-up budget covers that with room.
+    # The node answers liveness once started (before its MPI worker loads the model, which readiness
+    # covers); its start-up budget leaves room for a slow start (e.g. a model file on network storage).
     node_startup = r.container("node")["startupProbe"]
     assert node_startup["failureThreshold"] * node_startup["periodSeconds"] >= 30
 
@@ -600,6 +738,11 @@ def test_notes(render, variant: str) -> None:
     assert "openengine-serve generate --target" in notes
     assert "openengine-serve health --target" in notes
     assert f"helm test {RELEASE}" in notes
+    assert "--model" not in notes  # the CLI names the served model itself
+    # A first call the default instruct model answers, through its chat template.
+    first_call = '--chat --prompt "Write a haiku about the sea" --max-tokens 48 --temperature 0'
+    assert notes.count(first_call) == 2, notes  # from your machine and from inside the cluster
+    assert "engine llama.cpp, model SmolLM2-135M-Instruct (embedded)" in notes
     if variant == "default":
         assert f"port-forward service/{name('frontend')} 50051:50051" in notes
         assert f"{name('frontend')}.{NAMESPACE}.svc:50051" in notes

@@ -131,13 +131,24 @@ Chart-level consistency checks the JSON schema cannot express readably.
 {{- fail (printf "%s.autoscaling.minReplicas (%d) is greater than %s.autoscaling.maxReplicas (%d)" $component (int $hpa.minReplicas) $component (int $hpa.maxReplicas)) }}
 {{- end }}
 {{- end }}
+{{- $model := .Values.node.model }}
+{{- if $model.volume }}
+{{- if not $model.path }}
+{{- fail (printf "node.model.volume is set but node.model.path is empty: set node.model.path to the GGUF file in the volume, e.g. %s/<file>.gguf (an empty path serves the embedded default model)" (trimSuffix "/" $model.mountPath)) }}
+{{- end }}
+{{- if not (hasPrefix (printf "%s/" (trimSuffix "/" $model.mountPath)) $model.path) }}
+{{- fail (printf "node.model.path %s is not in node.model.mountPath %s, where node.model.volume is mounted" $model.path $model.mountPath) }}
+{{- end }}
+{{- end }}
 {{- include "oes.validateSecurity" . }}
 {{- end }}
 
 {{/*
 The Deployment of one component. Usage:
   include "oes.deployment" (dict "root" $ "component" "frontend" "env" (include "oes.frontendEnv" $))
-"env" is a YAML list of component-specific environment variables.
+"env" is a YAML list of component-specific environment variables; the optional
+"volumes" and "volumeMounts" are YAML lists of component-specific volumes and
+their mounts in the container.
 */}}
 {{- define "oes.deployment" -}}
 {{- $root := .root }}
@@ -269,6 +280,9 @@ spec:
             {{- with include "oes.securityMounts" $args | trim }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- with .volumeMounts | default "" | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir:
@@ -276,6 +290,9 @@ spec:
             sizeLimit: {{ . }}
             {{- end }}
         {{- with include "oes.securityVolumes" $args | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- with .volumes | default "" | trim }}
         {{- . | nindent 8 }}
         {{- end }}
       {{- with $c.nodeSelector }}

@@ -141,8 +141,11 @@ def test_cancel_ends_queued_and_running_outputs_and_frees_their_sequences():
     assert [(e.request_id, e.output_index, e.finish) for e in cancelled] == [
         ("a", 1, C.ENGINE_FINISH_CANCELLED), ("queued", 0, C.ENGINE_FINISH_CANCELLED)]
     assert (llama.running_sequences, llama.queued_sequences, len(llama._free_seq_ids)) == (1, 0, 1)
+    freed = llama._free_seq_ids[0]
+    assert llama.model.last_position(freed) == -1, "the cancelled output's KV cells are freed"
     llama.cancel(C.CancelRequest(request_id="a"), events)
     assert llama.idle and llama.running_sequences == 0 and len(llama._free_seq_ids) == 2
+    assert [llama.model.last_position(seq_id) for seq_id in (0, 1)] == [-1, -1]
 
 
 def test_a_paused_request_gets_no_tokens_until_resumed(alone):

@@ -124,6 +124,10 @@ class LlamaModel:
         """Frees every KV cell of the sequence."""
         self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
 
+    def last_position(self, seq_id: int) -> int:
+        """The highest position the sequence holds in the KV cache; -1 when it holds none."""
+        return self._lib.llama_memory_seq_pos_max(self._memory, seq_id)
+
     def share(self, source_seq_id: int, target_seq_id: int) -> None:
         """The target sequence gets the source's KV cells (shared, not copied, in a unified cache)."""
         self._lib.llama_memory_seq_cp(self._memory, source_seq_id, target_seq_id, -1, -1)

@@ -57,6 +57,7 @@ async def test_the_model_of_a_ready_node_is_loaded_with_its_limits(node):
     servicer, address = node
     model = ServedModel(FrontendConfig(), grpc.aio.insecure_channel)
     model.on_node_table(table(address, servicer.card, state=DOWN))
+    await asyncio.sleep(0.3)
     assert model.loaded is None and servicer.calls == 0, "only a ready node's model"
     nodes = table(address, servicer.card)
     assert not model.ready_on(nodes.values())

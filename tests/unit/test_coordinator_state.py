@@ -13,6 +13,7 @@ from openengine_serve.coordinator.state import (
     ClusterState,
     DeploymentFull,
     DuplicateRequest,
+    ModelMismatch,
     NoNodeAvailable,
     RankConflict,
     RankNotFound,
@@ -555,3 +556,17 @@ def test_a_heartbeat_that_changes_nothing_leaves_the_table_and_the_index_alone(s
     assert since(state, cursor) == (False, []), "same figures: the table is unchanged"
     # Equal again (the report counts r1): the tie goes to the node picked longest ago.
     assert reserve(state, "r2") != picked
+
+
+def test_a_node_of_another_model_is_refused_while_a_node_of_the_first_lives(state: ClusterState,
+                                                                          clock: FakeClock) -> None:
+    smol = cluster_pb2.ModelCard(name="SmolLM2-135M-Instruct", engine="llama.cpp", tokenizer_digest="a" * 64)
+    other = cluster_pb2.ModelCard(name="Qwen/Qwen3-0.6B", engine="simulated", tokenizer_digest="b" * 64)
+    state.register_node(cluster_pb2.NodeEntry(node_id="n0", address="n0:1", model=smol), None)
+    state.register_node(cluster_pb2.NodeEntry(node_id="n1", address="n1:1", model=smol), None)
+    with pytest.raises(ModelMismatch, match="node 'n2' serves 'Qwen/Qwen3-0.6B'.*live node 'n0' serves "
+                                            "'SmolLM2-135M-Instruct'"):
+        state.register_node(cluster_pb2.NodeEntry(node_id="n2", address="n2:1", model=other), None)
+    clock.advance(4.0)
+    state.expire()  # n0 and n1 silent past the expiry: DOWN
+    assert state.register_node(cluster_pb2.NodeEntry(node_id="n2", address="n2:1", model=other), None).rank == 0

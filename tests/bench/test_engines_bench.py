@@ -1,0 +1,353 @@
+"""The engines benchmark's pure parts: HTTP/SSE parsing, token counting, statistics, verdicts and the report.
+No server is started, except a fake one on loopback for the HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from openengine_bench import engines as e
+
+
+# ---------------------------------------------------------------- HTTP and SSE
+
+def test_parse_head_gives_status_and_lowercased_headers():
+    status, headers = e.parse_head(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                   b"Transfer-Encoding: chunked\r\n\r\n")
+    assert status == 503
+    assert headers == {"content-type": "application/json", "transfer-encoding": "chunked"}
+
+
+@pytest.mark.parametrize("head", [b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n"])
+def test_parse_head_rejects_garbage(head):
+    with pytest.raises(ValueError):
+        e.parse_head(head)
+
+
+CHUNKED = (b"7;ext=1\r\ndata: a\r\n"
+           b"10\r\n\n\ndata: {\"b\": 1}\r\n"
+           b"2\r\n\n\n\r\n"
+           b"0\r\n\r\n")
+
+
+def test_chunked_decoder_byte_by_byte():
+    decoder = e.ChunkedDecoder()
+    out = b""
+    done_at = None
+    for i in range(len(CHUNKED)):
+        out += decoder.feed(CHUNKED[i:i + 1])
+        if decoder.done and done_at is None:
+            done_at = i
+    assert done_at == len(CHUNKED) - 3  # the line "0\r\n" ends the body (no trailers are read)
+    assert out == b"data: a\n\ndata: {\"b\": 1}\n\n"
+
+
+def test_chunked_decoder_in_one_piece_stops_at_the_last_chunk():
+    decoder = e.ChunkedDecoder()
+    assert decoder.feed(CHUNKED + b"garbage after the end") == b"data: a\n\ndata: {\"b\": 1}\n\n"
+    assert decoder.done
+
+
+def test_chunked_decoder_needs_crlf_after_data():
+    with pytest.raises(ValueError):
+        e.ChunkedDecoder().feed(b"3\r\nabcXY")
+
+
+def test_length_decoder_stops_at_content_length():
+    decoder = e.LengthDecoder(5)
+    assert decoder.feed(b"abc") == b"abc" and not decoder.done
+    assert decoder.feed(b"defgh") == b"de" and decoder.done
+    unbounded = e.LengthDecoder(None)
+    assert unbounded.feed(b"xyz") == b"xyz" and not unbounded.done
+
+
+def test_body_decoder_choice():
+    assert isinstance(e.body_decoder({"transfer-encoding": "Chunked"}), e.ChunkedDecoder)
+    assert isinstance(e.body_decoder({"content-length": "4"}), e.LengthDecoder)
+
+
+def test_sse_parser_handles_crlf_comments_multiline_and_split_utf8():
+    text = ": ping - 2024\r\n\r\ndata: one\r\n\r\ndata: two\ndata: lines\n\nevent: x\ndata:no-space\n\ndata: é\n\n"
+    raw = text.encode()
+    parser = e.SseParser()
+    events = []
+    for i in range(0, len(raw), 3):  # splits "é" (2 bytes) across feeds
+        events += parser.feed(raw[i:i + 3])
+    assert events == ["one", "two\nlines", "no-space", "é"]
+
+
+def test_sse_parser_keeps_an_unterminated_event():
+    parser = e.SseParser()
+    assert parser.feed(b"data: partial\n") == []
+    assert parser.feed(b"\n") == ["partial"]
+
+
+def test_post_sse_reads_a_chunked_stream_and_an_error_status():
+    async def scenario():
+        async def handle(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int([line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")][0])
+            body = json.loads(await reader.readexactly(length))
+            if body.get("fail"):
+                writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\n\r\nbad request")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for data in ('{"n": 1}', '{"n": 2}', "[DONE]", '{"n": 99}'):
+                    event = f"data: {data}\r\n\r\n".encode()
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        seen = []
+        async with server:
+            await e.post_sse("127.0.0.1", port, "/x", {"prompt": "hi"},
+                             lambda data: seen.append(data) or data == "[DONE]")
+            with pytest.raises(e.HttpError) as failure:
+                await e.post_sse("127.0.0.1", port, "/x", {"fail": True}, lambda data: False)
+        return seen, failure.value
+
+    seen, failure = asyncio.run(scenario())
+    assert seen == ['{"n": 1}', '{"n": 2}', "[DONE]"]
+    assert failure.status == 400 and "bad request" in str(failure)
+
+
+# ---------------------------------------------------------------- token counting
+
+def test_llama_server_events_count_token_ids_and_read_the_final_count():
+    outcome = e.Outcome()
+    assert e.llama_server_tokens({"content": "Hi", "tokens": [42], "stop": False}, outcome) == (1, False)
+    assert e.llama_server_tokens({"content": "", "tokens": [], "stop": False}, outcome) == (0, False)
+    assert e.llama_server_tokens({"content": "!", "stop": False}, outcome) == (1, False)  # no ids: one token
+    assert e.llama_server_tokens({"content": "", "stop": True, "tokens_predicted": 3}, outcome) == (0, True)
+    assert (outcome.counted, outcome.reported) == (2, 3)
+
+
+def test_llama_server_error_event_raises():
+    with pytest.raises(e.StreamError):
+        e.llama_server_tokens({"error": {"code": 500, "message": "boom"}}, e.Outcome())
+
+
+def test_openai_chunks_count_choices_without_finish_reason():
+    outcome = e.Outcome()
+    chunk = {"choices": [{"text": "a", "finish_reason": None}]}
+    assert e.openai_completion_tokens(json.dumps(chunk), outcome) == (1, False)
+    assert e.openai_completion_tokens(json.dumps({"choices": []}), outcome) == (0, False)
+    final = {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 2}}
+    assert e.openai_completion_tokens(json.dumps(final), outcome) == (0, False)
+    assert e.openai_completion_tokens("[DONE]", outcome) == (0, True)
+    assert (outcome.counted, outcome.reported) == (1, 2)
+    with pytest.raises(e.StreamError):
+        e.openai_completion_tokens(json.dumps({"error": {"message": "x"}}), outcome)
+
+
+def test_server_extras_come_from_the_metadata(monkeypatch):
+    monkeypatch.setattr(e.importlib.metadata, "requires", lambda name: [
+        "numpy>=1.20.0", 'uvicorn>=0.22.0; extra == "server"', "starlette-context<0.4,>=0.3.6; extra == 'server'",
+        'pytest>=7.4.0; extra == "test"'])
+    assert e.server_extras() == ["uvicorn>=0.22.0", "starlette-context<0.4,>=0.3.6"]
+
+
+# ---------------------------------------------------------------- statistics and verdicts
+
+@pytest.mark.parametrize("q, expected", [(0, 1.0), (50, 2.5), (99, 3.97), (100, 4.0)])
+def test_percentile_interpolates(q, expected):
+    assert e.percentile([4.0, 2.0, 1.0, 3.0], q) == pytest.approx(expected)
+
+
+def test_percentile_edges():
+    assert e.percentile([], 50) is None
+    assert e.percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        e.percentile([1.0], 100.5)
+
+
+def test_median_and_ratio_skip_missing():
+    assert e.median([3.0, None, 1.0, float("nan")]) == 2.0
+    assert e.median([None]) is None
+    assert e.ratio(30.0, 20.0) == 1.5
+    assert e.ratio(30.0, 0.0) is None and e.ratio(None, 2.0) is None
+
+
+def test_tree_follows_parent_pids():
+    table = {1: (0, 0.0), 10: (1, 1.0), 11: (10, 2.0), 12: (11, 0.5), 20: (1, 3.0), 21: (20, 0.1)}
+    assert e.tree(table, 10) == {10, 11, 12}
+    assert e.tree(table, 21) == {21}
+    assert e.tree(table, 1) == set(table)
+
+
+def test_target_order_alternates():
+    assert e.target_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert e.target_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert e.target_order(["a", "b", "c"], 2) == ["a", "b", "c"]
+
+
+def level(tok_s, p50, p99=None, requests=10, errors=0, n=1, foreign=0.05, busiest=()):
+    return {"concurrency": n, "window_s": 30.0, "tokens": int(tok_s * 30), "tok_s": tok_s, "ttft_p50_ms": p50,
+            "ttft_p99_ms": p99 if p99 is not None else p50 * 2, "ttft_n": requests, "requests": requests,
+            "min_requests_per_stream": 1, "errors": errors, "error_samples": ["StreamError: x"] if errors else [],
+            "short": 0, "count_mismatch": 0, "target_alive": True, "foreign_cpus": foreign,
+            "foreign_busiest": list(busiest)}
+
+
+def fake_rounds():
+    """Two rounds; medians: ours (grpcio) 95/80/300 tok/s at 1/8/32... see the assertions."""
+    r1 = {"round": 1, "order": list(e.TARGETS), "results": {
+        e.GRPCIO: {"levels": {"1": level(30.0, 24.0), "8": level(94.0, 40.0), "32": level(78.0, 90.0)}},
+        e.NATIVE: {"levels": {"1": level(31.0, 20.0), "8": level(100.0, 40.0), "32": level(100.0, 90.0, errors=2)}},
+        e.LLAMA_SERVER: {"levels": {"1": level(32.0, 14.0), "8": level(100.0, 30.0), "32": level(100.0, 80.0)}},
+        e.LLAMA_CPP_PYTHON: {"levels": {"1": level(25.0, 30.0), "32": level(30.0, 9000.0, foreign=0.5,
+                                                                                     busiest=["make (pid 7, 0.40 CPU)"])}},
+    }}
+    r2 = {"round": 2, "order": list(reversed(e.TARGETS)), "results": {
+        e.GRPCIO: {"levels": {"1": level(30.0, 24.0), "8": level(96.0, 40.0), "32": level(82.0, 90.0)}},
+        e.NATIVE: {"levels": {"1": level(31.0, 22.0), "8": level(100.0, 40.0), "32": level(100.0, 90.0)}},
+        e.LLAMA_SERVER: {"levels": {"1": level(32.0, 14.0), "8": level(100.0, 30.0), "32": level(100.0, 80.0)}},
+        e.LLAMA_CPP_PYTHON: {"error": "RuntimeError: did not start"},
+    }}
+    return [r1, r2]
+
+
+def test_summarize_takes_medians_over_rounds_and_sums_counts():
+    summary = e.summarize(fake_rounds())
+    assert summary[e.GRPCIO]["8"]["tok_s"] == pytest.approx(95.0)
+    assert summary[e.GRPCIO]["32"]["tok_s"] == pytest.approx(80.0)
+    assert summary[e.NATIVE]["1"]["ttft_p50_ms"] == pytest.approx(21.0)
+    assert summary[e.NATIVE]["32"]["errors"] == 2
+    assert summary[e.GRPCIO]["8"]["requests"] == 20
+    assert summary[e.LLAMA_CPP_PYTHON]["32"]["rounds"] == 1 and "8" not in summary[e.LLAMA_CPP_PYTHON]
+
+
+def test_verdicts_judge_each_goal():
+    found = {(v["target"], v["goal"]): v for v in e.verdicts(e.summarize(fake_rounds()))}
+    at8 = "tokens/s >= 0.9x llama-server's at 8 streams"
+    at32 = "tokens/s >= 0.9x llama-server's at 32 streams"
+    vs_python = "tokens/s >= 3x llama_cpp.server's at 32 streams"
+    ttft = "TTFT p50 at 1 stream <= llama-server's + 10 ms"
+    assert found[(e.GRPCIO, at8)]["met"] is True          # 95 / 100
+    assert found[(e.GRPCIO, at32)]["met"] is False        # 80 / 100
+    assert "0.80x" in found[(e.GRPCIO, at32)]["figures"]
+    assert found[(e.GRPCIO, vs_python)]["met"] is False   # 80 / 30 = 2.67
+    assert found[(e.NATIVE, vs_python)]["met"] is True    # 100 / 30 = 3.33
+    assert found[(e.GRPCIO, ttft)]["met"] is True         # 24 - 14 = +10: at the limit
+    assert found[(e.NATIVE, ttft)]["met"] is True         # 21 - 14
+    assert "+10.0 ms" in found[(e.GRPCIO, ttft)]["figures"]
+    assert len(found) == 8
+
+
+def test_verdicts_without_a_peer_are_not_judged():
+    rounds = [{"round": 1, "order": [e.GRPCIO], "results": {e.GRPCIO: {"levels": {"8": level(95.0, 40.0)}}}}]
+    verdicts = e.verdicts(e.summarize(rounds))
+    assert verdicts and all(v["met"] is None for v in verdicts)
+
+
+def test_ttft_goal_missed_past_the_slack():
+    rounds = fake_rounds()
+    rounds[0]["results"][e.GRPCIO]["levels"]["1"] = level(30.0, 26.0)
+    rounds[1]["results"][e.GRPCIO]["levels"]["1"] = level(30.0, 25.0)
+    found = {(v["target"], v["goal"]): v["met"] for v in e.verdicts(e.summarize(rounds))}
+    assert found[(e.GRPCIO, "TTFT p50 at 1 stream <= llama-server's + 10 ms")] is False  # 25.5 - 14
+
+
+# ---------------------------------------------------------------- report
+
+def make_doc():
+    rounds = fake_rounds()
+    summary = e.summarize(rounds)
+    return {"machine": {"cpu": "Test CPU", "cores": 2, "date": "2025-01-01T00:00:00+00:00", "python": "3.11",
+                        "llama_cpp_python": "0.3.36", "llama_cpp_commit": "0c1e57098", "openengine": "0.1.0 (abc)"},
+            "settings": {"targets": list(e.TARGETS), "concurrency": [1, 8, 32], "quick": False, "threads": 2,
+                         "model_file": "m.gguf", "max_tokens": 128, "prompt_tokens": "12-20", "rounds": 2,
+                         "warmup_s": 5.0, "window_s": 30.0, "min_requests": 2, "max_window_s": 90.0},
+            "rounds": rounds, "summary": summary, "verdicts": e.verdicts(summary),
+            "commands": {e.LLAMA_SERVER: "llama-server --parallel 32"}, "notes": ["a note"]}
+
+
+def test_report_tables_ratios_and_verdicts():
+    report = e.render_report(make_doc())
+    assert "Machine: Test CPU, 2 cores, 2025-01-01T00:00:00+00:00; llama-cpp-python 0.3.36, llama.cpp 0c1e57098; " \
+           "2 threads" in report
+    assert "## 32 streams" in report and "## 1 stream\n" in report
+    assert "| OpenEngine (grpcio) | 80.0 | 90.0 | 180.0 | 20 | 0 | 0.80x | 2.67x |" in report
+    assert "| llama-server | 100.0 | 80.0 | 160.0 | 20 | 0 |  |  |" in report
+    # no llama_cpp.server figures at 8 streams: the ratio is missing, not made up
+    assert "| OpenEngine (pygrpc-native) | 100.0 | 40.0 | 80.0 | 20 | 0 | 1.00x | – |" in report
+    assert "| llama_cpp.server | – | – | – | – | – | | |" in report
+    assert ("- OpenEngine (grpcio): tokens/s >= 0.9x llama-server's at 32 streams: **missed** "
+            "(80.0 vs 100.0 tok/s = 0.80x)") in report
+    assert "- OpenEngine (pygrpc-native): tokens/s >= 3x llama_cpp.server's at 32 streams: **met**" in report
+    assert "| 2 | llama-server | 32 | 100.0 | 80.0 | 160.0 | 30.0 | 10 | 1 | 0 | 0.05 |" in report
+    assert "- round 2, llama_cpp.server: RuntimeError: did not start" in report
+    assert "- round 1, OpenEngine (pygrpc-native), 32 streams: 2 errors, e.g. StreamError: x" in report
+    assert ("- round 1, llama_cpp.server, 32 streams: processes this benchmark did not start kept 0.50 CPUs busy "
+            "during the window (busiest: make (pid 7, 0.40 CPU))" in report)
+    assert "did not start kept 0.05" not in report
+    # grpcio at 32 streams: 78 and 82 tok/s (5 % apart) is not worth a line; none of the fake levels is
+    assert "differs from round to round" not in report
+
+
+def test_report_notes_round_to_round_spread():
+    doc = make_doc()
+    doc["rounds"][1]["results"][e.LLAMA_SERVER]["levels"]["8"] = level(80.0, 30.0)
+    report = e.render_report(doc)
+    assert "- llama-server, 8 streams: tok/s differs from round to round by 22% of the median (100.0, 80.0)" in report
+    assert "llama-server, 32 streams: tok/s differs" not in report
+    assert "`llama-server --parallel 32`" in report and "- a note" in report
+
+
+def test_fmt():
+    assert e.fmt(None) == "–" and e.fmt(float("nan")) == "–"
+    assert e.fmt(3.14159, 2) == "3.14"
+    assert e.fmt(2.0, 1, signed=True) == "+2.0" and e.fmt(-2.0, 1, signed=True) == "-2.0"
+
+
+# ---------------------------------------------------------------- the load loop, on a fake target
+
+class FakeTarget(e.Target):
+    name = "fake"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.proc = None
+
+    def alive(self) -> bool:
+        return True
+
+    async def request(self, prompt, max_tokens, on_tokens):
+        if self.fail:
+            raise e.StreamError("engine failed")
+        outcome = e.Outcome()
+        for _ in range(max_tokens):
+            await asyncio.sleep(0.002)
+            outcome.counted += 1
+            on_tokens(1)
+        outcome.reported = max_tokens
+        return outcome
+
+
+def test_run_level_counts_tokens_requests_and_ttft():
+    mode = e.Mode(rounds=1, warmup_s=0.1, window_s=0.4, min_requests=2, max_window_s=5.0)
+    result = asyncio.run(e.run_level(FakeTarget(), 3, mode, max_tokens=10))
+    assert result["min_requests_per_stream"] >= 2 and result["requests"] >= 6
+    assert result["window_s"] >= 0.4
+    assert result["tok_s"] == pytest.approx(result["tokens"] / result["window_s"])
+    # every counted token belongs to a request completed in the window or to one of the 3 still open at its
+    # end; only each stream's first completed request can have begun before the window
+    assert 10 * (result["requests"] - 3) <= result["tokens"] <= 10 * (result["requests"] + 3)
+    # one TTFT per request whose first token came in the window: at most the completed ones and the 3 open
+    assert 0 < result["ttft_n"] <= result["requests"] + 3 and 0 < result["ttft_p50_ms"] < 1000
+    assert result["errors"] == 0 and result["short"] == 0 and result["count_mismatch"] == 0
+
+
+def test_run_level_counts_errors():
+    mode = e.Mode(rounds=1, warmup_s=0.0, window_s=0.3, min_requests=0, max_window_s=1.0)
+    result = asyncio.run(e.run_level(FakeTarget(fail=True), 2, mode, max_tokens=10))
+    assert result["errors"] >= 2 and result["requests"] == 0 and result["tokens"] == 0
+    assert result["error_samples"][0] == "StreamError: engine failed"
+    assert result["ttft_p50_ms"] is None and not math.isnan(result["window_s"])

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
+from google.protobuf.message import Message
 
 from openengine_serve.api.openengine.v1 import generation_pb2 as G
 from openengine_serve.client import AsyncClient, Client
@@ -150,3 +151,72 @@ def _ready_ranks(target: str) -> int:
     with Client(target) as client:
         info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=2)
     return info.parallelism.data_parallel_size
+
+
+# ------------------------------------------------------------------ the real model (llama.cpp engine)
+
+REAL_MODEL = "SmolLM2-135M-Instruct"
+THREADS = 2
+
+
+@dataclass
+class RealCluster:
+    coordinator: processes.Component
+    node: processes.Component
+    node_metrics: int
+    frontends: dict[str, processes.Component]
+
+    def node_metric(self, name: str) -> float:
+        return processes.metric(processes.scrape(self.node_metrics), name)
+
+
+@pytest.fixture(scope="session")
+def real_cluster():
+    """A coordinator, one llama.cpp node serving SmolLM2-135M-Instruct, and a frontend per gRPC server."""
+    deployment = processes.Deployment()
+    try:
+        coord = deployment.add(processes.coordinator())
+        node, node_metrics = processes.with_metrics(
+            processes.node(coord.target, 0, "--engine", "llama.cpp", "--threads", str(THREADS)))
+        deployment.add(node)
+        frontends = {server: deployment.add(processes.frontend(coord.target, server)) for server in SERVERS}
+        yield RealCluster(coord, node, node_metrics, frontends)
+    finally:
+        deployment.close()
+
+
+@pytest.fixture(params=SERVERS)
+def target(request, real_cluster) -> str:
+    """The public address of a frontend (each gRPC server in turn) of the real-model cluster."""
+    return real_cluster.frontends[request.param].target
+
+
+def make_request(prompt: str | list[int] = "The capital of France is", *, max_tokens: int = 24,
+                 temperature: float = 0.0, **fields) -> G.GenerateRequest:
+    """A request to the real model, greedy unless `temperature`; `fields`: stopping fields by name, others as
+    message__field (lists extend repeated fields)."""
+    req = G.GenerateRequest(request_id=f"real-{uuid.uuid4()}", model=REAL_MODEL,
+                            stopping=G.StoppingOptions(max_tokens=max_tokens))
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    req.sampling.temperature = temperature
+    for name, value in fields.items():
+        message, field = name.split("__") if "__" in name else ("stopping", name)
+        if isinstance(value, list):
+            getattr(getattr(req, message), field).extend(value)
+        elif isinstance(value, Message):  # a message field, e.g. guided__choice
+            getattr(getattr(req, message), field).CopyFrom(value)
+        else:
+            setattr(getattr(req, message), field, value)
+    return req
+
+
+def generate(target: str, req: G.GenerateRequest, timeout: float = 120) -> list[G.GenerateResponse]:
+    with Client(target) as client:
+        return list(client.generate(req, timeout=timeout))
+
+
+def output_ids(responses, index: int = 0) -> list[int]:
+    return by_output(responses)[index]["ids"]

@@ -12,7 +12,6 @@ import math
 import os
 import signal
 import time
-import uuid
 
 import grpc
 import numpy as np
@@ -23,12 +22,11 @@ from openengine_serve.client import AsyncClient, Client
 from openengine_serve.engine.model_card import default_model_path
 
 from . import processes
-from .conftest import SERVERS, by_output
+from .conftest import REAL_MODEL as MODEL
+from .conftest import SERVERS, THREADS, by_output, generate, make_request, output_ids
 from .processes import Deployment, wait_for
 
 G = generation_pb2
-MODEL = "SmolLM2-135M-Instruct"
-THREADS = 2
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "<|im_start|>user\nWrite a haiku about the sea<|im_end|>\n<|im_start|>assistant\n"]
 
@@ -53,53 +51,6 @@ def reference_greedy(reference, prompt_ids: list[int], max_tokens: int) -> list[
 
 def prompt_ids(reference, text: str) -> list[int]:
     return reference.tokenize(text.encode(), add_bos=True, special=True)
-
-
-@pytest.fixture(scope="module")
-def real_cluster():
-    with_deployment = Deployment()
-    try:
-        coord = with_deployment.add(processes.coordinator())
-        node, node_metrics = processes.with_metrics(
-            processes.node(coord.target, 0, "--engine", "llama.cpp", "--threads", str(THREADS)))
-        with_deployment.add(node)
-        frontends = {server: with_deployment.add(processes.frontend(coord.target, server)) for server in SERVERS}
-        yield coord, node, node_metrics, frontends
-    finally:
-        with_deployment.close()
-
-
-@pytest.fixture(params=SERVERS)
-def target(request, real_cluster) -> str:
-    return real_cluster[3][request.param].target
-
-
-def make_request(prompt: str | list[int] = PROMPTS[0], *, max_tokens: int = 24, temperature: float = 0.0,
-                 **fields) -> G.GenerateRequest:
-    """Greedy unless `temperature`; `fields`: stopping fields by name, others as message__field."""
-    req = G.GenerateRequest(request_id=f"real-{uuid.uuid4()}", model=MODEL,
-                            stopping=G.StoppingOptions(max_tokens=max_tokens))
-    if isinstance(prompt, str):
-        req.prompt = prompt
-    else:
-        req.token_ids.ids.extend(prompt)
-    req.sampling.temperature = temperature
-    for name, value in fields.items():  # "stopping" fields by name, others as message__field
-        message, field = name.split("__") if "__" in name else ("stopping", name)
-        if isinstance(value, list):
-            getattr(getattr(req, message), field).extend(value)
-        else:
-            setattr(getattr(req, message), field, value)
-    return req
-
-
-def generate(target: str, req: G.GenerateRequest, timeout: float = 120) -> list[G.GenerateResponse]:
-    with Client(target) as client:
-        return list(client.generate(req, timeout=timeout))
-
-
-def output_ids(responses, index: int = 0) -> list[int]:
-    return by_output(responses)[index]["ids"]
 
 
 # ------------------------------------------------------------------ what the frontend reports

@@ -111,7 +111,7 @@ def test_a_routing_key_always_lands_on_its_rendezvous_node(state: ClusterState) 
     for i, key in enumerate(keys):
         assert reserve(state, f"r{i}", routing_key=key) == expected[key]
         assert reserve(state, f"again{i}", routing_key=key) == expected[key]
-    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 24, "least_loaded": 0}
+    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 24, "prefix": 0, "least_loaded": 0}
 
 
 def test_a_key_leaves_a_node_that_is_not_ready_and_comes_back(state: ClusterState) -> None:
@@ -131,7 +131,7 @@ def test_a_key_overflows_from_its_full_node_and_returns(state: ClusterState) -> 
     key = key_routed_to("a", ["a", "b"])
     assert reserve(state, "r0", routing_key=key) == "a"
     assert reserve(state, "r1", routing_key=key) == "b"  # a is full: overflow to the least loaded
-    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 1, "least_loaded": 1}
+    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 1, "prefix": 0, "least_loaded": 1}
     state.release("r0", "fe-1")
     assert reserve(state, "r2", routing_key=key) == "a"
 

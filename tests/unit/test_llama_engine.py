@@ -2,9 +2,10 @@
 admission, preemption when the KV cache is full, cancel, pause, several outputs of one prompt.
 
 Greedy outputs are compared with the same request served alone. Every step here stays below 64 tokens
-(prefill_chunk 32, at most 4 sequences) and the KV cache below 512 cells: ggml's CPU flash attention then takes
-the same kernel whatever the batch holds, so a row's logits do not depend on its neighbours
-(docs/engines.md, batch invariance).
+(prefill_chunk 32, at most 4 sequences) and, where outputs are compared, the KV cache's used cells below 512
+(a lone query over 512 cells or more takes ggml's split-KV kernel): ggml's CPU flash attention then takes the
+same kernel whatever the batch holds, so a row's logits do not depend on its neighbours (docs/engines.md,
+batch invariance).
 """
 
 from __future__ import annotations
@@ -186,3 +187,64 @@ def run_events(llama: LlamaEngine) -> list[C.OutputEvent]:
     while not llama.idle:
         events += step(llama)
     return events
+
+
+# ------------------------------------------------------------------ the prefix cache
+
+SYSTEM = list(range(3000, 3200))  # a 200-token shared prefix
+
+
+def cached_engine(**settings) -> LlamaEngine:
+    values = dict(max_batch=4, context_size=4096, prefill_chunk=32, prefix_cache_tokens=2048)
+    values.update(settings)
+    return LlamaEngine(WorkerConfig(command_address="-", step_address="-", engine="llama.cpp",
+                                    model_path=default_model_path(), threads=2, **values))
+
+
+def served(llama: LlamaEngine, request: C.EngineRequest) -> tuple[list[int], int, int, int]:
+    """(tokens, the first event's cached_prompt_tokens, prompt tokens read, tokens reused) of one request."""
+    llama.enqueue(request)
+    tokens, cached, read, reused = [], None, 0, 0
+    while not llama.idle:
+        events = step(llama)
+        read += llama.prefilled_tokens
+        reused += llama.cached_prompt_tokens
+        for event in events:
+            tokens += [t.token_id for t in event.tokens]
+            if event.first:
+                cached = event.cached_prompt_tokens
+    return tokens, cached, read, reused
+
+
+def test_a_shared_prefix_is_read_once_and_gives_the_same_greedy_output():
+    llama = cached_engine(context_size=256)  # below 512 cells: no split-KV kernel (see the module docstring)
+    assert llama.context_size == 256
+    prefix = SYSTEM[:120]
+    first = served(llama, add("first", prefix + [11, 12, 13], max_tokens=16))
+    second = served(llama, add("second", prefix + [11, 12, 13], max_tokens=16))
+    other = served(llama, add("other", prefix + [21, 22], max_tokens=16))
+    bypass = served(llama, add("bypass", prefix + [11, 12, 13], max_tokens=16, bypass_prefix_cache=True))
+    assert first[1:] == (0, 123, 0)
+    assert second[1:] == (122, 1, 122), "all but the last prompt token came from the cache"
+    assert other[1:] == (120, 2, 120), "a prompt sharing only the prefix reuses the prefix"
+    assert bypass[1:] == (0, 123, 0)
+    assert first[0] == second[0] == bypass[0], "the same greedy tokens with the cache and without"
+
+
+def test_cache_salts_never_share_and_the_cache_is_bounded():
+    llama = cached_engine(prefix_cache_tokens=450)
+    served(llama, add("a", SYSTEM + [1], max_tokens=4, cache_salt="tenant-a"))
+    assert served(llama, add("b", SYSTEM + [1], max_tokens=4, cache_salt="tenant-b"))[3] == 0
+    assert served(llama, add("a2", SYSTEM + [1], max_tokens=4, cache_salt="tenant-a"))[3] == 200
+    assert llama.prefix_cache.tokens <= 450 and len(llama.prefix_cache) == 2, "a2's entry replaced a's"
+    served(llama, add("c", list(range(5000, 5300)), max_tokens=4))
+    assert llama.prefix_cache.tokens <= 450, "the least recently used entries went"
+
+
+def test_running_requests_take_the_cells_back_from_the_cache():
+    llama = cached_engine(context_size=512, prefix_cache_tokens=512)
+    served(llama, add("old", SYSTEM + [1], max_tokens=100))
+    assert llama.prefix_cache.tokens == 300
+    fresh = served(llama, add("fresh", list(range(6000, 6300)), max_tokens=100))
+    assert len(fresh[0]) == 100 and fresh[3] == 0, "it ran whole: the cache gave its cells back"
+    assert llama.prefix_cache.tokens <= 512 - 0

@@ -152,7 +152,8 @@ async def _stream_one_event_at_a_time(ids, send_now):
             self.trace = NO_TRACE
 
     inference = Inference.__new__(Inference)
-    inference.model = SimpleNamespace(loaded=SimpleNamespace(tokenizer=ENC, strings=STRINGS))
+    inference.model = SimpleNamespace(loaded=SimpleNamespace(tokenizer=ENC, strings=STRINGS,
+                                                             limits=SimpleNamespace(prefix_cache=False)))
     accepted, out, direct, written = Accepted(), [], [], []
 
     async def write(message):

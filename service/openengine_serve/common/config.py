@@ -132,6 +132,12 @@ class NodeConfig(CommonConfig):
                                    "prefill: the running streams still get one token every step)", minimum=1)
     threads: int = knob(0, "llama.cpp: CPU threads of the model (0: the node's CPU budget, the smaller of CPU "
                            "affinity and cgroup CPU quota, at least 1)", minimum=0, maximum=256)
+    prefix_cache_tokens: int = knob(8192, "llama.cpp: KV cache cells the prefix cache may keep of ended requests, "
+                                          "so that a prompt starting with the same tokens (and cache_salt) reads "
+                                          "only the rest; given back first when running requests need cells "
+                                          "(0: no prefix cache)", minimum=0)
+    max_guided_sequences: int = knob(16, "llama.cpp: guided outputs (grammar-constrained) running at once; more "
+                                         "wait for a slot (0: guided decoding off)", minimum=0, maximum=256)
     step_ms: float = knob(2.0, "simulated engine step: every running sequence gets one token per step",
                           minimum=0.1)
     max_batch: int = knob(0, "sequences running at once in the engine (0: 32 for llama.cpp, 256 for simulated)",
@@ -195,6 +201,11 @@ class FrontendConfig(CommonConfig):
     max_output_tokens: int = knob(0, "output tokens per sequence, the default `max_tokens` (0: the nodes' "
                                      "model's)", minimum=0)
     max_num_sequences: int = knob(8, "largest `num_sequences` accepted", minimum=1)
+    max_guide_bytes: int = knob(65536, "largest guide (guided.json_schema, regex, ebnf_grammar, structural_tag, "
+                                       "the choices together) accepted (INVALID_ARGUMENT beyond)", minimum=16)
+    guide_compile_timeout_s: float = knob(5.0, "a guide that takes longer to compile on the frontend (which "
+                                               "checks it before any engine work) is refused (INVALID_ARGUMENT)",
+                                          minimum=0.05)
     heartbeat_s: float = knob(1.0, "how often the frontend heartbeats the coordinator", minimum=0.05)
     stall_timeout_s: float = knob(120.0, "a request that hears nothing from its node this long (queued or "
                                          "running) ends with a retryable EngineError", minimum=1)

@@ -123,6 +123,12 @@ class GgufTokenizer:
     def decode_single_token_bytes(self, token_id: int) -> bytes:
         return self._pieces[token_id]
 
+    def guide_tokenizer(self):
+        """llguidance's view of this vocabulary, to compile guides against."""
+        from .guides import vocabulary
+
+        return vocabulary(self._vocab)
+
 
 def tokenizer_for(card: cluster_pb2.ModelCard) -> Tokenizer:
     """The tokenizer a ModelCard (from Node.GetModel) describes; ValueError when this frontend does not know it."""

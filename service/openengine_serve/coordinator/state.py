@@ -50,9 +50,14 @@ FORGET_AFTER_EXPIRIES = 10
 
 ROUTE_TARGET_RANK = "target_rank"
 ROUTE_AFFINITY = "affinity"
+ROUTE_PREFIX = "prefix"
 ROUTE_LEAST_LOADED = "least_loaded"
 
 LookupResult = tuple[Literal["live", "finished", "unknown"], cluster_pb2.NodeEntry | None]
+
+
+PREFIX_KEY_SPACE = "\0prefix:"  # prefix keys and routing keys share the affinity memory, never a key
+PREFIX_LOAD_SLACK = 0.25  # a prefix's node may be this much busier (fraction of its batch) than the least loaded
 
 
 class CoordinatorError(Exception):
@@ -212,7 +217,7 @@ class ClusterState:
         self._table_changed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._structure_changed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._table_removal_at = 0
-        self._routing_decisions = {ROUTE_TARGET_RANK: 0, ROUTE_AFFINITY: 0, ROUTE_LEAST_LOADED: 0}
+        self._routing_decisions = {ROUTE_TARGET_RANK: 0, ROUTE_AFFINITY: 0, ROUTE_PREFIX: 0, ROUTE_LEAST_LOADED: 0}
         self._refusals = {"duplicate": 0, "no_node": 0, "rank_not_found": 0, "deployment_full": 0}
 
     # ------------------------------------------------------------------ nodes
@@ -417,6 +422,9 @@ class ClusterState:
             node = self._pick_by_affinity(ready, request.routing_key)
             reason = ROUTE_AFFINITY
             if node is None:
+                node = self._pick_by_prefix(ready, request.prefix_key)
+                reason = ROUTE_PREFIX
+            if node is None:
                 node = self._pick_least_loaded(ready)
                 reason = ROUTE_LEAST_LOADED
 
@@ -560,6 +568,18 @@ class ClusterState:
                 self._affinity.clear()
             node = self._affinity[routing_key] = rendezvous_pick(routing_key, ready, _node_id)
         return None if node.is_full() else node
+
+    def _pick_by_prefix(self, ready: list[_Node], prefix_key: str) -> _Node | None:
+        """The prefix's node by the routing rule (where its prompt's KV is likely cached), unless its load score
+        is more than PREFIX_LOAD_SLACK above the least loaded node's (consistent hashing with bounded loads: a
+        popular prefix does not pile onto one node); None then, or without a key."""
+        if not prefix_key:
+            return None
+        node = self._pick_by_affinity(ready, PREFIX_KEY_SPACE + prefix_key)
+        least = self._least_loaded.least_loaded()
+        if node is None or least is None or node.load_score() > self._nodes[least].load_score() + PREFIX_LOAD_SLACK:
+            return None
+        return node
 
     def _pick_least_loaded(self, ready: list[_Node]) -> _Node:
         # The load index (load_index.py) holds exactly the READY nodes with room, by score; ties take turns.

@@ -27,12 +27,16 @@ class WorkerConfig:
     context_size: int = 16384  # llama.cpp: KV cache cells shared by every sequence
     prefill_chunk: int = 256  # llama.cpp: prompt tokens per step, over every admitted prompt
     threads: int = 1  # llama.cpp: CPU threads of the decode
+    prefix_cache_tokens: int = 0  # llama.cpp: KV cells the prefix cache may keep (0: no prefix cache)
+    max_guided_sequences: int = 16  # llama.cpp: guided outputs running at once
 
     def __post_init__(self) -> None:
         if (self.max_batch < 1 or self.ranks < 1 or self.step_ms <= 0 or self.context_size < 1
-                or self.prefill_chunk < 1 or self.threads < 1):
+                or self.prefill_chunk < 1 or self.threads < 1 or self.prefix_cache_tokens < 0
+                or self.max_guided_sequences < 0):
             raise ValueError(f"invalid engine worker config: need max_batch >= 1, ranks >= 1, step_ms > 0, "
-                             f"context_size >= 1, prefill_chunk >= 1 and threads >= 1, got {self}")
+                             f"context_size >= 1, prefill_chunk >= 1, threads >= 1, prefix_cache_tokens >= 0 "
+                             f"and max_guided_sequences >= 0, got {self}")
         if self.engine not in ("simulated", "llama.cpp"):
             raise ValueError(f"invalid engine worker config: engine must be simulated or llama.cpp, got {self.engine!r}")
         if self.engine == "llama.cpp" and (self.ranks != 1 or not self.model_path):

@@ -33,6 +33,8 @@ class EngineLoad(NamedTuple):
     queued: int  # sequences waiting for admission
     running_tokens: int  # tokens the admitted sequences hold (prompt and output)
     waiting_tokens: int  # prompt tokens of the queued sequences
+    prefilled_tokens: int = 0  # prompt tokens read in the last step
+    cached_prompt_tokens: int = 0  # prompt tokens admitted in the last step with their KV from the prefix cache
 
 
 class Engine(ABC):
@@ -86,10 +88,11 @@ def event_field(event_payload: bytes) -> bytes:
 
 def step_message(step: int, events: list[bytes], load: EngineLoad, step_seconds: float,
                  worker_pids: list[int]) -> bytes:
-    """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..9), in field order,
+    """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..11), in field order,
     so the bytes equal protobuf's own serialization of the same message."""
     figures = cluster_pb2.EngineStep(
         running=load.running, queued=load.queued, running_tokens=load.running_tokens,
         waiting_tokens=load.waiting_tokens, step_seconds=step_seconds, worker_pids=worker_pids,
+        prefilled_tokens=load.prefilled_tokens, cached_prompt_tokens=load.cached_prompt_tokens,
     ).SerializeToString()
     return cluster_pb2.EngineStep(step=step).SerializeToString() + b"".join(events) + figures

@@ -27,6 +27,10 @@ SCHEMA_REVISION = 1
 SCHEMA_RELEASE = "openengine@4def7c50b05e0674a0c3b26917399155535966e4"
 ENGINE_NAME = "openengine-serve"
 
+# every guide kind of the protocol: common/guides.py compiles each to an llguidance grammar
+GUIDED_MODES = [model_pb2.GUIDED_DECODING_MODE_JSON_SCHEMA, model_pb2.GUIDED_DECODING_MODE_REGEX,
+                model_pb2.GUIDED_DECODING_MODE_EBNF_GRAMMAR, model_pb2.GUIDED_DECODING_MODE_STRUCTURAL_TAG,
+                model_pb2.GUIDED_DECODING_MODE_CHOICE, model_pb2.GUIDED_DECODING_MODE_JSON_OBJECT]
 READY = lifecycle_pb2.HEALTH_STATE_READY
 DEGRADED = lifecycle_pb2.HEALTH_STATE_DEGRADED
 NOT_READY = lifecycle_pb2.HEALTH_STATE_NOT_READY
@@ -87,9 +91,11 @@ class Control(openengine_pb2_grpc.ControlServicer):
             tokenizer_modes=[tokenizer.mode], supports_text_input=True, supports_token_ids_input=True,
             generation=model_pb2.GenerationCapabilities(
                 prompt_logprobs=logprobs, output_logprobs=logprobs,
-                guided_decoding=model_pb2.GuidedDecodingCapabilities(supported=False),
+                guided_decoding=model_pb2.GuidedDecodingCapabilities(
+                    supported=limits.guided_decoding, modes=GUIDED_MODES if limits.guided_decoding else []),
                 max_num_sequences=limits.max_num_sequences, supports_priority=True,
-                supports_stop_in_output=True, supports_cache_salt=False, supports_prefix_cache_bypass=False),
+                supports_stop_in_output=True, supports_cache_salt=limits.prefix_cache,
+                supports_prefix_cache_bypass=limits.prefix_cache),
             supports_lora=False, supports_multimodal=False)
         info.extra.update({"engine": loaded.card.engine, "vocab_size": tokenizer.n_vocab,
                            "end_of_generation_token_ids": list(tokenizer.end_of_generation),

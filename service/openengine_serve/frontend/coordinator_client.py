@@ -170,14 +170,15 @@ class CoordinatorClient:
 
     async def reserve(self, request_id: str, routing_key: str, target_rank: int | None, prompt_tokens: int,
                       num_sequences: int, trace: tuple[tuple[str, str], ...] = (),
-                      owner: str = "") -> cluster_pb2.NodeEntry:
+                      owner: str = "", prefix_key: str = "") -> cluster_pb2.NodeEntry:
         """The node the id's coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API
-        key name that starts the request, so that only it (or an admin) can abort it.
+        key name that starts the request, so that only it (or an admin) can abort it. `prefix_key`: its prompt's
+        prefix (requests.prefix_key), which the coordinator prefers to send where that prefix went.
 
         Batched with the other reservations of this event-loop tick; the deadline is per reservation. `trace`
         (traceparent/tracestate pairs) rides in the reservation, since a batch has no per-request metadata.
         """
-        request = cluster_pb2.ReserveRequest(request_id=request_id, routing_key=routing_key,
+        request = cluster_pb2.ReserveRequest(request_id=request_id, routing_key=routing_key, prefix_key=prefix_key,
                                              prompt_tokens=prompt_tokens, num_sequences=num_sequences, owner=owner)
         for key, value in trace:
             if key in ("traceparent", "tracestate"):

@@ -16,6 +16,7 @@ import grpc
 
 from ..api.openengine.v1 import error_pb2, generation_pb2, openengine_pb2_grpc
 from ..api.openengine_internal.v1 import cluster_pb2
+from ..common import guides
 from ..common.config import FrontendConfig
 from ..common.grpc_server import stream_writer
 from ..common.health import Health
@@ -25,7 +26,7 @@ from .nodes import LaneFailure
 from .refusal import (DuplicateRequest, InvalidRequest, KeyAtLimit, NotServed, Overloaded, Refusal, Unavailable,
                       Unsupported)
 from .request_trace import RequestTrace
-from .requests import OpenRequest, Requests
+from .requests import OpenRequest, Requests, prefix_key
 from .served_model import LoadedModel, ServedModel
 from .stream import ENGINE_ERROR, ENGINE_NONE, OutputStream, engine_error, prompt_output, serialize_response
 from .validation import GenerationPlan, RequestMetadata, parse_metadata, validate_generate
@@ -60,6 +61,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         self.max_in_flight = config.max_in_flight
         self.key_max_in_flight = config.api_key_max_in_flight
         self.client_stall_timeout_s = config.client_stall_timeout_s
+        self.guide_compile_timeout_s = config.guide_compile_timeout_s
 
     def loaded(self) -> LoadedModel:
         """The served model; Unavailable while no node has told this frontend its model yet."""
@@ -71,7 +73,10 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
     def plan(self, request: generation_pb2.GenerateRequest, metadata: RequestMetadata) -> GenerationPlan:
         """The validated request; raises a Refusal naming what is wrong."""
         loaded = self.loaded()
-        return validate_generate(request, metadata, loaded.limits, loaded.tokenizer.encode)
+        plan = validate_generate(request, metadata, loaded.limits, loaded.tokenizer.encode)
+        if loaded.limits.prefix_cache:
+            plan.prefix_key = prefix_key(plan)
+        return plan
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:
         # A coroutine writing with context.write, not an async generator: when the client cancels, the
@@ -96,6 +101,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             if key_refusal is not None:
                 raise _retry_later(context, key_refusal)
             plan = self.plan(request, parse_metadata(invocation_metadata))
+            if plan.guide:
+                await self.check_guide(plan)
             trace.set_attributes(**{"gen_ai.usage.input_tokens": len(plan.prompt_token_ids)})
             sink = None
             write, send_now = stream_writer(context)
@@ -121,6 +128,19 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             trace.end(status="cancelled" if cancelled else "error", code="CANCELLED" if cancelled else "INTERNAL",
                       error=None if cancelled else exc)
             raise
+
+    async def check_guide(self, plan: GenerationPlan) -> None:
+        """Compiles the request's guide against the model's vocabulary, off the event loop and bounded in time,
+        before anything is reserved: an invalid guide is refused with the compiler's message."""
+        tokenizer = self.loaded().guide_tokenizer
+        try:
+            async with asyncio.timeout(self.guide_compile_timeout_s):
+                await asyncio.to_thread(guides.check, plan.guide_kind, plan.guide, tokenizer, guides.Limits())
+        except TimeoutError:
+            raise InvalidRequest(f"guided.{plan.guide_kind} took longer than {self.guide_compile_timeout_s:g} s to "
+                                 f"compile (OPENENGINE_GUIDE_COMPILE_TIMEOUT_S); simplify it") from None
+        except guides.GuideError as exc:
+            raise InvalidRequest(str(exc)) from None
 
     def _key_at_limit(self, key: auth.ApiKey | None) -> KeyAtLimit | None:
         """The refusal of a caller whose API key has its maximum of streams open in this worker, else None."""
@@ -163,6 +183,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         open_outputs = plan.num_sequences
         single_output = open_outputs == 1
         prompt_sent = not plan.prompt_logprobs
+        cached_prompt_tokens: int | None = None
         status, code = "error", "INTERNAL"
         metrics.IN_FLIGHT.inc()
         metrics.PROMPT_TOKENS.inc(len(plan.prompt_token_ids))
@@ -223,6 +244,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 if not prompt_sent and items[0].prompt_tokens:
                     prompt_sent = True
                     await emit(prompt_output(plan, items[0], strings))
+                if cached_prompt_tokens is None and items[0].first:  # the engine says it on the first token
+                    cached_prompt_tokens = items[0].cached_prompt_tokens
                 new_tokens = 0
                 for index, events in ((0, items),) if single_output else _by_output(items):
                     output = outputs[index]
@@ -238,7 +261,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                         open_outputs -= 1
                         finish_reasons.append(finished.finished.reason)
                         if not open_outputs:
-                            finished.usage.CopyFrom(_usage(plan, outputs))
+                            finished.usage.CopyFrom(_usage(plan, outputs, cached_prompt_tokens
+                                                           if loaded.limits.prefix_cache else None))
                         await emit(finished)
                 if new_tokens:
                     if first_token_at is None:
@@ -333,7 +357,11 @@ def _by_output(items: list[cluster_pb2.OutputEvent]):
     return by_output.items()
 
 
-def _usage(plan: GenerationPlan, outputs: list[OutputStream]) -> generation_pb2.Usage:
+def _usage(plan: GenerationPlan, outputs: list[OutputStream], cached_prompt_tokens: int | None) -> generation_pb2.Usage:
+    """`cached_prompt_tokens`: the prompt tokens whose KV the prefix cache gave (None: an engine without one)."""
     prompt = len(plan.prompt_token_ids)
     completion = sum(o.generated for o in outputs)
-    return generation_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    usage = generation_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    if cached_prompt_tokens is not None:
+        usage.cached_prompt_tokens = cached_prompt_tokens
+    return usage

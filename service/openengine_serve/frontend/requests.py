@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import struct
 import time
 from collections.abc import AsyncIterator
 
@@ -142,14 +144,14 @@ class Requests:
             with trace.call(RESERVE_SPAN, forwarded) as call_metadata:
                 return await self.coordinator.reserve(plan.request_id, metadata.routing_key, metadata.target_rank,
                                                       len(plan.prompt_token_ids), plan.num_sequences, call_metadata,
-                                                      owner)
+                                                      owner, plan.prefix_key)
         except CoordinatorUnreachable:
             trace.event("fallback_routing")
             # Duplicates are caught on this frontend only until the coordinator is back.
             if plan.request_id in self.nodes.sinks:
                 raise DuplicateRequest(f"request_id {plan.request_id!r} is already in flight") from None
-            return self.router.choose(self.coordinator.ready_nodes(), metadata.routing_key, metadata.target_rank,
-                                      self.nodes.in_flight)
+            return self.router.choose(self.coordinator.ready_nodes(), metadata.routing_key or plan.prefix_key,
+                                      metadata.target_rank, self.nodes.in_flight)
 
 
 def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry) -> Refusal:
@@ -175,7 +177,8 @@ def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.Engine
         frequency_penalty=plan.frequency_penalty, presence_penalty=plan.presence_penalty,
         repetition_penalty=plan.repetition_penalty, seed=plan.seed or 0, has_seed=plan.seed is not None,
         output_logprobs=plan.output_logprobs, prompt_logprobs=plan.prompt_logprobs,
-        prompt_logprob_start=plan.prompt_logprob_start)
+        prompt_logprob_start=plan.prompt_logprob_start, guide=plan.guide,
+        bypass_prefix_cache=plan.bypass_prefix_cache, cache_salt=plan.cache_salt)
     for target, selection in ((req.output_candidates, plan.output_candidates),
                               (req.prompt_candidates, plan.prompt_candidates)):
         if selection is not None:
@@ -185,6 +188,20 @@ def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.Engine
             else:
                 target.token_ids.extend(value)
     return req
+
+
+PREFIX_ROUTING_TOKENS = 64  # the prompt's first tokens that name its prefix for routing
+
+
+def prefix_key(plan: GenerationPlan) -> str:
+    """A name for the prompt's first tokens and cache salt: requests sharing them are routed to one node, where
+    the prefix cache likely holds their KV. "" (no preference) with a routing key, when the request bypasses the
+    cache, or for a prompt not longer than those tokens."""
+    tokens = plan.prompt_token_ids
+    if plan.metadata.routing_key or plan.bypass_prefix_cache or len(tokens) <= PREFIX_ROUTING_TOKENS:
+        return ""
+    head = struct.pack(f"<{PREFIX_ROUTING_TOKENS}I", *tokens[:PREFIX_ROUTING_TOKENS])
+    return hashlib.blake2b(head + plan.cache_salt.encode(), digest_size=8).hexdigest()
 
 
 def trace_metadata(metadata: RequestMetadata) -> tuple[tuple[str, str], ...]:

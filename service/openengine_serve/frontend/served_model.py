@@ -44,6 +44,7 @@ class LoadedModel:
     limits: ModelLimits
     strings: TokenStrings  # token id -> text, cached per tokenizer
     node_id: str  # the node the tokenizer came from
+    guide_tokenizer: object = None  # llguidance's view of the vocabulary, to compile guides (guided decoding)
 
     @property
     def name(self) -> str:
@@ -85,6 +86,7 @@ class ServedModel:
                 card = await cluster_pb2_grpc.NodeStub(channel).GetModel(cluster_pb2.GetModelRequest(),
                                                                          timeout=GET_MODEL_TIMEOUT_S)
             tokenizer = await asyncio.to_thread(tokenizer_for, card)
+            guide_tokenizer = await asyncio.to_thread(tokenizer.guide_tokenizer) if card.guided_decoding else None
         except (grpc.aio.AioRpcError, ValueError, OSError) as exc:
             # The next node table (within a heartbeat) tries again.
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -92,7 +94,7 @@ class ServedModel:
             return
         card.ClearField("tokenizer_data")
         self.loaded = LoadedModel(card, tokenizer, self._limits(card, tokenizer), TokenStrings(tokenizer),
-                                  node.node_id)
+                                  node.node_id, guide_tokenizer)
         self.changed.set()
         log_event(logger, "model loaded", model=self.loaded.name, engine=card.engine, tokenizer=tokenizer.mode,
                   vocab_size=tokenizer.n_vocab, context_length=self.loaded.limits.max_context_length,
@@ -108,4 +110,5 @@ class ServedModel:
             max_output_tokens=min(config.max_output_tokens or card.max_output_tokens, context),
             max_num_sequences=config.max_num_sequences, max_top_n=MAX_TOP_N,
             max_candidate_token_ids=MAX_CANDIDATE_TOKEN_IDS, max_stop_conditions=MAX_STOP_CONDITIONS,
-            vocab_size=tokenizer.n_vocab)
+            vocab_size=tokenizer.n_vocab, engine=card.engine, guided_decoding=card.guided_decoding,
+            prefix_cache=card.prefix_cache, max_guide_bytes=config.max_guide_bytes)

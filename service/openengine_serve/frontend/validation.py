@@ -10,9 +10,12 @@ answer:
 2. input shape: exactly one of ``prompt`` / ``token_ids``, not empty
    (INVALID_ARGUMENT).
 3. ``model``: the served name or an alias (NOT_FOUND).
-4. unsupported features: ``media``, ``guided``, ``kv``, ``lora_name``,
-   ``all`` candidates (UNIMPLEMENTED). They come after the model because what
-   is supported is a property of the model.
+4. features: ``media``, ``kv.session``, ``lora_name``, ``all`` candidates
+   (UNIMPLEMENTED); ``guided`` and the prefix cache's ``kv`` fields are served
+   by engines that advertise them (UNIMPLEMENTED otherwise, naming the engine
+   that serves them); a guide is read and bounded here (INVALID_ARGUMENT) and
+   compiled later, off the event loop (inference.py). They come after the
+   model because what is supported is a property of the model.
 5. ``sampling`` ranges and ``num_sequences`` (INVALID_ARGUMENT).
 6. ``stopping``: ``max_tokens``, ``min_tokens``, stop conditions (INVALID_ARGUMENT).
 7. ``response``: candidate selections (INVALID_ARGUMENT).
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from openengine_serve.api.openengine.v1 import generation_pb2
+from openengine_serve.common import guides
 
 from .refusal import InvalidRequest, NotServed, Unsupported
 
@@ -66,6 +70,10 @@ class ModelLimits:
     max_top_n: int = 20
     max_candidate_token_ids: int = 20
     max_stop_conditions: int = 16
+    engine: str = "simulated"  # the nodes' engine, named when a feature it lacks is asked
+    guided_decoding: bool = False  # the engine serves `guided`
+    prefix_cache: bool = False  # the engine serves `kv.bypass_prefix_cache` and `kv.cache_salt`
+    max_guide_bytes: int = 65536
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -105,6 +113,11 @@ class GenerationPlan:
     prompt_candidates: CandidateSelection | None = None
     prompt_logprob_start: int = 0
     metadata: RequestMetadata = field(default_factory=RequestMetadata)
+    guide_kind: str = ""  # the `guided` field set ("" none)
+    guide: str = ""  # its llguidance grammar (common/guides.py), not compiled yet
+    bypass_prefix_cache: bool = False
+    cache_salt: str = ""
+    prefix_key: str = ""  # set by the frontend when the engine has a prefix cache (requests.prefix_key)
     min_p: float = 0.0  # 0 = disabled
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -215,7 +228,7 @@ def validate_generate(
     check_request_id(request.request_id)
     input_kind = _check_input_shape(request)
     model = _resolve_model(request.model, limits)
-    _check_supported_features(request)
+    guide_kind, guide = _check_supported_features(request, limits)
 
     # Unset sampling/response messages (most requests) have nothing to check: their defaults directly.
     sampling = _check_sampling(request.sampling, limits) if request.HasField("sampling") else _DEFAULT_SAMPLING
@@ -254,6 +267,10 @@ def validate_generate(
         prompt_candidates=prompt_candidates,
         prompt_logprob_start=response.prompt_logprob_start,
         metadata=metadata,
+        guide_kind=guide_kind,
+        guide=guide,
+        bypass_prefix_cache=request.kv.bypass_prefix_cache,
+        cache_salt=request.kv.cache_salt,
         min_p=sampling.min_p,
         frequency_penalty=sampling.frequency_penalty,
         presence_penalty=sampling.presence_penalty,
@@ -370,22 +387,28 @@ def _resolve_model(requested: str, limits: ModelLimits) -> str:
     raise NotServed(f"{problem}; served models: {served}")
 
 
-def _check_supported_features(request: generation_pb2.GenerateRequest) -> None:
+MAX_CACHE_SALT_BYTES = 256
+
+
+def _check_supported_features(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> tuple[str, str]:
+    """Step 4; returns the guide (its kind and its llguidance grammar, ("", "") without one)."""
     if request.media:
         raise Unsupported("media input is not supported (media must be empty)")
     # An unset message sets nothing (most requests): its fields are not looked at.
+    guide_kind, guide = "", ""
     if request.HasField("guided"):
-        guide = request.guided.WhichOneof("guide")
-        if guide is not None:
-            raise Unsupported(f"guided decoding is not supported (guided.{guide} is set)")
+        guide_kind, guide = _guide(request.guided, limits)
     if request.HasField("kv"):
         kv = request.kv
         if kv.HasField("session"):
             raise Unsupported("KV sessions are not supported (kv.session is set)")
-        if kv.bypass_prefix_cache:
-            raise Unsupported("kv.bypass_prefix_cache is not supported; leave it unset or false")
-        if kv.HasField("cache_salt"):
-            raise Unsupported("kv.cache_salt is not supported; leave it unset")
+        if (kv.bypass_prefix_cache or kv.HasField("cache_salt")) and not limits.prefix_cache:
+            field_set = "kv.bypass_prefix_cache" if kv.bypass_prefix_cache else "kv.cache_salt"
+            raise Unsupported(f"the prefix cache is not served by this deployment's engine ({limits.engine}; "
+                              f"the llama.cpp engine serves it); leave {field_set} unset")
+        size = len(kv.cache_salt.encode())
+        if size > MAX_CACHE_SALT_BYTES:
+            raise InvalidRequest(f"kv.cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, got {size}")
     if request.lora_name:
         raise Unsupported(f"LoRA is not enabled (lora_name {shown(request.lora_name)}); leave lora_name empty")
     if request.HasField("response"):
@@ -394,6 +417,28 @@ def _check_supported_features(request: generation_pb2.GenerateRequest) -> None:
                 raise Unsupported(
                     f"response.{candidates_field}.all is not supported; only top_n and token_ids are"
                 )
+    return guide_kind, guide
+
+
+def _guide(guided: generation_pb2.GuidedDecoding, limits: ModelLimits) -> tuple[str, str]:
+    kind = guided.WhichOneof("guide")
+    if kind is None:
+        return "", ""
+    if not limits.guided_decoding:
+        raise Unsupported(f"guided decoding is not served by this deployment's engine ({limits.engine}; the "
+                          f"llama.cpp engine serves it) (guided.{kind} is set)")
+    if guided.backend not in ("", "llguidance"):
+        raise InvalidRequest(f"guided.backend must be empty or 'llguidance', got {shown(guided.backend)}")
+    value = getattr(guided, kind)
+    size = (sum(len(c.encode()) for c in value.choices) if kind == "choice"
+            else 0 if kind == "json_object" else len(value.encode()))
+    if size > limits.max_guide_bytes:
+        raise InvalidRequest(f"guided.{kind} must be at most {limits.max_guide_bytes} bytes "
+                             f"(OPENENGINE_MAX_GUIDE_BYTES), got {size}")
+    try:
+        return kind, guides.grammar_of(kind, value.choices if kind == "choice" else value)
+    except guides.GuideError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def _stop_conditions(

@@ -10,7 +10,11 @@ RUNNING = Gauge("openengine_node_running_requests", "requests in the engine batc
 QUEUED = Gauge("openengine_node_queued_requests", "requests waiting for a batch slot")
 BATCH_SIZE = Gauge("openengine_node_batch_size", "sequences stepped in the last engine step")
 STEP_SECONDS = Histogram("openengine_node_step_duration_seconds", "engine step duration",
-                         buckets=(0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25))
+                         buckets=(0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+PREFILL_TOKENS = Counter("openengine_node_prefill_tokens",
+                         "prompt tokens the engine read (computed their KV cache), preempted requests' again")
+PREFIX_CACHE_HIT_TOKENS = Counter("openengine_node_prefix_cache_hit_tokens",
+                                  "prompt tokens whose KV cache came from the prefix cache instead of being read")
 LANE_BACKLOG = Gauge("openengine_node_lane_backlog_steps",
                      "engine steps waiting on a result lane, merged into one message (the largest of the lanes)")
 LANE_SHED_REQUESTS = Counter("openengine_node_lane_shed_requests",
@@ -29,3 +33,7 @@ def observe_step(step: cluster_pb2.EngineStep, max_batch: int) -> None:
     if step.events:  # idle heartbeats are not steps
         BATCH_SIZE.set(step.running)
         STEP_SECONDS.observe(step.step_seconds)
+    if step.prefilled_tokens:
+        PREFILL_TOKENS.inc(step.prefilled_tokens)
+    if step.cached_prompt_tokens:
+        PREFIX_CACHE_HIT_TOKENS.inc(step.cached_prompt_tokens)

@@ -39,9 +39,12 @@ def load_card(config: NodeConfig) -> cluster_pb2.ModelCard:
                               "OPENENGINE_ENGINE=simulated")
     path = model_path(config)
     try:
-        return gguf_card(path, config.context_size)
+        card = gguf_card(path, config.context_size)
     except gguf.GgufError as exc:
         raise ConfigError(f"OPENENGINE_MODEL_PATH: {exc}") from None
+    card.guided_decoding = config.max_guided_sequences > 0
+    card.prefix_cache = config.prefix_cache_tokens > 0
+    return card
 
 
 def engine_options(config: NodeConfig, card: cluster_pb2.ModelCard) -> dict:
@@ -50,4 +53,5 @@ def engine_options(config: NodeConfig, card: cluster_pb2.ModelCard) -> dict:
         return {"engine": card.engine}
     threads = config.threads or max(1, int(cpu_budget().cpus))
     return {"engine": LLAMA_CPP, "model_path": model_path(config), "context_size": config.context_size,
-            "prefill_chunk": config.prefill_chunk, "threads": threads}
+            "prefill_chunk": config.prefill_chunk, "threads": threads,
+            "prefix_cache_tokens": config.prefix_cache_tokens, "max_guided_sequences": config.max_guided_sequences}

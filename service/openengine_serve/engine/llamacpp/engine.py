@@ -21,6 +21,14 @@ Python's work per step and per sequence rather than per token of a prompt:
   nothing it already streamed is sent again.
 - A finished, cancelled or failed output frees its sequence's KV cells at once;
   a paused request keeps them and gets no tokens until resumed.
+- Prefix cache (prefix_cache.py): an ended request's KV cells are kept, least
+  recently used first within `prefix_cache_tokens`; a new prompt starting with
+  the same tokens (under the same `cache_salt`) shares them and reads only the
+  rest of its prompt.
+- Guided decoding (llguidance): a request's guide is compiled off the step
+  loop, in a thread (the request waits queued meanwhile); each step its outputs'
+  logits are masked to what the grammar allows, at most
+  `max_guided_sequences` guided outputs at once.
 """
 
 from __future__ import annotations
@@ -28,18 +36,22 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common import guides
 from openengine_serve.engine.config import WorkerConfig
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
+from openengine_serve.engine.llamacpp.prefix_cache import PrefixCache
 from openengine_serve.engine.llamacpp.runtime import LlamaError, LlamaModel, TokenBatch
 from openengine_serve.engine.llamacpp.sampling import OutputSampler, log_softmax, token_record
 
 logger = logging.getLogger("openengine_serve.engine")
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+MAX_CACHED_PREFIXES = 64  # sequences the prefix cache may hold (within LLAMA_MAX_SEQ with the running ones)
 
 FINISH_NONE = cluster_pb2.ENGINE_FINISH_NONE
 FINISH_EOS = cluster_pb2.ENGINE_FINISH_EOS
@@ -68,7 +80,8 @@ class _Request:
     """A request in the engine, queued or admitted."""
 
     __slots__ = ("request", "request_id", "lane", "prompt", "outputs", "order", "paused", "forked",
-                 "prompt_cells", "prompt_records", "prompt_records_sent")
+                 "prompt_cells", "prompt_records", "prompt_records_sent", "guide", "cached_prompt_tokens",
+                 "cache_reported", "cache_entry")
 
     def __init__(self, request: cluster_pb2.EngineRequest, order: tuple[int, int], vocab_size: int,
                  end_of_generation: np.ndarray) -> None:
@@ -85,6 +98,18 @@ class _Request:
         self.prompt_cells = 0  # KV cells of the prompt shared by the forked outputs
         self.prompt_records: list[cluster_pb2.TokenRecord] | None = [] if request.prompt_logprobs else None
         self.prompt_records_sent = False
+        self.guide: Future | None = None  # the guide's compilation, while it runs
+        self.cached_prompt_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.cache_reported = False  # the first event told the frontend how many
+        self.cache_entry = -1  # the prefix cache entry (sequence id) whose cells it shares
+
+    @property
+    def guided(self) -> bool:
+        return bool(self.request.guide)
+
+    @property
+    def salt(self) -> str:
+        return self.request.cache_salt
 
     @property
     def leader(self) -> _Output:
@@ -123,13 +148,24 @@ class LlamaEngine(Engine):
                              f"got {config.max_batch}")
         self.max_batch = config.max_batch
         self.prefill_chunk = config.prefill_chunk
+        cached_prefixes = min(MAX_CACHED_PREFIXES, MAX_SEQUENCES - config.max_batch) if config.prefix_cache_tokens else 0
+        sequences = config.max_batch + cached_prefixes
         self.model = LlamaModel(config.model_path, context_size=config.context_size,
-                                batch_tokens=config.max_batch + config.prefill_chunk, sequences=config.max_batch,
+                                batch_tokens=config.max_batch + config.prefill_chunk, sequences=sequences,
                                 threads=config.threads)
         self.context_size = self.model.context_size
         self._eog = frozenset(self.model.end_of_generation.tolist())
         self._batch = TokenBatch(config.max_batch + config.prefill_chunk)
-        self._free_seq_ids = list(range(config.max_batch - 1, -1, -1))
+        self._free_seq_ids = list(range(sequences - 1, -1, -1))
+        self.prefix_cache = PrefixCache(self.model, config.prefix_cache_tokens, cached_prefixes)
+        self.max_guided_sequences = config.max_guided_sequences
+        self.guided_sequences = 0
+        self._guide_tokenizer = self.model.guide_tokenizer() if config.max_guided_sequences else None
+        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guide-compile")
+        self._compiling: list[_Request] = []  # their guide compiles; they join the queue once it has
+        self._guide_mask = np.zeros((self.model.vocab_size + 31) // 32, np.int32)
+        self.prefilled_tokens = 0  # in the last step
+        self.cached_prompt_tokens = 0  # in the last step's admissions
         self._queue: list[tuple[tuple[int, int], _Request]] = []  # heap; cancelled entries stay until popped
         self._queued: dict[str, _Request] = {}
         self._running: dict[str, _Request] = {}  # admitted, in admission order
@@ -143,11 +179,18 @@ class LlamaEngine(Engine):
 
     @property
     def idle(self) -> bool:
-        return not self._queued and all(r.paused for r in self._running.values())
+        return not self._queued and not self._compiling and all(r.paused for r in self._running.values())
 
     def enqueue(self, request: cluster_pb2.EngineRequest) -> None:
         state = _Request(request, (-request.priority, next(self._arrivals)), self.model.vocab_size,
                          self.model.end_of_generation)
+        if state.guided:  # compiled off the step loop: a slow grammar delays only its own request
+            state.guide = self._compiler.submit(guides.matcher, request.guide, self._guide_tokenizer, guides.Limits())
+            self._compiling.append(state)
+            self._queued[state.request_id] = state
+            self.queued_sequences += len(state.outputs)
+            self.waiting_tokens += len(state.prompt) * len(state.outputs)
+            return
         self._push(state)
 
     def cancel(self, cancel: cluster_pb2.CancelRequest, events: list[bytes]) -> None:
@@ -166,6 +209,9 @@ class LlamaEngine(Engine):
             state.paused = not pause.resume
 
     def step(self, events: list[bytes]) -> bool:
+        self.prefilled_tokens = self.cached_prompt_tokens = 0
+        if self._compiling:
+            self._take_compiled(events)
         self._admit()
         runs = self._plan()
         while runs and self._cells_after(runs) > self.context_size:
@@ -183,6 +229,8 @@ class LlamaEngine(Engine):
             return True
         for run in runs:
             run.output.cached += run.count
+            if run.count > 1 or not run.output.generated:  # not the one token of a decoding output
+                self.prefilled_tokens += run.count
             if run.request.prompt_records is not None and not run.request.prompt_records_sent:
                 self._prompt_records(run)
         for run in runs:
@@ -192,9 +240,11 @@ class LlamaEngine(Engine):
         return True
 
     def load(self) -> EngineLoad:
-        return EngineLoad(self.running_sequences, self.queued_sequences, self.cells, self.waiting_tokens)
+        return EngineLoad(self.running_sequences, self.queued_sequences, self.cells, self.waiting_tokens,
+                          self.prefilled_tokens, self.cached_prompt_tokens)
 
     def close(self) -> None:
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         for state in list(self._running.values()) + list(self._queued.values()):
             state.close()
         self.model.close()
@@ -209,7 +259,7 @@ class LlamaEngine(Engine):
 
     def _admit(self) -> None:
         queue = self._queue
-        cells = self.cells
+        held = self._held_cells()
         while queue:
             state = queue[0][1]
             if self._queued.get(state.request_id) is not state:  # cancelled while queued
@@ -218,11 +268,21 @@ class LlamaEngine(Engine):
             sequences = len(state.outputs)
             if self._running and self.running_sequences + sequences > self.max_batch:
                 return
-            # Room for what it reads first, next to one more cell per running output.
-            needed = max(len(o.tokens) for o in state.outputs.values())
-            if self._running and cells + self.running_sequences + needed > self.context_size:
+            if state.guided and self.guided_sequences and self.guided_sequences + sequences > self.max_guided_sequences:
                 return
-            cells += needed
+            entry, reused = None, 0
+            if not state.forked and not state.request.bypass_prefix_cache:
+                entry, reused = self.prefix_cache.lookup(state.salt, state.prompt)
+            # Room for what it reads first, next to one more cell per running output; the prefix cache gives up
+            # its least recently used entries first (not the one this request shares).
+            needed = max(len(o.tokens) for o in state.outputs.values()) - reused
+            keep = entry.seq_id if entry else -1
+            while (self._running and held + self.running_sequences + needed > self.context_size
+                   and self.prefix_cache.evictable(keep)):
+                held -= self._evict(keep)
+            if self._running and held + self.running_sequences + needed > self.context_size:
+                return
+            held += needed
             heapq.heappop(queue)
             del self._queued[state.request_id]
             self.queued_sequences -= sequences
@@ -231,13 +291,65 @@ class LlamaEngine(Engine):
                 output.seq_id = self._free_seq_ids.pop()
             self._running[state.request_id] = state
             self.running_sequences += sequences
+            if state.guided:
+                self.guided_sequences += sequences
+            if entry is not None:
+                self._share_prefix(state, entry.seq_id, reused)
+
+    def _share_prefix(self, state: _Request, entry_seq_id: int, length: int) -> None:
+        """The new request's leader shares the first `length` cells of a prefix cache entry."""
+        leader = state.leader
+        self.model.share_prefix(entry_seq_id, leader.seq_id, length)
+        leader.cached = length
+        state.cached_prompt_tokens = length
+        state.cache_entry = entry_seq_id
+        self.cached_prompt_tokens += length
+
+    def _held_cells(self) -> int:
+        """KV cells in use: the admitted requests' and the prefix cache's, the cells they share counted once."""
+        shared = sum(state.cached_prompt_tokens for state in self._running.values()
+                     if state.cache_entry >= 0 and self.prefix_cache.holds(state.cache_entry))
+        return sum(state.cells() for state in self._running.values()) + self.prefix_cache.tokens - shared
+
+    def _evict(self, keep: int = -1) -> int:
+        """Drops the prefix cache's least recently used entry (not `keep`); returns the cells that frees."""
+        before = self._held_cells()
+        self._free_seq_ids.append(self.prefix_cache.evict_one(keep))
+        return before - self._held_cells()
+
+    def _take_compiled(self, events: list[bytes]) -> None:
+        """Requests whose guide compiled join the queue (each output gets its own matcher); a failed one ends."""
+        still = []
+        for state in self._compiling:
+            if state.request_id not in self._queued:  # cancelled meanwhile
+                continue
+            if not state.guide.done():
+                still.append(state)
+                continue
+            try:
+                compiled = state.guide.result()
+            except guides.GuideError as exc:
+                self._fail(state, str(exc), events, retryable=False)
+                continue
+            for number, output in enumerate(state.outputs.values()):
+                output.sampler.guide = compiled if number == 0 else compiled.deep_copy()
+            state.guide = None
+            del self._queued[state.request_id]
+            self.queued_sequences -= len(state.outputs)
+            self.waiting_tokens -= len(state.prompt) * len(state.outputs)
+            self._push(state)
+        self._compiling = still
 
     def _cells_after(self, runs: list[_Run]) -> int:
-        return sum(state.cells() for state in self._running.values()) + sum(run.count for run in runs)
+        return self._held_cells() + sum(run.count for run in runs)
 
     def _preempt_one(self, events: list[bytes]) -> bool:
-        """Sends the request admitted last back to the queue, its KV freed; False when only one is running (then
-        it cannot grow: its outputs ask more KV than the cache has, and it fails)."""
+        """Frees KV cells for the running requests: the prefix cache's least recently used entry, else the request
+        admitted last goes back to the queue, its KV freed; False when only one is running (then it cannot grow:
+        its outputs ask more KV than the cache has, and it fails)."""
+        if self.prefix_cache.evictable():
+            self._evict()
+            return True
         if len(self._running) < 2:
             state = next(iter(self._running.values()), None)
             if state is not None:
@@ -253,12 +365,21 @@ class LlamaEngine(Engine):
             output.shares_prompt = False
         state.prompt_cells = 0
         state.forked = True  # each output reads its own tokens again
+        if state.guided:
+            self.guided_sequences -= len(state.outputs)
         if not state.prompt_records_sent and state.prompt_records is not None:
             state.prompt_records = []
         self.running_sequences -= len(state.outputs)
         self._push(state)
         logger.info("preempted request_id=%s (KV cache full: %d cells)", request_id, self.context_size)
         return True
+
+    def _keep_prefix(self, state: _Request, output: _Output) -> None:
+        """The ended output's KV cells go to the prefix cache (the sequence is the cache's now)."""
+        if not self.prefix_cache.enabled:
+            return
+        seq_id, output.seq_id = output.seq_id, -1
+        self._free_seq_ids.extend(self.prefix_cache.keep(seq_id, state.salt, output.tokens[:output.cached]))
 
     def _release_sequence(self, output: _Output) -> None:
         if output.seq_id >= 0:
@@ -355,14 +476,18 @@ class LlamaEngine(Engine):
     def _next_token(self, state: _Request, output: _Output, index: int, row: np.ndarray, events: list[bytes]) -> None:
         request = state.request
         logprobs = log_softmax(row) if request.output_logprobs else None
-        token_id = output.sampler.choose(self.model, index, row, output.generated)
-        output.sampler.accept(token_id)
+        token_id = output.sampler.choose(self.model, index, row, output.generated, self._guide_mask)
+        guide_error = output.sampler.accept(token_id)
+        if guide_error:
+            self._finish(state, output, FINISH_ERROR, events, f"guided decoding failed: {guide_error}")
+            return
         output.tokens.append(token_id)
         output.generated += 1
         generated = output.generated
         record = token_record(token_id, logprobs, request.output_candidates)
         stops_allowed = generated >= request.min_tokens
-        if stops_allowed and not request.ignore_eos and token_id in self._eog:
+        guided_end = state.guided and token_id in self._eog  # the grammar allowed the end: it is complete
+        if guided_end or (stops_allowed and not request.ignore_eos and token_id in self._eog):
             finish = FINISH_EOS
         elif stops_allowed and token_id in request.stop_token_ids:
             finish = FINISH_STOP_TOKEN
@@ -372,9 +497,13 @@ class LlamaEngine(Engine):
             finish = FINISH_NONE
         event = cluster_pb2.OutputEvent(request_id=state.request_id, output_index=output.index, lane=state.lane,
                                         tokens=[record], first=generated == 1)
-        if not state.prompt_records_sent and state.prompt_records is not None and output.index == min(state.outputs):
-            event.prompt_tokens.extend(state.prompt_records)
-            state.prompt_records_sent = True
+        if output.index == min(state.outputs):
+            if not state.prompt_records_sent and state.prompt_records is not None:
+                event.prompt_tokens.extend(state.prompt_records)
+                state.prompt_records_sent = True
+            if not state.cache_reported:
+                event.cached_prompt_tokens = state.cached_prompt_tokens
+                state.cache_reported = True
         if finish == FINISH_NONE:
             events.append(event_field(event.SerializeToString()))
             return
@@ -403,6 +532,10 @@ class LlamaEngine(Engine):
         output.sampler.close()
         admitted = state.request_id in self._running
         if admitted:
+            if state.guided:
+                self.guided_sequences -= 1
+            if event.finish != FINISH_ERROR and not state.request.bypass_prefix_cache and output.cached:
+                self._keep_prefix(state, output)
             self._release_sequence(output)
             self.running_sequences -= 1
         else:

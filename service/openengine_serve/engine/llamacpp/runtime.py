@@ -89,6 +89,7 @@ class LlamaModel:
         params.n_ctx = context_size
         params.n_batch = params.n_ubatch = batch_tokens
         params.n_seq_max = sequences
+        params.n_outputs_max = max(batch_tokens, sequences)  # llama.cpp reserves one output per sequence at least
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = True
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -127,6 +128,16 @@ class LlamaModel:
     def last_position(self, seq_id: int) -> int:
         """The highest position the sequence holds in the KV cache; -1 when it holds none."""
         return self._lib.llama_memory_seq_pos_max(self._memory, seq_id)
+
+    def share_prefix(self, source_seq_id: int, target_seq_id: int, length: int) -> None:
+        """The target sequence gets the source's KV cells of positions [0, length)."""
+        self._lib.llama_memory_seq_cp(self._memory, source_seq_id, target_seq_id, 0, length)
+
+    def guide_tokenizer(self):
+        """llguidance's view of the model's vocabulary (for the guides' token masks)."""
+        from openengine_serve.common.guides import vocabulary
+
+        return vocabulary(self._vocab)
 
     def share(self, source_seq_id: int, target_seq_id: int) -> None:
         """The target sequence gets the source's KV cells (shared, not copied, in a unified cache)."""

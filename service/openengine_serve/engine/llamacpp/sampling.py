@@ -1,9 +1,11 @@
 """Per-output sampling on a row of real logits, and logprob records from the same row.
 
-Each output owns its sampler: its seed, and penalties over its own history.
-The order, as in vLLM: penalties (repetition over the prompt and the output,
-frequency and presence over the output), the masks (no end of generation
-before `min_tokens` or with `ignore_eos`, no stop token before `min_tokens`),
+Each output owns its sampler: its seed, penalties over its own history, and
+its guide's matcher. The order, as in vLLM: penalties (repetition over the
+prompt and the output, frequency and presence over the output), the masks
+(no end of generation before `min_tokens` or with `ignore_eos`, no stop token
+before `min_tokens`; with a guide, its grammar alone decides when the output
+may end), the guide's mask (llguidance: the tokens the grammar allows next),
 then temperature, top-k, top-p, min-p and a seeded draw (llama.cpp's sampler
 chain); temperature 0 is greedy (the first highest logit). Logprobs are the
 log-softmax of the raw row, before any of that, as vLLM reports them.
@@ -67,6 +69,8 @@ class OutputSampler:
     def __init__(self, request: cluster_pb2.EngineRequest, output_index: int, vocab_size: int,
                  end_of_generation: np.ndarray) -> None:
         lib = self._lib = llama_cpp()
+        self.guide = None  # the output's llguidance matcher (set once the guide compiled)
+        self._vocab_size = vocab_size
         self.greedy = request.temperature == 0 or request.top_k == 1
         self._chain = None
         if not self.greedy:
@@ -93,23 +97,32 @@ class OutputSampler:
         self._min_tokens = request.min_tokens
         self._stop_ids = np.asarray(request.stop_token_ids, np.int64)
 
-    def choose(self, model, batch_index: int, row: np.ndarray, generated: int) -> int:
-        """The next token from `row` (the logits at `batch_index`, changed in place), `generated` tokens in."""
+    def choose(self, model, batch_index: int, row: np.ndarray, generated: int, mask: np.ndarray) -> int:
+        """The next token from `row` (the logits at `batch_index`, changed in place), `generated` tokens in;
+        `mask`: a buffer for the guide's bitmask."""
         self._penalize(row)
         early = generated < self._min_tokens
-        if early or self._ignore_eos:
+        if (early or self._ignore_eos) and self.guide is None:
             row[self._end_of_generation] = -np.inf
         if early and self._stop_ids.size:
             row[self._stop_ids] = -np.inf
+        if self.guide is not None:
+            self.guide.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            allowed = np.unpackbits(mask.view(np.uint8), count=self._vocab_size, bitorder="little")
+            row[allowed == 0] = -np.inf
         if self.greedy:
             return int(row.argmax())
         return self._lib.llama_sampler_sample(self._chain, model.context, batch_index)
 
-    def accept(self, token_id: int) -> None:
-        """The token joins the output's history (penalties)."""
+    def accept(self, token_id: int) -> str:
+        """The token joins the output's history (penalties, the guide's state); the guide's error, if the
+        token broke it."""
         self._counts[token_id] = self._counts.get(token_id, 0) + 1
         if self._seen is not None:
             self._seen[token_id] = True
+        if self.guide is not None and not self.guide.consume_token(token_id):
+            return self.guide.get_error() or f"token {token_id} is not allowed by the guide"
+        return ""
 
     def _penalize(self, row: np.ndarray) -> None:
         if self._seen is not None:

@@ -81,7 +81,7 @@ class NodeEntry(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., model: _Optional[_Union[ModelCard, _Mapping]] = ...) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("name", "aliases", "engine", "context_length", "max_output_tokens", "tokenizer", "tokenizer_digest", "tokenizer_data")
+    __slots__ = ("name", "aliases", "engine", "context_length", "max_output_tokens", "tokenizer", "tokenizer_digest", "tokenizer_data", "guided_decoding", "prefix_cache")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,8 @@ class ModelCard(_message.Message):
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DATA_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_DECODING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
     engine: str
@@ -98,7 +100,9 @@ class ModelCard(_message.Message):
     tokenizer: str
     tokenizer_digest: str
     tokenizer_data: bytes
-    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., tokenizer_data: _Optional[bytes] = ...) -> None: ...
+    guided_decoding: bool
+    prefix_cache: bool
+    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., tokenizer_data: _Optional[bytes] = ..., guided_decoding: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "auto_rank")
@@ -161,7 +165,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ..., replies_optional: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner", "traceparent", "tracestate")
+    __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner", "traceparent", "tracestate", "prefix_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +175,7 @@ class ReserveRequest(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     frontend_id: str
     routing_key: str
@@ -180,7 +185,8 @@ class ReserveRequest(_message.Message):
     owner: str
     traceparent: str
     tracestate: str
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., target_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., owner: _Optional[str] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+    prefix_key: str
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., routing_key: _Optional[str] = ..., target_rank: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., num_sequences: _Optional[int] = ..., owner: _Optional[str] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ..., prefix_key: _Optional[str] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("node",)
@@ -355,7 +361,7 @@ class Candidates(_message.Message):
     def __init__(self, top_n: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "temperature", "top_p", "top_k", "seed", "has_seed", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
+    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "guide", "bypass_prefix_cache", "cache_salt", "temperature", "top_p", "top_k", "seed", "has_seed", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +371,9 @@ class EngineRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    GUIDE_FIELD_NUMBER: _ClassVar[int]
+    BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +397,9 @@ class EngineRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     priority: int
+    guide: str
+    bypass_prefix_cache: bool
+    cache_salt: str
     temperature: float
     top_p: float
     top_k: int
@@ -402,7 +414,7 @@ class EngineRequest(_message.Message):
     prompt_logprobs: bool
     prompt_candidates: Candidates
     prompt_logprob_start: int
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., guide: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
 
 class LogProbEntry(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
@@ -429,7 +441,7 @@ class TokenRecord(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., has_logprob: _Optional[bool] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[LogProbEntry, _Mapping]]] = ...) -> None: ...
 
 class OutputEvent(_message.Message):
-    __slots__ = ("request_id", "output_index", "tokens", "finish", "finish_token_id", "message", "retryable", "prompt_tokens", "lane", "first")
+    __slots__ = ("request_id", "output_index", "tokens", "finish", "finish_token_id", "message", "retryable", "prompt_tokens", "lane", "first", "cached_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +452,7 @@ class OutputEvent(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     output_index: int
     tokens: _containers.RepeatedCompositeFieldContainer[TokenRecord]
@@ -450,7 +463,8 @@ class OutputEvent(_message.Message):
     prompt_tokens: _containers.RepeatedCompositeFieldContainer[TokenRecord]
     lane: str
     first: bool
-    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., finish: _Optional[_Union[EngineFinish, str]] = ..., finish_token_id: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., prompt_tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., lane: _Optional[str] = ..., first: _Optional[bool] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., output_index: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., finish: _Optional[_Union[EngineFinish, str]] = ..., finish_token_id: _Optional[int] = ..., message: _Optional[str] = ..., retryable: _Optional[bool] = ..., prompt_tokens: _Optional[_Iterable[_Union[TokenRecord, _Mapping]]] = ..., lane: _Optional[str] = ..., first: _Optional[bool] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResults(_message.Message):
     __slots__ = ("step", "events")
@@ -473,7 +487,7 @@ class EngineCommand(_message.Message):
     def __init__(self, add: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., shutdown: _Optional[bool] = ..., pause: _Optional[_Union[PauseRequest, _Mapping]] = ...) -> None: ...
 
 class EngineStep(_message.Message):
-    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds", "worker_pids")
+    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds", "worker_pids", "prefilled_tokens", "cached_prompt_tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -482,6 +496,8 @@ class EngineStep(_message.Message):
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     events: _containers.RepeatedCompositeFieldContainer[OutputEvent]
     running: int
@@ -490,4 +506,6 @@ class EngineStep(_message.Message):
     waiting_tokens: int
     step_seconds: float
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefilled_tokens: int
+    cached_prompt_tokens: int
+    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ..., prefilled_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,144 @@
+"""Guided decoding with llguidance: a request's `guided` field as one llguidance grammar, and its compilation.
+
+The frontend turns the protocol's guide into an llguidance grammar (a JSON string) and compiles it once
+against the model's tokenizer before any reservation, so an invalid guide is refused with the compiler's
+message; the engine compiles the same string again into the matcher that masks each step's logits.
+
+Accepted forms of each guide:
+- `json_schema`: a JSON Schema (draft 2020-12 subset of llguidance); `json_object`: any JSON object; both
+  compact (", " and ": " between items, no other whitespace: a small model cannot loop on whitespace);
+- `regex`: a regular expression, the whole output must match it;
+- `ebnf_grammar`: llguidance's Lark-like syntax (`start: ...`), or GBNF (llama.cpp's, `root ::= ...`),
+  converted to Lark;
+- `choice`: one of the listed strings, exactly;
+- `structural_tag`: vLLM's form, a JSON object `{"structures": [{"begin": ..., "schema": {...}, "end": ...}],
+  "triggers": [...]}`: free text in which each structure, once its trigger appears, follows its schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+GUIDE_KINDS = ("json_schema", "regex", "ebnf_grammar", "structural_tag", "choice", "json_object")
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z][\w-]*\s*::=", re.MULTILINE)
+_COMPACT_JSON = {"whitespace_flexible": False}
+
+
+class GuideError(ValueError):
+    """The guide is not valid; the message names the field and says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on one guide's compilation (llguidance's own fuel limits, deterministic)."""
+
+    max_grammar_size: int = 500_000  # llguidance's grammar size units (about the grammar's symbols)
+    initial_lexer_fuel: int = 1_000_000  # work to build the lexer of the first token
+    step_lexer_fuel: int = 200_000  # work per token
+
+
+def vocabulary(llama_vocab):
+    """llguidance's view of a llama.cpp vocabulary (llama_vocab pointer), to compile guides against; about a
+    third of a second. llguidance reads each token's attributes with a call llama-cpp-python marks deprecated
+    (one warning per token): silenced here."""
+    import warnings
+
+    from llguidance.llamacpp import lltokenizer_from_vocab
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return lltokenizer_from_vocab(llama_vocab)
+
+
+def parser_limits(limits: Limits):
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_grammar_size=limits.max_grammar_size, initial_lexer_fuel=limits.initial_lexer_fuel,
+                          step_lexer_fuel=limits.step_lexer_fuel)
+
+
+def grammar_of(kind: str, value) -> str:
+    """The llguidance grammar of a protocol guide (`value`: the field's value; for `choice` its strings).
+    GuideError names the field when the guide cannot even be read (bad JSON, an empty choice)."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    field = f"guided.{kind}"
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_COMPACT_JSON)
+    if kind == "json_schema":
+        schema = _json(field, value)
+        if not isinstance(schema, dict):
+            raise GuideError(f"{field} must be a JSON Schema object, got {type(schema).__name__}")
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT_JSON)
+        except ValueError as exc:
+            raise GuideError(f"{field} is not valid: {exc}") from None
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    if kind == "ebnf_grammar":
+        if _GBNF_RULE.search(value) and "::=" in value:
+            try:
+                value = gbnf_to_lark(value)
+            except Exception as exc:  # noqa: BLE001 - the converter's message is the answer
+                raise GuideError(f"{field} is not valid GBNF: {exc}") from None
+        return LLMatcher.grammar_from_lark(value)
+    if kind == "choice":
+        choices = list(value)
+        if not choices:
+            raise GuideError("guided.choice.choices must list at least one string")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if kind == "structural_tag":
+        return _structural_tag(field, value)
+    raise GuideError(f"guided: unknown guide {kind!r}; one of {', '.join(GUIDE_KINDS)}")
+
+
+def _json(field: str, text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GuideError(f"{field} is not valid JSON: {exc}") from None
+
+
+def _structural_tag(field: str, text: str) -> str:
+    from llguidance import LLMatcher, StructTag
+
+    spec = _json(field, text)
+    structures = spec.get("structures") if isinstance(spec, dict) else None
+    triggers = spec.get("triggers") if isinstance(spec, dict) else None
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
+        raise GuideError(f"{field} must be a JSON object with non-empty \"structures\" (each with \"begin\", "
+                         f"\"schema\", \"end\") and \"triggers\" lists")
+    tags = []
+    for index, structure in enumerate(structures):
+        if not isinstance(structure, dict) or not {"begin", "schema", "end"} <= structure.keys():
+            raise GuideError(f"{field}: structures[{index}] needs \"begin\", \"schema\" and \"end\"")
+        trigger = next((t for t in triggers if isinstance(t, str) and t and structure["begin"].startswith(t)), None)
+        if trigger is None:
+            raise GuideError(f"{field}: structures[{index}].begin {structure['begin']!r} starts with none of the "
+                             f"triggers")
+        tags.append(StructTag(trigger=trigger, begin=structure["begin"], grammar=structure["schema"],
+                              end=structure["end"]))
+    return LLMatcher.grammar_from_lark(StructTag.to_grammar(tags))
+
+
+def check(kind: str, grammar: str, tokenizer, limits: Limits) -> None:
+    """Compiles the grammar against the model's tokenizer (llguidance LLTokenizer); GuideError with the
+    compiler's message when it is invalid or past the limits. Drops the GIL while it compiles."""
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar, tokenizer, limits=parser_limits(limits))
+    if error:
+        raise GuideError(f"guided.{kind} is not valid: {error}")
+
+
+def matcher(grammar: str, tokenizer, limits: Limits):
+    """The llguidance matcher of a grammar (compiling it, without the GIL); GuideError when it failed."""
+    from llguidance import LLMatcher
+
+    compiled = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits(limits))
+    if compiled.is_error():
+        raise GuideError(f"the guide does not compile: {compiled.get_error()}")
+    return compiled

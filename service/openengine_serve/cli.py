@@ -97,6 +97,17 @@ def _generate(args: argparse.Namespace) -> int:
             request.sampling.temperature = args.temperature
         for stop in args.stop:
             request.stopping.conditions.add(stop_text=stop)
+        if args.json_schema:
+            try:
+                with open(args.json_schema, encoding="utf-8") as schema:
+                    request.guided.json_schema = schema.read()
+            except OSError as exc:
+                print(f"error: --json-schema: cannot read {args.json_schema}: {exc.strerror}", file=sys.stderr)
+                return 2
+        elif args.regex:
+            request.guided.regex = args.regex
+        elif args.choice:
+            request.guided.choice.choices.extend(args.choice)
         return _print_stream(client, request, args.timeout)
 
 
@@ -244,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None, help="0: greedy (default: the server's, 1.0)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    guide = gen.add_mutually_exclusive_group()
+    guide.add_argument("--json-schema", metavar="FILE", help="structured output: a JSON Schema the answer follows")
+    guide.add_argument("--regex", help="structured output: a regular expression the whole answer matches")
+    guide.add_argument("--choice", action="append", default=[], help="structured output: one of these (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default=None)
     gen.add_argument("--timeout", type=float, default=300.0,

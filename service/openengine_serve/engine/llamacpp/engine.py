@@ -116,6 +116,14 @@ class _Request:
         """Before the fork, the output that reads the prompt."""
         return self.outputs[min(self.outputs)]
 
+    def reusable_prompt_tokens(self) -> int:
+        """Prompt tokens the prefix cache may supply: those before the first whose logits are needed (the
+        last one's for the output, and, while prompt logprobs are owed, the rows they are read from)."""
+        reusable = len(self.prompt) - 1
+        if self.prompt_records is not None and not self.prompt_records_sent:
+            reusable = min(reusable, max(self.request.prompt_logprob_start, 1) - 1)
+        return reusable
+
     def cells(self) -> int:
         """KV cells it holds: the shared prompt once, then each output's own."""
         return self.prompt_cells + sum(o.cached - (self.prompt_cells if o.shares_prompt else 0)
@@ -272,7 +280,7 @@ class LlamaEngine(Engine):
                 return
             entry, reused = None, 0
             if not state.forked and not state.request.bypass_prefix_cache:
-                entry, reused = self.prefix_cache.lookup(state.salt, state.prompt)
+                entry, reused = self.prefix_cache.lookup(state.salt, state.prompt, state.reusable_prompt_tokens())
             # Room for what it reads first, next to one more cell per running output; the prefix cache gives up
             # its least recently used entries first (not the one this request shares).
             needed = max(len(o.tokens) for o in state.outputs.values()) - reused

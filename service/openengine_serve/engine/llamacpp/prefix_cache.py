@@ -39,11 +39,11 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.max_tokens > 0 and self.max_entries > 0
 
-    def lookup(self, salt: str, prompt: list[int]) -> tuple[Entry | None, int]:
+    def lookup(self, salt: str, prompt: list[int], reusable: int) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` under `salt`, and how many tokens can be reused:
-        at most all but the prompt's last token (its logits are needed)."""
+        at most `reusable` (the tokens before the first whose logits are needed)."""
         best, best_length = None, 0
-        limit = len(prompt) - 1
+        limit = reusable
         prompt = np.asarray(prompt, np.int32)
         for entry in self._entries.values():
             if entry.salt != salt:

@@ -54,7 +54,8 @@ def up_stack(request):
     from openengine_serve.local import free_port
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--metrics", "--port", str(port),
-                             "--nodes", str(NODES), "--grpc-server", request.param],
+                             "--nodes", str(NODES), "--grpc-server", request.param,
+                             "--engine", "simulated"],  # load at a rate only the simulated engine serves here
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()

@@ -4,8 +4,6 @@ servers (OPENENGINE_MAX_CONNECTION_AGE_S)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -17,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openengine_serve.api.openengine.v1 import server_pb2
 from openengine_serve.api.openengine.v1.openengine_pb2_grpc import ControlStub
-from openengine_serve.client import SERVICE_CONFIG, Client, channel_options, is_serving
+from openengine_serve.client import SERVICE_CONFIG, Client, channel_options
 from openengine_serve.local import free_port
 
 from . import processes
@@ -75,8 +73,10 @@ def test_dns_target_spreads_calls_over_every_address(server):
 
 
 def processes_id(target: str) -> str:
-    with Client(target) as client:
-        return client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5).instance_id
+    # A connection of its own: gRPC's global subchannel pool would hand this channel a connection another
+    # channel to the same address already holds (the same frontend every time).
+    with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        return ControlStub(channel).GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5).instance_id
 
 
 def test_host_port_targets_keep_pick_first():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 
 import pytest
 
@@ -351,3 +352,27 @@ def test_run_level_counts_errors():
     assert result["errors"] >= 2 and result["requests"] == 0 and result["tokens"] == 0
     assert result["error_samples"][0] == "StreamError: engine failed"
     assert result["ttft_p50_ms"] is None and not math.isnan(result["window_s"])
+
+
+def test_role_of_names_the_stack_and_the_peers(monkeypatch):
+    commands = {1: "/v/bin/python -m openengine_serve frontend --host 127.0.0.1",
+                2: "/v/bin/python -m openengine_serve.engine.worker",
+                3: ".venv/llama-server/0.3.36/llama-server --model m.gguf",
+                4: "/usr/bin/hydra_pmi_proxy --control-port vm:1"}
+    monkeypatch.setattr(e, "command_of", commands.__getitem__)
+    assert [e.role_of(pid) for pid in commands] == ["frontend", "engine worker", e.LLAMA_SERVER,
+                                                         "hydra_pmi_proxy"]
+    assert e.role_of(os.getpid()) == "benchmark client"
+
+
+def test_cpu_table_gives_each_roles_cpus_and_the_cpu_per_token():
+    summary = {e.GRPCIO: {"32": {"tok_s": 100.0, "cpus_by_role": {"engine worker": 1.5, "frontend": 0.3,
+                                                                     "benchmark client": 0.2}}},
+               e.LLAMA_SERVER: {"32": {"tok_s": 200.0, "cpus_by_role": {e.LLAMA_SERVER: 1.8,
+                                                                      "benchmark client": 0.2}}}}
+    table = e.cpu_table(summary, [e.GRPCIO, e.LLAMA_SERVER], [1, 32])
+    assert table[0] == ("| target | streams | engine worker | frontend | llama-server | benchmark client | total | "
+                        "CPU ms/token |")
+    assert table[2] == f"| {e.LABELS[e.GRPCIO]} | 32 | 1.50 | 0.30 |  | 0.20 | 2.00 | 20.00 |"
+    assert table[3] == f"| {e.LABELS[e.LLAMA_SERVER]} | 32 |  |  | 1.80 | 0.20 | 2.00 | 10.00 |"
+    assert len(table) == 4  # no row for a level that did not run

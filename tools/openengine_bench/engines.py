@@ -379,6 +379,23 @@ def command_of(pid: int) -> str:
     return "?"
 
 
+ROLES = (("openengine_serve.engine.worker", "engine worker"), ("openengine_serve.engine.launcher", "MPI launcher"),
+         ("openengine_serve frontend", "frontend"), ("openengine_serve node", "node"),
+         ("openengine_serve coordinator", "coordinator"), ("openengine_serve up", "up"),
+         ("llama_cpp.server", "llama_cpp.server"), ("llama-server", "llama-server"))
+
+
+def role_of(pid: int) -> str:
+    """What a process of a target (or this benchmark) is, for the CPU breakdown."""
+    if pid == os.getpid():
+        return "benchmark client"
+    command = command_of(pid)
+    for marker, role in ROLES:
+        if marker in command:
+            return role
+    return Path(command.split(" ", 1)[0]).name or command
+
+
 class ForeignLoad:
     """The load of the processes this benchmark did not start, between `start()` and `measure()`: CPUs kept
     busy (the machine's busy time less our process tree's) and the busiest of them."""
@@ -396,6 +413,10 @@ class ForeignLoad:
             return 0.0, []
         ours = tree(table, os.getpid())
         delta = {pid: cpu - self._table.get(pid, (0, 0.0))[1] for pid, (_, cpu) in table.items()}
+        self.ours = {}  # role -> CPUs: where this benchmark's own processes (client and target) spent the window
+        for pid in ours:
+            role = role_of(pid)
+            self.ours[role] = self.ours.get(role, 0.0) + delta[pid] / elapsed
         foreign = max(0.0, busy - sum(delta[pid] for pid in ours)) / elapsed
         busiest = sorted(((d, pid) for pid, d in delta.items() if pid not in ours), reverse=True)[:3]
         return foreign, [f"{command_of(pid)} (pid {pid}, {d / elapsed:.2f} CPU)" for d, pid in busiest
@@ -550,7 +571,8 @@ class OpenEngineTarget(Target):
         from openengine_serve.api.openengine.v1 import generation_pb2 as g
         request = g.GenerateRequest(request_id=uuid.uuid4().hex, model=self.model_name, prompt=prompt,
                                     sampling=g.SamplingParams(temperature=0),
-                                    stopping=g.StoppingOptions(max_tokens=max_tokens, ignore_eos=True))
+                                    stopping=g.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+                                    kv=g.KvOptions(bypass_prefix_cache=True))  # as llama-server's cache_prompt
         outcome = Outcome()
         async for response in self.client.generate(request, timeout=REQUEST_TIMEOUT_S):
             kind = response.WhichOneof("event")
@@ -769,7 +791,9 @@ async def run_level(target: Target, concurrency: int, mode: Mode, max_tokens: in
             "requests": window.completed, "min_requests_per_stream": min(window.completed_per_stream),
             "errors": window.errors, "error_samples": window.error_samples, "short": window.short,
             "count_mismatch": window.count_mismatch, "target_alive": target.alive(), "foreign_cpus": foreign_cpus,
-            "foreign_busiest": foreign_busiest}
+            "foreign_busiest": foreign_busiest,
+            "cpus_by_role": {role: round(cpus, 3) for role, cpus in getattr(foreign, "ours", {}).items()
+                             if cpus >= 0.005}}
 
 
 async def settle(target: Target, max_tokens: int = 1) -> None:
@@ -865,8 +889,35 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any
                 "requests": sum(lv["requests"] for lv in levels),
                 "errors": sum(lv["errors"] for lv in levels),
                 "short": sum(lv.get("short", 0) for lv in levels),
-                "rounds": len(levels)})
+                "rounds": len(levels),
+                "cpus_by_role": {role: median([lv.get("cpus_by_role", {}).get(role, 0.0) for lv in levels])
+                                 for role in sorted({r for lv in levels for r in lv.get("cpus_by_role", {})})}})
     return out
+
+
+def cpu_table(summary: dict[str, dict[str, dict[str, Any]]], targets: Sequence[str],
+              concurrency: Sequence[int]) -> list[str]:
+    """Markdown: CPUs each process role kept busy during the window (medians over the rounds), and CPU
+    milliseconds per output token, for each target and concurrency."""
+    roles = sorted({role for t in targets for cell in summary.get(t, {}).values()
+                    for role in cell.get("cpus_by_role", {})},
+                   key=lambda r: (r == "benchmark client", r))
+    if not roles:
+        return []
+    lines = ["| target | streams | " + " | ".join(roles) + " | total | CPU ms/token |",
+             "| --- | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: |"]
+    for t in targets:
+        for n in concurrency:
+            cell = summary.get(t, {}).get(str(n))
+            if not cell or not cell.get("cpus_by_role"):
+                continue
+            by_role = cell["cpus_by_role"]
+            total = sum(by_role.values())
+            per_token = 1000 * total / cell["tok_s"] if cell.get("tok_s") else None
+            lines.append(f"| {LABELS[t]} | {n} | " + " | ".join(fmt(by_role.get(r), 2) if r in by_role else ""
+                                                            for r in roles)
+                         + f" | {fmt(total, 2)} | {fmt(per_token, 2)} |")
+    return lines
 
 
 def _cell(summary: dict, target: str, n: int, key: str) -> float | None:
@@ -957,6 +1008,11 @@ def render_report(doc: dict[str, Any]) -> str:
         lines.append(f"- {LABELS[v['target']]}: {v['goal']}: {state} ({v['figures']})")
     if not doc["verdicts"]:
         lines.append("- (none of our targets ran)")
+    table = cpu_table(summary, targets, settings["concurrency"])
+    if table:
+        lines += ["", "## Where the CPU goes", "",
+                  f"CPUs each process kept busy during the window (of {machine['cores']}; medians over the rounds), "
+                  "the benchmark's own client included; CPU ms/token: all of them per output token.", "", *table]
     lines += ["", "## Per round", "",
               "| round | target | streams | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | window (s) | requests | "
               "min/stream | errors | other CPUs |",
@@ -1172,8 +1228,9 @@ def main(argv: list[str] | None = None) -> int:
             "llama-server: continuous batching on (its default, passed explicitly as --cont-batching), one slot "
             f"per stream (--parallel {settings.max_batch}), its default batch sizes (-b 2048, -ub 512; ours "
             f"prefills {settings.prefill_chunk} prompt tokens per step), its host-memory prompt cache off "
-            "(--cache-ram 0); requests to /completion with cache_prompt=false (our engine has no prefix cache "
-            "yet), ignore_eos=true, stream=true.",
+            "(--cache-ram 0); requests to /completion with cache_prompt=false, as ours set "
+            "kv.bypass_prefix_cache (prefix reuse is measured by openengine_bench.features), ignore_eos=true, "
+            "stream=true.",
             "llama_cpp.server: one request at a time (the rest wait for its lock); interrupt_requests=false "
             "(its default aborts a streaming request whenever another arrives), logits_all=false; it has no "
             f"ignore_eos, so a logit bias of -1e9 bans the end-of-generation tokens {list(settings.end_of_generation)} "

@@ -136,7 +136,7 @@ class NodeConfig(CommonConfig):
                                           "so that a prompt starting with the same tokens (and cache_salt) reads "
                                           "only the rest; given back first when running requests need cells "
                                           "(0: no prefix cache)", minimum=0)
-    max_guided_sequences: int = knob(16, "llama.cpp: guided outputs (grammar-constrained) running at once; more "
+    max_guided_sequences: int = knob(32, "llama.cpp: guided outputs (grammar-constrained) running at once; more "
                                          "wait for a slot (0: guided decoding off)", minimum=0, maximum=256)
     step_ms: float = knob(2.0, "simulated engine step: every running sequence gets one token per step",
                           minimum=0.1)

@@ -28,7 +28,7 @@ class WorkerConfig:
     prefill_chunk: int = 256  # llama.cpp: prompt tokens per step, over every admitted prompt
     threads: int = 1  # llama.cpp: CPU threads of the decode
     prefix_cache_tokens: int = 0  # llama.cpp: KV cells the prefix cache may keep (0: no prefix cache)
-    max_guided_sequences: int = 16  # llama.cpp: guided outputs running at once
+    max_guided_sequences: int = 32  # llama.cpp: guided outputs running at once
 
     def __post_init__(self) -> None:
         if (self.max_batch < 1 or self.ranks < 1 or self.step_ms <= 0 or self.context_size < 1

@@ -16,7 +16,7 @@ from openengine_serve.frontend import limits
 from . import processes
 from .conftest import SERVERS
 
-MAX_REQUEST_BYTES, MAX_METADATA_BYTES, MAX_STREAMS = 4096, 2048, 3
+MAX_REQUEST_BYTES, MAX_METADATA_BYTES, MAX_STREAMS, MAX_PROMPT_BYTES = 4096, 2048, 3, 1000
 
 
 @pytest.fixture(scope="module", params=SERVERS)
@@ -24,7 +24,8 @@ def limited(request, cluster):
     coord, _ = cluster
     fe = processes.frontend(coord.target, request.param, "--max-request-bytes", str(MAX_REQUEST_BYTES),
                             "--max-metadata-bytes", str(MAX_METADATA_BYTES),
-                            "--max-concurrent-streams", str(MAX_STREAMS)).start()
+                            "--max-concurrent-streams", str(MAX_STREAMS),
+                            "--max-prompt-bytes", str(MAX_PROMPT_BYTES)).start()
     try:
         fe.wait_ready(60)
         yield fe
@@ -49,6 +50,23 @@ def test_an_oversized_request_message_is_refused_naming_the_limit(limited):
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"vs. {MAX_REQUEST_BYTES})" in err.details()
         assert list(client.inference.Generate(generate_request("word " * 100), timeout=30))[-1].HasField("usage")
+
+
+def test_a_prompt_over_its_byte_limit_is_refused_naming_it(limited):
+    with Client(limited.target, retries=False) as client:
+        err = refusal(lambda: list(client.inference.Generate(generate_request("é" * 501), timeout=10)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.details() == (f"prompt must be at most {MAX_PROMPT_BYTES} bytes of UTF-8 "
+                                 "(OPENENGINE_MAX_PROMPT_BYTES), got 1002 bytes")
+        assert list(client.inference.Generate(generate_request("é" * 500), timeout=30))[-1].HasField("usage")
+
+
+def test_a_long_prompt_is_served_with_its_tokens_counted(stack):
+    prompt = "Tell me about the sea. " * 1000  # 23,000 characters: validated in a thread (OFF_LOOP_PROMPT_CHARS)
+    with stack.client() as client:
+        responses = list(client.inference.Generate(generate_request(prompt), timeout=60))
+    from openengine_serve.common.tokenizers import Qwen3Tokenizer
+    assert responses[-1].usage.prompt_tokens == len(Qwen3Tokenizer().encode(prompt))
 
 
 # From just over the limit to far beyond twice it (where pygrpc-native's HTTP/2 layer used to answer HTTP 431,

@@ -67,6 +67,7 @@ async def test_the_model_of_a_ready_node_is_loaded_with_its_limits(node):
     assert isinstance(model.loaded.tokenizer, Qwen3Tokenizer)
     assert (limits.served_model_name, limits.aliases) == ("Qwen/Qwen3-0.6B", ("qwen3",))
     assert (limits.max_context_length, limits.max_output_tokens, limits.vocab_size) == (40960, 8192, 151669)
+    assert limits.max_prompt_bytes == 16 * 40960
     assert model.ready_on(nodes.values())
     model.on_node_table(nodes)
     assert servicer.calls == 1, "the same model is not fetched again"
@@ -74,13 +75,14 @@ async def test_the_model_of_a_ready_node_is_loaded_with_its_limits(node):
 
 async def test_the_operators_settings_override_the_card_and_the_context_only_shrinks(node):
     servicer, address = node
-    config = FrontendConfig(model="my-name", model_aliases="a,b", max_context_length=100_000, max_output_tokens=64)
+    config = FrontendConfig(model="my-name", model_aliases="a,b", max_context_length=100_000, max_output_tokens=64,
+                            max_prompt_bytes=5000)
     model = ServedModel(config, grpc.aio.insecure_channel)
     model.on_node_table(table(address, servicer.card))
     await loaded(model)
     limits = model.loaded.limits
     assert (limits.served_model_name, limits.aliases) == ("my-name", ("a", "b"))
-    assert (limits.max_context_length, limits.max_output_tokens) == (40960, 64)
+    assert (limits.max_context_length, limits.max_output_tokens, limits.max_prompt_bytes) == (40960, 64, 5000)
 
 
 async def test_a_failed_fetch_is_tried_again_at_the_next_table(node):

@@ -330,6 +330,32 @@ def test_prompt_is_not_tokenized_when_a_cheaper_check_fails():
         validate_generate(request(sampling=sampling(top_p=0.0)), RequestMetadata(), LIMITS, must_not_encode)
 
 
+def test_a_prompt_over_its_byte_limit_is_refused_before_it_is_tokenized():
+    def must_not_encode(text: str) -> list[int]:
+        raise AssertionError("tokenized a prompt over the byte limit")
+
+    limits = ModelLimits(**{**LIMITS.__dict__, "max_prompt_bytes": 100})
+    for prompt, says in (("a" * 101, "got 101 characters"), ("é" * 51, "got 102 bytes")):
+        with pytest.raises(InvalidRequest) as refused:
+            validate_generate(request(prompt=prompt), RequestMetadata(), limits, must_not_encode)
+        assert "prompt must be at most 100 bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES)" in refused.value.message
+        assert says in refused.value.message
+    # At the limit: tokenized, then judged by its tokens.
+    assert len(validate_generate(request(prompt="é" * 50), RequestMetadata(), limits, encode).prompt_token_ids) == 50
+    with pytest.raises(InvalidRequest, match="max_context_length 64, got 100 tokens"):
+        validate_generate(request(prompt="a" * 100), RequestMetadata(), limits, encode)
+
+
+def test_stop_texts_are_bounded_together():
+    at_limit = [stop_text("x" * 1024) for _ in range(4)]
+    assert len(validate(request(stopping=stopping(conditions=at_limit))).stop_strings) == 1  # deduplicated
+    distinct = [stop_text(c * 1024) for c in "abcd"]
+    assert len(validate(request(stopping=stopping(conditions=distinct))).stop_strings) == 4
+    with pytest.raises(InvalidRequest) as refused:
+        validate(request(stopping=stopping(conditions=[*distinct, stop_text("é")])))
+    assert "stop_text must total at most 4096 bytes of UTF-8, got more by conditions[4]" in refused.value.message
+
+
 # --- good requests -------------------------------------------------------------
 
 GOOD_REQUESTS = [

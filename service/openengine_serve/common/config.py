@@ -201,6 +201,8 @@ class FrontendConfig(CommonConfig):
     max_output_tokens: int = knob(0, "output tokens per sequence, the default `max_tokens` (0: the nodes' "
                                      "model's)", minimum=0)
     max_num_sequences: int = knob(8, "largest `num_sequences` accepted", minimum=1)
+    max_prompt_bytes: int = knob(0, "largest text prompt, in bytes of UTF-8, refused (INVALID_ARGUMENT) before it "
+                                    "is tokenized (0: 16 per token of max_context_length)", minimum=0)
     max_guide_bytes: int = knob(65536, "largest guide (guided.json_schema, regex, ebnf_grammar, structural_tag, "
                                        "the choices together) accepted (INVALID_ARGUMENT beyond)", minimum=16)
     guide_compile_timeout_s: float = knob(5.0, "a guide that takes longer to compile on the frontend (which "

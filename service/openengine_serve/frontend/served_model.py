@@ -34,6 +34,9 @@ READY = cluster_pb2.NODE_STATE_READY
 MAX_TOP_N = 20
 MAX_CANDIDATE_TOKEN_IDS = 20  # asked candidate ids per selection, at most (as many as top_n)
 MAX_STOP_CONDITIONS = 16
+# OPENENGINE_MAX_PROMPT_BYTES' default per token of the context: text averages 3-5 bytes per token, so a prompt
+# that fits is far below it, and one above it is refused before it is tokenized.
+PROMPT_BYTES_PER_TOKEN = 16
 GET_MODEL_TIMEOUT_S = 30.0  # the tokenizer of a large vocabulary is several MB
 
 
@@ -111,4 +114,5 @@ class ServedModel:
             max_num_sequences=config.max_num_sequences, max_top_n=MAX_TOP_N,
             max_candidate_token_ids=MAX_CANDIDATE_TOKEN_IDS, max_stop_conditions=MAX_STOP_CONDITIONS,
             vocab_size=tokenizer.n_vocab, engine=card.engine, guided_decoding=card.guided_decoding,
-            prefix_cache=card.prefix_cache, max_guide_bytes=config.max_guide_bytes)
+            prefix_cache=card.prefix_cache, max_guide_bytes=config.max_guide_bytes,
+            max_prompt_bytes=config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context)

@@ -7,7 +7,8 @@ in a fixed order, so a request with several problems always gets the same
 answer:
 
 1. ``request_id``: non-empty, at most 1024 bytes of UTF-8 (INVALID_ARGUMENT).
-2. input shape: exactly one of ``prompt`` / ``token_ids``, not empty
+2. input shape: exactly one of ``prompt`` / ``token_ids``, not empty; a text
+   prompt at most ``max_prompt_bytes`` long, before it is tokenized
    (INVALID_ARGUMENT).
 3. ``model``: the served name or an alias (NOT_FOUND).
 4. features: ``media``, ``kv.session``, ``lora_name``, ``all`` candidates
@@ -74,6 +75,7 @@ class ModelLimits:
     guided_decoding: bool = False  # the engine serves `guided`
     prefix_cache: bool = False  # the engine serves `kv.bypass_prefix_cache` and `kv.cache_salt`
     max_guide_bytes: int = 65536
+    max_prompt_bytes: int = 1 << 20
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -226,7 +228,7 @@ def validate_generate(
 ) -> GenerationPlan:
     """Checks a Generate request in the order of the module docstring and normalizes it."""
     check_request_id(request.request_id)
-    input_kind = _check_input_shape(request)
+    input_kind = _check_input_shape(request, limits)
     model = _resolve_model(request.model, limits)
     guide_kind, guide = _check_supported_features(request, limits)
 
@@ -368,12 +370,23 @@ def check_request_id(request_id: str) -> None:
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {size} bytes")
 
 
-def _check_input_shape(request: generation_pb2.GenerateRequest) -> Literal["prompt", "token_ids"]:
+def _check_input_shape(request: generation_pb2.GenerateRequest,
+                       limits: ModelLimits) -> Literal["prompt", "token_ids"]:
     input_kind = request.WhichOneof("input")
     if input_kind is None:
         raise InvalidRequest("exactly one of prompt or token_ids must be set, got neither")
-    if input_kind == "prompt" and not request.prompt:
-        raise InvalidRequest("prompt must not be empty")
+    if input_kind == "prompt":
+        prompt = request.prompt
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty")
+        limit = limits.max_prompt_bytes
+        # A character is 1 to 4 bytes: the bytes are counted only when the characters leave it open.
+        if len(prompt) > limit:
+            raise InvalidRequest(f"prompt must be at most {limit} bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES), "
+                                 f"got {len(prompt)} characters")
+        if len(prompt) * 4 > limit and (size := len(prompt.encode("utf-8", "surrogatepass"))) > limit:
+            raise InvalidRequest(f"prompt must be at most {limit} bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES), "
+                                 f"got {size} bytes")
     if input_kind == "token_ids" and not request.token_ids.ids:
         raise InvalidRequest("token_ids.ids must not be empty")
     return input_kind
@@ -388,6 +401,7 @@ def _resolve_model(requested: str, limits: ModelLimits) -> str:
 
 
 MAX_CACHE_SALT_BYTES = 256
+MAX_STOP_TEXT_BYTES = 4096  # all stop_text together: every new token is matched against them
 
 
 def _check_supported_features(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> tuple[str, str]:
@@ -453,6 +467,7 @@ def _stop_conditions(
         )
     stop_strings: list[str] = []
     stop_token_ids: list[int] = []
+    stop_text_bytes = 0
     for index, condition in enumerate(conditions):
         kind = condition.WhichOneof("condition")
         if kind is None:
@@ -460,6 +475,10 @@ def _stop_conditions(
         if kind == "stop_text":
             if not condition.stop_text:
                 raise InvalidRequest(f"stopping.conditions[{index}].stop_text must not be empty")
+            stop_text_bytes += len(condition.stop_text.encode("utf-8", "surrogatepass"))
+            if stop_text_bytes > MAX_STOP_TEXT_BYTES:
+                raise InvalidRequest(f"stopping.conditions' stop_text must total at most {MAX_STOP_TEXT_BYTES} "
+                                     f"bytes of UTF-8, got more by conditions[{index}]")
             stop_strings.append(condition.stop_text)
         else:
             if condition.stop_token_id >= limits.vocab_size:

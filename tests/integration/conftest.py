@@ -194,7 +194,9 @@ def target(request, real_cluster) -> str:
 def make_request(prompt: str | list[int] = "The capital of France is", *, max_tokens: int = 24,
                  temperature: float = 0.0, **fields) -> G.GenerateRequest:
     """A request to the real model, greedy unless `temperature`; `fields`: stopping fields by name, others as
-    message__field (lists extend repeated fields)."""
+    message__field (lists extend repeated fields). Unless a `kv__` field is given, it bypasses the prefix cache:
+    its prompt is read whole, as the reference reads it (a prompt read from the cache computes its last token
+    in another batch shape, whose rounding can flip a close greedy choice: docs/engines.md, batch invariance)."""
     req = G.GenerateRequest(request_id=f"real-{uuid.uuid4()}", model=REAL_MODEL,
                             stopping=G.StoppingOptions(max_tokens=max_tokens))
     if isinstance(prompt, str):
@@ -202,6 +204,8 @@ def make_request(prompt: str | list[int] = "The capital of France is", *, max_to
     else:
         req.token_ids.ids.extend(prompt)
     req.sampling.temperature = temperature
+    if not any(name.startswith("kv__") for name in fields):
+        req.kv.bypass_prefix_cache = True
     for name, value in fields.items():
         message, field = name.split("__") if "__" in name else ("stopping", name)
         if isinstance(value, list):

@@ -124,10 +124,7 @@ def test_first_token_logprobs_are_the_log_softmax_of_the_model_logits(target):
 
 def test_a_seed_gives_the_same_tokens_and_another_seed_others(target):
     def sampled(seed: int) -> list[int]:
-        # The prompt read whole each time: the same rows to draw from (a prefix cache hit reads its last token
-        # alone, in other arithmetic; docs/engines.md, batch invariance).
-        req = make_request(PROMPTS[2], max_tokens=32, temperature=0.9, sampling__seed=seed, ignore_eos=True,
-                           kv__bypass_prefix_cache=True)
+        req = make_request(PROMPTS[2], max_tokens=32, temperature=0.9, sampling__seed=seed, ignore_eos=True)
         return output_ids(generate(target, req))
 
     first = sampled(11)

@@ -27,7 +27,8 @@ KEYS = {"ops": ("admin", "k-admin-3f9"), "alice": ("user", "k-alice-77a"), "bob"
 KEY_MAX_IN_FLIGHT = 2  # the frontends' default per-key limit (OPENENGINE_API_KEY_MAX_IN_FLIGHT)
 
 
-def key_file_text(names=tuple(KEYS), options: dict[str, str] = {}) -> str:
+def key_file_text(names=tuple(KEYS), options: dict[str, str] | None = None) -> str:
+    options = options or {}
     return "# role name secret\n" + "".join(f"{KEYS[n][0]} {n} {KEYS[n][1]} {options.get(n, '')}\n" for n in names)
 
 

@@ -6,7 +6,9 @@ Every integration test that takes `stack` runs once per server implementation
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -170,19 +172,26 @@ class RealCluster:
         return processes.metric(processes.scrape(self.node_metrics), name)
 
 
-@pytest.fixture(scope="session")
-def real_cluster():
-    """A coordinator, one llama.cpp node serving SmolLM2-135M-Instruct, and a frontend per gRPC server."""
+@contextlib.contextmanager
+def real_cluster_with(*node_args: str) -> Iterator[RealCluster]:
+    """A coordinator, one llama.cpp node serving SmolLM2-135M-Instruct (with `node_args`), and a frontend per
+    gRPC server; all stopped on exit."""
     deployment = processes.Deployment()
     try:
         coord = deployment.add(processes.coordinator())
         node, node_metrics = processes.with_metrics(
-            processes.node(coord.target, 0, "--engine", "llama.cpp", "--threads", str(THREADS)))
+            processes.node(coord.target, 0, "--engine", "llama.cpp", "--threads", str(THREADS), *node_args))
         deployment.add(node)
         frontends = {server: deployment.add(processes.frontend(coord.target, server)) for server in SERVERS}
         yield RealCluster(coord, node, node_metrics, frontends)
     finally:
         deployment.close()
+
+
+@pytest.fixture(scope="session")
+def real_cluster():
+    with real_cluster_with() as cluster:
+        yield cluster
 
 
 @pytest.fixture(params=SERVERS)

@@ -14,8 +14,7 @@ import pytest
 from openengine_serve.api.openengine.v1 import generation_pb2, model_pb2
 from openengine_serve.client import AsyncClient, Client
 
-from . import processes
-from .conftest import MODEL, SERVERS, THREADS, RealCluster, by_output, generate, make_request, request
+from .conftest import MODEL, SERVERS, by_output, generate, make_request, real_cluster_with, request
 
 G = generation_pb2
 
@@ -208,17 +207,8 @@ def small_cache_node():
     """A llama.cpp node whose KV cache has 256 cells and whose steps hold at most 36 tokens: ggml's CPU flash
     attention then takes the same kernel for a prompt read whole or from the prefix cache (docs/engines.md,
     batch invariance), so greedy outputs with and without the cache can be compared token for token."""
-    deployment = processes.Deployment()
-    try:
-        coord = deployment.add(processes.coordinator())
-        node, node_metrics = processes.with_metrics(processes.node(
-            coord.target, 0, "--engine", "llama.cpp", "--threads", str(THREADS), "--context-size", "256",
-            "--prefill-chunk", "32", "--max-batch", "4"))
-        deployment.add(node)
-        frontends = {server: deployment.add(processes.frontend(coord.target, server)) for server in SERVERS}
-        yield RealCluster(coord, node, node_metrics, frontends)
-    finally:
-        deployment.close()
+    with real_cluster_with("--context-size", "256", "--prefill-chunk", "32", "--max-batch", "4") as cluster:
+        yield cluster
 
 
 @pytest.fixture(params=SERVERS)

@@ -34,10 +34,29 @@ def measure(server: str, keys_file: str | None, calls: int) -> tuple[float, floa
     env.pop("OPENENGINE_API_KEYS_FILE", None)
     if keys_file:
         env["OPENENGINE_API_KEYS_FILE"] = keys_file
-    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "frontend", "--host", "127.0.0.1", "--port",
-                             str(port), "--metrics-port", "0", "--grpc-server", server, "--log-level", "warning",
-                             "--coordinator-address", f"127.0.0.1:{free_port()}"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "frontend",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--grpc-server",
+            server,
+            "--log-level",
+            "warning",
+            "--coordinator-address",
+            f"127.0.0.1:{free_port()}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         credentials = Credentials(api_key=KEY if keys_file else "")
         with Client(f"127.0.0.1:{port}", credentials=credentials, retries=False) as client:

@@ -25,8 +25,11 @@ DEFAULT_SIZES = (1000, 2500, 4096, 8192, 16384, 65536, 524288, 1046528, 1049600,
 def serve(name: str, limit: int, port: list[int], ready: threading.Event) -> None:
     async def main() -> None:
         config = SimpleNamespace(max_request_bytes=1 << 20, max_metadata_bytes=limit, max_concurrent_streams=100)
-        server = create_server(resolve_implementation(name), interceptors=limits.interceptors(config),
-                               options=limits.transport_options(config))
+        server = create_server(
+            resolve_implementation(name),
+            interceptors=limits.interceptors(config),
+            options=limits.transport_options(config),
+        )
 
         async def echo(request, context):
             return b"ok"
@@ -59,8 +62,10 @@ def main() -> None:
                     answer = "OK"
                 except grpc.RpcError as exc:
                     answer = f"{exc.code().name} {exc.details()[:100]!r}"
-            print(f"{name:14} limit {limit} padding {size:>8} B  {time.monotonic() - started:5.2f} s  {answer}",
-                  flush=True)
+            print(
+                f"{name:14} limit {limit} padding {size:>8} B  {time.monotonic() - started:5.2f} s  {answer}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,11 @@ def pytest_unconfigure(config):
         import time
 
         time.sleep(_EXIT_GRACE_S)
-        print(f"\ntests finished but the interpreter did not exit within {_EXIT_GRACE_S:.0f} s; "
-              "thread stacks follow", file=sys.stderr, flush=True)
+        print(
+            f"\ntests finished but the interpreter did not exit within {_EXIT_GRACE_S:.0f} s; thread stacks follow",
+            file=sys.stderr,
+            flush=True,
+        )
         faulthandler.dump_traceback(all_threads=True)
         os._exit(status)
 

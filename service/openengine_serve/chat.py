@@ -23,20 +23,22 @@ def render_chat(model_info, prompt: str, system: str | None = None) -> str:
     extra = model_info.extra
     template = extra["chat_template"] if "chat_template" in extra else ""
     if not template:
-        raise ChatTemplateError(f"model {model_info.served_model_name!r} has no chat template; send the prompt "
-                                f"as it is (without --chat)")
+        raise ChatTemplateError(
+            f"model {model_info.served_model_name!r} has no chat template; send the prompt as it is (without --chat)"
+        )
 
     def raise_exception(message: str) -> None:
         raise ChatTemplateError(f"the chat template refused the conversation: {message}")
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals.update(raise_exception=raise_exception,
-                               strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    environment.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     try:
         return environment.from_string(template).render(
-            messages=messages, add_generation_prompt=True,
+            messages=messages,
+            add_generation_prompt=True,
             bos_token=extra["bos_token"] if "bos_token" in extra else "",
-            eos_token=extra["eos_token"] if "eos_token" in extra else "")
+            eos_token=extra["eos_token"] if "eos_token" in extra else "",
+        )
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the model's chat template does not render: {exc}") from None

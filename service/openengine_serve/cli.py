@@ -49,14 +49,15 @@ def _quiet_broken_pipe() -> None:
 
 
 def add_up_security_arguments(up: argparse.ArgumentParser) -> None:
-    for flag, what in (("--tls-cert-file", "frontend TLS certificate [OPENENGINE_TLS_CERT_FILE]"),
-                       ("--tls-key-file", "its key [OPENENGINE_TLS_KEY_FILE]"),
-                       ("--tls-client-ca-file", "require client certificates this CA signed "
-                                                "[OPENENGINE_TLS_CLIENT_CA_FILE]"),
-                       ("--api-keys-file", "API key file [OPENENGINE_API_KEYS_FILE]"),
-                       ("--tls-ca-file", "CA `up` verifies the frontend with (default: --tls-cert-file)"),
-                       ("--client-cert-file", "client certificate of `up`'s readiness check (mutual TLS)"),
-                       ("--client-key-file", "its key")):
+    for flag, what in (
+        ("--tls-cert-file", "frontend TLS certificate [OPENENGINE_TLS_CERT_FILE]"),
+        ("--tls-key-file", "its key [OPENENGINE_TLS_KEY_FILE]"),
+        ("--tls-client-ca-file", "require client certificates this CA signed [OPENENGINE_TLS_CLIENT_CA_FILE]"),
+        ("--api-keys-file", "API key file [OPENENGINE_API_KEYS_FILE]"),
+        ("--tls-ca-file", "CA `up` verifies the frontend with (default: --tls-cert-file)"),
+        ("--client-cert-file", "client certificate of `up`'s readiness check (mutual TLS)"),
+        ("--client-key-file", "its key"),
+    ):
         up.add_argument(flag, default="", help=what)
 
 
@@ -86,7 +87,8 @@ def _generate(args: argparse.Namespace) -> int:
                     print(f"error: --chat: {exc}", file=sys.stderr)
                     return 2
         request = generation_pb2.GenerateRequest(
-            request_id=args.request_id or f"cli-{uuid.uuid4()}", model=model_name, prompt=prompt)
+            request_id=args.request_id or f"cli-{uuid.uuid4()}", model=model_name, prompt=prompt
+        )
         if args.max_tokens is not None:
             request.stopping.max_tokens = args.max_tokens
         if args.ignore_eos:
@@ -131,13 +133,19 @@ def _print_stream(client, request, timeout: float) -> int:
                 reason = generation_pb2.FinishReason.Name(response.finished.reason)
                 print(f"[finished output={response.finished.output_index} reason={reason}]", file=sys.stderr)
             elif event == "error":
-                print(("\n" if line_open else "") + f"[error code={response.error.code} "
-                      f"retryable={response.error.retryable}] {response.error.message}", file=sys.stderr)
+                print(
+                    ("\n" if line_open else "") + f"[error code={response.error.code} "
+                    f"retryable={response.error.retryable}] {response.error.message}",
+                    file=sys.stderr,
+                )
                 return 1
             if response.HasField("usage"):
                 u = response.usage
-                print(f"[usage prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
-                      f"total_tokens={u.total_tokens}]", file=sys.stderr)
+                print(
+                    f"[usage prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+                    f"total_tokens={u.total_tokens}]",
+                    file=sys.stderr,
+                )
     except grpc.RpcError as exc:
         print(("\n" if line_open else "") + f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 2
@@ -155,8 +163,9 @@ def _info(args: argparse.Namespace) -> int:
     with Client(args.target, credentials=credentials(args)) as client:
         try:
             server = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=args.timeout)
-            model = client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model=server.supported_models[0]),
-                                                timeout=args.timeout)
+            model = client.control.GetModelInfo(
+                model_pb2.GetModelInfoRequest(model=server.supported_models[0]), timeout=args.timeout
+            )
         except grpc.RpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 2
@@ -226,15 +235,24 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="public frontend port (default 50051)")
     up.add_argument("--host", default="127.0.0.1", help="address every component binds (default 127.0.0.1)")
     up.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
-    up.add_argument("--grpc-server", choices=cfg.GRPC_SERVERS, default=None,
-                    help="frontend gRPC server [OPENENGINE_GRPC_SERVER, default grpcio]")
+    up.add_argument(
+        "--grpc-server",
+        choices=cfg.GRPC_SERVERS,
+        default=None,
+        help="frontend gRPC server [OPENENGINE_GRPC_SERVER, default grpcio]",
+    )
     up.add_argument("--workers", type=int, default=None, help="frontend worker processes [OPENENGINE_FRONTEND_WORKERS]")
-    up.add_argument("--engine", choices=cfg.ENGINES, default=None,
-                    help="the nodes' engine [OPENENGINE_ENGINE, default llama.cpp: SmolLM2-135M-Instruct, or "
-                         "OPENENGINE_MODEL_PATH]")
+    up.add_argument(
+        "--engine",
+        choices=cfg.ENGINES,
+        default=None,
+        help="the nodes' engine [OPENENGINE_ENGINE, default llama.cpp: SmolLM2-135M-Instruct, or "
+        "OPENENGINE_MODEL_PATH]",
+    )
     up.add_argument("--coordinator-port", type=int, default=0, help="default: a free port")
-    up.add_argument("--node-port", type=int, default=0, help="first node's port, further nodes count up "
-                                                             "(default: free ports)")
+    up.add_argument(
+        "--node-port", type=int, default=0, help="first node's port, further nodes count up (default: free ports)"
+    )
     up.add_argument("--metrics", action="store_true", help="serve metrics on 9091/9092/9093+ instead of off")
     add_up_security_arguments(up)
     up.set_defaults(func=_up)
@@ -247,8 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one generation to stdout; usage and finish reason to stderr")
     gen.add_argument("--target", default="127.0.0.1:50051")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true",
-                     help="send the prompt as a user message in the model's chat template (from ModelInfo)")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message in the model's chat template (from ModelInfo)",
+    )
     gen.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
     gen.add_argument("--model", default=None, help="served model name (default: the first the server names)")
     gen.add_argument("--max-tokens", type=int, default=None)
@@ -261,8 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     guide.add_argument("--choice", action="append", default=[], help="structured output: one of these (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--request-id", default=None)
-    gen.add_argument("--timeout", type=float, default=300.0,
-                     help="deadline of the whole call in seconds, retries included (default 300)")
+    gen.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="deadline of the whole call in seconds, retries included (default 300)",
+    )
     add_credential_arguments(gen)
     gen.set_defaults(func=_generate)
 
@@ -275,8 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_health_arguments(sub.add_parser("health", help=HEALTH_HELP))
 
     # `bench` parses its own flags (prefix "+" here, so every "--flag" reaches it); imported only when run.
-    bench = sub.add_parser("bench", add_help=False, prefix_chars="+",
-                           help="benchmark the frontend on grpcio vs pygrpc-native (`bench --help`)")
+    bench = sub.add_parser(
+        "bench",
+        add_help=False,
+        prefix_chars="+",
+        help="benchmark the frontend on grpcio vs pygrpc-native (`bench --help`)",
+    )
     bench.add_argument("argv", nargs="*")
 
     def _bench(args: argparse.Namespace) -> int:
@@ -284,9 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
             from openengine_bench.cli import main as bench_main
         except ImportError as exc:
             # Not in the container images: the benchmark is a tool of a source checkout.
-            print(f"openengine-serve: error: `bench` needs the benchmark tools (openengine_bench), which this "
-                  f"installation lacks ({exc}); from a source checkout: pip install -e '.[bench]'",
-                  file=sys.stderr)
+            print(
+                f"openengine-serve: error: `bench` needs the benchmark tools (openengine_bench), which this "
+                f"installation lacks ({exc}); from a source checkout: pip install -e '.[bench]'",
+                file=sys.stderr,
+            )
             return 2
         return bench_main(args.argv)
 

@@ -21,8 +21,8 @@ import json
 import os
 import random
 import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,17 +39,28 @@ RETRY_POLICY = {
 # Not Inference.Generate: generate() retries it on a fresh connection, within its deadline. gRPC's own retry
 # of that stream (grpcio 1.85.3) hung calls past their deadline, which never fired, when a pygrpc-native
 # frontend stopped under load: 5 of 8 rolling-restart runs here; without it, 0 of 12.
-SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{"service": service} for service in (openengine_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
-                                                  health.SERVICE_NAME)],
-    "retryPolicy": RETRY_POLICY,
-}]})
+SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [
+                    {"service": service}
+                    for service in (
+                        openengine_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
+                        health.SERVICE_NAME,
+                    )
+                ],
+                "retryPolicy": RETRY_POLICY,
+            }
+        ]
+    }
+)
 
 
 # A fresh connection lands on a stopping process with p = 1/W. With a deadline, the deadline normally ends a
 # call first; without one, this bounds the waiting to ~15 s on average (about 30 s at most).
 RECONNECT_ATTEMPTS = 64
-RECONNECT_BACKOFF_S = (0.05, 0.5)   # the n-th wait is uniform in [0, min(0.5, 0.05 * 2**n)] s ("full jitter")
+RECONNECT_BACKOFF_S = (0.05, 0.5)  # the n-th wait is uniform in [0, min(0.5, 0.05 * 2**n)] s ("full jitter")
 
 
 # Refusals before the first message that generate() retries on a fresh connection. CANCELLED: grpc.aio's
@@ -82,9 +93,15 @@ class Attempts:
     message is retried, at most `limit` attempts and never past the deadline.
     """
 
-    def __init__(self, timeout: float | None, *, limit: int = RECONNECT_ATTEMPTS,
-                 backoff_s: tuple[float, float] = RECONNECT_BACKOFF_S,
-                 clock: Callable[[], float] = time.monotonic, jitter: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        timeout: float | None,
+        *,
+        limit: int = RECONNECT_ATTEMPTS,
+        backoff_s: tuple[float, float] = RECONNECT_BACKOFF_S,
+        clock: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
         self.timeout = timeout
         self.limit = limit
         self.backoff_s = backoff_s
@@ -105,7 +122,8 @@ class Attempts:
             last = self.last_error
             raise DeadlineExceeded(
                 f"generate() did not complete within its {self.timeout:g} s deadline (attempts made: {self.made}"
-                + (f"; last: {last.code().name}: {last.details()})" if last is not None else ")"))
+                + (f"; last: {last.code().name}: {last.details()})" if last is not None else ")")
+            )
         self.made += 1
         return left
 
@@ -121,10 +139,12 @@ class Attempts:
 
 
 def channel_options(retries: bool = True, target: str = "") -> list[tuple[str, object]]:
-    options: list[tuple[str, object]] = [("grpc.max_receive_message_length", 16 * 1024 * 1024),
-                                         # its own connection: channels must not share one through the
-                                         # global subchannel pool, or a reconnect would reuse it
-                                         ("grpc.use_local_subchannel_pool", 1)]
+    options: list[tuple[str, object]] = [
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        # its own connection: channels must not share one through the
+        # global subchannel pool, or a reconnect would reuse it
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
     if target.startswith("dns:"):
         # a name with one address per frontend (a headless Service): a connection to each, calls spread over them
         options.append(("grpc.lb_policy_name", "round_robin"))
@@ -139,6 +159,7 @@ def channel_options(retries: bool = True, target: str = "") -> list[tuple[str, o
 class Credentials:
     """How to reach a secured frontend: TLS (`ca_file` verifies the server; empty with `tls`: the system roots),
     a client certificate for mutual TLS, and an API key sent as `authorization: Bearer <key>`."""
+
     ca_file: str = ""
     cert_file: str = ""
     key_file: str = ""
@@ -151,7 +172,7 @@ class Credentials:
         return self.tls or bool(self.ca_file or self.cert_file or self.key_file)
 
     @classmethod
-    def from_env(cls, **overrides) -> "Credentials":
+    def from_env(cls, **overrides) -> Credentials:
         """OPENENGINE_API_KEY fills an api_key not given."""
         values = {k: v for k, v in overrides.items() if v}
         values.setdefault("api_key", os.environ.get("OPENENGINE_API_KEY", ""))
@@ -201,9 +222,11 @@ def open_channel(target: str, options=(), credentials: Credentials = NO_CREDENTI
     from .common.tls import channel_credentials
 
     if credentials.uses_tls:
-        channel = grpc.secure_channel(target, channel_credentials(credentials.ca_file, credentials.cert_file,
-                                                                  credentials.key_file),
-                                      options=_tls_options(options, credentials))
+        channel = grpc.secure_channel(
+            target,
+            channel_credentials(credentials.ca_file, credentials.cert_file, credentials.key_file),
+            options=_tls_options(options, credentials),
+        )
     else:
         channel = grpc.insecure_channel(target, options=list(options))
     metadata = _auth_metadata(credentials)
@@ -216,22 +239,30 @@ def open_async_channel(target: str, options=(), credentials: Credentials = NO_CR
     metadata = _auth_metadata(credentials)
     interceptors = [_AsyncApiKey(metadata)] if metadata else None
     if credentials.uses_tls:
-        return grpc.aio.secure_channel(target, channel_credentials(
-            credentials.ca_file, credentials.cert_file, credentials.key_file),
-            options=_tls_options(options, credentials), interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            target,
+            channel_credentials(credentials.ca_file, credentials.cert_file, credentials.key_file),
+            options=_tls_options(options, credentials),
+            interceptors=interceptors,
+        )
     return grpc.aio.insecure_channel(target, options=list(options), interceptors=interceptors)
 
 
-def check_health(target: str, service: str = "readiness", timeout: float = 1.0,
-                 credentials: Credentials = NO_CREDENTIALS) -> int:
+def check_health(
+    target: str, service: str = "readiness", timeout: float = 1.0, credentials: Credentials = NO_CREDENTIALS
+) -> int:
     """One grpc.health.v1 Check: the ServingStatus, or grpc.RpcError when the target does not answer."""
     with open_channel(target, credentials=credentials) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        return (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            .status
+        )
 
 
-def is_serving(target: str, service: str = "readiness", timeout: float = 1.0,
-               credentials: Credentials = NO_CREDENTIALS) -> bool:
+def is_serving(
+    target: str, service: str = "readiness", timeout: float = 1.0, credentials: Credentials = NO_CREDENTIALS
+) -> bool:
     try:
         return check_health(target, service, timeout, credentials) == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
@@ -241,8 +272,9 @@ def is_serving(target: str, service: str = "readiness", timeout: float = 1.0,
 class _Connection:
     """A channel to `target` and the stubs on it; `_connect()` replaces both (a fresh connection)."""
 
-    def __init__(self, target: str, *, retries: bool = True, credentials: Credentials = NO_CREDENTIALS,
-                 options=()) -> None:
+    def __init__(
+        self, target: str, *, retries: bool = True, credentials: Credentials = NO_CREDENTIALS, options=()
+    ) -> None:
         """`options`: more gRPC channel options (e.g. `grpc.dns_min_time_between_resolutions_ms`)."""
         self.target = target
         self.retries = retries
@@ -267,8 +299,9 @@ class Client(_Connection):
     def _open(self, options):
         return open_channel(self.target, options, self.credentials)
 
-    def generate(self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None,
-                 metadata=()) -> Iterator[generation_pb2.GenerateResponse]:
+    def generate(
+        self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None, metadata=()
+    ) -> Iterator[generation_pb2.GenerateResponse]:
         """Streams one generation; a refusal before the first message is retried on a fresh connection.
         `timeout` is the deadline of the whole call, counted from now (see `Attempts`)."""
         return self._generate(request, Attempts(timeout), metadata)
@@ -293,7 +326,7 @@ class Client(_Connection):
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -306,13 +339,13 @@ class AsyncClient(_Connection):
     def _open(self, options):
         return open_async_channel(self.target, options, self.credentials)
 
-    def generate(self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None,
-                 metadata=()) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    def generate(
+        self, request: generation_pb2.GenerateRequest, *, timeout: float | None = None, metadata=()
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """As `Client.generate`: `async for response in client.generate(request, timeout=30)`."""
         return self._generate(request, Attempts(timeout), metadata)
 
-    async def _generate(self, request, attempts: Attempts,
-                        metadata) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _generate(self, request, attempts: Attempts, metadata) -> AsyncIterator[generation_pb2.GenerateResponse]:
         while True:
             call = self.inference.Generate(request, timeout=attempts.next_timeout(), metadata=metadata)
             received = False
@@ -332,7 +365,7 @@ class AsyncClient(_Connection):
     async def close(self) -> None:
         await self.channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -24,8 +24,9 @@ _PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 90.0
 
 
-def wait_serving(target: str, deadline: float, procs: list[subprocess.Popen],
-                 credentials: Credentials = NO_CREDENTIALS) -> bool:
+def wait_serving(
+    target: str, deadline: float, procs: list[subprocess.Popen], credentials: Credentials = NO_CREDENTIALS
+) -> bool:
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):
             return False
@@ -43,15 +44,37 @@ def run_stack(args: argparse.Namespace) -> int:
     python = [sys.executable, "-m", "openengine_serve"]
     common = ["--host", host]
     plan: list[tuple[str, list[str]]] = [
-        ("coordinator", python + ["coordinator", *common, "--port", str(coordinator_port),
-                                  "--metrics-port", str(metrics_port(9092))])]
+        (
+            "coordinator",
+            python
+            + ["coordinator", *common, "--port", str(coordinator_port), "--metrics-port", str(metrics_port(9092))],
+        )
+    ]
     for i in range(args.nodes):
         port = args.node_port + i if args.node_port else free_port(host)
-        node = python + ["node", *common, "--port", str(port), "--node-rank", str(i), "--coordinator-address",
-                         coordinator, "--metrics-port", str(metrics_port(9093 + i))]
+        node = python + [
+            "node",
+            *common,
+            "--port",
+            str(port),
+            "--node-rank",
+            str(i),
+            "--coordinator-address",
+            coordinator,
+            "--metrics-port",
+            str(metrics_port(9093 + i)),
+        ]
         plan.append((f"node-{i}", node + (["--engine", args.engine] if args.engine else [])))
-    frontend = python + ["frontend", *common, "--port", str(args.port), "--coordinator-address", coordinator,
-                         "--metrics-port", str(metrics_port(9091))]
+    frontend = python + [
+        "frontend",
+        *common,
+        "--port",
+        str(args.port),
+        "--coordinator-address",
+        coordinator,
+        "--metrics-port",
+        str(metrics_port(9091)),
+    ]
     if args.grpc_server:
         frontend += ["--grpc-server", args.grpc_server]
     if args.workers:
@@ -77,11 +100,16 @@ def run_stack(args: argparse.Namespace) -> int:
         public = f"{host}:{args.port}"
         if not wait_serving(public, time.monotonic() + READY_TIMEOUT_S, list(procs.values()), security.check):
             dead = [f"{n} (exit {p.returncode})" for n, p in procs.items() if p.poll() is not None]
-            print(f"openengine-serve up: the stack did not become ready: {', '.join(dead) or 'timed out'}",
-                  file=sys.stderr)
+            print(
+                f"openengine-serve up: the stack did not become ready: {', '.join(dead) or 'timed out'}",
+                file=sys.stderr,
+            )
             return 1
-        print(f"OpenEngine frontend ready on {public}{security.describe()}  (coordinator {coordinator}, "
-              f"{args.nodes} node(s)); Ctrl-C stops the stack", flush=True)
+        print(
+            f"OpenEngine frontend ready on {public}{security.describe()}  (coordinator {coordinator}, "
+            f"{args.nodes} node(s)); Ctrl-C stops the stack",
+            flush=True,
+        )
         while not stop_requested:
             dead = [n for n, p in procs.items() if p.poll() is not None]
             if dead:
@@ -106,19 +134,27 @@ class PublicSecurity:
     of its own readiness check (health needs no key; TLS is verified with --tls-ca-file, by default the
     frontend's own certificate, which is right for a self-signed one)."""
 
-    def __init__(self, cert: str, key: str, client_ca: str, keys_file: str, ca: str, client_cert: str,
-                 client_key: str) -> None:
-        self.frontend_flags = [flag for name, value in (("--tls-cert-file", cert), ("--tls-key-file", key),
-                                                         ("--tls-client-ca-file", client_ca),
-                                                         ("--api-keys-file", keys_file)) if value
-                               for flag in (name, value)]
+    def __init__(
+        self, cert: str, key: str, client_ca: str, keys_file: str, ca: str, client_cert: str, client_key: str
+    ) -> None:
+        self.frontend_flags = [
+            flag
+            for name, value in (
+                ("--tls-cert-file", cert),
+                ("--tls-key-file", key),
+                ("--tls-client-ca-file", client_ca),
+                ("--api-keys-file", keys_file),
+            )
+            if value
+            for flag in (name, value)
+        ]
         self.tls, self.mutual, self.keys = bool(cert), bool(client_ca), bool(keys_file)
-        self.check = Credentials(ca_file=ca or cert, cert_file=client_cert, key_file=client_key) if cert \
-            else NO_CREDENTIALS
+        self.check = (
+            Credentials(ca_file=ca or cert, cert_file=client_cert, key_file=client_key) if cert else NO_CREDENTIALS
+        )
 
     def describe(self) -> str:
-        parts = [p for p, on in (("TLS", self.tls), ("mutual TLS", self.mutual), ("API key required", self.keys))
-                 if on]
+        parts = [p for p, on in (("TLS", self.tls), ("mutual TLS", self.mutual), ("API key required", self.keys)) if on]
         return f" ({', '.join(parts)})" if parts else ""
 
 
@@ -126,12 +162,15 @@ def public_security(args: argparse.Namespace) -> PublicSecurity:
     def setting(flag: str, variable: str) -> str:
         return getattr(args, flag, "") or os.environ.get(variable, "")
 
-    return PublicSecurity(setting("tls_cert_file", "OPENENGINE_TLS_CERT_FILE"),
-                          setting("tls_key_file", "OPENENGINE_TLS_KEY_FILE"),
-                          setting("tls_client_ca_file", "OPENENGINE_TLS_CLIENT_CA_FILE"),
-                          setting("api_keys_file", "OPENENGINE_API_KEYS_FILE"),
-                          getattr(args, "tls_ca_file", ""), getattr(args, "client_cert_file", ""),
-                          getattr(args, "client_key_file", ""))
+    return PublicSecurity(
+        setting("tls_cert_file", "OPENENGINE_TLS_CERT_FILE"),
+        setting("tls_key_file", "OPENENGINE_TLS_KEY_FILE"),
+        setting("tls_client_ca_file", "OPENENGINE_TLS_CLIENT_CA_FILE"),
+        setting("api_keys_file", "OPENENGINE_API_KEYS_FILE"),
+        getattr(args, "tls_ca_file", ""),
+        getattr(args, "client_cert_file", ""),
+        getattr(args, "client_key_file", ""),
+    )
 
 
 def stop_all(procs: dict[str, subprocess.Popen]) -> None:

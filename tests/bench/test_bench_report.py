@@ -17,6 +17,7 @@ G, N = report.GRPCIO, report.NATIVE
 
 # ---------------------------------------------------------------- statistics
 
+
 @pytest.mark.parametrize("q, expected", [(0, 1.0), (50, 2.5), (100, 4.0), (25, 1.75), (99, 3.97)])
 def test_percentile_interpolates_linearly(q, expected):
     assert report.percentile([4.0, 1.0, 3.0, 2.0], q) == pytest.approx(expected)
@@ -70,10 +71,18 @@ def test_bottleneck_names_the_saturated_side():
 
 # ---------------------------------------------------------------- aggregation and targets
 
+
 def _round(server, r, scenario="fixed-c32", mode="stack", **metrics):
     workload, _, conns = scenario.partition("-c")
-    base = {"mode": mode, "scenario": scenario, "workload": workload, "connections": int(conns), "server": server,
-            "round": r, "errors": 0}
+    base = {
+        "mode": mode,
+        "scenario": scenario,
+        "workload": workload,
+        "connections": int(conns),
+        "server": server,
+        "round": r,
+        "errors": 0,
+    }
     base.update(metrics)
     return base
 
@@ -123,11 +132,11 @@ def test_targets_pass_and_miss():
     summary = {"pinned": report.summarize_rounds(rounds)}
     identical = {"pinned/fixed-c32": {"compared": 10, "mismatched": 0}}
     targets = {t["name"]: t for t in report.evaluate_targets(summary, rounds, identical, [32, 1])}
-    assert targets["pinned: CPU/token native/grpcio at fixed load, 32 conn"]["verdict"] == "PASS"       # 0.63
+    assert targets["pinned: CPU/token native/grpcio at fixed load, 32 conn"]["verdict"] == "PASS"  # 0.63
     assert targets["pinned: saturation tokens/s native/grpcio, 1 conn (full cores)"]["verdict"] == "PASS"  # 1.75
     floor = targets["pinned: native CPU/token / bare per-message floor, fixed load, 32 conn"]
     assert floor["value"] == pytest.approx(63.0 / 30.0) and floor["verdict"] == "MISS"
-    assert targets["pinned: TTFT p99 native/grpcio at fixed load, 1 conn"]["verdict"] == "MISS"        # 0.9
+    assert targets["pinned: TTFT p99 native/grpcio at fixed load, 1 conn"]["verdict"] == "MISS"  # 0.9
     assert targets["errors (all rounds, both servers, every mode)"]["verdict"] == "PASS"
     assert targets["requests with different tokens on the two servers"]["verdict"] == "PASS"
     rounds.append(_round(N, 9, "fixed-c32", errors=2))
@@ -150,11 +159,27 @@ def _placed_rounds():
 
 
 def _budget_round(server, r, tokens_per_s, other_core_busy, frontend_util=0.25, **metrics):
-    record = _round(server, r, "saturation-c32", placement="budget", tokens_per_s=tokens_per_s, quota_cpus=0.25,
-                    frontend_util=frontend_util, throttled_share=0.95, other_core_busy=other_core_busy,
-                    machine_idle_cores=0.5, tokens_per_message=12.0,
-                    process_util={"frontend": frontend_util, "node": 0.3, "load generator": 0.4, "engine": 0.2,
-                                  "idle (all cores)": 0.5}, **metrics)
+    record = _round(
+        server,
+        r,
+        "saturation-c32",
+        placement="budget",
+        tokens_per_s=tokens_per_s,
+        quota_cpus=0.25,
+        frontend_util=frontend_util,
+        throttled_share=0.95,
+        other_core_busy=other_core_busy,
+        machine_idle_cores=0.5,
+        tokens_per_message=12.0,
+        process_util={
+            "frontend": frontend_util,
+            "node": 0.3,
+            "load generator": 0.4,
+            "engine": 0.2,
+            "idle (all cores)": 0.5,
+        },
+        **metrics,
+    )
     record["bottleneck"], record["frontend_limited"] = report.classify_budget_window(record)
     return record
 
@@ -164,9 +189,9 @@ def test_targets_per_placement_and_budget_worst_round():
     result = report.build_result({}, rounds, {}, [32, 1])
     targets = {t["name"]: t for t in result["targets"]}
     assert targets["quota: CPU/token native/grpcio at fixed load, 32 conn"]["value"] == pytest.approx(95 / 155)
-    assert targets["quota: TTFT p99 native/grpcio at fixed load, 1 conn"]["verdict"] == "PASS"          # 0.4
+    assert targets["quota: TTFT p99 native/grpcio at fixed load, 1 conn"]["verdict"] == "PASS"  # 0.4
     worst = targets["budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"]
-    assert worst["value"] == pytest.approx(1.4) and worst["verdict"] == "MISS"      # median 1.7 would pass
+    assert worst["value"] == pytest.approx(1.4) and worst["verdict"] == "MISS"  # median 1.7 would pass
     assert worst["detail"].startswith("3 of 3 rounds frontend-limited in both windows")
     assert "median 1.70" in worst["detail"]
     assert not any(name.startswith("pinned") for name in targets)  # no pinned rounds: no pinned targets
@@ -215,11 +240,14 @@ def test_budget_window_is_frontend_limited_only_at_quota_with_headroom():
 
 def test_budget_window_with_a_busy_other_core_is_not_frontend_limited():
     # The seventh run's 0.81x round: native at its quota while the other core was full.
-    text, limited = report.budget_limiter(0.48, 0.5, 0.79, 1.00, 0.53, {**REST, "steal (all cores)": 0.21,
-                                                                         "irq+softirq (all cores)": 0.01})
+    text, limited = report.budget_limiter(
+        0.48, 0.5, 0.79, 1.00, 0.53, {**REST, "steal (all cores)": 0.21, "irq+softirq (all cores)": 0.01}
+    )
     assert not limited
-    assert text.startswith("rest of the machine (other cores 1.00 busy, headroom needs below 0.85; "
-                           "load generator 0.45, node 0.30, steal (all cores) 0.21, engine 0.20)")
+    assert text.startswith(
+        "rest of the machine (other cores 1.00 busy, headroom needs below 0.85; "
+        "load generator 0.45, node 0.30, steal (all cores) 0.21, engine 0.20)"
+    )
     assert text.endswith("; frontend quota (0.48 of 0.5 CPU, throttled in 79 % of periods)")
     assert "coordinator" not in text and "irq" not in text  # below 0.05 core: not named
     assert not report.budget_limiter(0.5, 0.5, 1.0, 0.85, 0.5, REST)[1]  # the threshold itself is no headroom
@@ -229,7 +257,9 @@ def test_budget_window_with_a_busy_other_core_is_not_frontend_limited():
 
 def test_budget_window_without_cores_of_its_own_uses_machine_idle():
     assert report.budget_limiter(0.5, 0.5, 1.0, None, 0.40, REST) == (
-        "frontend quota (0.50 of 0.5 CPU, throttled in 100 % of periods); machine idle 0.40 core", True)
+        "frontend quota (0.50 of 0.5 CPU, throttled in 100 % of periods); machine idle 0.40 core",
+        True,
+    )
     text, limited = report.budget_limiter(0.5, 0.5, 1.0, None, 0.05, REST)
     assert not limited and text.startswith("rest of the machine (machine idle 0.05 core, headroom needs at least 0.15")
     assert report.budget_limiter(0.5, 0.5, 1.0, None, None, REST) == ("unknown (no per-core figures)", False)
@@ -237,9 +267,14 @@ def test_budget_window_without_cores_of_its_own_uses_machine_idle():
 
 
 def test_budget_verdict_from_a_stored_record_and_rounds_that_count():
-    rounds = [_budget_round(G, 1, 2000.0, 0.6), _budget_round(N, 1, 3600.0, 0.7),
-              _budget_round(G, 2, 2500.0, 0.6), _budget_round(N, 2, 2000.0, 0.97),      # 0.8x, rest was full
-              _budget_round(G, 3, 2000.0, 0.6, frontend_util=0.1), _budget_round(N, 3, 3400.0, 0.6)]
+    rounds = [
+        _budget_round(G, 1, 2000.0, 0.6),
+        _budget_round(N, 1, 3600.0, 0.7),
+        _budget_round(G, 2, 2500.0, 0.6),
+        _budget_round(N, 2, 2000.0, 0.97),  # 0.8x, rest was full
+        _budget_round(G, 3, 2000.0, 0.6, frontend_util=0.1),
+        _budget_round(N, 3, 3400.0, 0.6),
+    ]
     assert [r["frontend_limited"] for r in rounds] == [True, True, True, False, False, True]
     stored = {k: v for k, v in rounds[3].items() if k not in ("frontend_limited", "bottleneck")}  # older JSON
     assert report.frontend_limited(stored) is False
@@ -249,12 +284,16 @@ def test_budget_verdict_from_a_stored_record_and_rounds_that_count():
     worst = targets["budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"]
     assert worst["value"] == pytest.approx(1.8) and worst["verdict"] == "PASS"  # the 0.8x round does not count
     assert worst["detail"].startswith("1 of 3 rounds frontend-limited in both windows")
-    assert ("every round, including those that do not measure the servers: per round pair: median 1.70, min 0.80"
-            in worst["detail"])
+    assert (
+        "every round, including those that do not measure the servers: per round pair: median 1.70, min 0.80"
+        in worst["detail"]
+    )
     all_valid = report.build_result({}, rounds[:2], {}, [32])["targets"]
     (budget,) = [t for t in all_valid if t["name"].startswith("budget")]
-    assert budget["detail"] == "1 of 1 rounds frontend-limited in both windows (per round pair: median 1.80, min 1.80, " \
-        "max 1.80 (1))"  # no second figure when every round counts
+    assert (
+        budget["detail"] == "1 of 1 rounds frontend-limited in both windows (per round pair: median 1.80, min 1.80, "
+        "max 1.80 (1))"
+    )  # no second figure when every round counts
     table = report.round_table(rounds)
     assert "| no (native not limited by the frontend alone): not a measure of the servers |" in table
     assert "| no (grpcio not limited by the frontend alone): not a measure of the servers |" in table
@@ -273,6 +312,7 @@ def test_limiter_names_quota_machine_and_backend():
 
 
 # ---------------------------------------------------------------- formatting
+
 
 def test_number_and_range_formatting():
     assert report.fmt_number(None) == "–"
@@ -307,11 +347,14 @@ def test_scenario_table_has_ratio_rows():
 def test_render_and_json_round_trip(tmp_path):
     rounds = _rounds()
     hashes = {"pinned/fixed-c32": {G: {"r1": "aa"}, N: {"r1": "aa"}}}
-    profile = report.profile_summary("main;loop;Handle._run (asyncio/events.py:80) 6\n"
-                                     "main;loop;on_event (stream.py:10) 3\nmain;loop;EpollSelector.select "
-                                     "(selectors.py:468) 9\n")
-    result = report.build_result({"quick": True, "nproc": 2, "rate": 40, "inflight": 512}, rounds, hashes, [32, 1],
-                                 {G: {"fixed-c32": profile}})
+    profile = report.profile_summary(
+        "main;loop;Handle._run (asyncio/events.py:80) 6\n"
+        "main;loop;on_event (stream.py:10) 3\nmain;loop;EpollSelector.select "
+        "(selectors.py:468) 9\n"
+    )
+    result = report.build_result(
+        {"quick": True, "nproc": 2, "rate": 40, "inflight": 512}, rounds, hashes, [32, 1], {G: {"fixed-c32": profile}}
+    )
     text = report.render(result)
     assert "## Targets" in text and "PASS" in text and "Profile: frontend on grpcio" in text
     path = report.write_json(result, tmp_path / "out" / "bench.json")
@@ -322,18 +365,22 @@ def test_render_and_json_round_trip(tmp_path):
 
 
 def test_profile_summary_shares_exclude_idle():
-    summary = report.profile_summary("a (x.py:1);b (y.py:2) 3\na (x.py:1);b (y.py:5) 1\na (x.py:1) 4\n"
-                                     "a (x.py:1);EpollSelector.select (selectors.py:468) 10\n")
+    summary = report.profile_summary(
+        "a (x.py:1);b (y.py:2) 3\na (x.py:1);b (y.py:5) 1\na (x.py:1) 4\n"
+        "a (x.py:1);EpollSelector.select (selectors.py:468) 10\n"
+    )
     assert summary["samples"] == 8 and summary["idle_samples"] == 10
     assert summary["self"][0] == {"function": "a (x.py)", "share": 0.5}
     assert summary["self"][1] == {"function": "b (y.py)", "share": 0.5}
     assert summary["inclusive"][0] == {"function": "a (x.py)", "share": 1.0}
-    threads = report.profile_summary("main (m.py:1);work (w.py:2) 3\n"
-                                     "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982) 5\n")
+    threads = report.profile_summary(
+        "main (m.py:1);work (w.py:2) 3\nThread._bootstrap (threading.py:1002);Thread.run (threading.py:982) 5\n"
+    )
     assert threads["samples"] == 3 and threads["other_thread_samples"] == 5
     assert threads["self"] == [{"function": "work (w.py)", "share": 1.0}]
-    every = report.profile_summary("Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982) 5\n",
-                                   main_thread_only=False)
+    every = report.profile_summary(
+        "Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982) 5\n", main_thread_only=False
+    )
     assert every["samples"] == 5
 
 
@@ -347,6 +394,7 @@ def test_chart_is_written(tmp_path):
 
 # ---------------------------------------------------------------- load plan (deterministic across servers)
 
+
 def test_requests_are_deterministic():
     assert prompt_ids(7, 32) == prompt_ids(7, 32)
     assert prompt_ids(7, 32) != prompt_ids(8, 32)
@@ -358,8 +406,18 @@ def test_requests_are_deterministic():
 
 
 def test_jobs_split_connections_and_requests_over_processes():
-    common = dict(target="t", start_at=0, t0=1, t1=2, stop_at=2, drain_timeout_s=1, id_prefix="p", key_base=0,
-                  prompt_tokens=32, output_tokens=128)
+    common = dict(
+        target="t",
+        start_at=0,
+        t0=1,
+        t1=2,
+        stop_at=2,
+        drain_timeout_s=1,
+        id_prefix="p",
+        key_base=0,
+        prompt_tokens=32,
+        output_tokens=128,
+    )
     jobs = make_jobs(kind="fixed", connections=32, procs=2, arrivals=[0.1 * k for k in range(10)], **common)
     assert [j["index"] for j in jobs] == [0, 1]
     assert sorted(k for j in jobs for k, _ in j["arrivals"]) == list(range(10))
@@ -371,9 +429,19 @@ def test_jobs_split_connections_and_requests_over_processes():
 def test_merge_results_sums_and_unions():
     import array
 
-    part = {"window_tokens": 5, "window_messages": 5, "tokens": 10, "started": 1, "completed": 1,
-            "cancelled_at_end": 0, "errors": {"X": 1}, "ttft": array.array("d", [0.1]).tobytes(),
-            "itl": array.array("d", [0.002, 0.003]).tobytes(), "hashes": {"a": "1"}, "lag_max_s": 0.01}
+    part = {
+        "window_tokens": 5,
+        "window_messages": 5,
+        "tokens": 10,
+        "started": 1,
+        "completed": 1,
+        "cancelled_at_end": 0,
+        "errors": {"X": 1},
+        "ttft": array.array("d", [0.1]).tobytes(),
+        "itl": array.array("d", [0.002, 0.003]).tobytes(),
+        "hashes": {"a": "1"},
+        "lag_max_s": 0.01,
+    }
     other = dict(part, errors={"X": 2, "Y": 1}, hashes={"b": "2"}, lag_max_s=0.02)
     merged = merge_results([part, other])
     assert merged["window_tokens"] == 10 and merged["errors"] == {"X": 3, "Y": 1}
@@ -384,9 +452,18 @@ def test_merge_results_sums_and_unions():
 def test_scan_response_reads_events_and_token_ids_like_protobuf():
     from openengine_serve.api.openengine.v1 import generation_pb2 as pb
 
-    token = pb.GenerateResponse(request_id="r-1", token=pb.TokenOutput(output_index=0, text="ab", tokens=[
-        pb.TokenInfo(token_id=7, token="a"), pb.TokenInfo(token_id=0, token="b"),
-        pb.TokenInfo(token_id=151_643, token="c", logprob=-0.5)]))
+    token = pb.GenerateResponse(
+        request_id="r-1",
+        token=pb.TokenOutput(
+            output_index=0,
+            text="ab",
+            tokens=[
+                pb.TokenInfo(token_id=7, token="a"),
+                pb.TokenInfo(token_id=0, token="b"),
+                pb.TokenInfo(token_id=151_643, token="c", logprob=-0.5),
+            ],
+        ),
+    )
     ids: list[int] = []
     assert scan_response(token.SerializeToString(), ids) == "token" and ids == [7, 0, 151_643]
     finished = pb.GenerateResponse(request_id="r-1", finished=pb.GenerationFinished(output_index=0))
@@ -400,7 +477,10 @@ def test_scan_response_reads_events_and_token_ids_like_protobuf():
 
 def test_placements_parse():
     assert [(p.name, p.pinned, p.quota_cpus) for p in parse_placements("pinned,quota,shared,quota", 1.0)] == [
-        ("pinned", True, None), ("quota", False, 1.0), ("shared", False, None)]
+        ("pinned", True, None),
+        ("quota", False, 1.0),
+        ("shared", False, None),
+    ]
     assert parse_placements("quota", 2.0)[0].describe() == "every core visible, 2-CPU cgroup quota"
     with pytest.raises(ValueError, match="unknown placement 'docker'"):
         parse_placements("pinned,docker")
@@ -430,8 +510,12 @@ def test_rerender_judges_older_budget_windows_again(tmp_path):
     rule): the window with the other core full no longer counts, and the target says so."""
     from openengine_bench import cli
 
-    rounds = [_budget_round(G, 1, 2000.0, 0.6), _budget_round(N, 1, 3600.0, 0.7),
-              _budget_round(G, 2, 2500.0, 0.6), _budget_round(N, 2, 2000.0, 1.0)]
+    rounds = [
+        _budget_round(G, 1, 2000.0, 0.6),
+        _budget_round(N, 1, 3600.0, 0.7),
+        _budget_round(G, 2, 2500.0, 0.6),
+        _budget_round(N, 2, 2000.0, 1.0),
+    ]
     for r in rounds:
         r["bottleneck"] = "frontend quota (0.25 of 0.25 CPU, throttled in 95 % of periods)"
         del r["frontend_limited"]
@@ -443,6 +527,7 @@ def test_rerender_judges_older_budget_windows_again(tmp_path):
     assert [r["frontend_limited"] for r in back["rounds"]] == [True, True, True, False]
     assert back["rounds"][3]["bottleneck"].startswith("rest of the machine (other cores 1.00 busy")
     worst = {t["name"]: t for t in back["targets"]}[
-        "budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"]
+        "budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"
+    ]
     assert worst["value"] == pytest.approx(1.8) and worst["detail"].startswith("1 of 2 rounds")
     assert "1 of 2 rounds frontend-limited in both windows" in (tmp_path / "report.md").read_text()

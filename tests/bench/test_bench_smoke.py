@@ -27,16 +27,36 @@ def test_bench_quick(tmp_path):
             pytest.fail("CI=true and bench --quick cannot create its quota cgroup: not root", pytrace=False)
         pytest.skip("the quota placement creates a cgroup: needs root (CI runs as root)")
     out = tmp_path / "bench"
-    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--quick", "--placement", "pinned,quota",
-                           "--connections", "32", "--fixed-window-s", "2", "--output", str(out)],
-                          capture_output=True, text=True, timeout=280, env=_bench_env())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "bench",
+            "--quick",
+            "--placement",
+            "pinned,quota",
+            "--connections",
+            "32",
+            "--fixed-window-s",
+            "2",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=_bench_env(),
+    )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
     result = json.loads((out / "bench.json").read_text())
     stack = [r for r in result["rounds"] if r["mode"] == "stack"]
     assert {(r["placement"], r["scenario"], r["server"]) for r in stack} == {
-        (placement, scenario, server) for server in ("grpcio", "pygrpc-native")
-        for placement, scenario in (("pinned", "fixed-c32"), ("quota", "fixed-c32"), ("budget", "saturation-c32"))}
+        (placement, scenario, server)
+        for server in ("grpcio", "pygrpc-native")
+        for placement, scenario in (("pinned", "fixed-c32"), ("quota", "fixed-c32"), ("budget", "saturation-c32"))
+    }
     for r in stack:
         assert r["tokens"] > 0, r
         assert r["cpu_us_per_token"] and r["cpu_us_per_token"] > 0, r
@@ -62,19 +82,26 @@ def test_bench_quick(tmp_path):
     # shared machine, the correctness ones may not.
     targets = {t["name"]: t for t in result["targets"]}
     budget_target = "budget: saturation tokens/s native/grpcio, 32 conn, worst frontend-limited round"
-    assert [name for name, t in targets.items()
-            if name != budget_target and (t["value"] is None or t["verdict"] == "N/A")] == []
+    assert [
+        name for name, t in targets.items() if name != budget_target and (t["value"] is None or t["verdict"] == "N/A")
+    ] == []
     valid = all(r["frontend_limited"] for r in budget)  # one round: one window per server
     assert targets[budget_target]["detail"].startswith(f"{int(valid)} of 1 rounds frontend-limited in both windows")
     assert (targets[budget_target]["value"] is None) == (not valid)
     assert targets["errors (all rounds, both servers, every mode)"]["verdict"] == "PASS"
     assert targets["requests with different tokens on the two servers"]["verdict"] == "PASS"
-    assert sorted(targets) == sorted([
-        "pinned: CPU/token native/grpcio at fixed load, 32 conn", "pinned: TTFT p99 native/grpcio at fixed load, 32 conn",
-        "quota: CPU/token native/grpcio at fixed load, 32 conn", "quota: TTFT p99 native/grpcio at fixed load, 32 conn",
-        budget_target,
-        "pinned: native CPU/token / bare per-message floor, fixed load, 32 conn",
-        "errors (all rounds, both servers, every mode)", "requests with different tokens on the two servers"])
+    assert sorted(targets) == sorted(
+        [
+            "pinned: CPU/token native/grpcio at fixed load, 32 conn",
+            "pinned: TTFT p99 native/grpcio at fixed load, 32 conn",
+            "quota: CPU/token native/grpcio at fixed load, 32 conn",
+            "quota: TTFT p99 native/grpcio at fixed load, 32 conn",
+            budget_target,
+            "pinned: native CPU/token / bare per-message floor, fixed load, 32 conn",
+            "errors (all rounds, both servers, every mode)",
+            "requests with different tokens on the two servers",
+        ]
+    )
 
     png = out / "bench.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -97,11 +124,38 @@ def test_bench_target_drives_a_running_stack(tmp_path):
         stack.start_cluster()
         frontend = stack.start_frontend(server, pinned=False)
         for client in ("grpc-aio", "h2"):  # both load generator clients against the same frontend
-            done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", frontend.target,
-                                   "--frontend-pids", str(frontend.pid), "--connections", "4", "--rate", "20",
-                                   "--saturation", "16", "--rounds", "1", "--warmup-s", "0.5", "--window-s", "1.5",
-                                   "--client", client, "--output", str(tmp_path / client)],
-                                  capture_output=True, text=True, timeout=120, env=_bench_env())
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "openengine_serve",
+                    "bench",
+                    "--target",
+                    frontend.target,
+                    "--frontend-pids",
+                    str(frontend.pid),
+                    "--connections",
+                    "4",
+                    "--rate",
+                    "20",
+                    "--saturation",
+                    "16",
+                    "--rounds",
+                    "1",
+                    "--warmup-s",
+                    "0.5",
+                    "--window-s",
+                    "1.5",
+                    "--client",
+                    client,
+                    "--output",
+                    str(tmp_path / client),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=_bench_env(),
+            )
             assert done.returncode == 0, f"{client} ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     finally:
         stack.stop_all()
@@ -114,8 +168,12 @@ def test_bench_target_drives_a_running_stack(tmp_path):
             assert r["ttft_p50_ms"] is not None and r["itl_p99_ms"] >= r["itl_p50_ms"] > 0, (client, r)
         assert result["meta"]["server_info"]["extra"]["grpc_server"] == server, result["meta"]
         assert "| fixed-c4" in (tmp_path / client / "target.md").read_text()
-    bad = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--target", "127.0.0.1:1",
-                          "--frontend-pids", "x"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "openengine_serve", "bench", "--target", "127.0.0.1:1", "--frontend-pids", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "--frontend-pids 'x'" in bad.stderr
 
 
@@ -127,18 +185,52 @@ def test_bench_coordinator_small(tmp_path):
             pytest.fail("CI=true and bench --coordinator cannot create its quota cgroups: not root", pytrace=False)
         pytest.skip("--coordinator-cpus creates cgroups: needs root (CI runs as root)")
     out = tmp_path / "coordinator"
-    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "1,2",
-                           "--coordinator-cpus", "0.5", "--nodes", "20",
-                           "--frontends", "4", "--concurrency", "32", "--rate", "40", "--window-s", "0.6", "--rate-window-s", "0.6",
-                           "--warmup-s", "0.3", "--output", str(out)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "bench",
+            "--coordinator",
+            "--coordinators",
+            "1,2",
+            "--coordinator-cpus",
+            "0.5",
+            "--nodes",
+            "20",
+            "--frontends",
+            "4",
+            "--concurrency",
+            "32",
+            "--rate",
+            "40",
+            "--window-s",
+            "0.6",
+            "--rate-window-s",
+            "0.6",
+            "--warmup-s",
+            "0.3",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads((out / "coordinator.json").read_text())
     assert [(run["round"], run["coordinators"], run["coordinator_cpus"]) for run in result["runs"]] == [
-        (1, 1, 0.5), (1, 2, 0.5)]
+        (1, 1, 0.5),
+        (1, 2, 0.5),
+    ]
     for run in result["runs"]:
         assert [(s["path"], s["load"]) for s in run["scenarios"]] == [
-            ("unary", "saturation (32 loops)"), ("batched", "saturation (32 loops)"),
-            ("unary", "40/s"), ("batched", "40/s"), (bench_coordinator.FLOOR_PATH, "40/s")]
+            ("unary", "saturation (32 loops)"),
+            ("batched", "saturation (32 loops)"),
+            ("unary", "40/s"),
+            ("batched", "40/s"),
+            (bench_coordinator.FLOOR_PATH, "40/s"),
+        ]
         *through_coordinators, floor = run["scenarios"]
         # The floor: the same stream and client against a trivial server in a process of its own.
         assert floor["errors"] == 0 and floor["reservations_per_s"] > 0, floor
@@ -161,10 +253,37 @@ def test_bench_coordinator_small(tmp_path):
     # --in-step: each simulated frontend's requests share one message per coordinator (32 over 4 frontends: 8 each,
     # split over 2 coordinators with the releases riding along).
     in_step = tmp_path / "in-step"
-    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--coordinator", "--coordinators", "2",
-                           "--in-step", "--paths", "batched", "--rate", "0", "--nodes", "4", "--frontends", "4",
-                           "--concurrency", "32", "--window-s", "0.5", "--warmup-s", "0.3", "--output", str(in_step)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "bench",
+            "--coordinator",
+            "--coordinators",
+            "2",
+            "--in-step",
+            "--paths",
+            "batched",
+            "--rate",
+            "0",
+            "--nodes",
+            "4",
+            "--frontends",
+            "4",
+            "--concurrency",
+            "32",
+            "--window-s",
+            "0.5",
+            "--warmup-s",
+            "0.3",
+            "--output",
+            str(in_step),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     (run,) = json.loads((in_step / "coordinator.json").read_text())["runs"]
     (scenario,) = run["scenarios"]
@@ -177,10 +296,33 @@ def test_bench_one_token_short(tmp_path):
     out = tmp_path / "one-token"
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # mpiexec for the nodes
-    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--one-token", "--servers", "grpcio",
-                           "--nodes", "1", "--inflight", "16", "--window-s", "1", "--warmup-s", "1",
-                           "--label", "smoke", "--output", str(out)], capture_output=True, text=True, timeout=200,
-                          env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "bench",
+            "--one-token",
+            "--servers",
+            "grpcio",
+            "--nodes",
+            "1",
+            "--inflight",
+            "16",
+            "--window-s",
+            "1",
+            "--warmup-s",
+            "1",
+            "--label",
+            "smoke",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     [result] = [json.loads(line) for line in (out / "one-token.jsonl").read_text().splitlines()]
     assert result["server"] == "grpcio" and result["label"] == "smoke"

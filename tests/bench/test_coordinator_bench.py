@@ -14,19 +14,23 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def test_options_parse():
-    args = bench.build_parser().parse_args(["--coordinator", "--coordinators", "1,2,1", "--coordinator-cpus", "0.25",
-                                            "--rounds", "3"])
+    args = bench.build_parser().parse_args(
+        ["--coordinator", "--coordinators", "1,2,1", "--coordinator-cpus", "0.25", "--rounds", "3"]
+    )
     assert (args.coordinators, args.coordinator_cpus, args.rounds) == ([1, 2], 0.25, 3)
     defaults = bench.build_parser().parse_args(["--coordinator"])
     assert (defaults.coordinators, defaults.coordinator_cpus, defaults.rounds) == ([1], 0.0, 1)
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("--coordinators", "0,2", "every coordinator count must be >= 1"),
-    ("--coordinators", "two", "expected coordinator counts like 1 or 1,2"),
-    ("--coordinator-cpus", "-0.5", "the coordinator CPU quota must be between 0 and"),
-    ("--coordinator-cpus", "quarter", "expected a number of CPUs like 0.25"),
-])
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--coordinators", "0,2", "every coordinator count must be >= 1"),
+        ("--coordinators", "two", "expected coordinator counts like 1 or 1,2"),
+        ("--coordinator-cpus", "-0.5", "the coordinator CPU quota must be between 0 and"),
+        ("--coordinator-cpus", "quarter", "expected a number of CPUs like 0.25"),
+    ],
+)
 def test_bad_options_are_named(option, value, message, capsys):
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--coordinator", option, value])
@@ -38,12 +42,15 @@ def test_bad_options_are_named(option, value, message, capsys):
 
 def test_limited_by_names_the_coordinators_quota_or_the_load_generator():
     sat = "saturation (512 loops)"
-    limit, alone = bench.limited_by(sat, [0.25, 0.24], 0.25, [0.8, 0.7], load_generator_cores=0.5,
-                                    machine_idle_cores=0.8)
-    assert alone and limit.startswith("coordinator CPU (2 of 2 at their 0.25-CPU quota; busiest 0.25 CPU, "
-                                      "throttled in 80 % of periods)")
-    limit, alone = bench.limited_by(sat, [0.10, 0.11], 0.25, [0.0, 0.01], load_generator_cores=0.97,
-                                    machine_idle_cores=0.6)
+    limit, alone = bench.limited_by(
+        sat, [0.25, 0.24], 0.25, [0.8, 0.7], load_generator_cores=0.5, machine_idle_cores=0.8
+    )
+    assert alone and limit.startswith(
+        "coordinator CPU (2 of 2 at their 0.25-CPU quota; busiest 0.25 CPU, throttled in 80 % of periods)"
+    )
+    limit, alone = bench.limited_by(
+        sat, [0.10, 0.11], 0.25, [0.0, 0.01], load_generator_cores=0.97, machine_idle_cores=0.6
+    )
     assert not alone and limit == "load generator (0.97 core)"
     limit, alone = bench.limited_by(sat, [0.25], 0.25, [0.5], load_generator_cores=0.5, machine_idle_cores=0.02)
     assert not alone and "machine CPU (idle 0.02 core)" in limit and limit.startswith("coordinator CPU (1 of 1")
@@ -55,23 +62,45 @@ def test_limited_by_names_the_coordinators_quota_or_the_load_generator():
     limit, alone = bench.limited_by(sat, [0.97], 0.0, [None], 0.4, 0.5)
     assert alone and limit == "coordinator CPU (1 of 1 at a full core; busiest 0.97)"
     assert bench.limited_by("40/s", [0.05], 0.25, [0.0], 0.1, 1.5) == (
-        "none (open-loop arrivals; nothing saturated)", False)
+        "none (open-loop arrivals; nothing saturated)",
+        False,
+    )
 
 
 def _run(round_number, count, rate, limited=True):
-    scenario = {"path": "batched", "load": "saturation (8 loops)", "reservations_per_s": rate,
-                "coordinator_cpu_us_per_request": 50.0, "busiest_coordinator_cores": 0.25,
-                "load_generator_cores": 0.4, "requests_per_batch": 10.0, "latency_p99_ms": 9.0,
-                "coordinator_limited": limited, "errors": 0}
-    memory = [{"rss_empty_mb": 40.0, "rss_registered_mb": 41.0, "bytes_per_registered_peer": 1000.0 + i}
-              for i in range(count)]
-    return {"round": round_number, "coordinators": count, "memory": memory, "scenarios": [scenario],
-            "registration_s": 0.5}
+    scenario = {
+        "path": "batched",
+        "load": "saturation (8 loops)",
+        "reservations_per_s": rate,
+        "coordinator_cpu_us_per_request": 50.0,
+        "busiest_coordinator_cores": 0.25,
+        "load_generator_cores": 0.4,
+        "requests_per_batch": 10.0,
+        "latency_p99_ms": 9.0,
+        "coordinator_limited": limited,
+        "errors": 0,
+    }
+    memory = [
+        {"rss_empty_mb": 40.0, "rss_registered_mb": 41.0, "bytes_per_registered_peer": 1000.0 + i} for i in range(count)
+    ]
+    return {
+        "round": round_number,
+        "coordinators": count,
+        "memory": memory,
+        "scenarios": [scenario],
+        "registration_s": 0.5,
+    }
 
 
 def test_summary_pairs_rounds_and_gives_min_and_median():
-    runs = [_run(1, 1, 1000), _run(1, 2, 1900), _run(2, 1, 1100), _run(2, 2, 2300, limited=False),
-            _run(3, 1, 900), _run(3, 2, 1800)]
+    runs = [
+        _run(1, 1, 1000),
+        _run(1, 2, 1900),
+        _run(2, 1, 1100),
+        _run(2, 2, 2300, limited=False),
+        _run(3, 1, 900),
+        _run(3, 2, 1800),
+    ]
     summary = bench.summarize(runs)
     by_count = {row["coordinators"]: row for row in summary["scenarios"]}
     assert (by_count[1]["reservations_per_s_min"], by_count[1]["reservations_per_s_median"]) == (900, 1000)
@@ -82,15 +111,41 @@ def test_summary_pairs_rounds_and_gives_min_and_median():
     assert (scaling["ratio_min"], scaling["ratio_median"]) == (pytest.approx(1.9), pytest.approx(2.0))
     assert scaling["both_coordinator_limited_rounds"] == 2 and (scaling["coordinators"], scaling["versus"]) == (2, 1)
     memory = {m["coordinators"]: m for m in summary["memory_per_coordinator"]}
-    assert memory[2]["bytes_per_registered_peer_median"] == 1000.5 and memory[2]["bytes_per_registered_peer_max"] \
-        == 1001.0
-    text = bench.render({"config": {"coordinators": [1, 2], "rounds": 3, "nodes": 4, "frontends": 2,
-                                    "heartbeat_s": 1.0, "coordinator_cpus": 0.25}, "cpus": 2,
-                         "runs": [{**run, "heartbeat_only_cores": 0.01, "heartbeat_peers_cores": 0.02,
-                                   "scenarios": [{**s, "coordinator_cores": 0.5, "marginal_cpu_us_per_request": 40.0,
-                                                  "latency_p50_ms": 1.0, "limited_by": "x"}
-                                                 for s in run["scenarios"]]} for run in runs],
-                         "summary": summary})
+    assert (
+        memory[2]["bytes_per_registered_peer_median"] == 1000.5 and memory[2]["bytes_per_registered_peer_max"] == 1001.0
+    )
+    text = bench.render(
+        {
+            "config": {
+                "coordinators": [1, 2],
+                "rounds": 3,
+                "nodes": 4,
+                "frontends": 2,
+                "heartbeat_s": 1.0,
+                "coordinator_cpus": 0.25,
+            },
+            "cpus": 2,
+            "runs": [
+                {
+                    **run,
+                    "heartbeat_only_cores": 0.01,
+                    "heartbeat_peers_cores": 0.02,
+                    "scenarios": [
+                        {
+                            **s,
+                            "coordinator_cores": 0.5,
+                            "marginal_cpu_us_per_request": 40.0,
+                            "latency_p50_ms": 1.0,
+                            "limited_by": "x",
+                        }
+                        for s in run["scenarios"]
+                    ],
+                }
+                for run in runs
+            ],
+            "summary": summary,
+        }
+    )
     assert "each coordinator in its own 0.25-CPU cgroup quota" in text
     assert "| batched | saturation (8 loops) | 2 vs 1 | 1.90× | 2.00× | 2 of 3 |" in text
 

@@ -12,12 +12,13 @@ import pytest
 
 from openengine_bench import engines as e
 
-
 # ---------------------------------------------------------------- HTTP and SSE
 
+
 def test_parse_head_gives_status_and_lowercased_headers():
-    status, headers = e.parse_head(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                   b"Transfer-Encoding: chunked\r\n\r\n")
+    status, headers = e.parse_head(
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     assert status == 503
     assert headers == {"content-type": "application/json", "transfer-encoding": "chunked"}
 
@@ -28,10 +29,7 @@ def test_parse_head_rejects_garbage(head):
         e.parse_head(head)
 
 
-CHUNKED = (b"7;ext=1\r\ndata: a\r\n"
-           b"10\r\n\n\ndata: {\"b\": 1}\r\n"
-           b"2\r\n\n\n\r\n"
-           b"0\r\n\r\n")
+CHUNKED = b'7;ext=1\r\ndata: a\r\n10\r\n\n\ndata: {"b": 1}\r\n2\r\n\n\n\r\n0\r\n\r\n'
 
 
 def test_chunked_decoder_byte_by_byte():
@@ -39,16 +37,16 @@ def test_chunked_decoder_byte_by_byte():
     out = b""
     done_at = None
     for i in range(len(CHUNKED)):
-        out += decoder.feed(CHUNKED[i:i + 1])
+        out += decoder.feed(CHUNKED[i : i + 1])
         if decoder.done and done_at is None:
             done_at = i
     assert done_at == len(CHUNKED) - 3  # the line "0\r\n" ends the body (no trailers are read)
-    assert out == b"data: a\n\ndata: {\"b\": 1}\n\n"
+    assert out == b'data: a\n\ndata: {"b": 1}\n\n'
 
 
 def test_chunked_decoder_in_one_piece_stops_at_the_last_chunk():
     decoder = e.ChunkedDecoder()
-    assert decoder.feed(CHUNKED + b"garbage after the end") == b"data: a\n\ndata: {\"b\": 1}\n\n"
+    assert decoder.feed(CHUNKED + b"garbage after the end") == b'data: a\n\ndata: {"b": 1}\n\n'
     assert decoder.done
 
 
@@ -76,7 +74,7 @@ def test_sse_parser_handles_crlf_comments_multiline_and_split_utf8():
     parser = e.SseParser()
     events = []
     for i in range(0, len(raw), 3):  # splits "é" (2 bytes) across feeds
-        events += parser.feed(raw[i:i + 3])
+        events += parser.feed(raw[i : i + 3])
     assert events == ["one", "two\nlines", "no-space", "é"]
 
 
@@ -90,13 +88,16 @@ def test_post_sse_reads_a_chunked_stream_and_an_error_status():
     async def scenario():
         async def handle(reader, writer):
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int([line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")][0])
+            length = int(
+                [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0]
+            )
             body = json.loads(await reader.readexactly(length))
             if body.get("fail"):
                 writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 11\r\n\r\nbad request")
             else:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                )
                 for data in ('{"n": 1}', '{"n": 2}', "[DONE]", '{"n": 99}'):
                     event = f"data: {data}\r\n\r\n".encode()
                     writer.write(b"%x\r\n%s\r\n" % (len(event), event))
@@ -108,8 +109,9 @@ def test_post_sse_reads_a_chunked_stream_and_an_error_status():
         port = server.sockets[0].getsockname()[1]
         seen = []
         async with server:
-            await e.post_sse("127.0.0.1", port, "/x", {"prompt": "hi"},
-                             lambda data: seen.append(data) or data == "[DONE]")
+            await e.post_sse(
+                "127.0.0.1", port, "/x", {"prompt": "hi"}, lambda data: seen.append(data) or data == "[DONE]"
+            )
             with pytest.raises(e.HttpError) as failure:
                 await e.post_sse("127.0.0.1", port, "/x", {"fail": True}, lambda data: False)
         return seen, failure.value
@@ -120,6 +122,7 @@ def test_post_sse_reads_a_chunked_stream_and_an_error_status():
 
 
 # ---------------------------------------------------------------- token counting
+
 
 def test_llama_server_events_count_token_ids_and_read_the_final_count():
     outcome = e.Outcome()
@@ -149,13 +152,21 @@ def test_openai_chunks_count_choices_without_finish_reason():
 
 
 def test_server_extras_come_from_the_metadata(monkeypatch):
-    monkeypatch.setattr(e.importlib.metadata, "requires", lambda name: [
-        "numpy>=1.20.0", 'uvicorn>=0.22.0; extra == "server"', "starlette-context<0.4,>=0.3.6; extra == 'server'",
-        'pytest>=7.4.0; extra == "test"'])
+    monkeypatch.setattr(
+        e.importlib.metadata,
+        "requires",
+        lambda name: [
+            "numpy>=1.20.0",
+            'uvicorn>=0.22.0; extra == "server"',
+            "starlette-context<0.4,>=0.3.6; extra == 'server'",
+            'pytest>=7.4.0; extra == "test"',
+        ],
+    )
     assert e.server_extras() == ["uvicorn>=0.22.0", "starlette-context<0.4,>=0.3.6"]
 
 
 # ---------------------------------------------------------------- statistics and verdicts
+
 
 @pytest.mark.parametrize("q, expected", [(0, 1.0), (50, 2.5), (99, 3.97), (100, 4.0)])
 def test_percentile_interpolates(q, expected):
@@ -190,28 +201,53 @@ def test_target_order_alternates():
 
 
 def level(tok_s, p50, p99=None, requests=10, errors=0, n=1, foreign=0.05, busiest=()):
-    return {"concurrency": n, "window_s": 30.0, "tokens": int(tok_s * 30), "tok_s": tok_s, "ttft_p50_ms": p50,
-            "ttft_p99_ms": p99 if p99 is not None else p50 * 2, "ttft_n": requests, "requests": requests,
-            "min_requests_per_stream": 1, "errors": errors, "error_samples": ["StreamError: x"] if errors else [],
-            "short": 0, "count_mismatch": 0, "target_alive": True, "foreign_cpus": foreign,
-            "foreign_busiest": list(busiest)}
+    return {
+        "concurrency": n,
+        "window_s": 30.0,
+        "tokens": int(tok_s * 30),
+        "tok_s": tok_s,
+        "ttft_p50_ms": p50,
+        "ttft_p99_ms": p99 if p99 is not None else p50 * 2,
+        "ttft_n": requests,
+        "requests": requests,
+        "min_requests_per_stream": 1,
+        "errors": errors,
+        "error_samples": ["StreamError: x"] if errors else [],
+        "short": 0,
+        "count_mismatch": 0,
+        "target_alive": True,
+        "foreign_cpus": foreign,
+        "foreign_busiest": list(busiest),
+    }
 
 
 def fake_rounds():
     """Two rounds; medians: ours (grpcio) 95/80/300 tok/s at 1/8/32... see the assertions."""
-    r1 = {"round": 1, "order": list(e.TARGETS), "results": {
-        e.GRPCIO: {"levels": {"1": level(30.0, 24.0), "8": level(94.0, 40.0), "32": level(78.0, 90.0)}},
-        e.NATIVE: {"levels": {"1": level(31.0, 20.0), "8": level(100.0, 40.0), "32": level(100.0, 90.0, errors=2)}},
-        e.LLAMA_SERVER: {"levels": {"1": level(32.0, 14.0), "8": level(100.0, 30.0), "32": level(100.0, 80.0)}},
-        e.LLAMA_CPP_PYTHON: {"levels": {"1": level(25.0, 30.0), "32": level(30.0, 9000.0, foreign=0.5,
-                                                                                     busiest=["make (pid 7, 0.40 CPU)"])}},
-    }}
-    r2 = {"round": 2, "order": list(reversed(e.TARGETS)), "results": {
-        e.GRPCIO: {"levels": {"1": level(30.0, 24.0), "8": level(96.0, 40.0), "32": level(82.0, 90.0)}},
-        e.NATIVE: {"levels": {"1": level(31.0, 22.0), "8": level(100.0, 40.0), "32": level(100.0, 90.0)}},
-        e.LLAMA_SERVER: {"levels": {"1": level(32.0, 14.0), "8": level(100.0, 30.0), "32": level(100.0, 80.0)}},
-        e.LLAMA_CPP_PYTHON: {"error": "RuntimeError: did not start"},
-    }}
+    r1 = {
+        "round": 1,
+        "order": list(e.TARGETS),
+        "results": {
+            e.GRPCIO: {"levels": {"1": level(30.0, 24.0), "8": level(94.0, 40.0), "32": level(78.0, 90.0)}},
+            e.NATIVE: {"levels": {"1": level(31.0, 20.0), "8": level(100.0, 40.0), "32": level(100.0, 90.0, errors=2)}},
+            e.LLAMA_SERVER: {"levels": {"1": level(32.0, 14.0), "8": level(100.0, 30.0), "32": level(100.0, 80.0)}},
+            e.LLAMA_CPP_PYTHON: {
+                "levels": {
+                    "1": level(25.0, 30.0),
+                    "32": level(30.0, 9000.0, foreign=0.5, busiest=["make (pid 7, 0.40 CPU)"]),
+                }
+            },
+        },
+    }
+    r2 = {
+        "round": 2,
+        "order": list(reversed(e.TARGETS)),
+        "results": {
+            e.GRPCIO: {"levels": {"1": level(30.0, 24.0), "8": level(96.0, 40.0), "32": level(82.0, 90.0)}},
+            e.NATIVE: {"levels": {"1": level(31.0, 22.0), "8": level(100.0, 40.0), "32": level(100.0, 90.0)}},
+            e.LLAMA_SERVER: {"levels": {"1": level(32.0, 14.0), "8": level(100.0, 30.0), "32": level(100.0, 80.0)}},
+            e.LLAMA_CPP_PYTHON: {"error": "RuntimeError: did not start"},
+        },
+    }
     return [r1, r2]
 
 
@@ -231,13 +267,13 @@ def test_verdicts_judge_each_goal():
     at32 = "tokens/s >= 0.9x llama-server's at 32 streams"
     vs_python = "tokens/s >= 3x llama_cpp.server's at 32 streams"
     ttft = "TTFT p50 at 1 stream <= llama-server's + 10 ms"
-    assert found[(e.GRPCIO, at8)]["met"] is True          # 95 / 100
-    assert found[(e.GRPCIO, at32)]["met"] is False        # 80 / 100
+    assert found[(e.GRPCIO, at8)]["met"] is True  # 95 / 100
+    assert found[(e.GRPCIO, at32)]["met"] is False  # 80 / 100
     assert "0.80x" in found[(e.GRPCIO, at32)]["figures"]
-    assert found[(e.GRPCIO, vs_python)]["met"] is False   # 80 / 30 = 2.67
-    assert found[(e.NATIVE, vs_python)]["met"] is True    # 100 / 30 = 3.33
-    assert found[(e.GRPCIO, ttft)]["met"] is True         # 24 - 14 = +10: at the limit
-    assert found[(e.NATIVE, ttft)]["met"] is True         # 21 - 14
+    assert found[(e.GRPCIO, vs_python)]["met"] is False  # 80 / 30 = 2.67
+    assert found[(e.NATIVE, vs_python)]["met"] is True  # 100 / 30 = 3.33
+    assert found[(e.GRPCIO, ttft)]["met"] is True  # 24 - 14 = +10: at the limit
+    assert found[(e.NATIVE, ttft)]["met"] is True  # 21 - 14
     assert "+10.0 ms" in found[(e.GRPCIO, ttft)]["figures"]
     assert len(found) == 8
 
@@ -258,36 +294,65 @@ def test_ttft_goal_missed_past_the_slack():
 
 # ---------------------------------------------------------------- report
 
+
 def make_doc():
     rounds = fake_rounds()
     summary = e.summarize(rounds)
-    return {"machine": {"cpu": "Test CPU", "cores": 2, "date": "2025-01-01T00:00:00+00:00", "python": "3.11",
-                        "llama_cpp_python": "0.3.36", "llama_cpp_commit": "0c1e57098", "openengine": "0.1.0 (abc)"},
-            "settings": {"targets": list(e.TARGETS), "concurrency": [1, 8, 32], "quick": False, "threads": 2,
-                         "model_file": "m.gguf", "max_tokens": 128, "prompt_tokens": "12-20", "rounds": 2,
-                         "warmup_s": 5.0, "window_s": 30.0, "min_requests": 2, "max_window_s": 90.0},
-            "rounds": rounds, "summary": summary, "verdicts": e.verdicts(summary),
-            "commands": {e.LLAMA_SERVER: "llama-server --parallel 32"}, "notes": ["a note"]}
+    return {
+        "machine": {
+            "cpu": "Test CPU",
+            "cores": 2,
+            "date": "2025-01-01T00:00:00+00:00",
+            "python": "3.11",
+            "llama_cpp_python": "0.3.36",
+            "llama_cpp_commit": "0c1e57098",
+            "openengine": "0.1.0 (abc)",
+        },
+        "settings": {
+            "targets": list(e.TARGETS),
+            "concurrency": [1, 8, 32],
+            "quick": False,
+            "threads": 2,
+            "model_file": "m.gguf",
+            "max_tokens": 128,
+            "prompt_tokens": "12-20",
+            "rounds": 2,
+            "warmup_s": 5.0,
+            "window_s": 30.0,
+            "min_requests": 2,
+            "max_window_s": 90.0,
+        },
+        "rounds": rounds,
+        "summary": summary,
+        "verdicts": e.verdicts(summary),
+        "commands": {e.LLAMA_SERVER: "llama-server --parallel 32"},
+        "notes": ["a note"],
+    }
 
 
 def test_report_tables_ratios_and_verdicts():
     report = e.render_report(make_doc())
-    assert "Machine: Test CPU, 2 cores, 2025-01-01T00:00:00+00:00; llama-cpp-python 0.3.36, llama.cpp 0c1e57098; " \
-           "2 threads" in report
+    assert (
+        "Machine: Test CPU, 2 cores, 2025-01-01T00:00:00+00:00; llama-cpp-python 0.3.36, llama.cpp 0c1e57098; "
+        "2 threads" in report
+    )
     assert "## 32 streams" in report and "## 1 stream\n" in report
     assert "| OpenEngine (grpcio) | 80.0 | 90.0 | 180.0 | 20 | 0 | 0.80x | 2.67x |" in report
     assert "| llama-server | 100.0 | 80.0 | 160.0 | 20 | 0 |  |  |" in report
     # no llama_cpp.server figures at 8 streams: the ratio is missing, not made up
     assert "| OpenEngine (pygrpc-native) | 100.0 | 40.0 | 80.0 | 20 | 0 | 1.00x | – |" in report
     assert "| llama_cpp.server | – | – | – | – | – | | |" in report
-    assert ("- OpenEngine (grpcio): tokens/s >= 0.9x llama-server's at 32 streams: **missed** "
-            "(80.0 vs 100.0 tok/s = 0.80x)") in report
+    assert (
+        "- OpenEngine (grpcio): tokens/s >= 0.9x llama-server's at 32 streams: **missed** (80.0 vs 100.0 tok/s = 0.80x)"
+    ) in report
     assert "- OpenEngine (pygrpc-native): tokens/s >= 3x llama_cpp.server's at 32 streams: **met**" in report
     assert "| 2 | llama-server | 32 | 100.0 | 80.0 | 160.0 | 30.0 | 10 | 1 | 0 | 0.05 |" in report
     assert "- round 2, llama_cpp.server: RuntimeError: did not start" in report
     assert "- round 1, OpenEngine (pygrpc-native), 32 streams: 2 errors, e.g. StreamError: x" in report
-    assert ("- round 1, llama_cpp.server, 32 streams: processes this benchmark did not start kept 0.50 CPUs busy "
-            "during the window (busiest: make (pid 7, 0.40 CPU))" in report)
+    assert (
+        "- round 1, llama_cpp.server, 32 streams: processes this benchmark did not start kept 0.50 CPUs busy "
+        "during the window (busiest: make (pid 7, 0.40 CPU))" in report
+    )
     assert "did not start kept 0.05" not in report
     # grpcio at 32 streams: 78 and 82 tok/s (5 % apart) is not worth a line; none of the fake levels is
     assert "differs from round to round" not in report
@@ -309,6 +374,7 @@ def test_fmt():
 
 
 # ---------------------------------------------------------------- the load loop, on a fake target
+
 
 class FakeTarget(e.Target):
     name = "fake"
@@ -355,24 +421,28 @@ def test_run_level_counts_errors():
 
 
 def test_role_of_names_the_stack_and_the_peers(monkeypatch):
-    commands = {1: "/v/bin/python -m openengine_serve frontend --host 127.0.0.1",
-                2: "/v/bin/python -m openengine_serve.engine.worker",
-                3: ".venv/llama-server/0.3.36/llama-server --model m.gguf",
-                4: "/usr/bin/hydra_pmi_proxy --control-port vm:1"}
+    commands = {
+        1: "/v/bin/python -m openengine_serve frontend --host 127.0.0.1",
+        2: "/v/bin/python -m openengine_serve.engine.worker",
+        3: ".venv/llama-server/0.3.36/llama-server --model m.gguf",
+        4: "/usr/bin/hydra_pmi_proxy --control-port vm:1",
+    }
     monkeypatch.setattr(e, "command_of", commands.__getitem__)
-    assert [e.role_of(pid) for pid in commands] == ["frontend", "engine worker", e.LLAMA_SERVER,
-                                                         "hydra_pmi_proxy"]
+    assert [e.role_of(pid) for pid in commands] == ["frontend", "engine worker", e.LLAMA_SERVER, "hydra_pmi_proxy"]
     assert e.role_of(os.getpid()) == "benchmark client"
 
 
 def test_cpu_table_gives_each_roles_cpus_and_the_cpu_per_token():
-    summary = {e.GRPCIO: {"32": {"tok_s": 100.0, "cpus_by_role": {"engine worker": 1.5, "frontend": 0.3,
-                                                                     "benchmark client": 0.2}}},
-               e.LLAMA_SERVER: {"32": {"tok_s": 200.0, "cpus_by_role": {e.LLAMA_SERVER: 1.8,
-                                                                      "benchmark client": 0.2}}}}
+    summary = {
+        e.GRPCIO: {
+            "32": {"tok_s": 100.0, "cpus_by_role": {"engine worker": 1.5, "frontend": 0.3, "benchmark client": 0.2}}
+        },
+        e.LLAMA_SERVER: {"32": {"tok_s": 200.0, "cpus_by_role": {e.LLAMA_SERVER: 1.8, "benchmark client": 0.2}}},
+    }
     table = e.cpu_table(summary, [e.GRPCIO, e.LLAMA_SERVER], [1, 32])
-    assert table[0] == ("| target | streams | engine worker | frontend | llama-server | benchmark client | total | "
-                        "CPU ms/token |")
+    assert table[0] == (
+        "| target | streams | engine worker | frontend | llama-server | benchmark client | total | CPU ms/token |"
+    )
     assert table[2] == f"| {e.LABELS[e.GRPCIO]} | 32 | 1.50 | 0.30 |  | 0.20 | 2.00 | 20.00 |"
     assert table[3] == f"| {e.LABELS[e.LLAMA_SERVER]} | 32 |  |  | 1.80 | 0.20 | 2.00 | 10.00 |"
     assert len(table) == 4  # no row for a level that did not run

@@ -9,13 +9,14 @@ import pytest
 
 from openengine_bench import features as f
 
-
 # ---------------------------------------------------------------- workloads
+
 
 def test_chat_is_smollm2s_template_with_and_without_a_system_message():
     assert f.chat("Hi?") == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
-    assert f.chat("Hi?", "Be brief.") == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
-                                          "<|im_start|>assistant\n")
+    assert f.chat("Hi?", "Be brief.") == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_questions_are_distinct():
@@ -82,16 +83,23 @@ def test_make_request_sets_the_guide_the_cache_fields_and_ignore_eos():
 
 # ---------------------------------------------------------------- window statistics
 
+
 def record(sent, arrivals, counts=None, ended=None, finish="stop", error=""):
-    return f.Record(sent=sent, arrivals=list(arrivals), counts=list(counts or [1] * len(arrivals)),
-                    ended=ended, finish=finish, error=error)
+    return f.Record(
+        sent=sent,
+        arrivals=list(arrivals),
+        counts=list(counts or [1] * len(arrivals)),
+        ended=ended,
+        finish=finish,
+        error=error,
+    )
 
 
 def test_window_stats_counts_only_what_happened_in_the_window():
     records = [
-        record(0.0, [0.5, 1.5, 2.0, 3.5], ended=3.6),          # TTFT before the window; gaps 1.0 (in), 0.5, 1.5
+        record(0.0, [0.5, 1.5, 2.0, 3.5], ended=3.6),  # TTFT before the window; gaps 1.0 (in), 0.5, 1.5
         record(1.2, [1.4, 1.6, 2.2], counts=[1, 2, 1], ended=2.3, finish="length"),  # all in: TTFT 0.2
-        record(2.5, [2.9, 3.1], ended=None),                    # still running when the window closed
+        record(2.5, [2.9, 3.1], ended=None),  # still running when the window closed
         record(2.0, [], ended=2.5, error="StreamError: boom"),  # failed in the window
     ]
     s = f.window_stats(records, 1.0, 3.0)
@@ -140,12 +148,15 @@ openengine_node_request_queue_time_seconds_sum 0.1
 openengine_coordinator_routing_decisions_total{reason="prefix"} 2.0
 openengine_coordinator_routing_decisions_total{reason="affinity"} 0.0
 """
-METRICS_AFTER = (METRICS_BEFORE.replace("prefill_tokens_total 100.0", "prefill_tokens_total 400.0")
-                 .replace("hit_tokens_total 0.0", "hit_tokens_total 900.0")
-                 .replace("seconds_count 10.0", "seconds_count 30.0").replace("seconds_sum 0.5", "seconds_sum 1.5")
-                 .replace("queue_time_seconds_count 3.0", "queue_time_seconds_count 8.0")
-                 .replace('reason="prefix"} 2.0', 'reason="prefix"} 12.0')
-                 .replace('reason="affinity"} 0.0', 'reason="affinity"} 3.0'))
+METRICS_AFTER = (
+    METRICS_BEFORE.replace("prefill_tokens_total 100.0", "prefill_tokens_total 400.0")
+    .replace("hit_tokens_total 0.0", "hit_tokens_total 900.0")
+    .replace("seconds_count 10.0", "seconds_count 30.0")
+    .replace("seconds_sum 0.5", "seconds_sum 1.5")
+    .replace("queue_time_seconds_count 3.0", "queue_time_seconds_count 8.0")
+    .replace('reason="prefix"} 2.0', 'reason="prefix"} 12.0')
+    .replace('reason="affinity"} 0.0', 'reason="affinity"} 3.0')
+)
 
 
 def test_parse_metrics_and_deltas():
@@ -176,9 +187,15 @@ def test_spread_is_the_busiest_nodes_share():
 
 # ---------------------------------------------------------------- mask cost
 
+
 def test_mask_summary_in_microseconds():
-    s = f.mask_summary(compute_ns=[10_000, 30_000], apply_ns=[5_000, 5_000], consume_ns=[2_000, 4_000],
-                       choose_guided_ns=[60_000, 80_000], choose_plain_ns=[20_000, 20_000])
+    s = f.mask_summary(
+        compute_ns=[10_000, 30_000],
+        apply_ns=[5_000, 5_000],
+        consume_ns=[2_000, 4_000],
+        choose_guided_ns=[60_000, 80_000],
+        choose_plain_ns=[20_000, 20_000],
+    )
     assert s["tokens"] == 2
     assert s["compute_us"] == 20 and s["apply_us"] == 5
     assert s["mask_us"] == 25 and s["mask_max_us"] == 35 and s["mask_p50_us"] == 25
@@ -196,17 +213,39 @@ def test_step_share():
 
 # ---------------------------------------------------------------- summaries over rounds
 
+
 def cell(**values):
-    base = {"tok_s": None, "ttft_p50_ms": None, "itl_p50_ms": None, "mean_output_tokens": None, "step_ms": None,
-            "running_mean": None, "queued_mean": None, "completed": 0, "errors": 0}
+    base = {
+        "tok_s": None,
+        "ttft_p50_ms": None,
+        "itl_p50_ms": None,
+        "mean_output_tokens": None,
+        "step_ms": None,
+        "running_mean": None,
+        "queued_mean": None,
+        "completed": 0,
+        "errors": 0,
+    }
     return {**base, **values}
 
 
 def guided_rounds():
-    return [{"round": 1, "levels": {"8": {"guided": cell(tok_s=90.0, completed=10), "unguided": cell(tok_s=100.0)},
-                                    "32": {"guided": cell(tok_s=60.0), "unguided": cell(tok_s=120.0, errors=1)}}},
-            {"round": 2, "levels": {"8": {"guided": cell(tok_s=110.0, completed=12), "unguided": cell(tok_s=100.0)},
-                                    "32": {"guided": cell(tok_s=80.0), "unguided": cell(tok_s=120.0)}}}]
+    return [
+        {
+            "round": 1,
+            "levels": {
+                "8": {"guided": cell(tok_s=90.0, completed=10), "unguided": cell(tok_s=100.0)},
+                "32": {"guided": cell(tok_s=60.0), "unguided": cell(tok_s=120.0, errors=1)},
+            },
+        },
+        {
+            "round": 2,
+            "levels": {
+                "8": {"guided": cell(tok_s=110.0, completed=12), "unguided": cell(tok_s=100.0)},
+                "32": {"guided": cell(tok_s=80.0), "unguided": cell(tok_s=120.0)},
+            },
+        },
+    ]
 
 
 def test_guided_summary_takes_medians_and_the_ratio():
@@ -219,18 +258,27 @@ def test_guided_summary_takes_medians_and_the_ratio():
 
 
 def window(itl_p99, **extra):
-    return {"groups": {"ordinary": {**cell(itl_p99_ms=itl_p99, itl_max_ms=itl_p99, itl_n=100), **extra}},
-            "step_ms": 50.0}
+    return {
+        "groups": {"ordinary": {**cell(itl_p99_ms=itl_p99, itl_max_ms=itl_p99, itl_n=100), **extra}},
+        "step_ms": 50.0,
+    }
 
 
 def isolation_rounds():
-    extra = {"completed": 3, "errors": 1, "error_samples": ["x"], "ttft_p50_ms": 300.0, "mean_output_tokens": 40.0,
-             "finish": {"stop": 3}}
+    extra = {
+        "completed": 3,
+        "errors": 1,
+        "error_samples": ["x"],
+        "ttft_p50_ms": 300.0,
+        "mean_output_tokens": 40.0,
+        "finish": {"stop": 3},
+    }
     with_huge, plain = window(90.0), window(72.0)
     with_huge["groups"]["extra"] = extra
     plain["groups"]["extra"] = {**extra, "errors": 0, "error_samples": [], "finish": {"length": 3}}
-    return [{"round": 1, "order": ["without", "plain", "with"], "without": window(60.0), "plain": plain,
-             "with": with_huge}]
+    return [
+        {"round": 1, "order": ["without", "plain", "with"], "without": window(60.0), "plain": plain, "with": with_huge}
+    ]
 
 
 def test_isolation_summary_ratios_and_the_extra_streams():
@@ -253,43 +301,128 @@ def test_isolation_summary_without_the_control():
 
 # ---------------------------------------------------------------- verdicts, problems, the report
 
+
 def fake_doc():
     doc = {
-        "machine": {"cpu": "Test CPU", "cores": 2, "date": "2026-01-01T00:00:00+00:00", "python": "3.11",
-                    "llama_cpp_python": "0.3", "llguidance": "1.0", "openengine": "0.1.0 (abc)"},
-        "settings": {"quick": True, "rounds": 1, "window_s": 6.0, "warmup_s": 2.0, "model_file": "m.gguf",
-                     "command": "python -m openengine_bench.features --quick", "stack": "openengine-serve up",
-                     "max_guided_sequences": 16, "cache_system_tokens": 1000, "routing_system_tokens": 500,
-                     "routing_concurrency": 4},
-        "guided": {"schema": f.PERSON_SCHEMA, "calibration": {"mean_length": 30.0}, "unguided_tokens": 30,
-                   "rounds": guided_rounds(), "summary": f.guided_summary(guided_rounds()),
-                   "mask": {"person (small)": {**f.mask_summary([40_000], [30_000], [5_000], [90_000], [20_000]),
-                                               "grammar_bytes": 500, "check_ms": 1.0, "compile_ms": 1.5,
-                                               "problems": []}},
-                   "step_shares": [{"streams": 8, "guided_per_step": 8.0, "per_token_us": 75.0,
-                                    "mask_ms_per_step": 0.6, "step_ms": 60.0, "share": 0.01,
-                                    "unguided_step_ms": 58.0}]},
-        "prefix_cache": {"summary": {
-            "cached": {"ttft_p50_ms": 40.0, "ttft_p99_ms": 50.0, "requests": 5, "prompt_tokens_mean": 1010.0,
-                       "cached_prompt_tokens_mean": 995.0, "prefilled": 75.0, "hits": 4975.0},
-            "bypass": {"ttft_p50_ms": 400.0, "ttft_p99_ms": 420.0, "requests": 5, "prompt_tokens_mean": 1010.0,
-                       "cached_prompt_tokens_mean": 0.0, "prefilled": 5050.0, "hits": 0.0}},
-            "speedup": 10.0, "counters_before": {"prefill": 0.0, "hits": 0.0},
-            "counters_after": {"prefill": 6000.0, "hits": 5000.0}},
-        "isolation": {"huge_guide": {"bytes": 62000, "objects": 38}, "rounds": isolation_rounds(),
-                      "summary": f.isolation_summary(isolation_rounds())},
-        "routing": {"stack": "openengine-serve up --nodes 2", "notes": ["a routing note"], "workloads": [
-            {"name": "K=4 x R=16", "variants": {
-                "prefix routing": {"requests": 64, "errors": 0, "hit_rate": 0.9, "client_hit_rate": 0.89,
-                                   "nodes": [{"requests": 30.0, "prefilled": 1000.0},
-                                             {"requests": 34.0, "prefilled": 2000.0}], "spread": 34 / 64,
-                                   "routing_decisions": {"prefix": 64.0}, "ttft_p50_ms": 50.0,
-                                   "requests_per_s": 3.0, "foreign_cpus": 0.5, "foreign_busiest": ["pytest (1)"]},
-                "random key": {"requests": 64, "errors": 2, "error_samples": ["StreamError: x"], "hit_rate": 0.8,
-                               "client_hit_rate": 0.79, "nodes": [{"requests": 32.0}, {"requests": 32.0}],
-                               "spread": 0.5, "routing_decisions": {"affinity": 64.0}, "ttft_p50_ms": 80.0,
-                               "requests_per_s": 2.0, "foreign_cpus": 0.0}}}]},
-        "errors": [], "notes": ["a note"]}
+        "machine": {
+            "cpu": "Test CPU",
+            "cores": 2,
+            "date": "2026-01-01T00:00:00+00:00",
+            "python": "3.11",
+            "llama_cpp_python": "0.3",
+            "llguidance": "1.0",
+            "openengine": "0.1.0 (abc)",
+        },
+        "settings": {
+            "quick": True,
+            "rounds": 1,
+            "window_s": 6.0,
+            "warmup_s": 2.0,
+            "model_file": "m.gguf",
+            "command": "python -m openengine_bench.features --quick",
+            "stack": "openengine-serve up",
+            "max_guided_sequences": 16,
+            "cache_system_tokens": 1000,
+            "routing_system_tokens": 500,
+            "routing_concurrency": 4,
+        },
+        "guided": {
+            "schema": f.PERSON_SCHEMA,
+            "calibration": {"mean_length": 30.0},
+            "unguided_tokens": 30,
+            "rounds": guided_rounds(),
+            "summary": f.guided_summary(guided_rounds()),
+            "mask": {
+                "person (small)": {
+                    **f.mask_summary([40_000], [30_000], [5_000], [90_000], [20_000]),
+                    "grammar_bytes": 500,
+                    "check_ms": 1.0,
+                    "compile_ms": 1.5,
+                    "problems": [],
+                }
+            },
+            "step_shares": [
+                {
+                    "streams": 8,
+                    "guided_per_step": 8.0,
+                    "per_token_us": 75.0,
+                    "mask_ms_per_step": 0.6,
+                    "step_ms": 60.0,
+                    "share": 0.01,
+                    "unguided_step_ms": 58.0,
+                }
+            ],
+        },
+        "prefix_cache": {
+            "summary": {
+                "cached": {
+                    "ttft_p50_ms": 40.0,
+                    "ttft_p99_ms": 50.0,
+                    "requests": 5,
+                    "prompt_tokens_mean": 1010.0,
+                    "cached_prompt_tokens_mean": 995.0,
+                    "prefilled": 75.0,
+                    "hits": 4975.0,
+                },
+                "bypass": {
+                    "ttft_p50_ms": 400.0,
+                    "ttft_p99_ms": 420.0,
+                    "requests": 5,
+                    "prompt_tokens_mean": 1010.0,
+                    "cached_prompt_tokens_mean": 0.0,
+                    "prefilled": 5050.0,
+                    "hits": 0.0,
+                },
+            },
+            "speedup": 10.0,
+            "counters_before": {"prefill": 0.0, "hits": 0.0},
+            "counters_after": {"prefill": 6000.0, "hits": 5000.0},
+        },
+        "isolation": {
+            "huge_guide": {"bytes": 62000, "objects": 38},
+            "rounds": isolation_rounds(),
+            "summary": f.isolation_summary(isolation_rounds()),
+        },
+        "routing": {
+            "stack": "openengine-serve up --nodes 2",
+            "notes": ["a routing note"],
+            "workloads": [
+                {
+                    "name": "K=4 x R=16",
+                    "variants": {
+                        "prefix routing": {
+                            "requests": 64,
+                            "errors": 0,
+                            "hit_rate": 0.9,
+                            "client_hit_rate": 0.89,
+                            "nodes": [{"requests": 30.0, "prefilled": 1000.0}, {"requests": 34.0, "prefilled": 2000.0}],
+                            "spread": 34 / 64,
+                            "routing_decisions": {"prefix": 64.0},
+                            "ttft_p50_ms": 50.0,
+                            "requests_per_s": 3.0,
+                            "foreign_cpus": 0.5,
+                            "foreign_busiest": ["pytest (1)"],
+                        },
+                        "random key": {
+                            "requests": 64,
+                            "errors": 2,
+                            "error_samples": ["StreamError: x"],
+                            "hit_rate": 0.8,
+                            "client_hit_rate": 0.79,
+                            "nodes": [{"requests": 32.0}, {"requests": 32.0}],
+                            "spread": 0.5,
+                            "routing_decisions": {"affinity": 64.0},
+                            "ttft_p50_ms": 80.0,
+                            "requests_per_s": 2.0,
+                            "foreign_cpus": 0.0,
+                        },
+                    },
+                }
+            ],
+        },
+        "errors": [],
+        "notes": ["a note"],
+    }
     doc["verdicts"] = f.verdicts(doc)
     doc["problems"] = f.problems(doc)
     return doc
@@ -297,10 +430,10 @@ def fake_doc():
 
 def test_verdicts_judge_each_target():
     by_goal = {v["goal"].split(":")[0]: v for v in fake_doc()["verdicts"]}
-    assert by_goal["guided decoding at 8 streams"]["met"] is True      # 1.0x >= 0.8x
-    assert by_goal["guided decoding at 32 streams"]["met"] is False    # 0.58x
-    assert by_goal["prefix cache"]["met"] is True                      # 10x >= 3x
-    assert by_goal["isolation"]["met"] is True                         # 1.5x <= 1.5x
+    assert by_goal["guided decoding at 8 streams"]["met"] is True  # 1.0x >= 0.8x
+    assert by_goal["guided decoding at 32 streams"]["met"] is False  # 0.58x
+    assert by_goal["prefix cache"]["met"] is True  # 10x >= 3x
+    assert by_goal["isolation"]["met"] is True  # 1.5x <= 1.5x
     assert "1.50x" in by_goal["isolation"]["figures"]
 
 

@@ -19,25 +19,40 @@ def test_latency_summary_counts_failures_apart():
 
 
 def run(server, streams, p99_ms, failed=0, samples=(), keeps_up=True):
-    return {"server": server, "streams": streams, "ttft": {"p50_ms": p99_ms / 2, "p99_ms": p99_ms, "failed": failed},
-            "liveness": {"p50_ms": 5.0, "p99_ms": 9.0}, "samples": list(samples), "keeps_up": keeps_up,
-            "probes": {"t_ttft": [0.1, 0.2], "ttft": [0.01, None], "t_liveness": [0.15], "liveness": [0.005]}}
+    return {
+        "server": server,
+        "streams": streams,
+        "ttft": {"p50_ms": p99_ms / 2, "p99_ms": p99_ms, "failed": failed},
+        "liveness": {"p50_ms": 5.0, "p99_ms": 9.0},
+        "samples": list(samples),
+        "keeps_up": keeps_up,
+        "probes": {"t_ttft": [0.1, 0.2], "ttft": [0.01, None], "t_liveness": [0.15], "liveness": [0.005]},
+    }
 
 
 def test_capacity_is_the_most_streams_kept_up_with_without_failed_probes():
-    runs = [run("grpcio", 256, 40), run("grpcio", 512, 90), run("grpcio", 640, 400, keeps_up=False),
-            run("pygrpc-native", 256, 20), run("pygrpc-native", 512, 50, failed=1)]
+    runs = [
+        run("grpcio", 256, 40),
+        run("grpcio", 512, 90),
+        run("grpcio", 640, 400, keeps_up=False),
+        run("pygrpc-native", 256, 20),
+        run("pygrpc-native", 512, 50, failed=1),
+    ]
     assert overload.capacity(runs) == {"grpcio": 512, "pygrpc-native": 256}
     assert overload.capacity([run("grpcio", 256, 40, keeps_up=False)])["grpcio"] is None
 
 
 def test_series_and_chart(tmp_path):
-    samples = [{"t": t, "rss_mb.node0": 50.0 + t, "openengine_frontend_event_loop_lag_seconds.frontend": 0.01}
-               for t in range(4)]
+    samples = [
+        {"t": t, "rss_mb.node0": 50.0 + t, "openengine_frontend_event_loop_lag_seconds.frontend": 0.01}
+        for t in range(4)
+    ]
     assert overload.series(samples, "rss_mb") == {"node0": [(t, 50.0 + t) for t in range(4)]}
     meta = {"mode": "ttft", "nodes": 2, "step_ms": 2.0, "tokens": 8000, "probe_tokens": 5}
-    for runs in ([run("grpcio", 64, 90, samples=samples), run("pygrpc-native", 64, 30, samples=samples)],
-                 [run(s, n, n, samples=samples) for s in ("grpcio", "pygrpc-native") for n in (32, 64)]):
+    for runs in (
+        [run("grpcio", 64, 90, samples=samples), run("pygrpc-native", 64, 30, samples=samples)],
+        [run(s, n, n, samples=samples) for s in ("grpcio", "pygrpc-native") for n in (32, 64)],
+    ):
         path = overload.write_chart({"meta": meta, "runs": runs}, tmp_path / "overload.png")
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -65,14 +80,27 @@ def test_hop_timings_join_the_components_debug_lines_with_the_probe(tmp_path):
             handler.close()
 
     # submitted 10.010, step 10.012, built 10.020; taken is the node's clock now (checked below)
-    logged_to(tmp_path / "node0.log", server.logger, "node",
-              lambda: server._log_first_events([("probe-1", 10.010, 10.012)], 10.020, 3))
-    accepted = SimpleNamespace(request_id="probe-1", hops=(10.002, 10.005, 10.011),
-                               sink=SimpleNamespace(first_event_at=10.030, writing_since=10.031))
-    logged_to(tmp_path / "frontend-grpcio.log", inference.logger, "frontend",
-              lambda: inference._log_first_token(accepted, 0.04))
-    probes = [{"request_id": "probe-1", "called_at": 10.000, "first_at": 10.050},
-              {"request_id": "probe-2", "called_at": 11.0, "first_at": None}]  # failed: not timed
+    logged_to(
+        tmp_path / "node0.log",
+        server.logger,
+        "node",
+        lambda: server._log_first_events([("probe-1", 10.010, 10.012)], 10.020, 3),
+    )
+    accepted = SimpleNamespace(
+        request_id="probe-1",
+        hops=(10.002, 10.005, 10.011),
+        sink=SimpleNamespace(first_event_at=10.030, writing_since=10.031),
+    )
+    logged_to(
+        tmp_path / "frontend-grpcio.log",
+        inference.logger,
+        "frontend",
+        lambda: inference._log_first_token(accepted, 0.04),
+    )
+    probes = [
+        {"request_id": "probe-1", "called_at": 10.000, "first_at": 10.050},
+        {"request_id": "probe-2", "called_at": 11.0, "first_at": None},
+    ]  # failed: not timed
     hops = overload.hop_timings(tmp_path, probes)
     assert hops["call -> validated"]["p50_ms"] == 2.0
     assert hops["reserve"]["p50_ms"] == 3.0

@@ -20,14 +20,35 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 def run_bench(module: str, *args: str) -> None:
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # mpiexec for the node
-    done = subprocess.run([sys.executable, "-m", f"openengine_bench.{module}", "--quiet-wait", "0", *args],
-                          cwd=TOOLS, capture_output=True, text=True, timeout=280, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", f"openengine_bench.{module}", "--quiet-wait", "0", *args],
+        cwd=TOOLS,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
     assert done.returncode == 0, f"{module} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
 def test_engines_short_run_measures_both_frontends_and_where_the_cpu_goes(tmp_path):
-    run_bench("engines", "--targets", "openengine-grpcio,openengine-native", "--concurrency", "1,4",
-              "--rounds", "1", "--window", "3", "--warmup", "1", "--max-tokens", "16", "--output", str(tmp_path))
+    run_bench(
+        "engines",
+        "--targets",
+        "openengine-grpcio,openengine-native",
+        "--concurrency",
+        "1,4",
+        "--rounds",
+        "1",
+        "--window",
+        "3",
+        "--warmup",
+        "1",
+        "--max-tokens",
+        "16",
+        "--output",
+        str(tmp_path),
+    )
     result = json.loads((tmp_path / "engines.json").read_text())
     summary = result["summary"]
     assert set(summary) == {"openengine-grpcio", "openengine-native"}
@@ -45,8 +66,9 @@ def test_engines_short_run_measures_both_frontends_and_where_the_cpu_goes(tmp_pa
 
 
 def test_features_short_run_measures_the_prefix_cache_and_isolation(tmp_path):
-    run_bench("features", "--quick", "--parts", "cache,isolation", "--cache-system-tokens", "200",
-              "--output", str(tmp_path))
+    run_bench(
+        "features", "--quick", "--parts", "cache,isolation", "--cache-system-tokens", "200", "--output", str(tmp_path)
+    )
     result = json.loads((tmp_path / "features.json").read_text())
     assert result["errors"] == []
     # Problems but the load of other processes (what a test run leaves winding down is no fault of the bench).

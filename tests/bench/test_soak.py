@@ -25,8 +25,13 @@ def test_growth_compares_the_first_and_last_quarter_after_the_warm_up():
 
 def run_of(series: dict, unexpected: int = 0, left: int = 0) -> dict:
     n = len(next(iter(series.values())))
-    return {"times": [float(i) for i in range(n)], "duration_s": float(n), "series": series,
-            "load": {"unexpected": unexpected}, "left_behind": {"live reservations": left}}
+    return {
+        "times": [float(i) for i in range(n)],
+        "duration_s": float(n),
+        "series": series,
+        "load": {"unexpected": unexpected},
+        "left_behind": {"live reservations": left},
+    }
 
 
 def test_evaluate_fails_growth_exits_unexpected_outcomes_and_leaks():
@@ -36,13 +41,25 @@ def test_evaluate_fails_growth_exits_unexpected_outcomes_and_leaks():
     fds = [(10, 100.0, 20 + i) for i in range(20)]
     gone = flat[:10] + [None] * 10
     restarted = flat[:10] + [(11, 100.0, 20)] * 10
-    result = soak.evaluate(run_of({"node-0": leaking, "coordinator": fds, "frontend worker-0": gone,
-                                   "frontend worker-1": restarted}, unexpected=2, left=1), 0.2, 0.05)
+    result = soak.evaluate(
+        run_of(
+            {"node-0": leaking, "coordinator": fds, "frontend worker-0": gone, "frontend worker-1": restarted},
+            unexpected=2,
+            left=1,
+        ),
+        0.2,
+        0.05,
+    )
     assert result["verdict"] == "FAIL"
     text = "\n".join(result["failures"])
-    for needle in ("node-0: rss_mb grew", "coordinator: fds grew", "frontend worker-0: exited or was replaced",
-                   "frontend worker-1: exited or was replaced", "2 unexpected outcome(s)",
-                   "left behind after the load: 1 live reservations"):
+    for needle in (
+        "node-0: rss_mb grew",
+        "coordinator: fds grew",
+        "frontend worker-0: exited or was replaced",
+        "frontend worker-1: exited or was replaced",
+        "2 unexpected outcome(s)",
+        "left behind after the load: 1 live reservations",
+    ):
         assert needle in text, text
     assert "node-0: fds" not in text and "coordinator: rss_mb" not in text
 
@@ -67,24 +84,55 @@ def test_short_soak_of_both_servers(tmp_path):
     out = tmp_path / "soak"
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # mpiexec for the nodes
-    done = subprocess.run([sys.executable, "-m", "openengine_serve", "bench", "--soak", "0.3", "--sample-s", "1",
-                           "--warmup", "0.3", "--output", str(out)], capture_output=True, text=True, timeout=220,
-                          env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "bench",
+            "--soak",
+            "0.3",
+            "--sample-s",
+            "1",
+            "--warmup",
+            "0.3",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env=env,
+    )
     assert done.returncode == 0, f"soak failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-3000:]}"
     result = json.loads((out / "soak.json").read_text())
     assert [r["server"] for r in result["runs"]] == ["grpcio", "pygrpc-native"]
     for run in result["runs"]:
         assert run["verdict"] == "PASS" and run["failures"] == [], run["failures"]
         names = set(run["processes"])
-        for name in ("up", "coordinator", "node-0", "node-1", "node-0 engine worker", "node-1 engine worker",
-                     "frontend", "frontend worker-0", "frontend worker-1"):
+        for name in (
+            "up",
+            "coordinator",
+            "node-0",
+            "node-1",
+            "node-0 engine worker",
+            "node-1 engine worker",
+            "frontend",
+            "frontend worker-0",
+            "frontend worker-1",
+        ):
             assert name in names, sorted(names)
         load = run["load"]
         assert load["unexpected"] == 0, load["unexpected_samples"]
         assert set(load["operations"]) == set(MIX)
         injected = load["injected_errors"]
-        for key in ("malformed: INVALID_ARGUMENT", "invalid: INVALID_ARGUMENT", "invalid: NOT_FOUND",
-                    "duplicate: ALREADY_EXISTS", "disconnect: UNAVAILABLE"):
+        for key in (
+            "malformed: INVALID_ARGUMENT",
+            "invalid: INVALID_ARGUMENT",
+            "invalid: NOT_FOUND",
+            "duplicate: ALREADY_EXISTS",
+            "disconnect: UNAVAILABLE",
+        ):
             assert injected.get(key, 0) > 0, injected
         outcomes = load["outcomes"]
         assert outcomes["cancel"]["cancelled"] > 0 and outcomes["abort"]["aborted"] > 0

@@ -11,8 +11,9 @@ from openengine_bench import token_path
 from openengine_serve.common.grpc_server import nonblocking_send
 
 
-@pytest.mark.parametrize("server,lane", [("pygrpc-native", "credited"), ("pygrpc-native", "plain"),
-                                         ("none", "credited")])
+@pytest.mark.parametrize(
+    "server,lane", [("pygrpc-native", "credited"), ("pygrpc-native", "plain"), ("none", "credited")]
+)
 def test_every_token_reaches_the_transport_one_message_each(server, lane):
     args = argparse.Namespace(streams=4, requests=12, tokens=16, server=server, lane=lane, count_calls=False)
     result = asyncio.run(token_path.run(args))
@@ -28,8 +29,9 @@ def test_every_token_reaches_the_transport_one_message_each(server, lane):
 
 
 def test_count_calls_reports_the_python_calls_per_token():
-    args = argparse.Namespace(streams=2, requests=4, tokens=8, server="pygrpc-native", lane="credited",
-                              count_calls=True)
+    args = argparse.Namespace(
+        streams=2, requests=4, tokens=8, server="pygrpc-native", lane="credited", count_calls=True
+    )
     result = asyncio.run(token_path.run(args))
     assert 1 < result["python_calls_per_token"] < 1000
 

@@ -10,15 +10,19 @@ def frontend_line(request_id: str, ttft_s: float, opened: float) -> str:
     at = [opened, opened + 0.003, opened + 0.010, opened + 0.017, opened + 0.018, opened + 0.019]
     names = ("opened_at", "reserved_at", "submitted_at", "first_event_at", "taken_at", "written_at")
     fields = " ".join(f"{name}={value:.6f}" for name, value in zip(names, at))
-    return (f'ts=2026-12-01T12:00:00.000Z level=debug component=frontend event="first token" request_id={request_id} '
-            f"ttft_s={ttft_s:.6f} {fields}\n")
+    return (
+        f'ts=2026-12-01T12:00:00.000Z level=debug component=frontend event="first token" request_id={request_id} '
+        f"ttft_s={ttft_s:.6f} {fields}\n"
+    )
 
 
 def node_line(request_id: str, submitted: float) -> str:
     """A node "first event on lane" line: step 2 ms after the submission, built 1 ms later, taken 0.5 ms later."""
-    return (f'ts=2026-12-01T12:00:00.000Z level=debug component=node event="first event on lane" '
-            f"request_id={request_id} submitted_at={submitted:.6f} step_at={submitted + 0.002:.6f} "
-            f"built_at={submitted + 0.003:.6f} taken_at={submitted + 0.0035:.6f} message_events=1\n")
+    return (
+        f'ts=2026-12-01T12:00:00.000Z level=debug component=node event="first event on lane" '
+        f"request_id={request_id} submitted_at={submitted:.6f} step_at={submitted + 0.002:.6f} "
+        f"built_at={submitted + 0.003:.6f} taken_at={submitted + 0.0035:.6f} message_events=1\n"
+    )
 
 
 def test_each_frontend_round_is_joined_with_the_node_line_of_its_own_request_and_split_by_scenario(tmp_path):
@@ -28,15 +32,21 @@ def test_each_frontend_round_is_joined_with_the_node_line_of_its_own_request_and
     (logs / "frontend-01-grpcio.log").write_text(
         frontend_line("pinned-stack-fixed-c32-r1-0", 0.020, 100.0)
         + frontend_line("pinned-stack-fixed-c32-r1-1", 0.040, 100.5)
-        + frontend_line("pinned-stack-fixed-c1-r1-0", 0.020, 101.0))
+        + frontend_line("pinned-stack-fixed-c1-r1-0", 0.020, 101.0)
+    )
     (logs / "frontend-02-pygrpc-native.log").write_text(frontend_line("pinned-stack-fixed-c32-r1-0", 0.020, 200.0))
     (logs / "node.log").write_text(
-        node_line("pinned-stack-fixed-c32-r1-0", 200.005) + node_line("pinned-stack-fixed-c32-r1-0", 100.005)
-        + node_line("pinned-stack-fixed-c32-r1-1", 100.505) + node_line("pinned-stack-fixed-c1-r1-0", 101.005))
+        node_line("pinned-stack-fixed-c32-r1-0", 200.005)
+        + node_line("pinned-stack-fixed-c32-r1-0", 100.005)
+        + node_line("pinned-stack-fixed-c32-r1-1", 100.505)
+        + node_line("pinned-stack-fixed-c1-r1-0", 101.005)
+    )
     summaries = ttft_hops.run_summaries(tmp_path)
-    assert sorted(summaries) == ["frontend-01-grpcio.log pinned-stack-fixed-c1-r1",
-                                 "frontend-01-grpcio.log pinned-stack-fixed-c32-r1",
-                                 "frontend-02-pygrpc-native.log pinned-stack-fixed-c32-r1"]
+    assert sorted(summaries) == [
+        "frontend-01-grpcio.log pinned-stack-fixed-c1-r1",
+        "frontend-01-grpcio.log pinned-stack-fixed-c32-r1",
+        "frontend-02-pygrpc-native.log pinned-stack-fixed-c32-r1",
+    ]
     grpcio = summaries["frontend-01-grpcio.log pinned-stack-fixed-c32-r1"]
     assert grpcio["n"] == 2 and grpcio["ttft_p50_ms"] == 30.0
     stages = grpcio["stages"]

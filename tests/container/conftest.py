@@ -81,16 +81,20 @@ class Stack:
             cmd += ["-f", str(f)]
         return cmd
 
-    def compose(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
-                check: bool = True) -> subprocess.CompletedProcess:
+    def compose(
+        self, *args: str, timeout: float = 120, env: dict[str, str] | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess:
         cmd = self._base() + list(args)
-        proc = subprocess.run(cmd, cwd=REPO, env={**self.env, **(env or {})}, capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(
+            cmd, cwd=REPO, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout
+        )
         with open(self.log_path, "a") as log:
             log.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}[exit {proc.returncode}]\n")
         if check and proc.returncode != 0:
-            raise AssertionError(f"`docker compose {' '.join(args)}` exited {proc.returncode}:\n"
-                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{self.logs()}")
+            raise AssertionError(
+                f"`docker compose {' '.join(args)}` exited {proc.returncode}:\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{self.logs()}"
+            )
         return proc
 
     def docker_cmd(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
@@ -101,16 +105,23 @@ class Stack:
 
     def logs(self, tail: int = 60) -> str:
         try:
-            proc = subprocess.run(self._base() + ["logs", "--no-color", "--tail", str(tail)], cwd=REPO,
-                                  env=self.env, capture_output=True, text=True, timeout=60)
+            proc = subprocess.run(
+                self._base() + ["logs", "--no-color", "--tail", str(tail)],
+                cwd=REPO,
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             return "--- compose logs ---\n" + proc.stdout[-8000:] + proc.stderr[-2000:]
         except Exception as exc:  # noqa: BLE001 - diagnostics only
             return f"(no logs: {exc})"
 
     def up(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.started = True
-        self.compose("up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S - 20), *args,
-                     timeout=UP_TIMEOUT_S, env=env)
+        self.compose(
+            "up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S - 20), *args, timeout=UP_TIMEOUT_S, env=env
+        )
 
     def down(self) -> None:
         self.compose("down", "-v", "--remove-orphans", "--timeout", "10", timeout=180, check=False)
@@ -128,22 +139,26 @@ class Stack:
     def leftovers(self) -> dict[str, list[str]]:
         label = f"label=com.docker.compose.project={self.project}"
         found = {}
-        for kind, args in (("containers", ["ps", "-aq", "--filter", label]),
-                           ("networks", ["network", "ls", "-q", "--filter", label]),
-                           ("volumes", ["volume", "ls", "-q", "--filter", label])):
+        for kind, args in (
+            ("containers", ["ps", "-aq", "--filter", label]),
+            ("networks", ["network", "ls", "-q", "--filter", label]),
+            ("volumes", ["volume", "ls", "-q", "--filter", label]),
+        ):
             found[kind] = self.docker_cmd(*args).stdout.split()
         return found
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`openengine-serve ...` from the host's environment (this interpreter)."""
-    return subprocess.run([sys.executable, "-m", "openengine_serve", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "openengine_serve", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def cli_popen(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "openengine_serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "openengine_serve", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.fixture(scope="session")
@@ -154,8 +169,7 @@ def docker() -> str:
     info = subprocess.run([binary, "info"], capture_output=True, text=True, timeout=60)
     if info.returncode != 0:
         errors = [line.strip() for line in (info.stdout + info.stderr).splitlines() if "ERROR" in line.upper()]
-        _unavailable(f"`{binary} info` failed (is dockerd running?): "
-                     + " ".join(errors)[:500])
+        _unavailable(f"`{binary} info` failed (is dockerd running?): " + " ".join(errors)[:500])
     compose = subprocess.run([binary, "compose", "version", "--short"], capture_output=True, text=True, timeout=60)
     if compose.returncode != 0 or not compose.stdout.strip().lstrip("v").startswith("2"):
         _unavailable(f"`{binary} compose` (v2 plugin) is missing: {compose.stderr.strip()[:500]}")
@@ -170,8 +184,7 @@ def stack(docker, request) -> Stack:
     started = time.monotonic()
     build = s.compose("build", "--progress=plain", timeout=BUILD_TIMEOUT_S, check=False)
     if build.returncode != 0:
-        pytest.fail(f"docker compose build failed (full log: {s.log_path}):\n{build.stderr[-5000:]}",
-                    pytrace=False)
+        pytest.fail(f"docker compose build failed (full log: {s.log_path}):\n{build.stderr[-5000:]}", pytrace=False)
     s.build_seconds = time.monotonic() - started
     s.up()
     s.up_seconds = time.monotonic() - started - s.build_seconds

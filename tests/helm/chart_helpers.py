@@ -31,9 +31,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "frontend": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6}},
         "node": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}},
     },
-    "servicemonitor": {
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}
-    },
+    "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
     "podmonitor": {"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}},
     "networkpolicy": {"networkPolicy": {"enabled": True}},
     "nodes3": {"node": {"replicas": 3}},
@@ -90,9 +88,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "headless": {"frontend": {"service": {"headless": True}, "autoscaling": {"enabled": True}}},
     "secured": {
         "frontend": {
-            "tls": {"secretName": "oe-public-tls", "clientCaKey": "ca.crt",
-                    "certManager": {"issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"},
-                                    "dnsNames": ["openengine.example.com"]}},
+            "tls": {
+                "secretName": "oe-public-tls",
+                "clientCaKey": "ca.crt",
+                "certManager": {
+                    "issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"},
+                    "dnsNames": ["openengine.example.com"],
+                },
+            },
             "apiKeys": {"secretName": "oe-api-keys"},
         },
         "internalTls": {"secretName": "oe-internal-tls"},
@@ -125,9 +128,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                     "maxSkew": 1,
                     "topologyKey": "kubernetes.io/hostname",
                     "whenUnsatisfiable": "ScheduleAnyway",
-                    "labelSelector": {
-                        "matchLabels": {"app.kubernetes.io/component": "frontend"}
-                    },
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "frontend"}},
                 }
             ],
             "priorityClassName": "high",

@@ -55,5 +55,3 @@ def rendered_dir(render, tmp_path_factory) -> Path:
     for variant, values in VARIANTS.items():
         (out / f"{variant}.yaml").write_text(render(values).stream)
     return out
-
-

@@ -32,15 +32,27 @@ pytestmark = pytest.mark.helm
 
 COMPONENTS = ("frontend", "coordinator", "node")
 # The node's engine and model settings (templates/node.yaml).
-NODE_ENGINE_ENV = {"OPENENGINE_ENGINE", "OPENENGINE_MODEL_PATH", "OPENENGINE_CONTEXT_SIZE", "OPENENGINE_PREFILL_CHUNK",
-                   "OPENENGINE_THREADS", "OPENENGINE_MAX_BATCH", "OPENENGINE_MAX_QUEUE", "OPENENGINE_STEP_MS"}
+NODE_ENGINE_ENV = {
+    "OPENENGINE_ENGINE",
+    "OPENENGINE_MODEL_PATH",
+    "OPENENGINE_CONTEXT_SIZE",
+    "OPENENGINE_PREFILL_CHUNK",
+    "OPENENGINE_THREADS",
+    "OPENENGINE_MAX_BATCH",
+    "OPENENGINE_MAX_QUEUE",
+    "OPENENGINE_STEP_MS",
+}
 PORTS = {"frontend": (50051, 9091), "coordinator": (50052, 9092), "node": (50053, 9093)}
 # Prometheus Operator, KEDA and cert-manager CRDs: kubernetes-validate ships no
 # schema for them, so they are checked structurally in test_service_monitor /
 # test_pod_monitor, test_monitoring.py and the security tests.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor"),
-             ("monitoring.coreos.com/v1", "PrometheusRule"), ("keda.sh/v1alpha1", "ScaledObject"),
-             ("cert-manager.io/v1", "Certificate")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("cert-manager.io/v1", "Certificate"),
+}
 VARIANT_IDS = list(VARIANTS)
 
 
@@ -144,8 +156,18 @@ def test_yamllint_rendered_output(rendered_dir) -> None:
 def test_yamllint_chart_sources() -> None:
     require("yamllint")
     proc = subprocess.run(
-        [sys.executable, "-m", "yamllint", "--strict", "-f", "parsable", "-c", str(YAMLLINT_CONFIG),
-         str(CHART_DIR / "values.yaml"), str(CHART_DIR / "Chart.yaml")],
+        [
+            sys.executable,
+            "-m",
+            "yamllint",
+            "--strict",
+            "-f",
+            "parsable",
+            "-c",
+            str(YAMLLINT_CONFIG),
+            str(CHART_DIR / "values.yaml"),
+            str(CHART_DIR / "Chart.yaml"),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -203,8 +225,10 @@ def test_client_dry_run_install(helm, yaml, variant: str) -> None:
         ({"node": {"threads": 257}}, "/node/threads"),
         ({"node": {"stepMs": 0}}, "/node/stepMs"),
         ({"node": {"model": {"file": "/models/x.gguf"}}}, "'file' not allowed"),
-        ({"node": {"model": {"path": "/models/x.gguf", "volume": {"name": "m", "hostPath": {"path": "/m"}}}}},
-         "/node/model/volume"),
+        (
+            {"node": {"model": {"path": "/models/x.gguf", "volume": {"name": "m", "hostPath": {"path": "/m"}}}}},
+            "/node/model/volume",
+        ),
         ({"node": {"model": {"mountPath": "models"}}}, "/node/model/mountPath"),
         ({"node": {"modelPath": "/models/x.gguf"}}, "'modelPath' not allowed"),
     ],
@@ -225,9 +249,11 @@ def test_schema_accepts_both_servers(chart) -> None:
 
 
 def test_schema_accepts_both_engines_and_their_batch_limits(chart) -> None:
-    for values in ({"node": {"engine": "llama.cpp", "maxBatch": 256}},
-                   {"node": {"engine": "simulated", "maxBatch": 300}},
-                   {"node": {"engine": "simulated", "maxBatch": 0}}):
+    for values in (
+        {"node": {"engine": "llama.cpp", "maxBatch": 256}},
+        {"node": {"engine": "simulated", "maxBatch": 300}},
+        {"node": {"engine": "simulated", "maxBatch": 0}},
+    ):
         chart.validate_schema(values)
 
 
@@ -387,10 +413,16 @@ def test_own_model_from_a_volume(render) -> None:
     r = render(VARIANTS["own-model"])
     no = r.env("node")
     assert no["OPENENGINE_MODEL_PATH"] == "/models/my-model.Q4_K_M.gguf"
-    assert (no["OPENENGINE_CONTEXT_SIZE"], no["OPENENGINE_PREFILL_CHUNK"], no["OPENENGINE_THREADS"],
-            no["OPENENGINE_MAX_BATCH"]) == ("8192", "128", "4", "64")
+    assert (
+        no["OPENENGINE_CONTEXT_SIZE"],
+        no["OPENENGINE_PREFILL_CHUNK"],
+        no["OPENENGINE_THREADS"],
+        no["OPENENGINE_MAX_BATCH"],
+    ) == ("8192", "128", "4", "64")
     assert _volumes("node", r)["model"] == {
-        "name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    }
     mounts = [m for m in r.container("node")["volumeMounts"] if m["name"] == "model"]
     assert mounts == [{"name": "model", "mountPath": "/models", "readOnly": True}]
     # Only the node mounts the model: frontends get the tokenizer from the nodes.
@@ -402,8 +434,17 @@ def test_own_model_from_a_volume(render) -> None:
 
 
 def test_own_model_at_another_mount_path_or_in_the_image(render) -> None:
-    r = render({"node": {"model": {"path": "/srv/gguf/llama.gguf", "mountPath": "/srv/gguf",
-                                   "volume": {"hostPath": {"path": "/var/models", "type": "Directory"}}}}})
+    r = render(
+        {
+            "node": {
+                "model": {
+                    "path": "/srv/gguf/llama.gguf",
+                    "mountPath": "/srv/gguf",
+                    "volume": {"hostPath": {"path": "/var/models", "type": "Directory"}},
+                }
+            }
+        }
+    )
     assert r.env("node")["OPENENGINE_MODEL_PATH"] == "/srv/gguf/llama.gguf"
     assert _volumes("node", r)["model"]["hostPath"] == {"path": "/var/models", "type": "Directory"}
     assert {"name": "model", "mountPath": "/srv/gguf", "readOnly": True} in r.container("node")["volumeMounts"]
@@ -768,7 +809,6 @@ def test_labels_and_names(render) -> None:
         assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
 
 
-
 # --------------------------------------------------------------------------
 # TLS, API keys, internal mutual TLS
 # --------------------------------------------------------------------------
@@ -790,7 +830,10 @@ def test_secured_release_mounts_secrets_and_sets_the_variables(render) -> None:
     assert fe_env["OPENENGINE_TLS_CLIENT_CA_FILE"] == "/etc/openengine/tls/ca.crt"
     assert fe_env["OPENENGINE_API_KEYS_FILE"] == "/etc/openengine/api-keys/api-keys"
     assert _secret_volumes(r.deployment("frontend")["spec"]["template"]["spec"]) == {
-        "tls": "oe-public-tls", "api-keys": "oe-api-keys", "internal-tls": "oe-internal-tls"}
+        "tls": "oe-public-tls",
+        "api-keys": "oe-api-keys",
+        "internal-tls": "oe-internal-tls",
+    }
     for component in COMPONENTS:
         env = r.env(component)
         assert env["OPENENGINE_INTERNAL_TLS_CA_FILE"] == "/etc/openengine/internal-tls/ca.crt"
@@ -802,8 +845,10 @@ def test_secured_release_mounts_secrets_and_sets_the_variables(render) -> None:
         assert "OPENENGINE_API_KEYS_FILE" not in r.env(component)
     default = render()
     for component in COMPONENTS:
-        assert not any(k.startswith(("OPENENGINE_TLS", "OPENENGINE_INTERNAL_TLS", "OPENENGINE_API_KEYS"))
-                       for k in default.env(component))
+        assert not any(
+            k.startswith(("OPENENGINE_TLS", "OPENENGINE_INTERNAL_TLS", "OPENENGINE_API_KEYS"))
+            for k in default.env(component)
+        )
 
 
 def test_probes_on_a_tls_port_use_the_cli_over_tls(render) -> None:
@@ -858,11 +903,12 @@ def test_notes_say_how_to_call_with_tls_and_a_key(render) -> None:
 @pytest.mark.parametrize(
     ("values", "complaint"),
     [
-        ({"frontend": {"grpcServer": "pygrpc-native", "tls": {"secretName": "s"}}},
-         "terminate TLS in front"),
+        ({"frontend": {"grpcServer": "pygrpc-native", "tls": {"secretName": "s"}}}, "terminate TLS in front"),
         ({"frontend": {"apiKeys": {"secretName": "k"}}}, "set tests.apiKeySecret.name"),
-        ({"frontend": {"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Issuer"}}}}},
-         "needs frontend.tls.secretName"),
+        (
+            {"frontend": {"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Issuer"}}}}},
+            "needs frontend.tls.secretName",
+        ),
     ],
 )
 def test_security_template_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:

@@ -37,26 +37,41 @@ SCALED_OBJECT = {
             "required": ["scaleTargetRef", "triggers"],
             "properties": {
                 "scaleTargetRef": {
-                    "type": "object", "additionalProperties": False, "required": ["name"],
-                    "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                                   "name": {"type": "string"}, "envSourceContainerName": {"type": "string"}}},
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                        "envSourceContainerName": {"type": "string"},
+                    },
+                },
                 "pollingInterval": {"type": "integer", "minimum": 1},
                 "cooldownPeriod": {"type": "integer", "minimum": 0},
                 "idleReplicaCount": {"type": "integer", "minimum": 0},
                 "minReplicaCount": {"type": "integer", "minimum": 0},
                 "maxReplicaCount": {"type": "integer", "minimum": 1},
                 "advanced": {
-                    "type": "object", "additionalProperties": False,
+                    "type": "object",
+                    "additionalProperties": False,
                     "properties": {
                         "restoreToOriginalReplicaCount": {"type": "boolean"},
                         "horizontalPodAutoscalerConfig": {
-                            "type": "object", "additionalProperties": False,
-                            "properties": {"name": {"type": "string"}, "behavior": {"type": "object"}}}}},
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {"name": {"type": "string"}, "behavior": {"type": "object"}},
+                        },
+                    },
+                },
                 "fallback": {"type": "object"},
                 "triggers": {
-                    "type": "array", "minItems": 1,
+                    "type": "array",
+                    "minItems": 1,
                     "items": {
-                        "type": "object", "additionalProperties": False, "required": ["type", "metadata"],
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["type", "metadata"],
                         "properties": {
                             "type": {"type": "string"},
                             "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
@@ -64,10 +79,17 @@ SCALED_OBJECT = {
                             "useCachedMetrics": {"type": "boolean"},
                             "metadata": _STRING_MAP,
                             "authenticationRef": {
-                                "type": "object", "additionalProperties": False, "required": ["name"],
-                                "properties": {"name": {"type": "string"},
-                                               "kind": {"enum": ["TriggerAuthentication",
-                                                                 "ClusterTriggerAuthentication"]}}}}}},
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["name"],
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "kind": {"enum": ["TriggerAuthentication", "ClusterTriggerAuthentication"]},
+                                },
+                            },
+                        },
+                    },
+                },
             },
         },
     },
@@ -80,19 +102,42 @@ PROMETHEUS_RULE = {
         "apiVersion": {"const": "monitoring.coreos.com/v1"},
         "kind": {"const": "PrometheusRule"},
         "spec": {
-            "type": "object", "additionalProperties": False, "required": ["groups"],
-            "properties": {"groups": {"type": "array", "items": {
-                "type": "object", "additionalProperties": False, "required": ["name", "rules"],
-                "properties": {
-                    "name": {"type": "string"}, "interval": {"type": "string"}, "limit": {"type": "integer"},
-                    "rules": {"type": "array", "items": {
-                        "type": "object", "additionalProperties": False, "required": ["expr"],
-                        "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
-                        "properties": {"alert": {"type": "string"}, "record": {"type": "string"},
-                                       "expr": {"type": "string"},
-                                       "for": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d|w|y))+$"},
-                                       "keep_firing_for": {"type": "string"},
-                                       "labels": _STRING_MAP, "annotations": _STRING_MAP}}}}}}},
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "interval": {"type": "string"},
+                            "limit": {"type": "integer"},
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["expr"],
+                                    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                                    "properties": {
+                                        "alert": {"type": "string"},
+                                        "record": {"type": "string"},
+                                        "expr": {"type": "string"},
+                                        "for": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d|w|y))+$"},
+                                        "keep_firing_for": {"type": "string"},
+                                        "labels": _STRING_MAP,
+                                        "annotations": _STRING_MAP,
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
         },
     },
 }
@@ -109,7 +154,8 @@ def validate(doc: dict[str, Any], schema: dict[str, Any]) -> None:
 def test_chart_files_are_the_deploy_monitoring_files(asset: str) -> None:
     chart_copy, source = CHART_DIR / "files" / asset, MONITORING / asset
     assert chart_copy.read_bytes() == source.read_bytes(), (
-        f"{chart_copy} differs from {source}: edit deploy/monitoring, then cp {source} {chart_copy}")
+        f"{chart_copy} differs from {source}: edit deploy/monitoring, then cp {source} {chart_copy}"
+    )
 
 
 def test_off_by_default(render) -> None:
@@ -129,12 +175,14 @@ def test_dashboard_config_map(render) -> None:
     assert cm["metadata"]["labels"]["team"] == "llm"
     assert cm["metadata"]["annotations"] == {"grafana_folder": "Inference"}
     assert json.loads(cm["data"]["openengine-dashboard.json"]) == json.loads(
-        (MONITORING / "openengine-dashboard.json").read_text())
+        (MONITORING / "openengine-dashboard.json").read_text()
+    )
 
 
 def test_dashboard_sidecar_label_and_namespace_are_configurable(render) -> None:
-    r = render({"monitoring": {"dashboards": {"enabled": True, "label": "dash", "labelValue": "yes",
-                                              "namespace": "grafana"}}})
+    r = render(
+        {"monitoring": {"dashboards": {"enabled": True, "label": "dash", "labelValue": "yes", "namespace": "grafana"}}}
+    )
     (cm,) = r.of_kind("ConfigMap")
     assert cm["metadata"]["labels"]["dash"] == "yes" and "grafana_dashboard" not in cm["metadata"]["labels"]
     assert cm["metadata"]["namespace"] == "grafana"
@@ -170,17 +218,24 @@ def test_keda_scaled_objects(render, chart) -> None:
     objects = {o["metadata"]["name"]: o for o in r.of_kind("ScaledObject")}
     assert set(objects) == {name("node"), name("frontend")}
     assert not r.of_kind("HorizontalPodAutoscaler"), "KEDA creates the HPA itself"
-    expected = {"node": {"queued": ("openengine_node_queued_requests", 8),
-                         "in-use": ("openengine_node_running_requests", values["node"]["inUsePerNode"])},
-                "frontend": {"in-flight": ("openengine_frontend_in_flight_requests",
-                                           values["frontend"]["inFlightPerFrontend"])}}
+    expected = {
+        "node": {
+            "queued": ("openengine_node_queued_requests", 8),
+            "in-use": ("openengine_node_running_requests", values["node"]["inUsePerNode"]),
+        },
+        "frontend": {
+            "in-flight": ("openengine_frontend_in_flight_requests", values["frontend"]["inFlightPerFrontend"])
+        },
+    }
     for component, triggers in expected.items():
         so = objects[name(component)]
         validate(so, SCALED_OBJECT)
         spec = so["spec"]
         assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name(component)}
         assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (
-            values[component]["minReplicas"], values[component]["maxReplicas"])
+            values[component]["minReplicas"],
+            values[component]["maxReplicas"],
+        )
         assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == values["behavior"]
         assert {t["name"] for t in spec["triggers"]} == set(triggers)
         other = "frontend" if component == "node" else "node"
@@ -205,9 +260,13 @@ def test_prometheus_adapter_hpa(render, chart, variant: str) -> None:
     enabled = [c for c in ("node", "frontend") if values[c]["enabled"]]
     assert set(hpas) == {name(c) for c in enabled}
     assert not r.of_kind("ScaledObject")
-    targets = {"node": {"openengine_node_queued_requests": values["node"]["queuedPerNode"],
-                        "openengine_node_requests_in_use": values["node"]["inUsePerNode"]},
-               "frontend": {"openengine_frontend_in_flight_requests": values["frontend"]["inFlightPerFrontend"]}}
+    targets = {
+        "node": {
+            "openengine_node_queued_requests": values["node"]["queuedPerNode"],
+            "openengine_node_requests_in_use": values["node"]["inUsePerNode"],
+        },
+        "frontend": {"openengine_frontend_in_flight_requests": values["frontend"]["inFlightPerFrontend"]},
+    }
     for component in enabled:
         spec = hpas[name(component)]["spec"]
         assert spec["scaleTargetRef"]["name"] == name(component)
@@ -228,7 +287,10 @@ def test_prometheus_adapter_hpa(render, chart, variant: str) -> None:
         ({"autoscaling": {"node": {"queuedPerNode": 0}}}, "/autoscaling/node/queuedPerNode"),
         ({"autoscaling": {"frontend": {"inFlight": 10}}}, "'inFlight' not allowed"),
         ({"autoscaling": {"hpa": {"metricType": "Object"}}}, "/autoscaling/hpa/metricType"),
-        ({"autoscaling": {"prometheus": {"serverAddress": "prometheus:9090"}}}, "/autoscaling/prometheus/serverAddress"),
+        (
+            {"autoscaling": {"prometheus": {"serverAddress": "prometheus:9090"}}},
+            "/autoscaling/prometheus/serverAddress",
+        ),
         ({"autoscaling": {"prometheus": {"podLabel": "pod-name"}}}, "/autoscaling/prometheus/podLabel"),
         ({"autoscaling": {"node": {"minReplicas": 0}}}, "/autoscaling/node/minReplicas"),
         ({"monitoring": {"dashboards": {"enable": True}}}, "'enable' not allowed"),
@@ -244,10 +306,14 @@ def test_schema_rejects(helm, chart, values: dict[str, Any], complaint: str) -> 
 @pytest.mark.parametrize(
     ("values", "complaint"),
     [
-        ({"autoscaling": {"node": {"enabled": True}}, "node": {"autoscaling": {"enabled": True}}},
-         "autoscaling.node.enabled and node.autoscaling.enabled are both true"),
-        ({"autoscaling": {"frontend": {"enabled": True, "minReplicas": 4, "maxReplicas": 3}}},
-         "autoscaling.frontend.minReplicas (4) is greater than autoscaling.frontend.maxReplicas (3)"),
+        (
+            {"autoscaling": {"node": {"enabled": True}}, "node": {"autoscaling": {"enabled": True}}},
+            "autoscaling.node.enabled and node.autoscaling.enabled are both true",
+        ),
+        (
+            {"autoscaling": {"frontend": {"enabled": True, "minReplicas": 4, "maxReplicas": 3}}},
+            "autoscaling.frontend.minReplicas (4) is greater than autoscaling.frontend.maxReplicas (3)",
+        ),
     ],
 )
 def test_template_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:

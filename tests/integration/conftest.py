@@ -24,10 +24,15 @@ SERVERS = ("grpcio", "pygrpc-native")
 MODEL = "Qwen/Qwen3-0.6B"
 
 
-def request(prompt="The quick brown fox", *, max_tokens=24, seed=7, ignore_eos=True, model=MODEL,
-            **stopping) -> G.GenerateRequest:
-    req = G.GenerateRequest(request_id=f"t-{uuid.uuid4()}", model=model, prompt=prompt,
-                            stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, **stopping))
+def request(
+    prompt="The quick brown fox", *, max_tokens=24, seed=7, ignore_eos=True, model=MODEL, **stopping
+) -> G.GenerateRequest:
+    req = G.GenerateRequest(
+        request_id=f"t-{uuid.uuid4()}",
+        model=model,
+        prompt=prompt,
+        stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos, **stopping),
+    )
     req.sampling.seed = seed
     return req
 
@@ -46,7 +51,8 @@ def by_output(responses):
             o["text"] += r.token.text
         elif event == "finished":
             outputs.setdefault(r.finished.output_index, {"ids": [], "text": "", "finished": []})["finished"].append(
-                r.finished)
+                r.finished
+            )
     return outputs
 
 
@@ -133,14 +139,13 @@ def slow_cluster():
     cluster = None
     try:
         coord.wait_ready()
-        node, node_metrics = processes.with_metrics(
-            processes.node(coord.target, 0, "--step-ms", str(SLOW_STEP_MS)))
+        node, node_metrics = processes.with_metrics(processes.node(coord.target, 0, "--step-ms", str(SLOW_STEP_MS)))
         node.name = "slow-node0"
         node.start().wait_ready(90)
         cluster = SlowCluster(coord, node, node_metrics)
         yield cluster
     finally:
-        for fe in (cluster.frontends.values() if cluster else ()):
+        for fe in cluster.frontends.values() if cluster else ():
             fe.stop()
         if node is not None:
             node.stop()
@@ -180,7 +185,8 @@ def real_cluster_with(*node_args: str) -> Iterator[RealCluster]:
     try:
         coord = deployment.add(processes.coordinator())
         node, node_metrics = processes.with_metrics(
-            processes.node(coord.target, 0, "--engine", "llama.cpp", "--threads", str(THREADS), *node_args))
+            processes.node(coord.target, 0, "--engine", "llama.cpp", "--threads", str(THREADS), *node_args)
+        )
         deployment.add(node)
         frontends = {server: deployment.add(processes.frontend(coord.target, server)) for server in SERVERS}
         yield RealCluster(coord, node, node_metrics, frontends)
@@ -200,14 +206,16 @@ def target(request, real_cluster) -> str:
     return real_cluster.frontends[request.param].target
 
 
-def make_request(prompt: str | list[int] = "The capital of France is", *, max_tokens: int = 24,
-                 temperature: float = 0.0, **fields) -> G.GenerateRequest:
+def make_request(
+    prompt: str | list[int] = "The capital of France is", *, max_tokens: int = 24, temperature: float = 0.0, **fields
+) -> G.GenerateRequest:
     """A request to the real model, greedy unless `temperature`; `fields`: stopping fields by name, others as
     message__field (lists extend repeated fields). Unless a `kv__` field is given, it bypasses the prefix cache:
     its prompt is read whole, as the reference reads it (a prompt read from the cache computes its last token
     in another batch shape, whose rounding can flip a close greedy choice: docs/engines.md, batch invariance)."""
-    req = G.GenerateRequest(request_id=f"real-{uuid.uuid4()}", model=REAL_MODEL,
-                            stopping=G.StoppingOptions(max_tokens=max_tokens))
+    req = G.GenerateRequest(
+        request_id=f"real-{uuid.uuid4()}", model=REAL_MODEL, stopping=G.StoppingOptions(max_tokens=max_tokens)
+    )
     if isinstance(prompt, str):
         req.prompt = prompt
     else:

@@ -8,7 +8,7 @@ import struct
 import threading
 
 TYPE_A, CLASS_IN = 1, 1
-FLAGS_ANSWER = 0x8180      # response, recursion desired and available, NOERROR
+FLAGS_ANSWER = 0x8180  # response, recursion desired and available, NOERROR
 FLAGS_NXDOMAIN = 0x8183
 
 
@@ -25,7 +25,7 @@ class LoopbackDns:
     def target(self, port: int) -> str:
         return f"dns://127.0.0.1:{self.port}/{self.name}:{port}"
 
-    def __enter__(self) -> "LoopbackDns":
+    def __enter__(self) -> LoopbackDns:
         self._thread.start()
         return self
 
@@ -53,12 +53,12 @@ class LoopbackDns:
         (query_id,) = struct.unpack(">H", query[:2])
         labels, pos = [], 12
         while pos < len(query) and query[pos]:
-            labels.append(query[pos + 1:pos + 1 + query[pos]].decode(errors="replace"))
+            labels.append(query[pos + 1 : pos + 1 + query[pos]].decode(errors="replace"))
             pos += 1 + query[pos]
         question_end = pos + 5  # the root label, then type and class
         if question_end > len(query):
             return b""
-        qtype, _ = struct.unpack(">HH", query[pos + 1:question_end])
+        qtype, _ = struct.unpack(">HH", query[pos + 1 : question_end])
         question = query[12:question_end]
         if ".".join(labels).lower() != self.name:
             return struct.pack(">HHHHHH", query_id, FLAGS_NXDOMAIN, 1, 0, 0, 0) + question

@@ -51,8 +51,12 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment that points a component's exporter here, exporting every 100 ms."""
-        return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-                "OTEL_BSP_SCHEDULE_DELAY": "100", **extra}
+        return {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint,
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            **extra,
+        }
 
     def __enter__(self) -> Receiver:
         self._server.start()
@@ -64,8 +68,9 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request: trace_service_pb2.ExportTraceServiceRequest, context):
         received = []
         for resource_spans in request.resource_spans:
-            service = next((kv.value.string_value for kv in resource_spans.resource.attributes
-                            if kv.key == "service.name"), "")
+            service = next(
+                (kv.value.string_value for kv in resource_spans.resource.attributes if kv.key == "service.name"), ""
+            )
             for scope_spans in resource_spans.scope_spans:
                 received += [ReceivedSpan(service, span) for span in scope_spans.spans]
         with self._lock:
@@ -88,5 +93,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 time.sleep(0.3)  # nothing more should come: let a stray extra span show
                 return self.spans(trace_id)
             time.sleep(0.05)
-        raise AssertionError(f"{count} spans of trace {trace_id.hex()} not received within {timeout}s: "
-                             f"{[(s.service, s.name) for s in self.spans(trace_id)]}")
+        raise AssertionError(
+            f"{count} spans of trace {trace_id.hex()} not received within {timeout}s: "
+            f"{[(s.service, s.name) for s in self.spans(trace_id)]}"
+        )

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,20 +45,25 @@ class Component:
     def target(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> "Component":
+    def start(self) -> Component:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         log = open(LOG_DIR / f"{self.name}-{self.port}.log", "ab")
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "openengine_serve", *self.args, "--host", self.host, "--port", str(self.port)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=self.preexec_fn)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=self.preexec_fn,
+        )
         return self
 
-    def wait_ready(self, timeout: float = 60.0) -> "Component":
+    def wait_ready(self, timeout: float = 60.0) -> Component:
         def ready():
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode}; see {LOG_DIR}")
             return is_serving(self.target, credentials=self.credentials)
+
         wait_for(ready, timeout, f"{self.name} readiness")
         return self
 
@@ -74,20 +79,48 @@ class Component:
 
 
 def coordinator(**env) -> Component:
-    return Component("coordinator", ["coordinator", "--metrics-port", "0", "--heartbeat-s", "0.3",
-                                     "--node-expiry-s", "1.5"], env)
+    return Component(
+        "coordinator", ["coordinator", "--metrics-port", "0", "--heartbeat-s", "0.3", "--node-expiry-s", "1.5"], env
+    )
 
 
 def node(coordinator_target: str, rank: int, *extra: str, **env) -> Component:
     """A node on the simulated engine (deterministic tokens); `extra` "--engine", "llama.cpp" for the real model."""
-    return Component(f"node{rank}", ["node", "--metrics-port", "0", "--coordinator-address", coordinator_target,
-                                     "--node-rank", str(rank), "--engine", "simulated", *extra], env)
+    return Component(
+        f"node{rank}",
+        [
+            "node",
+            "--metrics-port",
+            "0",
+            "--coordinator-address",
+            coordinator_target,
+            "--node-rank",
+            str(rank),
+            "--engine",
+            "simulated",
+            *extra,
+        ],
+        env,
+    )
 
 
 def frontend(coordinator_target: str, server: str, *extra: str, **env) -> Component:
-    return Component(f"frontend-{server}", ["frontend", "--metrics-port", "0", "--grpc-server", server,
-                                            "--coordinator-address", coordinator_target, "--heartbeat-s", "0.3",
-                                            *extra], env)
+    return Component(
+        f"frontend-{server}",
+        [
+            "frontend",
+            "--metrics-port",
+            "0",
+            "--grpc-server",
+            server,
+            "--coordinator-address",
+            coordinator_target,
+            "--heartbeat-s",
+            "0.3",
+            *extra,
+        ],
+        env,
+    )
 
 
 def with_metrics(component: Component) -> tuple[Component, int]:
@@ -99,8 +132,11 @@ def with_metrics(component: Component) -> tuple[Component, int]:
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def metric(samples, name, **labels) -> float:

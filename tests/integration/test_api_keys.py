@@ -11,8 +11,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from openengine_serve.api.openengine.v1 import (generation_pb2 as G, kv_pb2, lifecycle_pb2, lora_pb2, model_pb2,
-                                                server_pb2)
+from openengine_serve.api.openengine.v1 import (
+    generation_pb2 as G,
+)
+from openengine_serve.api.openengine.v1 import (
+    kv_pb2,
+    lifecycle_pb2,
+    lora_pb2,
+    model_pb2,
+    server_pb2,
+)
 from openengine_serve.client import Client, Credentials
 from openengine_serve.frontend import auth
 
@@ -20,8 +28,12 @@ from . import processes
 from .conftest import SERVERS
 
 MODEL = "Qwen/Qwen3-0.6B"
-KEYS = {"ops": ("admin", "k-admin-3f9"), "alice": ("user", "k-alice-77a"), "bob": ("user", "k-bob-0c1"),
-        "carol": ("user", "k-carol-5e2")}
+KEYS = {
+    "ops": ("admin", "k-admin-3f9"),
+    "alice": ("user", "k-alice-77a"),
+    "bob": ("user", "k-bob-0c1"),
+    "carol": ("user", "k-carol-5e2"),
+}
 
 
 KEY_MAX_IN_FLIGHT = 2  # the frontends' default per-key limit (OPENENGINE_API_KEY_MAX_IN_FLIGHT)
@@ -39,8 +51,15 @@ def keyed(request, cluster, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "api-keys"
     path.write_text(key_file_text())
     metrics_port = processes.free_port()
-    frontends = [processes.frontend(coord.target, request.param, OPENENGINE_API_KEYS_FILE=str(path),
-                                    OPENENGINE_API_KEY_MAX_IN_FLIGHT=str(KEY_MAX_IN_FLIGHT)) for _ in range(2)]
+    frontends = [
+        processes.frontend(
+            coord.target,
+            request.param,
+            OPENENGINE_API_KEYS_FILE=str(path),
+            OPENENGINE_API_KEY_MAX_IN_FLIGHT=str(KEY_MAX_IN_FLIGHT),
+        )
+        for _ in range(2)
+    ]
     frontends[0].args[frontends[0].args.index("--metrics-port") + 1] = str(metrics_port)
     try:
         for f in frontends:
@@ -65,8 +84,12 @@ def client_for(target: str, name: str | None = None, secret: str | None = None) 
 
 
 def long_request(max_tokens: int = 3000) -> G.GenerateRequest:
-    return G.GenerateRequest(request_id=f"sec-{uuid.uuid4()}", model=MODEL, prompt="Tell a long story",
-                             stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True))
+    return G.GenerateRequest(
+        request_id=f"sec-{uuid.uuid4()}",
+        model=MODEL,
+        prompt="Tell a long story",
+        stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def code_of(call) -> tuple[grpc.StatusCode, str]:
@@ -85,8 +108,10 @@ def test_no_or_unknown_key_is_refused_before_validation(keyed):
             code, _ = code_of(lambda: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5))
             assert code == grpc.StatusCode.UNAUTHENTICATED
     with client_for(frontends[0].target, secret="") as anonymous:
-        assert "authorization: Bearer" in code_of(
-            lambda: anonymous.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5))[1]
+        assert (
+            "authorization: Bearer"
+            in code_of(lambda: anonymous.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5))[1]
+        )
     with client_for(frontends[0].target, "alice") as alice:
         assert code_of(lambda: list(alice.inference.Generate(bad, timeout=5)))[0] == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -94,10 +119,16 @@ def test_no_or_unknown_key_is_refused_before_validation(keyed):
 def test_health_and_reflection_need_no_key(keyed):
     frontends, _, _ = keyed
     with grpc.insecure_channel(frontends[0].target) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="readiness"),
-                                                          timeout=5).status
-        replies = list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        status = (
+            health_pb2_grpc.HealthStub(channel)
+            .Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+            .status
+        )
+        replies = list(
+            reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
+        )
     assert status == health_pb2.HealthCheckResponse.SERVING
     assert "openengine.v1.Inference" in {s.name for s in replies[0].list_services_response.service}
 
@@ -111,35 +142,50 @@ def test_user_role_reaches_its_calls_and_nothing_else(keyed):
         assert alice.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).checks
         responses = list(alice.inference.Generate(long_request(5), timeout=30))
         assert responses[-1].HasField("usage")
-        for call, request in (("LoadLora", lora_pb2.LoadLoraRequest()), ("ListLoras", lora_pb2.ListLorasRequest()),
-                              ("GetKvEventSources", kv_pb2.GetKvEventSourcesRequest())):
+        for call, request in (
+            ("LoadLora", lora_pb2.LoadLoraRequest()),
+            ("ListLoras", lora_pb2.ListLorasRequest()),
+            ("GetKvEventSources", kv_pb2.GetKvEventSourcesRequest()),
+        ):
             code, details = code_of(lambda: getattr(alice.control, call)(request, timeout=5))
             assert code == grpc.StatusCode.PERMISSION_DENIED and "'alice' has role user" in details
         # the admin passes the key check and gets the call's own answer
-        assert code_of(lambda: ops.control.ListLoras(lora_pb2.ListLorasRequest(), timeout=5))[0] == \
-            grpc.StatusCode.FAILED_PRECONDITION
+        assert (
+            code_of(lambda: ops.control.ListLoras(lora_pb2.ListLorasRequest(), timeout=5))[0]
+            == grpc.StatusCode.FAILED_PRECONDITION
+        )
         assert list(ops.control.GetKvEventSources(kv_pb2.GetKvEventSourcesRequest(), timeout=5).sources) == []
-        code, details = code_of(lambda: alice.control.Abort(lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()), timeout=5))
+        code, details = code_of(
+            lambda: alice.control.Abort(lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()), timeout=5)
+        )
         assert code == grpc.StatusCode.PERMISSION_DENIED and "all_requests needs role admin" in details
-        assert ops.control.Abort(lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()), timeout=5).status == \
-            lifecycle_pb2.ABORT_STATUS_ABORTED
+        assert (
+            ops.control.Abort(lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()), timeout=5).status
+            == lifecycle_pb2.ABORT_STATUS_ABORTED
+        )
 
 
 def test_abort_reaches_only_the_callers_own_requests_across_frontends(keyed):
     frontends, _, _ = keyed
     first, second = (f.target for f in frontends)
-    with client_for(first, "alice") as alice, client_for(second, "alice") as alice_elsewhere, \
-            client_for(second, "bob") as bob, client_for(second, "ops") as ops:
+    with (
+        client_for(first, "alice") as alice,
+        client_for(second, "alice") as alice_elsewhere,
+        client_for(second, "bob") as bob,
+        client_for(second, "ops") as ops,
+    ):
         for aborter in (alice_elsewhere, ops):
             request = long_request()
             stream = alice.inference.Generate(request, timeout=60)
             assert next(stream).HasField("token")
             # bob cannot tell alice's id from an id never used
-            code, details = code_of(lambda: bob.control.Abort(
-                lifecycle_pb2.AbortRequest(request_id=request.request_id), timeout=5))
+            code, details = code_of(
+                lambda: bob.control.Abort(lifecycle_pb2.AbortRequest(request_id=request.request_id), timeout=5)
+            )
             unknown_id = f"sec-{uuid.uuid4()}"
-            unknown_code, unknown_details = code_of(lambda: bob.control.Abort(
-                lifecycle_pb2.AbortRequest(request_id=unknown_id), timeout=5))
+            unknown_code, unknown_details = code_of(
+                lambda: bob.control.Abort(lifecycle_pb2.AbortRequest(request_id=unknown_id), timeout=5)
+            )
             assert code == unknown_code == grpc.StatusCode.NOT_FOUND
             assert details.replace(request.request_id, "ID") == unknown_details.replace(unknown_id, "ID")
             reply = aborter.control.Abort(lifecycle_pb2.AbortRequest(request_id=request.request_id), timeout=5)
@@ -156,6 +202,7 @@ def test_a_removed_key_stops_within_two_seconds_and_its_running_stream_is_not_cu
         path.write_text(key_file_text(("ops", "alice", "bob")))
         removed_at = time.monotonic()
         try:
+
             def refused() -> bool:
                 try:
                     carol.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5)
@@ -163,6 +210,7 @@ def test_a_removed_key_stops_within_two_seconds_and_its_running_stream_is_not_cu
                 except grpc.RpcError as exc:
                     assert exc.code() == grpc.StatusCode.UNAUTHENTICATED, exc
                     return True
+
             processes.wait_for(refused, 5, "the removed key to be refused", interval=0.05)
             assert time.monotonic() - removed_at <= 2.0
             responses = list(stream)
@@ -201,24 +249,34 @@ def test_a_key_beyond_its_concurrency_limit_is_refused_at_once_and_every_ending_
     before = processes.scrape(metrics_port)
     refusals = {"alice": 1, "bob": 1}  # the refusals the test asks for; polls below add theirs
     try:
-        with client_for(first, "alice") as alice, client_for(first, "bob") as bob, \
-                client_for(first, "ops") as ops, client_for(second, "alice") as alice_elsewhere:
+        with (
+            client_for(first, "alice") as alice,
+            client_for(first, "bob") as bob,
+            client_for(first, "ops") as ops,
+            client_for(second, "alice") as alice_elsewhere,
+        ):
             alice.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5)  # the first call after the change reloads
             bob_requests = [long_request() for _ in range(2)]
-            streams = {"alice": [alice.inference.Generate(long_request(), timeout=60)],
-                       "bob": [bob.inference.Generate(r, timeout=60) for r in bob_requests]}
+            streams = {
+                "alice": [alice.inference.Generate(long_request(), timeout=60)],
+                "bob": [bob.inference.Generate(r, timeout=60) for r in bob_requests],
+            }
             for stream in streams["alice"] + streams["bob"]:
                 assert next(stream).HasField("token")
-            for client, name, limit, source in ((alice, "alice", 1, "its max_in_flight in OPENENGINE_API_KEYS_FILE"),
-                                                (bob, "bob", 2, "OPENENGINE_API_KEY_MAX_IN_FLIGHT")):
+            for client, name, limit, source in (
+                (alice, "alice", 1, "its max_in_flight in OPENENGINE_API_KEYS_FILE"),
+                (bob, "bob", 2, "OPENENGINE_API_KEY_MAX_IN_FLIGHT"),
+            ):
                 started = time.monotonic()
                 with pytest.raises(grpc.RpcError) as refused:
                     list(client.inference.Generate(long_request(3), timeout=10))
                 assert time.monotonic() - started < 1.0
                 error = refused.value
                 assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (error.code(), error.details())
-                assert error.details() == (f"API key {name!r} has its maximum of {limit} streams open on this frontend "
-                                           f"worker ({source}); retry in 1000 ms")
+                assert error.details() == (
+                    f"API key {name!r} has its maximum of {limit} streams open on this frontend "
+                    f"worker ({source}); retry in 1000 ms"
+                )
                 assert ("openengine-retry-after-ms", "1000") in (error.trailing_metadata() or ())
             # counted per frontend worker: alice's stream on the first frontend does not count on the second
             assert list(alice_elsewhere.inference.Generate(long_request(3), timeout=30))[-1].HasField("usage")
@@ -227,8 +285,9 @@ def test_a_key_beyond_its_concurrency_limit_is_refused_at_once_and_every_ending_
             processes.wait_for(lambda: _generates(alice, refusals, "alice"), 10, "alice's count freed by the cancel")
             reply = ops.control.Abort(lifecycle_pb2.AbortRequest(request_id=bob_requests[0].request_id), timeout=5)
             assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
-            assert [r.finished.reason for r in streams["bob"][0] if r.HasField("finished")] == \
-                [G.FINISH_REASON_CANCELLED]
+            assert [r.finished.reason for r in streams["bob"][0] if r.HasField("finished")] == [
+                G.FINISH_REASON_CANCELLED
+            ]
             processes.wait_for(lambda: _generates(bob, refusals, "bob"), 10, "bob's count freed by the abort")
             for _ in range(2):
                 assert _generates(alice, refusals, "alice")
@@ -239,11 +298,15 @@ def test_a_key_beyond_its_concurrency_limit_is_refused_at_once_and_every_ending_
     after = processes.scrape(metrics_port)
     for name, refused_calls in refusals.items():  # every refusal counted once, the polls' included
         labels = dict(status="rejected", code="RESOURCE_EXHAUSTED", key=name)
-        assert processes.metric(after, "openengine_frontend_requests_total", **labels) - \
-            processes.metric(before, "openengine_frontend_requests_total", **labels) == refused_calls
+        assert (
+            processes.metric(after, "openengine_frontend_requests_total", **labels)
+            - processes.metric(before, "openengine_frontend_requests_total", **labels)
+            == refused_calls
+        )
     reason = dict(reason="key_at_limit")
-    assert processes.metric(after, "openengine_frontend_refusals_total", **reason) - \
-        processes.metric(before, "openengine_frontend_refusals_total", **reason) == sum(refusals.values())
+    assert processes.metric(after, "openengine_frontend_refusals_total", **reason) - processes.metric(
+        before, "openengine_frontend_refusals_total", **reason
+    ) == sum(refusals.values())
     log = (processes.LOG_DIR / f"{frontends[0].name}-{frontends[0].port}.log").read_text()
     for _role, secret in KEYS.values():
         assert secret not in log

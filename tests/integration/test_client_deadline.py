@@ -111,8 +111,25 @@ async def test_async_client_does_not_resend_a_stream_that_delivered_a_message(se
 def test_cli_generate_retries_until_its_deadline(server):
     """`openengine-serve generate` goes through Client.generate: refused calls are retried until --timeout."""
     servicer, target = server
-    result = subprocess.run([sys.executable, "-m", "openengine_serve", "generate", "--target", target,
-                             "--prompt", "hello", "--model", "m", "--timeout", "2"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "generate",
+            "--target",
+            target,
+            "--prompt",
+            "hello",
+            "--model",
+            "m",
+            "--timeout",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.startswith("error: DEADLINE_EXCEEDED"), result.stderr
     assert servicer.calls > 1

@@ -15,9 +15,13 @@ from .processes import wait_for
 def only_the_shared_nodes(client) -> None:
     """Other tests may add a node of their own to the shared coordinator and stop it: it stays listed while
     it drains and until it expires. Wait for the table to hold only the two shared nodes."""
+
     def ranks():
-        return sorted(r.data_parallel_rank for r in client.control.GetLoad(
-            server_pb2.GetLoadRequest(include_per_rank=True), timeout=5).ranks)
+        return sorted(
+            r.data_parallel_rank
+            for r in client.control.GetLoad(server_pb2.GetLoadRequest(include_per_rank=True), timeout=5).ranks
+        )
+
     wait_for(lambda: ranks() == [0, 1], 15, "only ranks 0 and 1 in the node table")
 
 
@@ -56,9 +60,14 @@ def test_model_info_reports_every_capability(stack):
     assert gen.max_num_sequences == 8
 
 
-@pytest.mark.parametrize("call,req", [("LoadLora", lora_pb2.LoadLoraRequest()),
-                                      ("UnloadLora", lora_pb2.UnloadLoraRequest(lora_name="x")),
-                                      ("ListLoras", lora_pb2.ListLorasRequest())])
+@pytest.mark.parametrize(
+    "call,req",
+    [
+        ("LoadLora", lora_pb2.LoadLoraRequest()),
+        ("UnloadLora", lora_pb2.UnloadLoraRequest(lora_name="x")),
+        ("ListLoras", lora_pb2.ListLorasRequest()),
+    ],
+)
 def test_lora_is_not_enabled(stack, call, req):
     with stack.client() as client:
         with pytest.raises(grpc.RpcError) as err:
@@ -82,8 +91,10 @@ def test_health_ready_with_inference_probe(stack):
     with stack.client() as client:
         plain = client.control.Health(lifecycle_pb2.HealthRequest(), timeout=10)
         probed = client.control.Health(lifecycle_pb2.HealthRequest(include_inference_probe=True), timeout=10)
-        statuses = {s: client.health.Check(health_pb2.HealthCheckRequest(service=s), timeout=5).status
-                    for s in ("liveness", "readiness", "openengine.v1.Inference", "openengine.v1.Control")}
+        statuses = {
+            s: client.health.Check(health_pb2.HealthCheckRequest(service=s), timeout=5).status
+            for s in ("liveness", "readiness", "openengine.v1.Inference", "openengine.v1.Control")
+        }
     assert plain.state == lifecycle_pb2.HEALTH_STATE_READY
     assert [c.name for c in plain.checks] == ["grpc", "coordinator", "scheduler", "model"]
     assert probed.state == lifecycle_pb2.HEALTH_STATE_READY
@@ -102,7 +113,8 @@ def test_get_load_has_timestamp_and_ranks(stack):
 def test_reflection_lists_public_services(stack):
     with grpc.insecure_channel(stack.frontend.target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                 timeout=5))
+        replies = list(
+            stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        )
     names = {s.name for s in replies[0].list_services_response.service}
     assert {"openengine.v1.Inference", "openengine.v1.Control", "grpc.health.v1.Health"} <= names

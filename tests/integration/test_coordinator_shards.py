@@ -22,7 +22,6 @@ from .processes import wait_for
 from .test_coordinator_stream import STEP_MS, CoordinatorView, first_token
 
 
-
 def ready_ranks(view: CoordinatorView) -> list[tuple[str, int]]:
     """(node id, rank) of the READY nodes in one coordinator's table."""
     nodes = view.stub.GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=5).nodes
@@ -81,6 +80,7 @@ def test_two_coordinators_share_the_ids_and_each_node_and_frontend_uses_both(ser
             # GetLoad: the nodes report to both coordinators; the deployment's running requests are counted once.
             def running_requests() -> int:
                 return other.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5).running_requests
+
             wait_for(lambda: running_requests() == 2, 10, "GetLoad counting the two running requests once")
 
             # Abort from the other frontend reaches the id's coordinator, which cancels it on its node.
@@ -94,8 +94,9 @@ def test_two_coordinators_share_the_ids_and_each_node_and_frontend_uses_both(ser
             again = request_owned_by(targets, targets[1], max_tokens=1000)
             streams[1] = owner.inference.Generate(again, timeout=60)
             first_token(streams[1])
-            reply = other.control.Abort(lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()),
-                                        timeout=10)
+            reply = other.control.Abort(
+                lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()), timeout=10
+            )
             assert reply.message == "aborted 2 request(s)"
             for s in streams:
                 assert rest_of(s)[-1].finished.reason == G.FINISH_REASON_CANCELLED
@@ -124,8 +125,14 @@ def test_two_coordinators_share_the_ids_and_each_node_and_frontend_uses_both(ser
             wait_for(lambda: len(ready_ranks(views[1])) == 2, 20, "both nodes registered again")
             assert ready_ranks(views[1]) == table, "each node kept its rank"
             for client in (owner, other):  # their channels may still be in a reconnect backoff
-                wait_for(lambda: client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
-                         == lifecycle_pb2.HEALTH_STATE_READY, 20, "the frontends reaching the restarted coordinator")
+                wait_for(
+                    lambda: (
+                        client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
+                        == lifecycle_pb2.HEALTH_STATE_READY
+                    ),
+                    20,
+                    "the frontends reaching the restarted coordinator",
+                )
             fresh = request_owned_by(targets, targets[1], max_tokens=1000)
             fresh_stream = owner.inference.Generate(fresh, timeout=60)
             first_token(fresh_stream)
@@ -147,4 +154,3 @@ def test_two_coordinators_share_the_ids_and_each_node_and_frontend_uses_both(ser
             for pid in [*processes.descendants(node.proc.pid), node.proc.pid]:
                 os.kill(pid, signal.SIGKILL)
             node.proc.wait()
-

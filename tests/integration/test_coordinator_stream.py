@@ -58,8 +58,10 @@ def first_token(stream) -> None:
 def heartbeat_streams(metrics_port: int) -> dict[str, float]:
     """The coordinator's open heartbeat streams, by peer."""
     samples = processes.scrape(metrics_port)
-    return {peer: processes.metric(samples, "openengine_coordinator_heartbeat_streams", peer=peer)
-            for peer in ("node", "frontend")}
+    return {
+        peer: processes.metric(samples, "openengine_coordinator_heartbeat_streams", peer=peer)
+        for peer in ("node", "frontend")
+    }
 
 
 @pytest.mark.parametrize("server", SERVERS)
@@ -84,8 +86,14 @@ def test_after_a_coordinator_restart_the_frontend_reopens_its_streams_and_reserv
             wait_for(view.node_ready, 20, "the node registered again")
             wait_for(lambda: heartbeat_streams(metrics_port) == one_each, 20, "new heartbeat streams")
             # The frontend's channel may still be in its reconnect backoff: wait until it heartbeats there again.
-            wait_for(lambda: client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
-                     == lifecycle_pb2.HEALTH_STATE_READY, 20, "the frontend reaching the new coordinator")
+            wait_for(
+                lambda: (
+                    client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
+                    == lifecycle_pb2.HEALTH_STATE_READY
+                ),
+                20,
+                "the frontend reaching the new coordinator",
+            )
             # The frontend's next reservation opens a new stream to the new process.
             assert list(client.generate(request(max_tokens=2), timeout=10))[-1].HasField("usage")
             first_token(before)  # in flight across the restart: still streaming
@@ -128,8 +136,7 @@ def test_a_dead_frontends_reservations_expire_and_are_released(server, deploymen
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_the_stream_breaking_mid_batch_keeps_accepted_requests_and_routes_the_pending_ones_locally(
-        server, deployment):
+def test_the_stream_breaking_mid_batch_keeps_accepted_requests_and_routes_the_pending_ones_locally(server, deployment):
     coord = slow_cluster(deployment)
     fe = deployment.add(processes.frontend(coord.target, server))
     with Client(fe.target, retries=False) as client:
@@ -137,8 +144,7 @@ def test_the_stream_breaking_mid_batch_keeps_accepted_requests_and_routes_the_pe
         first_token(accepted)
         coord.proc.send_signal(signal.SIGSTOP)  # the next batch is written and never answered
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            pending = [pool.submit(lambda: list(client.generate(request(max_tokens=2), timeout=30)))
-                       for _ in range(8)]
+            pending = [pool.submit(lambda: list(client.generate(request(max_tokens=2), timeout=30))) for _ in range(8)]
             time.sleep(1.0)
             assert not any(f.done() for f in pending), "the reservations wait for the coordinator's answer"
             coord.proc.kill()  # the stream breaks with that batch unanswered

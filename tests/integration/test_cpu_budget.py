@@ -51,11 +51,12 @@ def _threads_named(pid: int, name: str) -> int:
     return count
 
 
-@pytest.mark.parametrize("server, workers, io_threads_override, budget, expected_io_threads",
-                         [(server, 1, "", 1.0, 1) for server in SERVERS] + [("pygrpc-native", 1, "2", 1.0, 2),
-                                                                            ("pygrpc-native", 2, "", 0.5, 1)])
-def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, workers, io_threads_override, budget,
-                                     expected_io_threads):
+@pytest.mark.parametrize(
+    "server, workers, io_threads_override, budget, expected_io_threads",
+    [(server, 1, "", 1.0, 1) for server in SERVERS]
+    + [("pygrpc-native", 1, "2", 1.0, 2), ("pygrpc-native", 2, "", 0.5, 1)],
+)
+def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, workers, io_threads_override, budget, expected_io_threads):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs visible to tell the quota from the affinity")
     # No coordinator: ServerInfo and liveness answer without one.
@@ -69,8 +70,11 @@ def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, workers, io_threads
         def started() -> bool:
             assert frontend.proc.poll() is None, f"frontend exited with {frontend.proc.returncode}"
             if workers > 1:  # the supervisor's workers serve, each with its share of the budget
-                serving[:] = [p for p in processes.descendants(frontend.proc.pid)
-                              if "openengine_serve frontend" in processes.cmdline(p)]
+                serving[:] = [
+                    p
+                    for p in processes.descendants(frontend.proc.pid)
+                    if "openengine_serve frontend" in processes.cmdline(p)
+                ]
             return len(serving) == workers and is_serving(frontend.target, "liveness")
 
         processes.wait_for(started, 90, "frontend liveness")
@@ -83,14 +87,19 @@ def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, workers, io_threads
         if server == "pygrpc-native":
             assert extra["io_threads"] == expected_io_threads, extra
             # the port answers as soon as one worker serves; the others may still be building their servers
-            processes.wait_for(lambda: [_threads_named(pid, NATIVE_IO_THREAD_NAME) for pid in serving]
-                               == [expected_io_threads] * workers, 30,
-                               f"{expected_io_threads} native I/O thread(s) in each of {workers} worker(s)")
+            processes.wait_for(
+                lambda: (
+                    [_threads_named(pid, NATIVE_IO_THREAD_NAME) for pid in serving] == [expected_io_threads] * workers
+                ),
+                30,
+                f"{expected_io_threads} native I/O thread(s) in each of {workers} worker(s)",
+            )
         else:
             assert "io_threads" not in extra, extra
     finally:
         frontend.stop()
     log = (processes.LOG_DIR / f"{frontend.name}-{frontend.port}.log").read_text()
-    listening = [line for line in log.splitlines() if 'event="frontend listening"' in line and
-                 f"port={frontend.port}" in line]
+    listening = [
+        line for line in log.splitlines() if 'event="frontend listening"' in line and f"port={frontend.port}" in line
+    ]
     assert len(listening) == workers and all(f"cpu_budget={budget}" in line for line in listening), listening

@@ -32,8 +32,7 @@ class StepLog:
         self._changed.set()
 
     def events(self, request_id: str) -> list[tuple[int, cluster_pb2.OutputEvent]]:
-        return [(step.step, event) for step in self.steps for event in step.events
-                if event.request_id == request_id]
+        return [(step.step, event) for step in self.steps for event in step.events if event.request_id == request_id]
 
     def finishes(self, request_id: str) -> dict[int, int]:
         return {event.output_index: event.finish for _, event in self.events(request_id) if event.finish}
@@ -46,8 +45,14 @@ class StepLog:
 
 
 def long_request(request_id: str, **fields) -> cluster_pb2.EngineRequest:
-    values = dict(request_id=request_id, frontend_id="fe-1", prompt_token_ids=[9707, 11, 1879],
-                  max_tokens=100_000, ignore_eos=True, temperature=0.7)
+    values = dict(
+        request_id=request_id,
+        frontend_id="fe-1",
+        prompt_token_ids=[9707, 11, 1879],
+        max_tokens=100_000,
+        ignore_eos=True,
+        temperature=0.7,
+    )
     values.update(fields)
     return cluster_pb2.EngineRequest(**values)
 
@@ -55,8 +60,15 @@ def long_request(request_id: str, **fields) -> cluster_pb2.EngineRequest:
 @pytest.fixture(scope="module")
 async def engine():
     log = StepLog()
-    link = EngineLink(step_ms=2, max_batch=4, max_queue=2, ranks=1, on_step=log,
-                      on_queue_time=log.queue_times.append, start_timeout_s=START_TIMEOUT_S)
+    link = EngineLink(
+        step_ms=2,
+        max_batch=4,
+        max_queue=2,
+        ranks=1,
+        on_step=log,
+        on_queue_time=log.queue_times.append,
+        start_timeout_s=START_TIMEOUT_S,
+    )
     async with asyncio.timeout(START_TIMEOUT_S + 5):
         await link.start()
     yield link, log
@@ -85,8 +97,16 @@ async def test_streams_exactly_max_tokens_one_token_per_step(engine):
 async def test_logprobs_and_prompt_logprobs_cross_the_wire(engine):
     link, log = engine
     async with asyncio.timeout(20):
-        link.submit(long_request("logprobs", num_sequences=2, max_tokens=6, output_logprobs=True,
-                                 output_candidates=cluster_pb2.Candidates(top_n=2), prompt_logprobs=True))
+        link.submit(
+            long_request(
+                "logprobs",
+                num_sequences=2,
+                max_tokens=6,
+                output_logprobs=True,
+                output_candidates=cluster_pb2.Candidates(top_n=2),
+                prompt_logprobs=True,
+            )
+        )
         await log.until(lambda: len(log.finishes("logprobs")) == 2)
     events = [event for _, event in log.events("logprobs")]
     with_prompt = [event for event in events if event.prompt_tokens]
@@ -125,11 +145,9 @@ async def test_cancel_frees_the_slot_within_a_few_steps(engine):
         step_at_cancel = log.steps[-1].step
         assert link.cancel("cancel-me")
         await log.until(lambda: 0 in log.finishes("cancel-me"))
-    cancel_step = next(step for step, event in log.events("cancel-me")
-                       if event.output_index == 0 and event.finish)
+    cancel_step = next(step for step, event in log.events("cancel-me") if event.output_index == 0 and event.finish)
     assert cancel_step - step_at_cancel <= 5
-    assert log.finishes("cancel-me") == {0: cluster_pb2.ENGINE_FINISH_CANCELLED,
-                                         1: cluster_pb2.ENGINE_FINISH_CANCELLED}
+    assert log.finishes("cancel-me") == {0: cluster_pb2.ENGINE_FINISH_CANCELLED, 1: cluster_pb2.ENGINE_FINISH_CANCELLED}
     assert "cancel-me" not in link.outstanding
     assert not link.cancel("cancel-me")
 
@@ -153,8 +171,12 @@ async def test_a_paused_request_gets_no_token_until_resumed_and_loses_none(engin
     for index in (0, 1):
         state = model.RequestState(long_request("paused", num_sequences=2, max_tokens=30))
         expected = [state.next_token(state.outputs[index])[0] for _ in range(30)]
-        tokens = [record.token_id for _, event in log.events("paused") if event.output_index == index
-                  for record in event.tokens]
+        tokens = [
+            record.token_id
+            for _, event in log.events("paused")
+            if event.output_index == index
+            for record in event.tokens
+        ]
         assert tokens == expected, "every token, in order, as if it had never paused"
     assert log.finishes("paused") == {0: cluster_pb2.ENGINE_FINISH_LENGTH, 1: cluster_pb2.ENGINE_FINISH_LENGTH}
 
@@ -218,8 +240,7 @@ async def test_fail_all_finishes_every_output_and_nothing_follows(engine):
     for request_id, outputs in (("failed-a", 2), ("failed-b", 1)):
         events = [event for _, event in log.events(request_id)]
         assert [event.finish for event in events[-outputs:]] == [cluster_pb2.ENGINE_FINISH_ERROR] * outputs
-        assert all(not event.retryable and event.message == "node is shutting down"
-                   for event in events[-outputs:])
+        assert all(not event.retryable and event.message == "node is shutting down" for event in events[-outputs:])
         assert all(not event.finish for event in events[:-outputs])
 
 
@@ -235,8 +256,7 @@ async def test_lost_worker_fails_open_outputs_then_restarts(engine):
         await log.until(lambda: len(log.finishes("doomed")) == 2)
         errors = [event for _, event in log.events("doomed") if event.finish]
         assert {event.finish for event in errors} == {cluster_pb2.ENGINE_FINISH_ERROR}
-        assert all(event.retryable and "lost" in event.message and event.lane == "fe-1"
-                   for event in errors)
+        assert all(event.retryable and "lost" in event.message and event.lane == "fe-1" for event in errors)
         assert not link.outstanding
         with pytest.raises(EngineUnavailable):
             link.submit(long_request("too-early"))
@@ -279,8 +299,7 @@ asyncio.run(main())
 
 
 async def test_killed_node_leaves_no_engine_process():
-    node = await asyncio.create_subprocess_exec(sys.executable, "-c", NODE_SCRIPT,
-                                                stdout=asyncio.subprocess.PIPE)
+    node = await asyncio.create_subprocess_exec(sys.executable, "-c", NODE_SCRIPT, stdout=asyncio.subprocess.PIPE)
     try:
         async with asyncio.timeout(START_TIMEOUT_S + 20):
             launcher_pid = int(await node.stdout.readline())
@@ -298,8 +317,7 @@ async def test_killed_node_leaves_no_engine_process():
 
 async def test_two_ranks_step_together_and_stop_leaves_nothing_behind():
     log = StepLog()
-    link = EngineLink(step_ms=2, max_batch=4, max_queue=0, ranks=2, on_step=log,
-                      start_timeout_s=START_TIMEOUT_S)
+    link = EngineLink(step_ms=2, max_batch=4, max_queue=0, ranks=2, on_step=log, start_timeout_s=START_TIMEOUT_S)
     async with asyncio.timeout(START_TIMEOUT_S + 30):
         await link.start()
         try:

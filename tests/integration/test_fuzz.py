@@ -15,15 +15,15 @@ import os
 import time
 
 import grpc
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from google.protobuf import struct_pb2
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from openengine_serve.api.openengine.v1 import generation_pb2 as G, lifecycle_pb2, openengine_pb2
+from openengine_serve.api.openengine.v1 import generation_pb2 as G
+from openengine_serve.api.openengine.v1 import lifecycle_pb2, openengine_pb2
 from openengine_serve.client import is_serving
 
 from .conftest import MODEL, collect, request
@@ -33,8 +33,15 @@ GENERATE_SHARE = 0.6  # of FUZZ_SECONDS; the Control fuzz takes the rest
 CALL_TIMEOUT_S = 5.0
 Code = grpc.StatusCode
 # What a Generate call may end with (README, error handling): anything else is a defect.
-DOCUMENTED = {Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.UNIMPLEMENTED, Code.ALREADY_EXISTS,
-              Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE}
+DOCUMENTED = {
+    Code.OK,
+    Code.INVALID_ARGUMENT,
+    Code.NOT_FOUND,
+    Code.UNIMPLEMENTED,
+    Code.ALREADY_EXISTS,
+    Code.RESOURCE_EXHAUSTED,
+    Code.UNAVAILABLE,
+}
 # What each public method may end with (docs/protocol.md, "Status codes of each call"); INVALID_ARGUMENT is
 # every method's answer to undecodable bytes.
 METHOD_CODES = {
@@ -50,21 +57,31 @@ METHOD_CODES = {
     "GetKvEventSources": {Code.OK},
     "SubscribeKvEvents": {Code.UNIMPLEMENTED},
 }
-PUBLIC_METHODS = {method.name: (f"/{service.full_name}/{method.name}", method)
-                  for service in openengine_pb2.DESCRIPTOR.services_by_name.values() for method in service.methods}
+PUBLIC_METHODS = {
+    method.name: (f"/{service.full_name}/{method.name}", method)
+    for service in openengine_pb2.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
+}
 assert set(PUBLIC_METHODS) == set(METHOD_CODES)
 
 odd_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e308, -1.0]))
 odd_ints = st.integers(min_value=0, max_value=2**32 - 1)
-text = st.one_of(st.text(max_size=40), st.text(alphabet="é漢🙂\u0000\u200b", max_size=200),
-                 st.just("x" * 5000), st.just("é" * 40_000))
+text = st.one_of(
+    st.text(max_size=40),
+    st.text(alphabet="é漢🙂\u0000\u200b", max_size=200),
+    st.just("x" * 5000),
+    st.just("é" * 40_000),
+)
 
 
-INT32, UINT32, INT64, UINT64 = (-2**31, 2**31 - 1), (0, 2**32 - 1), (-2**63, 2**63 - 1), (0, 2**64 - 1)
+INT32, UINT32, INT64, UINT64 = (-(2**31), 2**31 - 1), (0, 2**32 - 1), (-(2**63), 2**63 - 1), (0, 2**64 - 1)
 F = FieldDescriptor
 SCALARS = {
-    F.TYPE_DOUBLE: odd_floats, F.TYPE_FLOAT: st.floats(width=32), F.TYPE_BOOL: st.booleans(),
-    F.TYPE_STRING: text, F.TYPE_BYTES: st.binary(max_size=64),
+    F.TYPE_DOUBLE: odd_floats,
+    F.TYPE_FLOAT: st.floats(width=32),
+    F.TYPE_BOOL: st.booleans(),
+    F.TYPE_STRING: text,
+    F.TYPE_BYTES: st.binary(max_size=64),
     **{t: st.integers(*INT32) for t in (F.TYPE_INT32, F.TYPE_SINT32, F.TYPE_SFIXED32)},
     **{t: st.integers(*UINT32) for t in (F.TYPE_UINT32, F.TYPE_FIXED32)},
     **{t: st.integers(*INT64) for t in (F.TYPE_INT64, F.TYPE_SINT64, F.TYPE_SFIXED64)},
@@ -97,8 +114,9 @@ def messages(draw, descriptor: Descriptor, depth: int = 0) -> Message:
         target = getattr(message, field.name)
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             key_field, value_field = field.message_type.fields
-            for key, value in draw(st.dictionaries(SCALARS[key_field.type], field_values(value_field, depth),
-                                                   max_size=2)).items():
+            for key, value in draw(
+                st.dictionaries(SCALARS[key_field.type], field_values(value_field, depth), max_size=2)
+            ).items():
                 if value_field.type == F.TYPE_MESSAGE:
                     target[key].CopyFrom(value)
                 else:
@@ -131,8 +149,10 @@ def mangled(draw, wire: bytes, kind: str) -> bytes:
 
 @st.composite
 def generate_requests(draw) -> G.GenerateRequest:
-    req = G.GenerateRequest(request_id=draw(st.one_of(st.uuids().map(str), text)),
-                            model=draw(st.sampled_from([MODEL, "qwen3", "", "other"])))
+    req = G.GenerateRequest(
+        request_id=draw(st.one_of(st.uuids().map(str), text)),
+        model=draw(st.sampled_from([MODEL, "qwen3", "", "other"])),
+    )
     if draw(st.booleans()):
         req.prompt = draw(text)
     else:
@@ -142,7 +162,7 @@ def generate_requests(draw) -> G.GenerateRequest:
         if draw(st.booleans()):
             setattr(sampling, name, draw(odd_floats))
     if draw(st.booleans()):
-        sampling.top_k = draw(st.integers(min_value=-2**31, max_value=2**31 - 1))
+        sampling.top_k = draw(st.integers(min_value=-(2**31), max_value=2**31 - 1))
     if draw(st.booleans()):
         sampling.num_sequences = draw(st.integers(min_value=0, max_value=20))
     req.stopping.max_tokens = draw(st.integers(min_value=0, max_value=12))
@@ -184,12 +204,27 @@ def control_payloads(draw, name: str) -> bytes:
     return mangled(draw, draw(messages(PUBLIC_METHODS[name][1].input_type)).SerializeToString(), kind)
 
 
-metadata = st.lists(st.tuples(
-    st.sampled_from(["openengine-routing-key", "openengine-target-dp-rank", "openengine-priority",
-                     "openengine-unknown", "traceparent", "tracestate"]),
-    st.one_of(st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=60),
-              st.just("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"), st.just("-1"),
-              st.just("99999999999"))), max_size=4)
+metadata = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "openengine-routing-key",
+                "openengine-target-dp-rank",
+                "openengine-priority",
+                "openengine-unknown",
+                "traceparent",
+                "tracestate",
+            ]
+        ),
+        st.one_of(
+            st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=60),
+            st.just("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            st.just("-1"),
+            st.just("99999999999"),
+        ),
+    ),
+    max_size=4,
+)
 
 
 def call_raw(channel: grpc.Channel, name: str, payload: bytes, headers=()) -> grpc.StatusCode:
@@ -219,8 +254,12 @@ def run_for(seconds: float, strategy, one_call, per_second: int = 20, min_calls:
     deadline = None
     seen: dict[str, int] = {}
 
-    @settings(max_examples=max(min_calls, int(seconds * per_second)), deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=max(min_calls, int(seconds * per_second)),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(example=strategy)
     def run(example):
         nonlocal deadline
@@ -243,8 +282,11 @@ def assert_still_serving(stack) -> None:
 
 def test_fuzz_generate(stack):
     with grpc.insecure_channel(stack.frontend.target) as channel:
-        seen = run_for(FUZZ_SECONDS * GENERATE_SHARE, st.tuples(payloads(), metadata),
-                       lambda payload, headers: call_raw(channel, "Generate", payload, headers).name)
+        seen = run_for(
+            FUZZ_SECONDS * GENERATE_SHARE,
+            st.tuples(payloads(), metadata),
+            lambda payload, headers: call_raw(channel, "Generate", payload, headers).name,
+        )
     assert sum(seen.values()) >= 20, seen
     assert_still_serving(stack)
 
@@ -254,10 +296,13 @@ def test_fuzz_control(stack):
     names = sorted(set(PUBLIC_METHODS) - {"Generate"})
     with grpc.insecure_channel(stack.frontend.target) as channel:
         for name in names:
-            answers = run_for(FUZZ_SECONDS * (1 - GENERATE_SHARE) / len(names),
-                              st.tuples(control_payloads(name), metadata),
-                              lambda payload, headers: call_raw(channel, name, payload, headers).name,
-                              per_second=100, min_calls=3)  # most Control calls take a millisecond
+            answers = run_for(
+                FUZZ_SECONDS * (1 - GENERATE_SHARE) / len(names),
+                st.tuples(control_payloads(name), metadata),
+                lambda payload, headers: call_raw(channel, name, payload, headers).name,
+                per_second=100,
+                min_calls=3,
+            )  # most Control calls take a millisecond
             assert sum(answers.values()) >= 3, (name, answers)
     assert_still_serving(stack)
 
@@ -292,8 +337,11 @@ def with_enum(base: Message, path: list[FieldDescriptor], number: int) -> bytes:
     return message.SerializeToString()
 
 
-BASE_REQUESTS = {"Generate": lambda: request(max_tokens=2), "Health": lifecycle_pb2.HealthRequest,
-                 "Abort": lambda: lifecycle_pb2.AbortRequest(request_id="fuzz-unknown-id")}
+BASE_REQUESTS = {
+    "Generate": lambda: request(max_tokens=2),
+    "Health": lifecycle_pb2.HealthRequest,
+    "Abort": lambda: lifecycle_pb2.AbortRequest(request_id="fuzz-unknown-id"),
+}
 UNKNOWN_ENUM_NUMBER = 1_000_003
 
 

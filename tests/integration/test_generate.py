@@ -62,8 +62,12 @@ def test_full_stream_contract(stack):
 
 
 def test_token_ids_input_and_eos_finishes_with_stop_match(stack):
-    req = G.GenerateRequest(request_id=f"t-{uuid.uuid4()}", model="qwen3", token_ids=G.TokenIds(ids=[9707, 11, 1879]),
-                            stopping=G.StoppingOptions(max_tokens=2000))
+    req = G.GenerateRequest(
+        request_id=f"t-{uuid.uuid4()}",
+        model="qwen3",
+        token_ids=G.TokenIds(ids=[9707, 11, 1879]),
+        stopping=G.StoppingOptions(max_tokens=2000),
+    )
     with stack.client() as client:
         responses = collect(client, req)
     finished = [r.finished for r in responses if r.WhichOneof("event") == "finished"]
@@ -104,7 +108,7 @@ def _stop_across_boundary(client):
         left, right = pieces[k], pieces[k + 1]
         if len(left) >= 2 and len(right) >= 2 and left.isascii() and right.isascii():
             stop = left[-2:] + right[:2]
-            prefix = "".join(pieces[:k + 1])[:-2]
+            prefix = "".join(pieces[: k + 1])[:-2]
             if stop not in prefix + left[-2:] + right[:1]:
                 return base, stop, prefix
     pytest.fail("no ASCII token pair to build a stop string from")
@@ -140,6 +144,7 @@ def test_first_token_reaches_client_while_engine_still_generating(stack, slow_cl
             reply = await client.control.Abort(lifecycle_pb2.AbortRequest(request_id=req.request_id), timeout=10)
             rest = await read_rest(stream)
             return first_after_s, reply, [first, *rest]
+
     first_after_s, reply, responses = asyncio.run(run())
     assert responses[0].WhichOneof("event") == "token"
     assert first_after_s < 1.0, f"first token {first_after_s:.2f} s after the call"
@@ -161,6 +166,7 @@ def test_abort_from_second_frontend(stack):
             rest = await read_rest(stream)
             again = await other.control.Abort(lifecycle_pb2.AbortRequest(request_id=req.request_id), timeout=10)
             return reply, rest, again
+
     reply, rest, again = asyncio.run(run())
     assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
     finished = [r.finished for r in rest if r.WhichOneof("event") == "finished"]
@@ -178,7 +184,8 @@ def test_abort_that_arrives_before_the_submit_cancels_the_request_on_arrival(sta
     for node in stack.nodes:
         with grpc.insecure_channel(node.target) as channel:
             reply = cluster_pb2_grpc.NodeStub(channel).Cancel(
-                cluster_pb2.CancelRequest(request_id=req.request_id, hold=True), timeout=10)
+                cluster_pb2.CancelRequest(request_id=req.request_id, hold=True), timeout=10
+            )
         assert (reply.found, reply.ended, reply.held) == (False, False, True)
     with stack.client() as client:
         started = time.monotonic()
@@ -191,8 +198,11 @@ def test_abort_that_arrives_before_the_submit_cancels_the_request_on_arrival(sta
     replies = []
     for node in stack.nodes:  # a second abort: the node that ran it knows it ended
         with grpc.insecure_channel(node.target) as channel:
-            replies.append(cluster_pb2_grpc.NodeStub(channel).Cancel(
-                cluster_pb2.CancelRequest(request_id=req.request_id, hold=True), timeout=10))
+            replies.append(
+                cluster_pb2_grpc.NodeStub(channel).Cancel(
+                    cluster_pb2.CancelRequest(request_id=req.request_id, hold=True), timeout=10
+                )
+            )
     assert sorted((r.ended, r.held) for r in replies) == [(False, True), (True, False)]
 
 
@@ -217,6 +227,7 @@ def test_duplicate_live_id_refused_from_second_frontend(stack):
                     pass
             stream.cancel()
             return dup.value
+
     err = asyncio.run(run())
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "request_id" in err.details() or "already" in err.details()
@@ -231,9 +242,11 @@ def test_client_cancel_frees_the_engine_slot(stack, slow_cluster):
         async with AsyncClient(target) as client:
             stream = client.inference.Generate(request(max_tokens=8000), timeout=60)
             assert (await stream.read()).WhichOneof("event") == "token"
-            await asyncio.to_thread(wait_for, lambda: slow_cluster.node_running() == 1, 5,
-                                    "the request running on the node")
+            await asyncio.to_thread(
+                wait_for, lambda: slow_cluster.node_running() == 1, 5, "the request running on the node"
+            )
             stream.cancel()
+
     asyncio.run(run())
     wait_for(lambda: slow_cluster.node_running() == 0, 5, "the cancelled request to leave the engine")
 
@@ -247,6 +260,7 @@ def test_requests_spread_over_both_nodes(stack):
             for s in streams:
                 s.cancel()
             return load
+
     load = asyncio.run(run())
     busy = {r.data_parallel_rank for r in load.ranks if r.running_requests > 0}
     assert busy == {0, 1}
@@ -279,6 +293,7 @@ def test_routing_key_keeps_a_key_on_one_node_and_spreads_keys(stack):
         req = request(max_tokens=2)
         assert collect(client, req, metadata=(("openengine-routing-key", key),))[-1].HasField("usage")
         return served_by(stack.frontend, req.request_id)
+
     with stack.client() as client:
         same_key = [node_for(client, f"user-{run}") for _ in range(5)]
         distinct_keys = {node_for(client, f"user-{run}-{i}") for i in range(16)}
@@ -286,15 +301,19 @@ def test_routing_key_keeps_a_key_on_one_node_and_spreads_keys(stack):
     assert len(distinct_keys) == 2, "sixteen keys all landed on one node"
 
 
-@pytest.mark.parametrize("mutate,code,needle", [
-    (lambda r: setattr(r, "request_id", ""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
-    (lambda r: setattr(r, "model", "gpt-x"), grpc.StatusCode.NOT_FOUND, "model"),
-    (lambda r: r.token_ids.ids.extend([999999]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
-    (lambda r: setattr(r.sampling, "top_p", 1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    (lambda r: setattr(r.sampling, "num_sequences", 0), grpc.StatusCode.INVALID_ARGUMENT, "num_sequences"),
-    (lambda r: r.media.add(url="http://x"), grpc.StatusCode.UNIMPLEMENTED, "media"),
-    (lambda r: setattr(r, "lora_name", "a"), grpc.StatusCode.UNIMPLEMENTED, "LoRA"),
-], ids=["empty-id", "unknown-model", "token-out-of-vocab", "top_p", "num_sequences-0", "media", "lora"])
+@pytest.mark.parametrize(
+    "mutate,code,needle",
+    [
+        (lambda r: setattr(r, "request_id", ""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+        (lambda r: setattr(r, "model", "gpt-x"), grpc.StatusCode.NOT_FOUND, "model"),
+        (lambda r: r.token_ids.ids.extend([999999]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+        (lambda r: setattr(r.sampling, "top_p", 1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (lambda r: setattr(r.sampling, "num_sequences", 0), grpc.StatusCode.INVALID_ARGUMENT, "num_sequences"),
+        (lambda r: r.media.add(url="http://x"), grpc.StatusCode.UNIMPLEMENTED, "media"),
+        (lambda r: setattr(r, "lora_name", "a"), grpc.StatusCode.UNIMPLEMENTED, "LoRA"),
+    ],
+    ids=["empty-id", "unknown-model", "token-out-of-vocab", "top_p", "num_sequences-0", "media", "lora"],
+)
 def test_validation_reaches_the_client(stack, mutate, code, needle):
     req = request()
     if needle == "token_ids":
@@ -311,15 +330,49 @@ def test_cli_generate_streams_text_and_reports_a_refusal_on_its_own_line(stack):
     """What a person sees from `openengine-serve generate`: the text, then finish and usage; a refused call
     prints only the error (no stray blank line) and exits 2."""
     target = stack.frontend.target
-    ok = subprocess.run([sys.executable, "-m", "openengine_serve", "generate", "--target", target, "--prompt",
-                         "Write a haiku about the sea", "--max-tokens", "6", "--ignore-eos", "--seed", "1"],
-                        capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "generate",
+            "--target",
+            target,
+            "--prompt",
+            "Write a haiku about the sea",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.endswith("\n") and ok.stdout.strip()
-    assert ok.stderr.splitlines() == ["[finished output=0 reason=FINISH_REASON_LENGTH]",
-                                      "[usage prompt_tokens=7 completion_tokens=6 total_tokens=13]"]
-    refused = subprocess.run([sys.executable, "-m", "openengine_serve", "generate", "--target", target, "--prompt",
-                              "x", "--max-tokens", "0"], capture_output=True, text=True, timeout=60)
+    assert ok.stderr.splitlines() == [
+        "[finished output=0 reason=FINISH_REASON_LENGTH]",
+        "[usage prompt_tokens=7 completion_tokens=6 total_tokens=13]",
+    ]
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "generate",
+            "--target",
+            target,
+            "--prompt",
+            "x",
+            "--max-tokens",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr == "error: INVALID_ARGUMENT: stopping.max_tokens must be in [1, 8192], got 0\n"
 
@@ -356,9 +409,11 @@ def test_abort_all_requests(stack):
     async def run():
         async with stack.async_client() as client:
             streams = await open_streams(client, 3, max_tokens=5000)
-            reply = await client.control.Abort(lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()),
-                                               timeout=10)
+            reply = await client.control.Abort(
+                lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests()), timeout=10
+            )
             return reply, [await read_rest(s) for s in streams]
+
     reply, rests = asyncio.run(run())
     assert reply.status == lifecycle_pb2.ABORT_STATUS_ABORTED
     for rest in rests:

@@ -13,9 +13,9 @@ from openengine_serve.client import check_health, is_serving
 from openengine_serve.common import health_probe
 from openengine_serve.local import free_port
 
+from ..unit.test_health_probe import heavy, imported_modules
 from . import processes
 from .conftest import SERVERS
-from ..unit.test_health_probe import heavy, imported_modules
 
 
 @pytest.fixture(scope="module", params=SERVERS)
@@ -23,8 +23,9 @@ def lone_frontend(request):
     """A frontend without a coordinator: liveness SERVING, readiness NOT_SERVING."""
     frontend = processes.frontend(f"127.0.0.1:{free_port()}", request.param).start()
     try:
-        processes.wait_for(lambda: frontend.proc.poll() is None and is_serving(frontend.target, "liveness"), 60,
-                           "frontend liveness")
+        processes.wait_for(
+            lambda: frontend.proc.poll() is None and is_serving(frontend.target, "liveness"), 60, "frontend liveness"
+        )
         yield frontend
     finally:
         frontend.stop()
@@ -41,13 +42,27 @@ def test_unknown_service_is_left_to_grpcio(lone_frontend):
     with pytest.raises(grpc.RpcError) as refused:
         check_health(lone_frontend.target, "no-such-service", 5)
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
-    cli = subprocess.run([sys.executable, "-m", "openengine_serve", "health", "--target", lone_frontend.target,
-                          "--service", "no-such-service"], capture_output=True, text=True, timeout=60)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "health",
+            "--target",
+            lone_frontend.target,
+            "--service",
+            "no-such-service",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert cli.returncode == 1 and cli.stdout == "no-such-service: UNREACHABLE (NOT_FOUND: )\n", cli
 
 
-@pytest.mark.parametrize("service, code, printed", [("liveness", 0, "liveness: SERVING\n"),
-                                                    ("readiness", 1, "readiness: NOT_SERVING\n")])
+@pytest.mark.parametrize(
+    "service, code, printed", [("liveness", 0, "liveness: SERVING\n"), ("readiness", 1, "readiness: NOT_SERVING\n")]
+)
 def test_cli_answers_without_grpcio(lone_frontend, service, code, printed):
     result, names = imported_modules("health", "--target", lone_frontend.target, "--service", service)
     assert (result.returncode, result.stdout) == (code, printed), result.stderr[-2000:]

@@ -104,8 +104,12 @@ def test_quiet_heartbeats_get_no_reply_until_the_coordinator_forgets_the_node(de
                 if node_id == "n1":
                     first = await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(node_id="n1"), quiet=True)
                     assert first.known and first.replies_optional, "a stream's first heartbeat asks"
-                    assert await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(node_id="n1", state=DRAINING),
-                                                 quiet=True) is None
+                    assert (
+                        await heartbeats.beat(
+                            cluster_pb2.NodeHeartbeatRequest(node_id="n1", state=DRAINING), quiet=True
+                        )
+                        is None
+                    )
                     assert node_states(view) == {"n1": DRAINING}, "a quiet heartbeat is taken all the same"
             assert set(node_states(view)) == {"n2"}  # n1 forgotten: its rank went to n2
             assert await heartbeats.beat(cluster_pb2.NodeHeartbeatRequest(node_id="n1"), quiet=True) is None

@@ -8,9 +8,9 @@ import uuid
 import grpc
 import pytest
 
-from openengine_serve.api.openengine.v1 import generation_pb2 as G, server_pb2
+from openengine_serve.api.openengine.v1 import generation_pb2 as G
+from openengine_serve.api.openengine.v1 import server_pb2
 from openengine_serve.client import Client
-
 from openengine_serve.frontend import limits
 
 from . import processes
@@ -22,10 +22,18 @@ MAX_REQUEST_BYTES, MAX_METADATA_BYTES, MAX_STREAMS, MAX_PROMPT_BYTES = 4096, 204
 @pytest.fixture(scope="module", params=SERVERS)
 def limited(request, cluster):
     coord, _ = cluster
-    fe = processes.frontend(coord.target, request.param, "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                            "--max-metadata-bytes", str(MAX_METADATA_BYTES),
-                            "--max-concurrent-streams", str(MAX_STREAMS),
-                            "--max-prompt-bytes", str(MAX_PROMPT_BYTES)).start()
+    fe = processes.frontend(
+        coord.target,
+        request.param,
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+        "--max-metadata-bytes",
+        str(MAX_METADATA_BYTES),
+        "--max-concurrent-streams",
+        str(MAX_STREAMS),
+        "--max-prompt-bytes",
+        str(MAX_PROMPT_BYTES),
+    ).start()
     try:
         fe.wait_ready(60)
         yield fe
@@ -34,8 +42,12 @@ def limited(request, cluster):
 
 
 def generate_request(prompt: str = "Hello", max_tokens: int = 4) -> G.GenerateRequest:
-    return G.GenerateRequest(request_id=f"lim-{uuid.uuid4()}", model="Qwen/Qwen3-0.6B", prompt=prompt,
-                             stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True))
+    return G.GenerateRequest(
+        request_id=f"lim-{uuid.uuid4()}",
+        model="Qwen/Qwen3-0.6B",
+        prompt=prompt,
+        stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def refusal(call) -> grpc.RpcError:
@@ -56,8 +68,9 @@ def test_a_prompt_over_its_byte_limit_is_refused_naming_it(limited):
     with Client(limited.target, retries=False) as client:
         err = refusal(lambda: list(client.inference.Generate(generate_request("é" * 501), timeout=10)))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.details() == (f"prompt must be at most {MAX_PROMPT_BYTES} bytes of UTF-8 "
-                                 "(OPENENGINE_MAX_PROMPT_BYTES), got 1002 bytes")
+        assert err.details() == (
+            f"prompt must be at most {MAX_PROMPT_BYTES} bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES), got 1002 bytes"
+        )
         assert list(client.inference.Generate(generate_request("é" * 500), timeout=30))[-1].HasField("usage")
 
 
@@ -66,36 +79,54 @@ def test_a_long_prompt_is_served_with_its_tokens_counted(stack):
     with stack.client() as client:
         responses = list(client.inference.Generate(generate_request(prompt), timeout=60))
     from openengine_serve.common.tokenizers import Qwen3Tokenizer
+
     assert responses[-1].usage.prompt_tokens == len(Qwen3Tokenizer().encode(prompt))
 
 
 # From just over the limit to far beyond twice it (where pygrpc-native's HTTP/2 layer used to answer HTTP 431,
 # seen as UNKNOWN): every size gets the interceptor's answer, identical on both servers.
-OVER_LIMIT_PADDING = (2500, 2 * MAX_METADATA_BYTES + 100, 16 * 1024, 64 * 1024, 512 * 1024,
-                      limits.TRANSPORT_MAX_METADATA_BYTES - 2048)
+OVER_LIMIT_PADDING = (
+    2500,
+    2 * MAX_METADATA_BYTES + 100,
+    16 * 1024,
+    64 * 1024,
+    512 * 1024,
+    limits.TRANSPORT_MAX_METADATA_BYTES - 2048,
+)
 
 
 def test_oversized_metadata_is_refused_naming_the_limit(limited):
     with Client(limited.target, retries=False) as client:
         for padding in OVER_LIMIT_PADDING:
-            for call in (lambda md: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10,
-                                                                 metadata=md),
-                         lambda md: list(client.inference.Generate(generate_request(), timeout=10, metadata=md))):
+            for call in (
+                lambda md: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10, metadata=md),
+                lambda md: list(client.inference.Generate(generate_request(), timeout=10, metadata=md)),
+            ):
                 err = refusal(lambda: call((("x-padding", "p" * padding),)))
                 assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (padding, err.code(), err.details())
-                size = int(re.fullmatch(rf"request metadata is (\d+) bytes, over the limit of {MAX_METADATA_BYTES} "
-                                        r"\(OPENENGINE_MAX_METADATA_BYTES\)", err.details()).group(1))
+                size = int(
+                    re.fullmatch(
+                        rf"request metadata is (\d+) bytes, over the limit of {MAX_METADATA_BYTES} "
+                        r"\(OPENENGINE_MAX_METADATA_BYTES\)",
+                        err.details(),
+                    ).group(1)
+                )
                 assert size > padding  # the client's own headers (user-agent) count too
-        assert client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10,
-                                            metadata=(("x-padding", "p" * 1000),)).instance_id
+        assert client.control.GetServerInfo(
+            server_pb2.GetServerInfoRequest(), timeout=10, metadata=(("x-padding", "p" * 1000),)
+        ).instance_id
 
 
 def test_metadata_beyond_the_transport_cap_is_refused_and_the_server_keeps_serving(limited):
     """Above TRANSPORT_MAX_METADATA_BYTES the transports answer themselves, differently (docs/robustness.md)."""
     with Client(limited.target, retries=False) as client:
-        err = refusal(lambda: client.control.GetServerInfo(
-            server_pb2.GetServerInfoRequest(), timeout=10,
-            metadata=(("x-padding", "p" * (limits.TRANSPORT_MAX_METADATA_BYTES + 4096)),)))
+        err = refusal(
+            lambda: client.control.GetServerInfo(
+                server_pb2.GetServerInfoRequest(),
+                timeout=10,
+                metadata=(("x-padding", "p" * (limits.TRANSPORT_MAX_METADATA_BYTES + 4096)),),
+            )
+        )
         assert err.code() != grpc.StatusCode.OK
         if limited.name.endswith("grpcio"):
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())

@@ -33,14 +33,17 @@ def start_frontends(server: str, hosts: list[str], port: int, *extra: str) -> li
     for host in hosts:
         instance_id = f"frontend-{uuid.uuid4().hex[:8]}"
         frontend, frontend.metrics_port = processes.with_metrics(
-            processes.frontend(f"127.0.0.1:{free_port()}", server, *extra, "--frontend-id", instance_id))
+            processes.frontend(f"127.0.0.1:{free_port()}", server, *extra, "--frontend-id", instance_id)
+        )
         frontend.host, frontend.port, frontend.instance_id = host, port, instance_id
         frontends.append(frontend.start())
     for frontend in frontends:
         # this very process answers (frontends sharing an address and port answer in turn, by connection)
-        processes.wait_for(lambda: (frontend.proc.poll() is None
-                                    and answering_id(frontend.target) == frontend.instance_id),
-                           60, f"{frontend.instance_id} at {frontend.target}")
+        processes.wait_for(
+            lambda: frontend.proc.poll() is None and answering_id(frontend.target) == frontend.instance_id,
+            60,
+            f"{frontend.instance_id} at {frontend.target}",
+        )
     return frontends
 
 
@@ -61,8 +64,10 @@ def test_dns_target_spreads_calls_over_every_address(server):
         instance_ids = {processes_id(f.target) for f in frontends}
         assert instance_ids == {f.instance_id for f in frontends}
         with LoopbackDns(NAME, hosts) as dns, Client(dns.target(port)) as client:
-            seen = Counter(client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5).instance_id
-                           for _ in range(CALLS))
+            seen = Counter(
+                client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5).instance_id
+                for _ in range(CALLS)
+            )
             assert dns.queries >= 1  # the name really was resolved through this server
         assert set(seen) == instance_ids, seen
         # round_robin: each address gets its turn once all three are connected
@@ -100,8 +105,10 @@ def test_max_connection_age_moves_clients_on_grpcio():
     """With OPENENGINE_MAX_CONNECTION_AGE_S=1 the connection is sent away after about a second (the channel goes
     IDLE and the next call reconnects, possibly elsewhere); a call open at that moment keeps its grace."""
     port = free_port()
-    aged, plain = (start_frontends("grpcio", [host], port, *extra) [0] for host, extra in
-                   (("127.0.0.1", ("--max-connection-age-s", "1", "--drain-timeout-s", "2")), ("127.0.0.2", ())))
+    aged, plain = (
+        start_frontends("grpcio", [host], port, *extra)[0]
+        for host, extra in (("127.0.0.1", ("--max-connection-age-s", "1", "--drain-timeout-s", "2")), ("127.0.0.2", ()))
+    )
     try:
         watch_end: dict[str, float | str] = {}
 
@@ -109,8 +116,9 @@ def test_max_connection_age_moves_clients_on_grpcio():
             channel = grpc.insecure_channel(aged.target, options=channel_options(retries=False))
             started = time.monotonic()
             try:
-                for _ in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="liveness"),
-                                                                   timeout=20):
+                for _ in health_pb2_grpc.HealthStub(channel).Watch(
+                    health_pb2.HealthCheckRequest(service="liveness"), timeout=20
+                ):
                     pass
                 watch_end["code"] = "OK"
             except grpc.RpcError as exc:
@@ -151,8 +159,10 @@ FAIR_WITHIN_S = 8.0
 # grpc-core re-resolves a name at most every 30 s by default; a test cannot wait for that (see docs/kubernetes.md)
 RESOLVE_OPTIONS = (("grpc.dns_min_time_between_resolutions_ms", 200),)
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)  # channels with equal options would share one
-ROUTES = {"headless": (["127.0.0.1", "127.0.0.2", "127.0.0.3"], ("grpc.lb_policy_name", "round_robin")),
-          "service": (["127.0.0.1"] * 3, ("grpc.lb_policy_name", "pick_first"))}
+ROUTES = {
+    "headless": (["127.0.0.1", "127.0.0.2", "127.0.0.3"], ("grpc.lb_policy_name", "round_robin")),
+    "service": (["127.0.0.1"] * 3, ("grpc.lb_policy_name", "pick_first")),
+}
 
 
 class CallLog:
@@ -192,13 +202,18 @@ def open_callers(target: str, policy) -> tuple[list, list[tuple[str, object]]]:
     pick_first otherwise) and standard grpc channels with and without a retry policy for UNAVAILABLE."""
     clients = [Client(target, options=RESOLVE_OPTIONS) for _ in range(3)]
     standard = [policy, *RESOLVE_OPTIONS, *OWN_CONNECTION]
-    retrying = [grpc.insecure_channel(target, options=standard + [("grpc.enable_retries", 1),
-                                                                  ("grpc.service_config", SERVICE_CONFIG)])
-                for _ in range(3)]
+    retrying = [
+        grpc.insecure_channel(
+            target, options=standard + [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
+        )
+        for _ in range(3)
+    ]
     bare = grpc.insecure_channel(target, options=standard + [("grpc.enable_retries", 0)])
-    callers = ([("project", c.control.GetServerInfo) for c in clients]
-               + [("retrying", ControlStub(c).GetServerInfo) for c in retrying]
-               + [("no-retries", ControlStub(bare).GetServerInfo)])
+    callers = (
+        [("project", c.control.GetServerInfo) for c in clients]
+        + [("retrying", ControlStub(c).GetServerInfo) for c in retrying]
+        + [("no-retries", ControlStub(bare).GetServerInfo)]
+    )
     return clients + retrying + [bare], callers
 
 
@@ -213,8 +228,7 @@ def test_third_frontend_gets_a_fair_share_under_steady_load(server, route):
     to_close = []
     try:
         with LoopbackDns(NAME, hosts[:2]) as dns:
-            to_close, callers = open_callers(dns.target(port) if route == "headless" else f"127.0.0.1:{port}",
-                                             policy)
+            to_close, callers = open_callers(dns.target(port) if route == "headless" else f"127.0.0.1:{port}", policy)
             threads = [threading.Thread(target=log.run, args=caller, daemon=True) for caller in callers]
             for thread in threads:
                 thread.start()
@@ -224,14 +238,22 @@ def test_third_frontend_gets_a_fair_share_under_steady_load(server, route):
             newcomer = third.instance_id
             dns.addresses.append(hosts[2])
             joined = log.now()
-            processes.wait_for(lambda: (log.calls and log.calls[-1][0] > joined + FAIR_WINDOW_S
-                                        and fair_share_after(log.calls, newcomer, joined) is not None),
-                               FAIR_WITHIN_S + 2, "a fair share for the third frontend")
+            processes.wait_for(
+                lambda: (
+                    log.calls
+                    and log.calls[-1][0] > joined + FAIR_WINDOW_S
+                    and fair_share_after(log.calls, newcomer, joined) is not None
+                ),
+                FAIR_WITHIN_S + 2,
+                "a fair share for the third frontend",
+            )
             log.stop.set()
             for thread in threads:
                 thread.join(timeout=10)
-            moved = sum(processes.metric(processes.scrape(f.metrics_port),
-                                         "openengine_frontend_connections_moved_total") for f in frontends)
+            moved = sum(
+                processes.metric(processes.scrape(f.metrics_port), "openengine_frontend_connections_moved_total")
+                for f in frontends
+            )
     finally:
         log.stop.set()
         for closable in to_close:
@@ -241,9 +263,11 @@ def test_third_frontend_gets_a_fair_share_under_steady_load(server, route):
     after = fair_share_after(log.calls, newcomer, joined)
     errors = Counter((kind, outcome) for _, kind, outcome in log.calls if outcome.isupper())
     served = Counter(outcome for t, _, outcome in log.calls if not outcome.isupper() and t >= joined)
-    print(f"{server}/{route}: fair share after {after:.1f} s; calls by frontend since the third joined "
-          f"{dict(served)} (third: {newcomer}); errors {dict(errors)} of {len(log.calls)} calls; "
-          f"connections moved {moved:g}")
+    print(
+        f"{server}/{route}: fair share after {after:.1f} s; calls by frontend since the third joined "
+        f"{dict(served)} (third: {newcomer}); errors {dict(errors)} of {len(log.calls)} calls; "
+        f"connections moved {moved:g}"
+    )
     assert after is not None and after <= FAIR_WITHIN_S, (after, served)
     # clients with retries see no error; one without sees only retry-safe refusals
     assert not [key for key in errors if key[0] != "no-retries"], errors

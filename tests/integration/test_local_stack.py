@@ -15,7 +15,6 @@ from openengine_serve.client import Client, served_model
 from . import processes
 from .conftest import request
 
-
 READY_LINE_TIMEOUT_S = 120.0
 
 
@@ -41,8 +40,12 @@ def first_line(proc: subprocess.Popen, timeout: float = READY_LINE_TIMEOUT_S) ->
 @pytest.mark.parametrize("server", ["grpcio", "pygrpc-native"])
 def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
     port = processes.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--nodes", "2",
-                             "--grpc-server", server], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--nodes", "2", "--grpc-server", server],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = first_line(proc)
         assert f"ready on 127.0.0.1:{port}" in line, line
@@ -55,8 +58,11 @@ def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
         # Nothing is open: every component stops at once (a node that hung in its stop was killed by `up`
         # after 40 s, and this still passed).
         assert time.monotonic() - stopping < 15
-        processes.wait_for(lambda: not any(processes.alive(p) and processes.cmdline(p)
-                                           for p in children), 10, "every child of `up` to exit")
+        processes.wait_for(
+            lambda: not any(processes.alive(p) and processes.cmdline(p) for p in children),
+            10,
+            "every child of `up` to exit",
+        )
     finally:
         if proc.poll() is None:  # `up` stops its children in order (killed, it would leave them running)
             proc.send_signal(signal.SIGTERM)
@@ -68,8 +74,15 @@ def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
 
 def test_two_stacks_side_by_side():
     ports = [processes.free_port(), processes.free_port()]
-    procs = [subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(p)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for p in ports]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "openengine_serve", "up", "--port", str(p)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for p in ports
+    ]
     try:
         for proc, port in zip(procs, ports):
             assert f"ready on 127.0.0.1:{port}" in first_line(proc)
@@ -84,8 +97,12 @@ def test_two_stacks_side_by_side():
 
 def test_a_killed_up_leaves_no_component_running():
     port = processes.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine",
-                             "simulated"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine", "simulated"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert f"ready on 127.0.0.1:{port}" in first_line(proc)
         children = [p for p in processes.descendants(proc.pid) if "openengine_serve" in processes.cmdline(p)]
@@ -93,5 +110,6 @@ def test_a_killed_up_leaves_no_component_running():
     finally:
         proc.kill()  # no chance to stop its children itself
         proc.wait()
-    processes.wait_for(lambda: not any(processes.alive(p) for p in children), 30,
-                       "every component of the killed `up` to exit")
+    processes.wait_for(
+        lambda: not any(processes.alive(p) for p in children), 30, "every component of the killed `up` to exit"
+    )

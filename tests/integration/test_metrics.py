@@ -54,11 +54,21 @@ def test_metrics_move_with_traffic(deployment, workers):
     deployment.add(fe)
 
     # every worker serving (each registers with the coordinator once it listens), not only the first one
-    wait_for(lambda: metric(scrape(coord_metrics), "openengine_coordinator_frontends", state="live") == workers,
-             30, f"{workers} frontend worker(s) registered")
+    wait_for(
+        lambda: metric(scrape(coord_metrics), "openengine_coordinator_frontends", state="live") == workers,
+        30,
+        f"{workers} frontend worker(s) registered",
+    )
     before = scrape(fe_metrics)
-    assert metric(before, "openengine_frontend_grpc_server_info", implementation="pygrpc-native",
-                  version=importlib.metadata.version("pygrpc-native")) == 1
+    assert (
+        metric(
+            before,
+            "openengine_frontend_grpc_server_info",
+            implementation="pygrpc-native",
+            version=importlib.metadata.version("pygrpc-native"),
+        )
+        == 1
+    )
     served, deltas = generate_on_fresh_connections(fe.target, workers, 3)
     with Client(fe.target) as client, pytest.raises(grpc.RpcError):
         list(client.generate(generation_pb2.GenerateRequest(request_id="", model="x"), timeout=10))
@@ -67,8 +77,11 @@ def test_metrics_move_with_traffic(deployment, workers):
     # one scrape counts every worker's requests: with two workers, each served some of them
     assert finished_ok(after) - finished_ok(before) == sent
     assert metric(after, REQUESTS, status="rejected", code="INVALID_ARGUMENT", key="-") == 1
-    assert metric(after, "openengine_frontend_generated_tokens_total") - \
-        metric(before, "openengine_frontend_generated_tokens_total") == 20 * sent
+    assert (
+        metric(after, "openengine_frontend_generated_tokens_total")
+        - metric(before, "openengine_frontend_generated_tokens_total")
+        == 20 * sent
+    )
     assert metric(after, "openengine_frontend_prompt_tokens_total") == sent * 4
     assert metric(after, "openengine_frontend_time_to_first_token_seconds_count") == sent
     # one interval between each two deltas of a stream (several engine steps may share a delta under load)
@@ -76,22 +89,37 @@ def test_metrics_move_with_traffic(deployment, workers):
     assert metric(after, "openengine_frontend_request_duration_seconds_count") == sent
     assert metric(after, "openengine_frontend_in_flight_requests") == 0
     # one in-flight series per worker, each back at 0; refusals by reason, every reason present from the start
-    per_worker = {labels: value for (name, labels), value in after.items()
-                  if name == "openengine_frontend_worker_in_flight_requests"}
+    per_worker = {
+        labels: value
+        for (name, labels), value in after.items()
+        if name == "openengine_frontend_worker_in_flight_requests"
+    }
     assert len(per_worker) == workers and set(per_worker.values()) == {0}
-    refusals = {dict(labels)["reason"]: value for (name, labels), value in after.items()
-                if name == "openengine_frontend_refusals_total"}
-    assert refusals == {"invalid_request": 1, "not_served": 0, "unsupported": 0, "duplicate_request": 0,
-                        "unavailable": 0, "overloaded": 0, "key_at_limit": 0}
+    refusals = {
+        dict(labels)["reason"]: value
+        for (name, labels), value in after.items()
+        if name == "openengine_frontend_refusals_total"
+    }
+    assert refusals == {
+        "invalid_request": 1,
+        "not_served": 0,
+        "unsupported": 0,
+        "duplicate_request": 0,
+        "unavailable": 0,
+        "overloaded": 0,
+        "key_at_limit": 0,
+    }
 
     node_samples = scrape(node_metrics)
     assert metric(node_samples, "openengine_node_step_duration_seconds_count") >= 20
     # each request sent reported its wait for a batch slot once
     assert metric(node_samples, "openengine_node_request_queue_time_seconds_count") >= sent
     assert metric(node_samples, "openengine_node_batch_slot_usage") == 0
-    coord_samples = wait_for(lambda: (s := scrape(coord_metrics)) and
-                             metric(s, "openengine_coordinator_nodes", state="ready") == 1 and s, 5,
-                             "the coordinator's node gauge")
+    coord_samples = wait_for(
+        lambda: (s := scrape(coord_metrics)) and metric(s, "openengine_coordinator_nodes", state="ready") == 1 and s,
+        5,
+        "the coordinator's node gauge",
+    )
     assert metric(coord_samples, "openengine_coordinator_frontends", state="live") == workers
     assert metric(coord_samples, "openengine_coordinator_routing_decisions_total", reason="least_loaded") >= sent
     assert metric(coord_samples, "openengine_coordinator_finished_remembered") >= sent
@@ -119,29 +147,48 @@ def test_gauges_and_counters_follow_a_running_request(deployment):
         long = request(max_tokens=8000)  # 16 s at the default 2 ms step: it ends only when cancelled
         stream = client.inference.Generate(long, timeout=60)
         assert next(stream).WhichOneof("event") == "token"
-        wait_for(lambda: metric(scrape(node_metrics), "openengine_node_running_requests") == 1, 5,
-                 "the node's running_requests gauge at 1")
+        wait_for(
+            lambda: metric(scrape(node_metrics), "openengine_node_running_requests") == 1,
+            5,
+            "the node's running_requests gauge at 1",
+        )
         assert metric(scrape(node_metrics), "openengine_node_batch_slot_usage") == 1 / 256  # the default batch
-        assert sum(value for (name, _), value in scrape(fe_metrics).items()
-                   if name == "openengine_frontend_worker_in_flight_requests") == 1
+        assert (
+            sum(
+                value
+                for (name, _), value in scrape(fe_metrics).items()
+                if name == "openengine_frontend_worker_in_flight_requests"
+            )
+            == 1
+        )
         assert metric(scrape(coord_metrics), live) == 1
         with pytest.raises(grpc.RpcError) as duplicate:
             list(client.inference.Generate(long, timeout=10))
         assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS
         with pytest.raises(grpc.RpcError) as no_rank:
-            list(client.inference.Generate(request(max_tokens=2), timeout=10,
-                                           metadata=(("openengine-target-dp-rank", "7"),)))
+            list(
+                client.inference.Generate(
+                    request(max_tokens=2), timeout=10, metadata=(("openengine-target-dp-rank", "7"),)
+                )
+            )
         assert no_rank.value.code() == grpc.StatusCode.NOT_FOUND
         stream.cancel()
-    wait_for(lambda: metric(scrape(node_metrics), "openengine_node_running_requests") == 0, 5,
-             "the node's running_requests gauge back at 0")
+    wait_for(
+        lambda: metric(scrape(node_metrics), "openengine_node_running_requests") == 0,
+        5,
+        "the node's running_requests gauge back at 0",
+    )
     wait_for(lambda: metric(scrape(coord_metrics), live) == 0, 5, "live_reservations back at 0")
     coord_samples = scrape(coord_metrics)
     assert metric(coord_samples, refusals, reason="duplicate") == 1
     assert metric(coord_samples, refusals, reason="rank_not_found") == 1
-    after = wait_for(lambda: (s := scrape(fe_metrics)) and
-                     metric(s, REQUESTS, status="cancelled", code="CANCELLED", key="-") == 1 and s, 5,
-                     "the cancelled request counted")
+    after = wait_for(
+        lambda: (
+            (s := scrape(fe_metrics)) and metric(s, REQUESTS, status="cancelled", code="CANCELLED", key="-") == 1 and s
+        ),
+        5,
+        "the cancelled request counted",
+    )
     assert finished_ok(after) == finished_ok(before)
     frontend_refusals = "openengine_frontend_refusals_total"
     assert metric(after, frontend_refusals, reason="duplicate_request") == 1
@@ -157,7 +204,7 @@ def listening_ports(pid: int) -> set[int]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:

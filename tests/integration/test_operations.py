@@ -21,9 +21,8 @@ from openengine_serve.client import Client, is_serving
 from openengine_serve.frontend.supervisor import READY_FILE_VARIABLE
 
 from . import processes
-from .conftest import SERVERS
+from .conftest import SERVERS, by_output, request
 from .processes import Deployment, wait_for
-from .conftest import by_output, request
 from .test_generate import served_by
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -45,7 +44,8 @@ class Watcher:
         self.statuses: list[int] = []
         self._channel = grpc.insecure_channel(target)
         self._call = health_pb2_grpc.HealthStub(self._channel).Watch(
-            health_pb2.HealthCheckRequest(service=service), wait_for_ready=True)
+            health_pb2.HealthCheckRequest(service=service), wait_for_ready=True
+        )
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -124,18 +124,24 @@ class LoadLedger:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.finished = 0
-        self.failed: list[str] = []   # a stream that ended without a complete `finished` (a loss)
-        self.raised: list[str] = []   # anything a load thread did not expect, with its traceback
+        self.failed: list[str] = []  # a stream that ended without a complete `finished` (a loss)
+        self.raised: list[str] = []  # anything a load thread did not expect, with its traceback
         # what a client without retries sees: final gRPC code per connection kind
-        self.no_retry: dict[str, collections.Counter] = {"persistent": collections.Counter(),
-                                                         "fresh": collections.Counter()}
+        self.no_retry: dict[str, collections.Counter] = {
+            "persistent": collections.Counter(),
+            "fresh": collections.Counter(),
+        }
         self.cut_mid_stream: list[str] = []  # a no-retry stream that failed after its first message
 
     @staticmethod
     def complete(responses) -> bool:
         last = responses[-1] if responses else None
-        return (last is not None and last.WhichOneof("event") == "finished" and last.HasField("usage")
-                and last.usage.completion_tokens == ROLLING_MAX_TOKENS)
+        return (
+            last is not None
+            and last.WhichOneof("event") == "finished"
+            and last.HasField("usage")
+            and last.usage.completion_tokens == ROLLING_MAX_TOKENS
+        )
 
     def retrying_call(self, client: Client) -> None:
         """The project's client: nothing may be lost."""
@@ -194,23 +200,29 @@ def _load(port: int, stop: threading.Event, ledger: LoadLedger, *, retries: bool
 
 
 def finished_on(metrics_port: int) -> float:
-    return processes.metric(processes.scrape(metrics_port), "openengine_frontend_requests_total",
-                            status="finished", code="OK", key="-")
+    return processes.metric(
+        processes.scrape(metrics_port), "openengine_frontend_requests_total", status="finished", code="OK", key="-"
+    )
 
 
 def wait_instance_ready(fe: processes.Component, instance_id: str, timeout: float = 60.0) -> None:
     """Readiness of one process among several sharing a port: fresh connections until one lands on it
     (ServerInfo.instance_id), then grpc.health readiness over that same connection."""
+
     def ready() -> bool:
         if fe.proc.poll() is not None:
             raise AssertionError(f"{instance_id} exited with {fe.proc.returncode}")
         try:
             with Client(fe.target, retries=False) as client:
                 info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=2)
-                return info.instance_id == instance_id and client.health.Check(
-                    health_pb2.HealthCheckRequest(service="readiness"), timeout=2).status == SERVING
+                return (
+                    info.instance_id == instance_id
+                    and client.health.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=2).status
+                    == SERVING
+                )
         except grpc.RpcError:
             return False
+
     wait_for(ready, timeout, f"{instance_id} readiness on its own connection", interval=0.02)
 
 
@@ -221,8 +233,9 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
 
     def start_frontend(name: str):
         instance_id = f"rolling-{server}-{name}"
-        fe, metrics_port = processes.with_metrics(processes.frontend(
-            coord.target, server, "--drain-timeout-s", "5", "--frontend-id", instance_id))
+        fe, metrics_port = processes.with_metrics(
+            processes.frontend(coord.target, server, "--drain-timeout-s", "5", "--frontend-id", instance_id)
+        )
         fe.name, fe.port = instance_id, port
         deployment.components.append(fe.start())
         wait_instance_ready(fe, instance_id)
@@ -231,34 +244,49 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
     originals = [start_frontend("a"), start_frontend("b")]
     ledger = LoadLedger()
     stop = threading.Event()
-    threads = [threading.Thread(target=_load, args=(port, stop, ledger), daemon=True,
-                                kwargs={"retries": retries, "fresh_connection": fresh})
-               for retries, fresh in ((True, False), (True, False), (True, True), (True, True),
-                                      (False, False), (False, True))]
+    threads = [
+        threading.Thread(
+            target=_load, args=(port, stop, ledger), daemon=True, kwargs={"retries": retries, "fresh_connection": fresh}
+        )
+        for retries, fresh in ((True, False), (True, False), (True, True), (True, True), (False, False), (False, True))
+    ]
     served = {}
     for t in threads:
         t.start()
     try:
         replacements = []
         for fe, name, metrics_port in originals:  # one at a time, like a rolling update
-            served[name] = wait_for(lambda: (n := finished_on(metrics_port)) >= ROLLING_MIN_SERVED and n, 30,
-                                    f"load to reach frontend {name} before it stops")
+            served[name] = wait_for(
+                lambda: (n := finished_on(metrics_port)) >= ROLLING_MIN_SERVED and n,
+                30,
+                f"load to reach frontend {name} before it stops",
+            )
             assert fe.stop() == 0
             replacements.append(start_frontend(name + "2"))
-        for fe, name, metrics_port in replacements:
-            served[name] = wait_for(lambda: (n := finished_on(metrics_port)) >= ROLLING_MIN_SERVED and n, 30,
-                                    f"load to reach replacement {name}")
+        for _fe, name, metrics_port in replacements:
+            served[name] = wait_for(
+                lambda: (n := finished_on(metrics_port)) >= ROLLING_MIN_SERVED and n,
+                30,
+                f"load to reach replacement {name}",
+            )
     finally:
         stop.set()
         for t in threads:
             t.join(60)
     hung = [t for t in threads if t.is_alive()]
     assert not hung, "a request hung; its thread is at:\n" + "".join(
-        "".join(traceback.format_stack(sys._current_frames()[t.ident])) for t in hung)
+        "".join(traceback.format_stack(sys._current_frames()[t.ident])) for t in hung
+    )
     with ledger.lock:
         no_retry = {kind: dict(codes) for kind, codes in ledger.no_retry.items()}
-        figures = {"server": server, "finished": ledger.finished, "finished_per_process": served,
-                   "no_retry_client": no_retry, "failed": len(ledger.failed), "raised": len(ledger.raised)}
+        figures = {
+            "server": server,
+            "finished": ledger.finished,
+            "finished_per_process": served,
+            "no_retry_client": no_retry,
+            "failed": len(ledger.failed),
+            "raised": len(ledger.raised),
+        }
     with ROLLING_LOG.open("a") as log:
         log.write(json.dumps(figures) + "\n")
     print(f"\nrolling restart: {figures}")
@@ -274,10 +302,19 @@ def test_node_killed_mid_stream(deployment):
     coord, nodes = small_cluster(deployment)
     fe = deployment.add(processes.frontend(coord.target, "grpcio"))
     with Client(fe.target, retries=False) as client:
-        wait_for(lambda: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
-                 .parallelism.data_parallel_size == 2, 10, "two ready nodes")
-        stream = client.inference.Generate(request(max_tokens=5000), timeout=60,
-                                           metadata=(("openengine-target-dp-rank", "0"),))
+        wait_for(
+            lambda: (
+                client.control.GetServerInfo(
+                    server_pb2.GetServerInfoRequest(), timeout=5
+                ).parallelism.data_parallel_size
+                == 2
+            ),
+            10,
+            "two ready nodes",
+        )
+        stream = client.inference.Generate(
+            request(max_tokens=5000), timeout=60, metadata=(("openengine-target-dp-rank", "0"),)
+        )
         first_token_then(stream)
         workers = processes.engine_worker_pids(nodes[0].proc.pid)
         killed_at = time.monotonic()
@@ -286,12 +323,19 @@ def test_node_killed_mid_stream(deployment):
         assert time.monotonic() - killed_at < 10
         assert rest[-1].WhichOneof("event") == "error" and rest[-1].error.retryable
         assert sum(r.WhichOneof("event") == "error" for r in rest) == 1
-        wait_for(lambda: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
-                 .parallelism.data_parallel_size == 1, 10, "the coordinator to mark the node down")
+        wait_for(
+            lambda: (
+                client.control.GetServerInfo(
+                    server_pb2.GetServerInfoRequest(), timeout=5
+                ).parallelism.data_parallel_size
+                == 1
+            ),
+            10,
+            "the coordinator to mark the node down",
+        )
         for _ in range(3):
             assert list(client.generate(request(max_tokens=5), timeout=30))[-1].HasField("usage")
-    wait_for(lambda: not any(map(processes.alive, workers)), 10,
-             "the dead node's engine worker to exit too")
+    wait_for(lambda: not any(map(processes.alive, workers)), 10, "the dead node's engine worker to exit too")
 
 
 def test_engine_worker_killed_node_respawns(deployment):
@@ -311,14 +355,21 @@ def test_engine_worker_killed_node_respawns(deployment):
         os.kill(worker, signal.SIGKILL)
         rest = list(stream)
         assert rest[-1].WhichOneof("event") == "error" and rest[-1].error.retryable
-        wait_for(lambda: NOT_SERVING in watch.statuses and watch.statuses[-1] == SERVING, 60,
-                 "node readiness NOT_SERVING then SERVING again")
+        wait_for(
+            lambda: NOT_SERVING in watch.statuses and watch.statuses[-1] == SERVING,
+            60,
+            "node readiness NOT_SERVING then SERVING again",
+        )
         assert node.proc.poll() is None
         wait_for(lambda: _generates(client), 20, "a request to succeed after the respawn")
     watch.close()
     assert processes.metric(processes.scrape(node_metrics), restarts) == 1
-    assert processes.metric(processes.scrape(fe_metrics), "openengine_frontend_requests_total",
-                            status="failed", code="OK", key="-") == 1, "the stream that ended with an EngineError"
+    assert (
+        processes.metric(
+            processes.scrape(fe_metrics), "openengine_frontend_requests_total", status="failed", code="OK", key="-"
+        )
+        == 1
+    ), "the stream that ended with an EngineError"
 
 
 def _generates(client) -> bool:
@@ -342,30 +393,55 @@ def test_coordinator_restart(deployment):
         def degraded():
             h = client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5)
             return h.state == lifecycle_pb2.HEALTH_STATE_DEGRADED and h
+
         health = wait_for(degraded, 10, "frontend Health DEGRADED")
         assert any(c.name == "coordinator" and "unreachable" in c.message for c in health.checks)
-        assert list(client.generate(request(max_tokens=5), timeout=30))[-1].HasField("usage"), \
+        assert list(client.generate(request(max_tokens=5), timeout=30))[-1].HasField("usage"), (
             "served from the last known node table"
+        )
         coord.start().wait_ready()
-        wait_for(lambda: client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
-                 == lifecycle_pb2.HEALTH_STATE_READY, 10, "Health READY after the coordinator restart")
-        wait_for(lambda: len(client.control.GetLoad(server_pb2.GetLoadRequest(include_per_rank=True),
-                                                    timeout=5).ranks) == 2, 10, "both nodes re-registered")
+        wait_for(
+            lambda: (
+                client.control.Health(lifecycle_pb2.HealthRequest(), timeout=5).state
+                == lifecycle_pb2.HEALTH_STATE_READY
+            ),
+            10,
+            "Health READY after the coordinator restart",
+        )
+        wait_for(
+            lambda: len(client.control.GetLoad(server_pb2.GetLoadRequest(include_per_rank=True), timeout=5).ranks) == 2,
+            10,
+            "both nodes re-registered",
+        )
 
 
 def test_frontend_worker_killed_is_restarted(cluster, deployment):
     coord, _ = cluster
     fe = deployment.add(processes.frontend(coord.target, "grpcio", "--workers", "2"))
-    workers = wait_for(lambda: [p for p in processes.descendants(fe.proc.pid)
-                                if "frontend" in processes.cmdline(p)][:2], 10, "two workers")
+    workers = wait_for(
+        lambda: [p for p in processes.descendants(fe.proc.pid) if "frontend" in processes.cmdline(p)][:2],
+        10,
+        "two workers",
+    )
     # Only a worker that has served is restarted (one dying during start-up stops the supervisor): kill
     # one once both have written the ready file the supervisor gave them.
     ready_files = [processes.environ(pid)[READY_FILE_VARIABLE] for pid in workers]
     wait_for(lambda: all(os.path.exists(path) for path in ready_files), 30, "both workers ready")
     os.kill(workers[0], signal.SIGKILL)
-    wait_for(lambda: len([p for p in processes.descendants(fe.proc.pid)
-                          if "frontend" in processes.cmdline(p) and p != workers[0]]) == 2, 30,
-             "the supervisor to start a replacement worker")
+    wait_for(
+        lambda: (
+            len(
+                [
+                    p
+                    for p in processes.descendants(fe.proc.pid)
+                    if "frontend" in processes.cmdline(p) and p != workers[0]
+                ]
+            )
+            == 2
+        ),
+        30,
+        "the supervisor to start a replacement worker",
+    )
     fe.wait_ready()
     with Client(fe.target) as client:
         assert list(client.generate(request(max_tokens=3), timeout=10))[-1].HasField("usage")
@@ -389,11 +465,15 @@ def test_full_deployment_refuses_with_resource_exhausted(deployment):
         health = client.control.Health(probe, timeout=10)
         # Counted before the slot is freed: the probes polled below are refused too until the coordinator
         # hears of the free slot, how many depends on timing.
-        refusals = processes.metric(processes.scrape(coord_metrics), "openengine_coordinator_refusals_total",
-                                    reason="deployment_full")
+        refusals = processes.metric(
+            processes.scrape(coord_metrics), "openengine_coordinator_refusals_total", reason="deployment_full"
+        )
         stream.cancel()
-        wait_for(lambda: client.control.Health(probe, timeout=10).state == lifecycle_pb2.HEALTH_STATE_READY, 10,
-                 "the probe to pass again once the slot is free")
+        wait_for(
+            lambda: client.control.Health(probe, timeout=10).state == lifecycle_pb2.HEALTH_STATE_READY,
+            10,
+            "the probe to pass again once the slot is free",
+        )
     assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "capacity" in full.value.details() or "full" in full.value.details()
     assert health.state == lifecycle_pb2.HEALTH_STATE_DEGRADED
@@ -405,8 +485,11 @@ def test_full_deployment_refuses_with_resource_exhausted(deployment):
 
 
 def health_cli(target: str) -> int:
-    return subprocess.run([sys.executable, "-m", "openengine_serve", "health", "--target", target, "--service",
-                           "readiness"], capture_output=True, timeout=30).returncode
+    return subprocess.run(
+        [sys.executable, "-m", "openengine_serve", "health", "--target", target, "--service", "readiness"],
+        capture_output=True,
+        timeout=30,
+    ).returncode
 
 
 def test_frontend_not_serving_until_a_node_is_ready(deployment):
@@ -439,17 +522,31 @@ def test_node_sigterm_drains_its_running_requests(deployment):
     fe = deployment.add(processes.frontend(coord.target, "grpcio"))
     on_rank_1 = (("openengine-target-dp-rank", "1"),)
     with Client(fe.target, retries=False) as client:
-        wait_for(lambda: client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
-                 .parallelism.data_parallel_size == 2, 10, "two ready nodes")
+        wait_for(
+            lambda: (
+                client.control.GetServerInfo(
+                    server_pb2.GetServerInfoRequest(), timeout=5
+                ).parallelism.data_parallel_size
+                == 2
+            ),
+            10,
+            "two ready nodes",
+        )
         probe = request(max_tokens=2)
         list(client.inference.Generate(probe, timeout=30, metadata=on_rank_1))
         draining_id = served_by(fe, probe.request_id)
-        streams = [client.inference.Generate(request(max_tokens=2500), timeout=60, metadata=on_rank_1)
-                   for _ in range(3)]  # 5 s each at 2 ms a step
+        streams = [
+            client.inference.Generate(request(max_tokens=2500), timeout=60, metadata=on_rank_1) for _ in range(3)
+        ]  # 5 s each at 2 ms a step
         firsts = [first_token_then(s) for s in streams]
         draining_node.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: processes.metric(processes.scrape(coord_metrics), "openengine_coordinator_nodes",
-                                          state="draining") == 1, 3, "the coordinator to see the node DRAINING")
+        wait_for(
+            lambda: (
+                processes.metric(processes.scrape(coord_metrics), "openengine_coordinator_nodes", state="draining") == 1
+            ),
+            3,
+            "the coordinator to see the node DRAINING",
+        )
         with pytest.raises(grpc.RpcError) as not_routable:
             list(client.inference.Generate(request(max_tokens=2), timeout=10, metadata=on_rank_1))
         others = []

@@ -11,8 +11,15 @@ import time
 
 import pytest
 
-from openengine_bench.overload import (Load, Sampler, growth_mb_per_s, liveness_sample, measure_window, series,
-                                       ttft_sample)
+from openengine_bench.overload import (
+    Load,
+    Sampler,
+    growth_mb_per_s,
+    liveness_sample,
+    measure_window,
+    series,
+    ttft_sample,
+)
 from openengine_bench.report import percentile
 from openengine_serve.common.grpc_server import create_server, resolve_implementation
 from openengine_serve.common.health import Health
@@ -51,10 +58,12 @@ def test_new_requests_and_liveness_stay_fast_while_long_streams_saturate_the_fro
             rss = series(sampler.stop(), "rss_mb")
             # twice the saturating load: the liveness probe still answers fast
             with Load(frontend.target, SATURATING_STREAMS, LONG_TOKENS):
-                processes.wait_for(lambda: _running(frontend.target) >= 2 * SATURATING_STREAMS, 60,
-                                   "twice the streams running")
-                doubled = measure_window(frontend.target, duration_s=WINDOW_S, probe_timeout_s=5.0,
-                                         min_samples=MIN_SAMPLES)
+                processes.wait_for(
+                    lambda: _running(frontend.target) >= 2 * SATURATING_STREAMS, 60, "twice the streams running"
+                )
+                doubled = measure_window(
+                    frontend.target, duration_s=WINDOW_S, probe_timeout_s=5.0, min_samples=MIN_SAMPLES
+                )
     finally:
         frontend.stop()
     ttft = [s["ttft_s"] for s in saturated["ttft"]]
@@ -64,9 +73,11 @@ def test_new_requests_and_liveness_stay_fast_while_long_streams_saturate_the_fro
     assert len(liveness) >= MIN_SAMPLES and None not in liveness, liveness
     liveness_p99 = percentile(liveness, 99)
     growth = {name: growth_mb_per_s(points) for name, points in rss.items()}
-    print(f"{server}: TTFT p50 {percentile(ttft, 50) * 1000:.1f} ms p99 {ttft_p99 * 1000:.1f} ms (n={len(ttft)}) "
-          f"beside {SATURATING_STREAMS} streams; liveness p99 {liveness_p99 * 1000:.1f} ms (n={len(liveness)}) "
-          f"beside {2 * SATURATING_STREAMS}; node RSS growth {growth} MB/s")
+    print(
+        f"{server}: TTFT p50 {percentile(ttft, 50) * 1000:.1f} ms p99 {ttft_p99 * 1000:.1f} ms (n={len(ttft)}) "
+        f"beside {SATURATING_STREAMS} streams; liveness p99 {liveness_p99 * 1000:.1f} ms (n={len(liveness)}) "
+        f"beside {2 * SATURATING_STREAMS}; node RSS growth {growth} MB/s"
+    )
     assert ttft_p99 < TTFT_P99_BOUND_S, ttft
     assert liveness_p99 < LIVENESS_P99_BOUND_S, liveness
     assert all(g is not None and g < NODE_RSS_GROWTH_BOUND_MB_PER_S for g in growth.values()), (growth, rss)

@@ -27,8 +27,12 @@ from .conftest import SERVERS, THREADS, by_output, generate, make_request, outpu
 from .processes import Deployment, wait_for
 
 G = generation_pb2
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "<|im_start|>user\nWrite a haiku about the sea<|im_end|>\n<|im_start|>assistant\n"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "<|im_start|>user\nWrite a haiku about the sea<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,9 @@ def reference():
     """llama-cpp-python's own high-level API on the same GGUF, with the engine's numerics (flash attention)."""
     import llama_cpp
 
-    return llama_cpp.Llama(model_path=default_model_path(), n_ctx=2048, n_threads=THREADS, flash_attn=True,
-                           verbose=False)
+    return llama_cpp.Llama(
+        model_path=default_model_path(), n_ctx=2048, n_threads=THREADS, flash_attn=True, verbose=False
+    )
 
 
 def reference_greedy(reference, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -78,7 +83,7 @@ def test_greedy_request_alone_equals_llama_cpp_python_reference(target, referenc
         responses = generate(target, make_request(ids, max_tokens=48))
         served = output_ids(responses)
         expected = reference_greedy(reference, ids, 48)
-        assert served == expected[:len(served)], f"prompt {text!r}"
+        assert served == expected[: len(served)], f"prompt {text!r}"
         finished = by_output(responses)[0]["finished"][0]
         if len(served) < 48:  # ended by the end-of-turn token the reference chose there too (not streamed)
             assert finished.stop_match.eos_token_id == expected[len(served)]
@@ -95,8 +100,9 @@ def test_prompt_text_is_tokenized_as_llama_tokenize(target, reference):
 def test_first_token_logprobs_are_the_log_softmax_of_the_model_logits(target):
     import llama_cpp
 
-    with_logits = llama_cpp.Llama(model_path=default_model_path(), n_ctx=512, n_threads=THREADS, flash_attn=True,
-                                  logits_all=True, verbose=False)
+    with_logits = llama_cpp.Llama(
+        model_path=default_model_path(), n_ctx=512, n_threads=THREADS, flash_attn=True, logits_all=True, verbose=False
+    )
     ids = with_logits.tokenize(PROMPTS[0].encode(), add_bos=True, special=True)
     with_logits.eval(ids)
     row = np.asarray(with_logits.scores[len(ids) - 1], np.float64)
@@ -137,8 +143,14 @@ def test_top_k_top_p_and_min_p_bound_what_is_sampled(target):
     on every sampled token with its rank and the candidates above it."""
 
     def tokens(**sampling):
-        req = make_request(PROMPTS[2], max_tokens=40, temperature=1.0, ignore_eos=True, sampling__seed=5,
-                           response__return_output_logprobs=True)
+        req = make_request(
+            PROMPTS[2],
+            max_tokens=40,
+            temperature=1.0,
+            ignore_eos=True,
+            sampling__seed=5,
+            response__return_output_logprobs=True,
+        )
         req.response.output_candidates.top_n = 20
         for name, value in sampling.items():
             setattr(req.sampling, name, value)
@@ -168,8 +180,9 @@ def test_penalties_change_greedy_output_toward_fewer_repeats(target):
 
 
 def test_num_sequences_each_output_its_own_draw(target):
-    req = make_request(PROMPTS[2], max_tokens=20, temperature=1.0, ignore_eos=True, sampling__seed=9,
-                       sampling__num_sequences=3)
+    req = make_request(
+        PROMPTS[2], max_tokens=20, temperature=1.0, ignore_eos=True, sampling__seed=9, sampling__num_sequences=3
+    )
     outputs = by_output(generate(target, req))
     assert sorted(outputs) == [0, 1, 2]
     assert all(len(o["ids"]) == 20 and len(o["finished"]) == 1 for o in outputs.values())
@@ -199,18 +212,34 @@ def test_stop_text_across_tokens_and_stop_token_ids(target, reference):
     index = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) > 1 and len(pieces[i + 1]) > 1)
     stop = pieces[index][-2:] + pieces[index + 1][:2]
     start = text.index(stop)
-    responses = generate(target, make_request(ids, max_tokens=30, ignore_eos=True,
-                                              stopping__conditions=[G.StopCondition(stop_text=stop)]))
+    responses = generate(
+        target,
+        make_request(ids, max_tokens=30, ignore_eos=True, stopping__conditions=[G.StopCondition(stop_text=stop)]),
+    )
     out = by_output(responses)[0]
     assert out["text"] == text[:start]
     assert out["finished"][0].stop_match.stop_text == stop
-    kept = by_output(generate(target, make_request(ids, max_tokens=30, ignore_eos=True, include_stop_in_output=True,
-                                                   conditions=[G.StopCondition(stop_text=stop)])))[0]
-    assert kept["text"] == text[:start + len(stop)]
+    kept = by_output(
+        generate(
+            target,
+            make_request(
+                ids,
+                max_tokens=30,
+                ignore_eos=True,
+                include_stop_in_output=True,
+                conditions=[G.StopCondition(stop_text=stop)],
+            ),
+        )
+    )[0]
+    assert kept["text"] == text[: start + len(stop)]
     token_stop = greedy[10]
-    stopped = by_output(generate(target, make_request(ids, max_tokens=30, ignore_eos=True,
-                                                      conditions=[G.StopCondition(stop_token_id=token_stop)])))[0]
-    assert stopped["ids"] == greedy[:greedy.index(token_stop)], "the stop token ends it, not streamed"
+    stopped = by_output(
+        generate(
+            target,
+            make_request(ids, max_tokens=30, ignore_eos=True, conditions=[G.StopCondition(stop_token_id=token_stop)]),
+        )
+    )[0]
+    assert stopped["ids"] == greedy[: greedy.index(token_stop)], "the stop token ends it, not streamed"
     assert stopped["finished"][0].stop_match.stop_token_id == token_stop
 
 
@@ -228,10 +257,10 @@ def test_too_many_asked_candidate_ids_are_refused(target):
 
 async def test_32_concurrent_streams_complete_with_their_usage(target, reference):
     async with AsyncClient(target) as client:
+
         async def one(i: int):
             text = PROMPTS[i % len(PROMPTS)]
-            req = make_request(text, max_tokens=16 + i % 8, ignore_eos=True, temperature=0.7,
-                               sampling__seed=i)
+            req = make_request(text, max_tokens=16 + i % 8, ignore_eos=True, temperature=0.7, sampling__seed=i)
             return i, [r async for r in client.inference.Generate(req, timeout=120)]
 
         results = await asyncio.gather(*(one(i) for i in range(32)))
@@ -251,7 +280,8 @@ def two_slot_cluster():
     try:
         coord = deployment.add(processes.coordinator())
         node, node_metrics = processes.with_metrics(
-            processes.node(coord.target, 0, "--engine", "llama.cpp", "--max-batch", "2", "--threads", str(THREADS)))
+            processes.node(coord.target, 0, "--engine", "llama.cpp", "--max-batch", "2", "--threads", str(THREADS))
+        )
         deployment.add(node)
         frontends = {server: deployment.add(processes.frontend(coord.target, server)) for server in SERVERS}
         yield node_metrics, frontends
@@ -289,8 +319,11 @@ async def test_an_ended_request_frees_its_slot_for_the_next(two_slot_cluster, se
         assert rest[-1].usage.completion_tokens == 4
         for stream in streams:
             stream.cancel()
-    wait_for(lambda: processes.metric(processes.scrape(node_metrics), "openengine_node_running_requests") == 0, 10,
-             "every slot free again")
+    wait_for(
+        lambda: processes.metric(processes.scrape(node_metrics), "openengine_node_running_requests") == 0,
+        10,
+        "every slot free again",
+    )
 
 
 def test_a_killed_engine_worker_is_respawned_with_the_model(deployment):

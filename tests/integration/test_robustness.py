@@ -15,8 +15,11 @@ from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2, o
 from .conftest import by_output, collect, request
 from .processes import metric, scrape, wait_for
 
-PUBLIC_METHODS = [(service.full_name, method.name, method.input_type.full_name, method.server_streaming)
-                  for service in openengine_pb2.DESCRIPTOR.services_by_name.values() for method in service.methods]
+PUBLIC_METHODS = [
+    (service.full_name, method.name, method.input_type.full_name, method.server_streaming)
+    for service in openengine_pb2.DESCRIPTOR.services_by_name.values()
+    for method in service.methods
+]
 UNDECODABLE = b"\xff\xff\xff\xff"  # field 31 of wire type 7: not protobuf
 
 
@@ -32,8 +35,11 @@ def raw_call(channel: grpc.Channel, service: str, method: str, streaming: bool, 
     return caught.value
 
 
-@pytest.mark.parametrize("service,method,message,streaming", PUBLIC_METHODS,
-                         ids=[f"{s.rsplit('.', 1)[1]}.{m}" for s, m, _, _ in PUBLIC_METHODS])
+@pytest.mark.parametrize(
+    "service,method,message,streaming",
+    PUBLIC_METHODS,
+    ids=[f"{s.rsplit('.', 1)[1]}.{m}" for s, m, _, _ in PUBLIC_METHODS],
+)
 def test_undecodable_request_is_invalid_argument(stack, service, method, message, streaming):
     with grpc.insecure_channel(stack.frontend.target) as channel:
         error = raw_call(channel, service, method, streaming, UNDECODABLE)
@@ -88,8 +94,9 @@ def stall_frontend(request, cluster):
     from . import processes
 
     coordinator, _ = cluster
-    frontend, metrics_port = processes.with_metrics(processes.frontend(
-        coordinator.target, request.param, "--client-stall-timeout-s", str(CLIENT_STALL_S)))
+    frontend, metrics_port = processes.with_metrics(
+        processes.frontend(coordinator.target, request.param, "--client-stall-timeout-s", str(CLIENT_STALL_S))
+    )
     frontend.start().wait_ready(60)
     yield frontend, metrics_port
     frontend.stop()
@@ -116,15 +123,20 @@ def test_clients_that_stop_reading_are_ended_and_free_their_slots(stall_frontend
     before = metric(scrape(metrics_port), "openengine_frontend_client_stalls_total")
     # No BDP probing: the client's window stays at its initial 64 KiB, as for a client that stopped reading.
     channel = grpc.insecure_channel(frontend.target, options=[("grpc.http2.bdp_probe", 0)])
-    generate = channel.unary_stream("/openengine.v1.Inference/Generate",
-                                    request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
+    generate = channel.unary_stream(
+        "/openengine.v1.Inference/Generate",
+        request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+        response_deserializer=generation_pb2.GenerateResponse.FromString,
+    )
     try:
         calls = [generate(big_request(), timeout=40) for _ in range(NOT_READING)]
         wait_for(lambda: running_requests(frontend.target) >= NOT_READING, 20, "the streams running")
         started = time.monotonic()
-        wait_for(lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total") - before
-                 >= NOT_READING, 60, "every non-reading stream counted as stalled")
+        wait_for(
+            lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total") - before >= NOT_READING,
+            60,
+            "every non-reading stream counted as stalled",
+        )
         wait_for(lambda: running_requests(frontend.target) == 0, 10, "the engine slots freed")
         # 8000 tokens take 16 s at the 2 ms step: the streams were ended, they did not run to their end
         assert time.monotonic() - started < 14
@@ -187,7 +199,8 @@ BLOCKED_NEIGHBOURS = 40
 
 
 def test_blocked_streams_are_paused_cost_nothing_and_a_client_that_paused_reading_resumes_beside_them(
-        stall_frontend, cluster):
+    stall_frontend, cluster
+):
     import asyncio
 
     from openengine_bench.isolation import NON_READING_OPTIONS, NonReading, cpu_seconds_of
@@ -257,8 +270,11 @@ def test_non_reading_streams_do_not_slow_well_behaved_ones_and_are_ended(stack, 
     from . import processes
 
     wait_for(lambda: slow_cluster.node_running() == 0, 10, "an idle node before the test")
-    frontend, metrics_port = processes.with_metrics(processes.frontend(
-        slow_cluster.coordinator.target, stack.server, "--client-stall-timeout-s", str(ISOLATION_STALL_S)))
+    frontend, metrics_port = processes.with_metrics(
+        processes.frontend(
+            slow_cluster.coordinator.target, stack.server, "--client-stall-timeout-s", str(ISOLATION_STALL_S)
+        )
+    )
     frontend.start().wait_ready(60)
     stalls = lambda: metric(scrape(metrics_port), "openengine_frontend_client_stalls_total")  # noqa: E731
     pauses = lambda: metric(scrape(metrics_port), "openengine_frontend_client_pauses_total")  # noqa: E731
@@ -268,12 +284,20 @@ def test_non_reading_streams_do_not_slow_well_behaved_ones_and_are_ended(stack, 
     def measure():
         nonlocal stalls_before, pauses_before
         stalls_before, pauses_before, started = stalls(), pauses(), time.monotonic()
-        result = measure_isolation(frontend.target, non_reading, stalls, pairs=ISOLATION_PAIRS,
-                                   well_behaved=ISOLATION_WELL_BEHAVED, window_s=ISOLATION_WINDOW_S,
-                                   block_s=ISOLATION_BLOCK_S)
-        print(f"{stack.server}: ITL p99 per window alone {result.summary()['alone_ms']} ms, beside "
-              f"{NON_READING_STREAMS} non-reading streams {result.summary()['beside_ms']} ms, ratio of medians "
-              f"{result.ratio:.2f} ({time.monotonic() - started:.0f} s)")
+        result = measure_isolation(
+            frontend.target,
+            non_reading,
+            stalls,
+            pairs=ISOLATION_PAIRS,
+            well_behaved=ISOLATION_WELL_BEHAVED,
+            window_s=ISOLATION_WINDOW_S,
+            block_s=ISOLATION_BLOCK_S,
+        )
+        print(
+            f"{stack.server}: ITL p99 per window alone {result.summary()['alone_ms']} ms, beside "
+            f"{NON_READING_STREAMS} non-reading streams {result.summary()['beside_ms']} ms, ratio of medians "
+            f"{result.ratio:.2f} ({time.monotonic() - started:.0f} s)"
+        )
         return result
 
     try:
@@ -288,8 +312,11 @@ def test_non_reading_streams_do_not_slow_well_behaved_ones_and_are_ended(stack, 
         assert result.stalls_during_beside == 0, "non-reading streams ended while their window ran"
         assert result.ratio <= ITL_BOUND, result.summary()
         # The last window's non-reading streams are left to the stall timeout: each is ended, its slot freed.
-        wait_for(lambda: stalls() - stalls_before >= NON_READING_STREAMS, ISOLATION_STALL_S + 10,
-                 "every non-reading stream ended by the stall timeout")
+        wait_for(
+            lambda: stalls() - stalls_before >= NON_READING_STREAMS,
+            ISOLATION_STALL_S + 10,
+            "every non-reading stream ended by the stall timeout",
+        )
         for call in non_reading.calls:
             assert_ended_as_stalled(call)
         # paused on their node before that (OPENENGINE_CLIENT_PAUSE_AFTER_S), every set of them
@@ -297,8 +324,11 @@ def test_non_reading_streams_do_not_slow_well_behaved_ones_and_are_ended(stack, 
         wait_for(lambda: running_requests(frontend.target) == 0, 10, "GetLoad: no request running")
         wait_for(lambda: slow_cluster.node_running() == 0, 10, "the node's engine slots freed")
         wait_for(lambda: live_reservations(slow_cluster.coordinator.target) == 0, 10, "no reservation left")
-        wait_for(lambda: metric(scrape(metrics_port), "openengine_frontend_in_flight_requests") == 0, 10,
-                 "every stream and its inbox closed on the frontend")
+        wait_for(
+            lambda: metric(scrape(metrics_port), "openengine_frontend_in_flight_requests") == 0,
+            10,
+            "every stream and its inbox closed on the frontend",
+        )
     finally:
         non_reading.close()
         frontend.stop()
@@ -309,8 +339,9 @@ def test_beyond_max_in_flight_generate_is_refused_at_once_with_a_retry_hint(clus
     from . import processes
 
     coordinator, _ = cluster
-    frontend, metrics_port = processes.with_metrics(processes.frontend(
-        coordinator.target, server, "--max-in-flight", "2"))
+    frontend, metrics_port = processes.with_metrics(
+        processes.frontend(coordinator.target, server, "--max-in-flight", "2")
+    )
     frontend.start().wait_ready(60)
     try:
         with grpc.insecure_channel(frontend.target) as channel:
@@ -346,8 +377,11 @@ import os, signal, sys, uuid
 import grpc
 from openengine_serve.api.openengine.v1 import generation_pb2 as G, openengine_pb2_grpc
 stub = openengine_pb2_grpc.InferenceStub(grpc.insecure_channel(sys.argv[1]))
-streams = [stub.Generate(G.GenerateRequest(request_id=str(uuid.uuid4()), model="qwen3", prompt="hi", stopping=G.StoppingOptions(max_tokens=8000)),
-                         timeout=60) for _ in range(int(sys.argv[2]))]
+def request():
+    return G.GenerateRequest(
+        request_id=str(uuid.uuid4()), model="qwen3", prompt="hi", stopping=G.StoppingOptions(max_tokens=8000)
+    )
+streams = [stub.Generate(request(), timeout=60) for _ in range(int(sys.argv[2]))]
 for stream in streams:
     next(stream)
 os.kill(os.getpid(), signal.SIGKILL)  # the connection drops without a cancel or a goodbye
@@ -358,8 +392,11 @@ def live_reservations(coordinator_target: str) -> int:
     from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 
     with grpc.insecure_channel(coordinator_target) as channel:
-        return cluster_pb2_grpc.CoordinatorStub(channel).GetClusterLoad(
-            cluster_pb2.GetClusterLoadRequest(), timeout=5).live_reservations
+        return (
+            cluster_pb2_grpc.CoordinatorStub(channel)
+            .GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=5)
+            .live_reservations
+        )
 
 
 def test_clients_killed_mid_stream_leak_no_slot_reservation_or_sink(stall_frontend, cluster):
@@ -369,13 +406,17 @@ def test_clients_killed_mid_stream_leak_no_slot_reservation_or_sink(stall_fronte
     frontend, metrics_port = stall_frontend
     coordinator, _ = cluster
     for _ in range(4):
-        proc = subprocess.run([sys.executable, "-c", ABRUPT_CLIENT, frontend.target, "8"], timeout=60,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", ABRUPT_CLIENT, frontend.target, "8"], timeout=60, capture_output=True, text=True
+        )
         assert proc.returncode == -9, proc.stderr
     wait_for(lambda: running_requests(frontend.target) == 0, 15, "every engine slot freed")
     wait_for(lambda: live_reservations(coordinator.target) == 0, 10, "every reservation released")
-    wait_for(lambda: metric(scrape(metrics_port), "openengine_frontend_in_flight_requests") == 0, 10,
-             "every stream and its inbox closed on the frontend")
+    wait_for(
+        lambda: metric(scrape(metrics_port), "openengine_frontend_in_flight_requests") == 0,
+        10,
+        "every stream and its inbox closed on the frontend",
+    )
 
 
 IDLE_CONNECTIONS = 1000
@@ -418,5 +459,3 @@ def test_a_thousand_idle_connections_are_held_and_requests_still_work(stall_fron
     finally:
         for s in sockets:
             s.close()
-
-

@@ -24,8 +24,13 @@ WHEELS = Path(sys.prefix) / "wheels"
 
 
 def run_cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "openengine_serve", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "openengine_serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_invalid_variable_value_names_variable_and_choices():
@@ -52,15 +57,26 @@ def site_without_native(tmp_path_factory) -> Path:
 
 def python_with_site(site: Path, *args, timeout=60) -> subprocess.CompletedProcess:
     # -S skips the real site-packages; the substitute site directory is the only one on the path.
-    code = ("import site, sys; site.addsitedir(sys.argv[1]); sys.argv = ['openengine-serve', *sys.argv[2:]]; "
-            "from openengine_serve.cli import main; raise SystemExit(main())")
-    return subprocess.run([sys.executable, "-S", "-c", code, str(site), *args], capture_output=True, text=True,
-                          timeout=timeout)
+    code = (
+        "import site, sys; site.addsitedir(sys.argv[1]); sys.argv = ['openengine-serve', *sys.argv[2:]]; "
+        "from openengine_serve.cli import main; raise SystemExit(main())"
+    )
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code, str(site), *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_missing_native_package_fails_with_install_command(site_without_native):
-    result = python_with_site(site_without_native, "frontend", "--grpc-server", "pygrpc-native",
-                              "--coordinator-address", "127.0.0.1:9", "--metrics-port", "0")
+    result = python_with_site(
+        site_without_native,
+        "frontend",
+        "--grpc-server",
+        "pygrpc-native",
+        "--coordinator-address",
+        "127.0.0.1:9",
+        "--metrics-port",
+        "0",
+    )
     assert result.returncode == 2
     assert "pip install 'openengine-serve[native]'" in result.stderr
     assert "frontend listening" not in result.stderr  # failed before binding
@@ -76,9 +92,25 @@ def test_outdated_native_package_names_found_version_and_range(site_without_nati
         if IN_CI:
             pytest.fail(f"CI=true: {missing}", pytrace=False)
         pytest.skip(missing)
-    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                              "--find-links", str(WHEELS), "--target", str(old), OUTDATED_NATIVE],
-                             capture_output=True, text=True, timeout=120)
+    install = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--find-links",
+            str(WHEELS),
+            "--target",
+            str(old),
+            OUTDATED_NATIVE,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert install.returncode == 0, install.stderr
     result = python_with_site(old, "frontend", "--grpc-server", "pygrpc-native", "--metrics-port", "0")
     assert result.returncode == 2
@@ -103,9 +135,11 @@ def test_internal_components_stay_on_grpc_aio(cluster):
     log = (processes.LOG_DIR / f"node5-{node.port}.log").read_text()
     assert "OPENENGINE_GRPC_SERVER is ignored" in log
     assert "grpc_server=grpcio" in log
-    code = ("import os; os.environ['OPENENGINE_GRPC_SERVER']='pygrpc-native'; import grpc; "
-            "from openengine_serve.common.grpc_server import create_internal_server; "
-            "s = create_internal_server(); print(type(s).__module__)")
+    code = (
+        "import os; os.environ['OPENENGINE_GRPC_SERVER']='pygrpc-native'; import grpc; "
+        "from openengine_serve.common.grpc_server import create_internal_server; "
+        "s = create_internal_server(); print(type(s).__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30).stdout
     assert out.strip().startswith("grpc"), out
 
@@ -114,10 +148,13 @@ def test_identical_tokens_on_both_servers(cluster):
     """And over either result lane: the credited `Lane` (default) and `Results` (OPENENGINE_LANE_WINDOW=0, what a
     frontend reads from a node of an older release)."""
     coord, nodes = cluster
-    frontends = {s: processes.frontend(coord.target, s, "--frontend-id", f"fe-identical-{s}").start()
-                 for s in ("grpcio", "pygrpc-native")}
-    frontends["results-lane"] = processes.frontend(coord.target, "grpcio", "--lane-window", "0", "--frontend-id",
-                                                   "fe-identical-results-lane").start()
+    frontends = {
+        s: processes.frontend(coord.target, s, "--frontend-id", f"fe-identical-{s}").start()
+        for s in ("grpcio", "pygrpc-native")
+    }
+    frontends["results-lane"] = processes.frontend(
+        coord.target, "grpcio", "--lane-window", "0", "--frontend-id", "fe-identical-results-lane"
+    ).start()
     try:
         for f in frontends.values():
             f.wait_ready(60)

@@ -13,7 +13,8 @@ import grpc
 import pytest
 import trustme
 
-from openengine_serve.api.openengine.v1 import generation_pb2 as G, server_pb2
+from openengine_serve.api.openengine.v1 import generation_pb2 as G
+from openengine_serve.api.openengine.v1 import server_pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from openengine_serve.client import Client, Credentials, is_serving
 
@@ -45,8 +46,9 @@ class Pki:
 
     def client(self, mutual: bool = False, **extra) -> Credentials:
         if mutual:
-            return Credentials(ca_file=self.ca_file, cert_file=self.client_cert_file, key_file=self.client_key_file,
-                               **extra)
+            return Credentials(
+                ca_file=self.ca_file, cert_file=self.client_cert_file, key_file=self.client_key_file, **extra
+            )
         return Credentials(ca_file=self.ca_file, **extra)
 
 
@@ -60,8 +62,12 @@ def tls_frontend(coordinator: str, pki: Pki, mutual: bool = False, **env) -> pro
 
 
 def request(max_tokens: int = 8) -> G.GenerateRequest:
-    return G.GenerateRequest(request_id=f"tls-{uuid.uuid4()}", model=MODEL, prompt="Hello there",
-                             stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True))
+    return G.GenerateRequest(
+        request_id=f"tls-{uuid.uuid4()}",
+        model=MODEL,
+        prompt="Hello there",
+        stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+    )
 
 
 def generates(target: str, credentials: Credentials, max_tokens: int = 8) -> bool:
@@ -99,8 +105,7 @@ def test_mutual_tls_refuses_no_or_a_foreign_client_certificate(cluster, tmp_path
     fe = deployment.add(tls_frontend(coord.target, pki, mutual=True), 60)
     processes.wait_for(lambda: generates(fe.target, pki.client(mutual=True)), 20, "an mTLS generation")
     assert refused(fe.target, pki.client()) == grpc.StatusCode.UNAVAILABLE
-    foreign = Credentials(ca_file=pki.ca_file, cert_file=stranger.client_cert_file,
-                          key_file=stranger.client_key_file)
+    foreign = Credentials(ca_file=pki.ca_file, cert_file=stranger.client_cert_file, key_file=stranger.client_key_file)
     assert refused(fe.target, foreign) == grpc.StatusCode.UNAVAILABLE
 
 
@@ -114,8 +119,9 @@ def test_certificate_rotation_keeps_open_streams_and_serves_the_new_certificate(
         # what a Secret update does: the files change in place
         Path(old.cert_file).write_bytes(Path(new.cert_file).read_bytes())
         Path(old.key_file).write_bytes(Path(new.key_file).read_bytes())
-        processes.wait_for(lambda: is_serving(fe.target, credentials=new.client()), 10,
-                           "the new certificate on new connections")
+        processes.wait_for(
+            lambda: is_serving(fe.target, credentials=new.client()), 10, "the new certificate on new connections"
+        )
         assert refused(fe.target, old.client()) == grpc.StatusCode.UNAVAILABLE
         responses = list(stream)
     assert responses[-1].usage.completion_tokens == 1500
@@ -124,15 +130,30 @@ def test_certificate_rotation_keeps_open_streams_and_serves_the_new_certificate(
 def run_cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "openengine_serve", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "openengine_serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_pygrpc_native_with_tls_exits_2_at_start_naming_both_ways_out(tmp_path):
     pki = Pki(tmp_path, "public")
     started = time.monotonic()
-    result = run_cli("frontend", "--grpc-server", "pygrpc-native", "--port", str(processes.free_port()),
-                     "--tls-cert-file", pki.cert_file, "--tls-key-file", pki.key_file, timeout=30)
+    result = run_cli(
+        "frontend",
+        "--grpc-server",
+        "pygrpc-native",
+        "--port",
+        str(processes.free_port()),
+        "--tls-cert-file",
+        pki.cert_file,
+        "--tls-key-file",
+        pki.key_file,
+        timeout=30,
+    )
     assert result.returncode == 2, result.stderr
     assert time.monotonic() - started < 10
     message = result.stderr.strip()
@@ -155,12 +176,22 @@ def test_cli_calls_a_frontend_with_mutual_tls_and_an_api_key(cluster, tmp_path, 
     keys = tmp_path / "keys"
     keys.write_text("user cli-user k-cli-9d\n")
     fe = deployment.add(tls_frontend(coord.target, pki, mutual=True, OPENENGINE_API_KEYS_FILE=str(keys)), 60)
-    processes.wait_for(lambda: generates(fe.target, pki.client(mutual=True, api_key="k-cli-9d")), 20,
-                       "a keyed mTLS generation")
-    tls = ["--target", fe.target, "--tls-ca-file", pki.ca_file, "--tls-cert-file", pki.client_cert_file,
-           "--tls-key-file", pki.client_key_file]
-    result = run_cli("generate", *tls, "--prompt", "Hi", "--max-tokens", "4", "--ignore-eos",
-                     env={"OPENENGINE_API_KEY": "k-cli-9d"})
+    processes.wait_for(
+        lambda: generates(fe.target, pki.client(mutual=True, api_key="k-cli-9d")), 20, "a keyed mTLS generation"
+    )
+    tls = [
+        "--target",
+        fe.target,
+        "--tls-ca-file",
+        pki.ca_file,
+        "--tls-cert-file",
+        pki.client_cert_file,
+        "--tls-key-file",
+        pki.client_key_file,
+    ]
+    result = run_cli(
+        "generate", *tls, "--prompt", "Hi", "--max-tokens", "4", "--ignore-eos", env={"OPENENGINE_API_KEY": "k-cli-9d"}
+    )
     assert result.returncode == 0, result.stderr
     assert "completion_tokens=4" in result.stderr
     info = run_cli("info", *tls, "--api-key", "k-cli-9d")
@@ -175,12 +206,16 @@ def test_internal_mutual_tls_admits_the_deployment_and_refuses_a_stranger(tmp_pa
     internal, stranger = Pki(tmp_path, "internal"), Pki(tmp_path, "stranger")
 
     def tls_env(pki: Pki) -> dict[str, str]:
-        return {"OPENENGINE_INTERNAL_TLS_CERT_FILE": pki.cert_file, "OPENENGINE_INTERNAL_TLS_KEY_FILE": pki.key_file,
-                "OPENENGINE_INTERNAL_TLS_CA_FILE": pki.ca_file}
+        return {
+            "OPENENGINE_INTERNAL_TLS_CERT_FILE": pki.cert_file,
+            "OPENENGINE_INTERNAL_TLS_KEY_FILE": pki.key_file,
+            "OPENENGINE_INTERNAL_TLS_CA_FILE": pki.ca_file,
+        }
 
     coordinator = processes.coordinator(**tls_env(internal))
-    coordinator.credentials = Credentials(ca_file=internal.ca_file, cert_file=internal.cert_file,
-                                          key_file=internal.key_file)
+    coordinator.credentials = Credentials(
+        ca_file=internal.ca_file, cert_file=internal.cert_file, key_file=internal.key_file
+    )
     deployment.add(coordinator, 30)
     node = processes.node(coordinator.target, 0, **tls_env(internal))
     node.credentials = coordinator.credentials
@@ -189,23 +224,53 @@ def test_internal_mutual_tls_admits_the_deployment_and_refuses_a_stranger(tmp_pa
     processes.wait_for(lambda: generates(fe.target, Credentials()), 30, "a generation over internal mTLS")
 
     entry = cluster_pb2.NodeEntry(node_id="intruder", address="127.0.0.1:1", rank=5)
-    for credentials in (None, grpc.ssl_channel_credentials(
-            Path(internal.ca_file).read_bytes(), Path(stranger.client_key_file).read_bytes(),
-            Path(stranger.client_cert_file).read_bytes())):
+    for credentials in (
+        None,
+        grpc.ssl_channel_credentials(
+            Path(internal.ca_file).read_bytes(),
+            Path(stranger.client_key_file).read_bytes(),
+            Path(stranger.client_cert_file).read_bytes(),
+        ),
+    ):
         for target, call in (
-                (coordinator.target, lambda ch: cluster_pb2_grpc.CoordinatorStub(ch).RegisterNode(
-                    cluster_pb2.RegisterNodeRequest(node=entry), timeout=3)),
-                (coordinator.target, lambda ch: cluster_pb2_grpc.CoordinatorStub(ch).Reserve(
-                    cluster_pb2.ReserveRequest(request_id="x", frontend_id="intruder"), timeout=3)),
-                (node.target, lambda ch: cluster_pb2_grpc.NodeStub(ch).Submit(
-                    cluster_pb2.SubmitRequest(request=cluster_pb2.EngineRequest(request_id="x")), timeout=3)),
-                (node.target, lambda ch: next(cluster_pb2_grpc.NodeStub(ch).Results(
-                    cluster_pb2.ResultsRequest(frontend_id="intruder"), timeout=3))),
-                (node.target, lambda ch: next(cluster_pb2_grpc.NodeStub(ch).Lane(
-                    iter([cluster_pb2.LaneCredit(frontend_id="intruder", window=2)]), timeout=3)))):
-            channel = (grpc.insecure_channel(target) if credentials is None else
-                       grpc.secure_channel(target, credentials,
-                                           options=[("grpc.ssl_target_name_override", "localhost")]))
+            (
+                coordinator.target,
+                lambda ch: cluster_pb2_grpc.CoordinatorStub(ch).RegisterNode(
+                    cluster_pb2.RegisterNodeRequest(node=entry), timeout=3
+                ),
+            ),
+            (
+                coordinator.target,
+                lambda ch: cluster_pb2_grpc.CoordinatorStub(ch).Reserve(
+                    cluster_pb2.ReserveRequest(request_id="x", frontend_id="intruder"), timeout=3
+                ),
+            ),
+            (
+                node.target,
+                lambda ch: cluster_pb2_grpc.NodeStub(ch).Submit(
+                    cluster_pb2.SubmitRequest(request=cluster_pb2.EngineRequest(request_id="x")), timeout=3
+                ),
+            ),
+            (
+                node.target,
+                lambda ch: next(
+                    cluster_pb2_grpc.NodeStub(ch).Results(cluster_pb2.ResultsRequest(frontend_id="intruder"), timeout=3)
+                ),
+            ),
+            (
+                node.target,
+                lambda ch: next(
+                    cluster_pb2_grpc.NodeStub(ch).Lane(
+                        iter([cluster_pb2.LaneCredit(frontend_id="intruder", window=2)]), timeout=3
+                    )
+                ),
+            ),
+        ):
+            channel = (
+                grpc.insecure_channel(target)
+                if credentials is None
+                else grpc.secure_channel(target, credentials, options=[("grpc.ssl_target_name_override", "localhost")])
+            )
             with channel, pytest.raises(grpc.RpcError) as err:
                 call(channel)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
@@ -218,12 +283,35 @@ def test_up_with_mutual_tls_and_api_keys_checks_readiness_over_tls_and_says_so(t
     keys = tmp_path / "keys"
     keys.write_text("user up-user k-up-41\n")
     port = processes.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine", "simulated",
-                             "--tls-cert-file", pki.cert_file, "--tls-key-file", pki.key_file,
-                             "--tls-client-ca-file", pki.ca_file, "--api-keys-file", str(keys),
-                             "--tls-ca-file", pki.ca_file, "--client-cert-file", pki.client_cert_file,
-                             "--client-key-file", pki.client_key_file],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "up",
+            "--port",
+            str(port),
+            "--engine",
+            "simulated",
+            "--tls-cert-file",
+            pki.cert_file,
+            "--tls-key-file",
+            pki.key_file,
+            "--tls-client-ca-file",
+            pki.ca_file,
+            "--api-keys-file",
+            str(keys),
+            "--tls-ca-file",
+            pki.ca_file,
+            "--client-cert-file",
+            pki.client_cert_file,
+            "--client-key-file",
+            pki.client_key_file,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert f"ready on 127.0.0.1:{port} (TLS, mutual TLS, API key required)" in line, line
@@ -239,7 +327,15 @@ def test_up_with_mutual_tls_and_api_keys_checks_readiness_over_tls_and_says_so(t
 @pytest.mark.parametrize("component", ["coordinator", "node", "frontend"])
 def test_incomplete_internal_tls_stops_the_start(tmp_path, component):
     pki = Pki(tmp_path, "internal")
-    result = run_cli(component, "--port", str(processes.free_port()), "--internal-tls-cert-file", pki.cert_file,
-                     "--internal-tls-key-file", pki.key_file, timeout=30)
+    result = run_cli(
+        component,
+        "--port",
+        str(processes.free_port()),
+        "--internal-tls-cert-file",
+        pki.cert_file,
+        "--internal-tls-key-file",
+        pki.key_file,
+        timeout=30,
+    )
     assert result.returncode == 2, result.stderr
     assert "needs all three of OPENENGINE_INTERNAL_TLS_CERT_FILE" in result.stderr

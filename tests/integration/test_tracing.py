@@ -47,8 +47,9 @@ def _ready_ranks(target: str, keys_file: str = "") -> int:
     from openengine_serve.api.openengine.v1 import server_pb2
 
     with Client(target) as client:
-        return client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=2,
-                                            metadata=KEY_METADATA if keys_file else ()).parallelism.data_parallel_size
+        return client.control.GetServerInfo(
+            server_pb2.GetServerInfoRequest(), timeout=2, metadata=KEY_METADATA if keys_file else ()
+        ).parallelism.data_parallel_size
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,16 @@ def test_one_tree_across_the_three_processes_under_the_clients_trace(traced, ser
     trace_id, client_span = os.urandom(16), os.urandom(8)
     req = request(max_tokens=12)
     with Client(traced.frontend(server).target) as client:
-        responses = list(client.inference.Generate(req, timeout=30, metadata=(
-            ("traceparent", f"00-{trace_id.hex()}-{client_span.hex()}-01"), ("tracestate", "vendor=opaque"))))
+        responses = list(
+            client.inference.Generate(
+                req,
+                timeout=30,
+                metadata=(
+                    ("traceparent", f"00-{trace_id.hex()}-{client_span.hex()}-01"),
+                    ("tracestate", "vendor=opaque"),
+                ),
+            )
+        )
     assert responses[-1].usage.completion_tokens == 12
 
     spans = traced.receiver.wait_for(trace_id, 5)
@@ -131,17 +140,27 @@ def test_a_call_without_traceparent_starts_a_trace_and_a_refusal_is_an_error_spa
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
     def generate_span(request_id):
-        found = processes.wait_for(lambda: [s for s in traced.receiver.all_spans() if s.name == GENERATE
-                                            and s.attributes.get("openengine.request_id") == request_id], 10,
-                                   f"the span of {request_id}")
+        found = processes.wait_for(
+            lambda: [
+                s
+                for s in traced.receiver.all_spans()
+                if s.name == GENERATE and s.attributes.get("openengine.request_id") == request_id
+            ],
+            10,
+            f"the span of {request_id}",
+        )
         return found[0]
 
     root = generate_span(req.request_id)
     assert root.span.parent_span_id == b""  # a new trace
     spans = traced.receiver.wait_for(root.span.trace_id, 5)
     assert {(s.service, s.name) for s in spans} == {
-        ("openengine-frontend", GENERATE), ("openengine-frontend", RESERVE), ("openengine-frontend", SUBMIT),
-        ("openengine-coordinator", RESERVE), ("openengine-node", SUBMIT)}
+        ("openengine-frontend", GENERATE),
+        ("openengine-frontend", RESERVE),
+        ("openengine-frontend", SUBMIT),
+        ("openengine-coordinator", RESERVE),
+        ("openengine-node", SUBMIT),
+    }
 
     rejected = generate_span(refused.request_id)
     assert rejected.span.status.code == trace_pb2.Status.STATUS_CODE_ERROR
@@ -158,8 +177,13 @@ def test_a_trace_the_client_did_not_sample_is_recorded_nowhere(traced, server):
     unsampled, sampled = os.urandom(16), os.urandom(16)
     with Client(traced.frontend(server).target) as client:
         for trace_id, flags in ((unsampled, "00"), (sampled, "01")):
-            list(client.inference.Generate(request(max_tokens=4), timeout=30, metadata=(
-                ("traceparent", f"00-{trace_id.hex()}-{os.urandom(8).hex()}-{flags}"),)))
+            list(
+                client.inference.Generate(
+                    request(max_tokens=4),
+                    timeout=30,
+                    metadata=(("traceparent", f"00-{trace_id.hex()}-{os.urandom(8).hex()}-{flags}"),),
+                )
+            )
     assert len(traced.receiver.wait_for(sampled, 5)) == 5
     assert traced.receiver.spans(unsampled) == []
 
@@ -170,8 +194,13 @@ def test_the_callers_key_name_is_on_the_span_when_keys_are_on(traced, server, tm
     keys.write_text(f"user {KEY_NAME} {KEY_SECRET}\n")
     trace_id = os.urandom(16)
     with Client(traced.frontend(server, str(keys)).target) as client:
-        list(client.inference.Generate(request(max_tokens=3), timeout=30, metadata=KEY_METADATA + (
-            ("traceparent", f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"),)))
+        list(
+            client.inference.Generate(
+                request(max_tokens=3),
+                timeout=30,
+                metadata=KEY_METADATA + (("traceparent", f"00-{trace_id.hex()}-{os.urandom(8).hex()}-01"),),
+            )
+        )
     spans = traced.receiver.wait_for(trace_id, 5)
     assert by_name(spans, GENERATE, "openengine-frontend").attributes["openengine.key_name"] == KEY_NAME
     assert KEY_SECRET not in repr([s.span for s in spans])  # the name, never the secret

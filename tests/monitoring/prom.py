@@ -65,16 +65,22 @@ class Prometheus:
         (workdir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         self.log = open(workdir / "prometheus.log", "ab")
         self.proc = subprocess.Popen(
-            [binary("prometheus"), f"--config.file={workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
-             "--web.enable-lifecycle"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                binary("prometheus"),
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 30.0) -> "Prometheus":
+    def wait_ready(self, timeout: float = 30.0) -> Prometheus:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -14,13 +14,14 @@ _UNITS = {"s": "seconds", "reqps": "requests/s", "short": "", "percentunit": "fr
 def legend(template: str, labels: dict[str, str]) -> str:
     out = template
     for key, value in labels.items():
-        out = out.replace("{{%s}}" % key, value)
+        out = out.replace("{{" + key + "}}", value)
     return out
 
 
 def render(prom: Prometheus, start: float, end: float, out: Path, rate_interval: str = "15s") -> int:
     """Writes one PNG with every panel; returns the number of panels drawn."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -34,8 +35,9 @@ def render(prom: Prometheus, start: float, end: float, out: Path, rate_interval:
             expr = target["expr"].replace("$namespace", ".*").replace("$__rate_interval", rate_interval)
             series = prom.query_range(expr, start, end)
             if panel["type"] == "table":
-                rows_text = [legend(target["legendFormat"], s["metric"]) + f"   value {s['values'][-1][1]}"
-                             for s in series]
+                rows_text = [
+                    legend(target["legendFormat"], s["metric"]) + f"   value {s['values'][-1][1]}" for s in series
+                ]
                 ax.text(0.02, 0.5, "\n".join(rows_text), fontsize=10, family="monospace", va="center")
                 ax.set_axis_off()
                 continue
@@ -48,11 +50,14 @@ def render(prom: Prometheus, start: float, end: float, out: Path, rate_interval:
             ax.tick_params(labelsize=7)
             ax.legend(fontsize=6, loc="upper left", ncol=2)
             ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_axis_off()
-    fig.suptitle("openengine-serve dashboard: rendered with matplotlib from the queries of "
-                 "deploy/monitoring/openengine-dashboard.json\nagainst a real Prometheus scraping "
-                 "`openengine-serve up` under load (not a Grafana screenshot; x axis: seconds)", fontsize=10)
+    fig.suptitle(
+        "openengine-serve dashboard: rendered with matplotlib from the queries of "
+        "deploy/monitoring/openengine-dashboard.json\nagainst a real Prometheus scraping "
+        "`openengine-serve up` under load (not a Grafana screenshot; x axis: seconds)",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)

@@ -19,8 +19,12 @@ def documented_metrics() -> set[str]:
     """Metric names of the README's Metrics table (labels stripped)."""
     readme = REPO.joinpath("README.md").read_text()
     table = readme.split("### Metrics", 1)[1].split("\n## ", 1)[0]
-    return {m for line in table.splitlines() if line.startswith("| `openengine_")
-            for m in METRIC.findall(line.split("|")[1])}
+    return {
+        m
+        for line in table.splitlines()
+        if line.startswith("| `openengine_")
+        for m in METRIC.findall(line.split("|")[1])
+    }
 
 
 def queried_metrics(exprs) -> set[str]:
@@ -70,8 +74,12 @@ def test_dashboard_and_alerts_query_only_documented_metrics():
 
 
 def test_compose_prometheus_config_is_valid():
-    proc = subprocess.run([binary("promtool"), "check", "config", str(MONITORING / "prometheus.yml")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [binary("promtool"), "check", "config", str(MONITORING / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS: 1 rule files found" in proc.stdout
 

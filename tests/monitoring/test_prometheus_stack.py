@@ -23,9 +23,9 @@ import pytest
 from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.client import Client
 
+from ..helm.chart_helpers import CHART_DIR, NAMESPACE, RELEASE, VARIANTS, Rendered, name, require
 from ..integration.processes import wait_for
 from ..integration.test_generate import request
-from ..helm.chart_helpers import CHART_DIR, NAMESPACE, RELEASE, VARIANTS, Rendered, name, require
 from .prom import ADAPTER_RULES, RULES, Prometheus, binary, finite_values, panel_queries
 from .render import render
 
@@ -52,11 +52,28 @@ def up_stack(request):
     busy = [p for ports in METRICS_PORTS.values() for p in ports if not port_free(p)]
     assert not busy, f"`openengine-serve up --metrics` needs 127.0.0.1 ports {busy} free"
     from openengine_serve.local import free_port
+
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--metrics", "--port", str(port),
-                             "--nodes", str(NODES), "--grpc-server", request.param,
-                             "--engine", "simulated"],  # load at a rate only the simulated engine serves here
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "up",
+            "--metrics",
+            "--port",
+            str(port),
+            "--nodes",
+            str(NODES),
+            "--grpc-server",
+            request.param,
+            "--engine",
+            "simulated",
+        ],  # load at a rate only the simulated engine serves here
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "ready on" in line, f"`openengine-serve up` did not start: {line!r}"
@@ -77,8 +94,11 @@ def keda_queries() -> dict[str, str]:
         rendered = Rendered(chart.render(VARIANTS["keda"], name=RELEASE, namespace=NAMESPACE, is_install=True), yaml)
     finally:
         chart.close()
-    return {f"{so['metadata']['name']}/{t['name']}": t["metadata"]["query"]
-            for so in rendered.of_kind("ScaledObject") for t in so["spec"]["triggers"]}
+    return {
+        f"{so['metadata']['name']}/{t['name']}": t["metadata"]["query"]
+        for so in rendered.of_kind("ScaledObject")
+        for t in so["spec"]["triggers"]
+    }
 
 
 def adapter_queries() -> dict[str, str]:
@@ -87,12 +107,18 @@ def adapter_queries() -> dict[str, str]:
     yaml = require("yaml")
     rules = yaml.safe_load(ADAPTER_RULES.read_text())["rules"]
     out = {}
-    for kind, group_by, matchers in (("custom", "pod", f'namespace="{NAMESPACE}",pod=~".+"'),
-                                      ("external", "namespace", f'namespace="{NAMESPACE}"')):
+    for kind, group_by, matchers in (
+        ("custom", "pod", f'namespace="{NAMESPACE}",pod=~".+"'),
+        ("external", "namespace", f'namespace="{NAMESPACE}"'),
+    ):
         for rule in rules[kind]:
             series = rule["seriesQuery"].split("{", 1)[0]
-            query = (rule["metricsQuery"].replace("<<.Series>>", series)
-                     .replace("<<.LabelMatchers>>", matchers).replace("<<.GroupBy>>", group_by))
+            query = (
+                rule["metricsQuery"]
+                .replace("<<.Series>>", series)
+                .replace("<<.LabelMatchers>>", matchers)
+                .replace("<<.GroupBy>>", group_by)
+            )
             out[f"{kind}/{rule['name']['as']}"] = query
     return out
 
@@ -106,11 +132,18 @@ def prometheus(tmp_path):
         # Each target labelled as the Prometheus Operator labels a pod of the chart's release, so the
         # chart's autoscaling queries can be run here too.
         "scrape_configs": [
-            {"job_name": f"openengine-{component}",
-             "static_configs": [{"targets": [f"127.0.0.1:{p}"],
-                                 "labels": {"namespace": NAMESPACE, "pod": f"{name(component)}-5f7c9d8b6-pod{i}"}}
-                                for i, p in enumerate(ports)]}
-            for component, ports in METRICS_PORTS.items()],
+            {
+                "job_name": f"openengine-{component}",
+                "static_configs": [
+                    {
+                        "targets": [f"127.0.0.1:{p}"],
+                        "labels": {"namespace": NAMESPACE, "pod": f"{name(component)}-5f7c9d8b6-pod{i}"},
+                    }
+                    for i, p in enumerate(ports)
+                ],
+            }
+            for component, ports in METRICS_PORTS.items()
+        ],
     }
     prom = Prometheus(tmp_path / "prometheus", config).wait_ready()
     yield prom
@@ -129,8 +162,12 @@ def load(target: str, stop: threading.Event, errors: list[BaseException]) -> Non
 @pytest.mark.parametrize("up_stack", ["grpcio", "pygrpc-native"], indirect=True)
 def test_every_dashboard_query_returns_data_under_load(up_stack, prometheus, tmp_path):
     target, server = up_stack
-    wait_for(lambda: len([t for t in prometheus.api("targets")["activeTargets"] if t["health"] == "up"])
-             == NODES + 2, 30, "every component scraped", interval=0.5)
+    wait_for(
+        lambda: len([t for t in prometheus.api("targets")["activeTargets"] if t["health"] == "up"]) == NODES + 2,
+        30,
+        "every component scraped",
+        interval=0.5,
+    )
     stop, errors = threading.Event(), []
     threads = [threading.Thread(target=load, args=(target, stop, errors), daemon=True) for _ in range(4)]
     start = time.time()
@@ -156,9 +193,9 @@ def test_every_dashboard_query_returns_data_under_load(up_stack, prometheus, tmp
         assert len(adapter) == 6
         for rule, expr in adapter.items():
             assert finite_values(prometheus.query(expr)), f"prometheus-adapter rule {rule}: {expr} has no value"
-        info = prometheus.query('openengine_frontend_grpc_server_info == 1')
+        info = prometheus.query("openengine_frontend_grpc_server_info == 1")
         assert {s["metric"]["implementation"] for s in info} == {server}
-        tokens = prometheus.query('sum(increase(openengine_frontend_generated_tokens_total[1m]))')
+        tokens = prometheus.query("sum(increase(openengine_frontend_generated_tokens_total[1m]))")
         assert finite_values(tokens)[0] > 100
         png = Path(os.environ.get("OPENENGINE_DASHBOARD_PNG") or tmp_path / "dashboard.png")
         drawn = render(prometheus, start, time.time(), png)

@@ -190,6 +190,7 @@ class FakeNodeStub:
                 if isinstance(item, Exception):
                     raise item
                 yield item
+
         return stream()
 
 
@@ -242,12 +243,23 @@ class FakeChannel:
         self.closed = True
 
 
-def coordinator_client(stub: FakeCoordinatorStub, nodes: NodeConnections, live_requests=lambda: 0,
-                       more_shards: dict[str, FakeCoordinatorStub] | None = None) -> CoordinatorClient:
+def coordinator_client(
+    stub: FakeCoordinatorStub,
+    nodes: NodeConnections,
+    live_requests=lambda: 0,
+    more_shards: dict[str, FakeCoordinatorStub] | None = None,
+) -> CoordinatorClient:
     """A client of the coordinator `stub` ("coordinator.test:1"), and of `more_shards` (address -> stub)."""
     shards = {"coordinator.test:1": stub, **(more_shards or {})}
-    client = CoordinatorClient("fe-test", list(shards), "fe.test:1", heartbeat_s=1.0, call_timeout_s=1.0,
-                               live_requests=live_requests, on_node_table=nodes.keep_only)
+    client = CoordinatorClient(
+        "fe-test",
+        list(shards),
+        "fe.test:1",
+        heartbeat_s=1.0,
+        call_timeout_s=1.0,
+        live_requests=live_requests,
+        on_node_table=nodes.keep_only,
+    )
     for shard in client.shards:
         shard.stub = shards[shard.address]
     return client

@@ -19,8 +19,9 @@ def write(path, text: str) -> str:
 
 def test_parses_plain_and_hashed_secrets_comments_and_blank_lines(tmp_path):
     digest = hashlib.sha256(b"s3cret-admin").hexdigest()
-    path = write(tmp_path / "keys", f"# team keys\n\nuser alice alice-key   # trailing comment\n"
-                                    f"admin ops sha256:{digest}\n")
+    path = write(
+        tmp_path / "keys", f"# team keys\n\nuser alice alice-key   # trailing comment\nadmin ops sha256:{digest}\n"
+    )
     store = auth.KeyStore(path)
     assert [(k.role, k.name) for k in store.keys] == [("user", "alice"), ("admin", "ops")]
     assert store.authenticate("alice-key").name == "alice"
@@ -32,17 +33,20 @@ def test_parses_plain_and_hashed_secrets_comments_and_blank_lines(tmp_path):
     assert b"alice-key" not in repr(store.keys).encode()
 
 
-@pytest.mark.parametrize(("text", "line", "message"), [
-    ("user alice\n", 1, "expected `ROLE NAME SECRET [max_in_flight=N]` (3 or 4 fields), found 2"),
-    ("# c\nroot alice k\n", 2, "role must be one of user, admin, got 'root'"),
-    ("user a k1\n\nadmin b sha256:abc\n", 3, "a sha256: secret must be 64 hexadecimal digits"),
-    ("user a same\nadmin b same\n", 2, "the same secret is already the key 'a'"),
-    ("user a k same\n", 1, "the 4th field must be max_in_flight=N with N a positive integer"),
-    ("user a k max_in_flight=0\n", 1, "the 4th field must be max_in_flight=N"),
-    ("user a k max_in_flight=-3\n", 1, "the 4th field must be max_in_flight=N"),
-    ("user a k max_in_flight=２\n", 1, "the 4th field must be max_in_flight=N"),
-    ("user a k max_in_flight=2 x\n", 1, "found 5"),
-])
+@pytest.mark.parametrize(
+    ("text", "line", "message"),
+    [
+        ("user alice\n", 1, "expected `ROLE NAME SECRET [max_in_flight=N]` (3 or 4 fields), found 2"),
+        ("# c\nroot alice k\n", 2, "role must be one of user, admin, got 'root'"),
+        ("user a k1\n\nadmin b sha256:abc\n", 3, "a sha256: secret must be 64 hexadecimal digits"),
+        ("user a same\nadmin b same\n", 2, "the same secret is already the key 'a'"),
+        ("user a k same\n", 1, "the 4th field must be max_in_flight=N with N a positive integer"),
+        ("user a k max_in_flight=0\n", 1, "the 4th field must be max_in_flight=N"),
+        ("user a k max_in_flight=-3\n", 1, "the 4th field must be max_in_flight=N"),
+        ("user a k max_in_flight=２\n", 1, "the 4th field must be max_in_flight=N"),
+        ("user a k max_in_flight=2 x\n", 1, "found 5"),
+    ],
+)
 def test_malformed_line_names_file_and_line_never_the_secret(tmp_path, text, line, message):
     path = write(tmp_path / "keys", text)
     with pytest.raises(ConfigError) as err:

@@ -75,8 +75,15 @@ def test_without_a_timeout_the_count_bounds_the_attempts():
     assert raised.value is error
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
-                                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ALREADY_EXISTS])
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ALREADY_EXISTS,
+    ],
+)
 def test_other_refusals_are_not_retried(code):
     a = attempts(10.0)
     a.next_timeout()

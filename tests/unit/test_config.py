@@ -25,18 +25,21 @@ def test_frontend_workers_variable_name():
     assert cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_FRONTEND_WORKERS": "3"}).workers == 3
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({"OPENENGINE_GRPC_SERVER": "tornado"}, "OPENENGINE_GRPC_SERVER must be one of grpcio, pygrpc-native"),
-    ({"OPENENGINE_PORT": "abc"}, "OPENENGINE_PORT must be an integer"),
-    ({"OPENENGINE_PORT": "70000"}, "OPENENGINE_PORT must be between 1 and 65535"),
-    ({"OPENENGINE_DRAIN_TIMEOUT_S": "-1"}, "OPENENGINE_DRAIN_TIMEOUT_S must be >= 0"),
-    ({"OPENENGINE_DRAIN_TIMEOUT_S": "nan"}, "OPENENGINE_DRAIN_TIMEOUT_S must be a number"),
-    ({"OPENENGINE_FRONTEND_WORKERS": "0"}, "OPENENGINE_FRONTEND_WORKERS must be between 1 and 64"),
-    ({"OPENENGINE_NATIVE_IO_THREADS": "-1"}, "OPENENGINE_NATIVE_IO_THREADS must be between 0 and 64"),
-    ({"OPENENGINE_MAX_CONNECTION_AGE_S": "-5"}, "OPENENGINE_MAX_CONNECTION_AGE_S must be >= 0"),
-    ({"OPENENGINE_COORDINATOR_ADDRESS": "c0:50052,,c1:50052"}, "without empty entries; got 'c0:50052,,c1:50052'"),
-    ({"OPENENGINE_COORDINATOR_ADDRESS": "c0:1, c1:1,c0:1"}, "lists c0:1 more than once"),
-])
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"OPENENGINE_GRPC_SERVER": "tornado"}, "OPENENGINE_GRPC_SERVER must be one of grpcio, pygrpc-native"),
+        ({"OPENENGINE_PORT": "abc"}, "OPENENGINE_PORT must be an integer"),
+        ({"OPENENGINE_PORT": "70000"}, "OPENENGINE_PORT must be between 1 and 65535"),
+        ({"OPENENGINE_DRAIN_TIMEOUT_S": "-1"}, "OPENENGINE_DRAIN_TIMEOUT_S must be >= 0"),
+        ({"OPENENGINE_DRAIN_TIMEOUT_S": "nan"}, "OPENENGINE_DRAIN_TIMEOUT_S must be a number"),
+        ({"OPENENGINE_FRONTEND_WORKERS": "0"}, "OPENENGINE_FRONTEND_WORKERS must be between 1 and 64"),
+        ({"OPENENGINE_NATIVE_IO_THREADS": "-1"}, "OPENENGINE_NATIVE_IO_THREADS must be between 0 and 64"),
+        ({"OPENENGINE_MAX_CONNECTION_AGE_S": "-5"}, "OPENENGINE_MAX_CONNECTION_AGE_S must be >= 0"),
+        ({"OPENENGINE_COORDINATOR_ADDRESS": "c0:50052,,c1:50052"}, "without empty entries; got 'c0:50052,,c1:50052'"),
+        ({"OPENENGINE_COORDINATOR_ADDRESS": "c0:1, c1:1,c0:1"}, "lists c0:1 more than once"),
+    ],
+)
 def test_invalid_values_name_the_variable(env, needle):
     with pytest.raises(cfg.ConfigError, match=needle.replace("(", r"\(")):
         cfg.load(cfg.FrontendConfig, None, env)
@@ -50,7 +53,9 @@ def test_invalid_flag_names_the_flag():
 def test_max_batch_zero_is_the_engines_default():
     assert cfg.load(cfg.NodeConfig, None, {}).max_batch == 32  # llama.cpp, the default engine
     assert cfg.load(cfg.NodeConfig, None, {"OPENENGINE_ENGINE": "simulated"}).max_batch == 256
-    assert cfg.load(cfg.NodeConfig, None, {"OPENENGINE_ENGINE": "simulated", "OPENENGINE_MAX_BATCH": "8"}).max_batch == 8
+    assert (
+        cfg.load(cfg.NodeConfig, None, {"OPENENGINE_ENGINE": "simulated", "OPENENGINE_MAX_BATCH": "8"}).max_batch == 8
+    )
 
 
 def test_llama_cpp_settings_are_checked_against_the_engine():
@@ -82,6 +87,7 @@ def test_advertise_address_defaults():
 
 def test_max_connection_age_on_both_servers():
     assert cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60"}).max_connection_age_s == 60
-    native = cfg.load(cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60",
-                                                 "OPENENGINE_GRPC_SERVER": "pygrpc-native"})
+    native = cfg.load(
+        cfg.FrontendConfig, None, {"OPENENGINE_MAX_CONNECTION_AGE_S": "60", "OPENENGINE_GRPC_SERVER": "pygrpc-native"}
+    )
     assert (native.grpc_server, native.max_connection_age_s) == ("pygrpc-native", 60)

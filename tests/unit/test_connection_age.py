@@ -33,13 +33,13 @@ def test_a_young_connection_admits_calls_and_is_not_due():
 def test_an_aged_connection_refuses_new_calls_and_waits_for_its_open_ones():
     clock = Clock()
     ages = ConnectionAges(10.0, 50051, clock)
-    assert ages.open(PEER)                 # a long call, still open at the age
+    assert ages.open(PEER)  # a long call, still open at the age
     clock.now += 10.0
-    assert not ages.open(PEER)             # refused: not started
+    assert not ages.open(PEER)  # refused: not started
     clock.now += 1.0
-    assert ages.due([PEER]) == []          # the open call runs to its end first
+    assert ages.due([PEER]) == []  # the open call runs to its end first
     ages.close(PEER)
-    assert ages.due([PEER]) == []          # its response may still be leaving
+    assert ages.due([PEER]) == []  # its response may still be leaving
     clock.now += QUIET_S * 1.01
     assert ages.due([PEER]) == [PEER]
 
@@ -66,18 +66,21 @@ def test_closed_connections_refuse_late_calls_then_are_forgotten():
     clock, ages = one_call_ended()
     clock.now += 2.0
     ages._mark_closed(PEER)
-    assert not ages.open(PEER)             # a call that was already on its way
+    assert not ages.open(PEER)  # a call that was already on its way
     clock.now += connection_age.FORGET_CLOSED_S
     assert ages.due([PEER]) == []
-    assert ages.open(PEER)                 # the same address again later is a new connection
+    assert ages.open(PEER)  # the same address again later is a new connection
 
 
-@pytest.mark.parametrize("peer, address", [
-    ("ipv4:10.1.2.3:5000", ("10.1.2.3", 5000)),
-    ("ipv6:[::1]:5000", ("::1", 5000)),
-    ("ipv6:[::ffff:10.1.2.3]:5000", ("10.1.2.3", 5000)),
-    ("unix:/tmp/socket", None),
-])
+@pytest.mark.parametrize(
+    "peer, address",
+    [
+        ("ipv4:10.1.2.3:5000", ("10.1.2.3", 5000)),
+        ("ipv6:[::1]:5000", ("::1", 5000)),
+        ("ipv6:[::ffff:10.1.2.3]:5000", ("10.1.2.3", 5000)),
+        ("unix:/tmp/socket", None),
+    ],
+)
 def test_peer_address(peer, address):
     assert peer_address(peer) == address
 
@@ -95,11 +98,11 @@ def test_a_connection_found_by_its_peer_is_shut_down_for_its_client():
         found, gone = sockets.find([peer, "ipv4:127.0.0.1:1"])
         assert list(found) == [peer] and gone == ["ipv4:127.0.0.1:1"]
         found[peer].shutdown(socket.SHUT_RDWR)
-        found[peer].close()                # the duplicate only: the original stays open
-        assert client.recv(1) == b""       # the client sees the connection end
+        found[peer].close()  # the duplicate only: the original stays open
+        assert client.recv(1) == b""  # the client sees the connection end
         other.sendall(b"x")
         assert accepted[1].recv(1) == b"x"  # the other connection is untouched
-        accepted[0].fileno()               # and the original descriptor still exists
+        accepted[0].fileno()  # and the original descriptor still exists
     finally:
         for sock in (listener, client, other, *accepted):
             sock.close()

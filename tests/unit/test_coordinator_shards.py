@@ -21,8 +21,9 @@ UNAVAILABLE = rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
 
 def id_owned_by(address: str, start: int = 0) -> str:
-    return next(f"req-{i}" for i in range(start, start + 1000) if owning_coordinator(f"req-{i}", [FIRST, SECOND])
-                == address)
+    return next(
+        f"req-{i}" for i in range(start, start + 1000) if owning_coordinator(f"req-{i}", [FIRST, SECOND]) == address
+    )
 
 
 @pytest.fixture
@@ -96,8 +97,10 @@ def test_the_node_table_is_every_answering_coordinators_and_the_first_listed_win
     client._set_nodes(second, [node_entry("n0", rank=0, state=cluster_pb2.NODE_STATE_DOWN), node_entry("n1", 1)])
     client._set_nodes(first, [node_entry("n0", rank=0)])
     # Neither has answered yet: every last known table.
-    assert {n.node_id: n.state for n in client.nodes.values()} == {"n0": cluster_pb2.NODE_STATE_READY,
-                                                                   "n1": cluster_pb2.NODE_STATE_READY}
+    assert {n.node_id: n.state for n in client.nodes.values()} == {
+        "n0": cluster_pb2.NODE_STATE_READY,
+        "n1": cluster_pb2.NODE_STATE_READY,
+    }
     first.reachable = second.reachable = True
     client._set_nodes(first, [node_entry("n0", rank=0)])
     assert sorted(n.node_id for n in client.ready_nodes()) == ["n0", "n1"]
@@ -130,8 +133,15 @@ async def test_heartbeats_ride_one_stream_and_keep_the_node_table_from_its_chang
         tables.append(sorted((n.node_id, n.state) for n in nodes.values()))
         reachable.append(client.reachable)
 
-    client = CoordinatorClient("fe-test", [FIRST], "fe.test:1", heartbeat_s=0.01, call_timeout_s=1.0,
-                               live_requests=lambda: 3, on_node_table=on_node_table)
+    client = CoordinatorClient(
+        "fe-test",
+        [FIRST],
+        "fe.test:1",
+        heartbeat_s=0.01,
+        call_timeout_s=1.0,
+        live_requests=lambda: 3,
+        on_node_table=on_node_table,
+    )
     client.shards[0].stub = stub
     loop = asyncio.create_task(client.heartbeat_loop())
     try:

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.routing import rendezvous_pick
 from openengine_serve.coordinator.state import (
     FRONTEND_LOAD_REFRESH_S,
     ClusterState,
@@ -19,7 +20,6 @@ from openengine_serve.coordinator.state import (
     RankNotFound,
     TableCursor,
 )
-from openengine_serve.common.routing import rendezvous_pick
 
 READY = cluster_pb2.NODE_STATE_READY
 DOWN = cluster_pb2.NODE_STATE_DOWN
@@ -50,8 +50,10 @@ def state(clock: FakeClock) -> ClusterState:
 
 def load(running: int = 0, queued: int = 0, max_running: int = 8, max_queued: int = 8) -> cluster_pb2.NodeLoad:
     return cluster_pb2.NodeLoad(
-        running_requests=running, queued_requests=queued,
-        max_running_requests=max_running, max_queued_requests=max_queued,
+        running_requests=running,
+        queued_requests=queued,
+        max_running_requests=max_running,
+        max_queued_requests=max_queued,
     )
 
 
@@ -364,8 +366,7 @@ def test_frontend_registering_again_has_restarted(state: ClusterState) -> None:
     assert state.lookup("r1") == ("finished", None)
 
 
-def test_frontend_registering_again_keeps_its_reservations_unless_its_incarnation_changed(
-        state: ClusterState) -> None:
+def test_frontend_registering_again_keeps_its_reservations_unless_its_incarnation_changed(state: ClusterState) -> None:
     """A frontend registers again after a failed heartbeat: the same process (incarnation) keeps its live
     requests' reservations; a restarted one under the same id (a new incarnation) has none left."""
     add_node(state, "a")
@@ -414,17 +415,23 @@ def test_a_batch_applies_its_releases_first_then_answers_each_reservation_in_ord
     add_node(state, "n1", 1)
     state.register_frontend("fe-1", "fe-1:1")
     state.reserve(cluster_pb2.ReserveRequest(request_id="old", frontend_id="fe-1", target_rank=0))
-    batch = cluster_pb2.ReservationBatch(frontend_id="fe-1", release=["old", "never-reserved"], reserve=[
-        cluster_pb2.ReserveRequest(request_id="a", target_rank=0, owner="key-a"),  # rank 0 is free again
-        cluster_pb2.ReserveRequest(request_id="a"),  # duplicate of the entry just before
-        cluster_pb2.ReserveRequest(request_id="b", target_rank=7),
-        cluster_pb2.ReserveRequest(request_id="c", target_rank=0),  # rank 0 is full again
-    ])
+    batch = cluster_pb2.ReservationBatch(
+        frontend_id="fe-1",
+        release=["old", "never-reserved"],
+        reserve=[
+            cluster_pb2.ReserveRequest(request_id="a", target_rank=0, owner="key-a"),  # rank 0 is free again
+            cluster_pb2.ReserveRequest(request_id="a"),  # duplicate of the entry just before
+            cluster_pb2.ReserveRequest(request_id="b", target_rank=7),
+            cluster_pb2.ReserveRequest(request_id="c", target_rank=0),  # rank 0 is full again
+        ],
+    )
     outcomes = state.apply_batch(batch)
     assert outcomes[0].node.node_id == "n0" and not outcomes[0].refusal_code
-    assert [o.refusal_code for o in outcomes[1:]] == [grpc.StatusCode.ALREADY_EXISTS.value[0],
-                                                     grpc.StatusCode.NOT_FOUND.value[0],
-                                                     grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+    assert [o.refusal_code for o in outcomes[1:]] == [
+        grpc.StatusCode.ALREADY_EXISTS.value[0],
+        grpc.StatusCode.NOT_FOUND.value[0],
+        grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+    ]
     assert "'a' is already in flight (owned by frontend 'fe-1')" in outcomes[1].refusal
     assert "no ready node has rank 7" in outcomes[2].refusal
     assert state.lookup("old")[0] == "finished" and state.lookup("a")[0] == "live"
@@ -445,9 +452,11 @@ def test_least_loaded_through_the_load_index_matches_a_scan_over_every_node(stat
         action = rng.random()
         if action < 0.15:
             node_id = rng.choice(ids)
-            state.node_heartbeat(node_id, rng.choice([READY, READY, READY, DRAINING]),
-                                 load(running=rng.randint(0, 4), max_running=rng.randint(1, 6),
-                                      max_queued=rng.randint(0, 2)))
+            state.node_heartbeat(
+                node_id,
+                rng.choice([READY, READY, READY, DRAINING]),
+                load(running=rng.randint(0, 4), max_running=rng.randint(1, 6), max_queued=rng.randint(0, 2)),
+            )
         elif action < 0.45 and live:
             assert state.release(live.pop(rng.randrange(len(live))), "fe-1")
         else:
@@ -460,8 +469,9 @@ def test_least_loaded_through_the_load_index_matches_a_scan_over_every_node(stat
             chosen = reserve(state, f"r{step}")
             live.append(f"r{step}")
             assert chosen in {n.entry.node_id for n in eligible}
-            assert state._nodes[chosen].load_score() - 1 / max(1, state._nodes[chosen].entry.load.max_running_requests) \
-                == pytest.approx(lowest)  # its score before this reservation was the lowest
+            assert state._nodes[chosen].load_score() - 1 / max(
+                1, state._nodes[chosen].entry.load.max_running_requests
+            ) == pytest.approx(lowest)  # its score before this reservation was the lowest
 
 
 # ------------------------------------------------------- the frontends' node table
@@ -499,8 +509,9 @@ def test_a_frontend_gets_the_whole_table_first_then_only_what_changed(state: Clu
     assert since(state, cursor) == (False, ["b"]) and since(state, cursor) == (False, [])
 
 
-def test_load_figures_alone_reach_a_frontend_at_most_every_refresh_period(state: ClusterState,
-                                                                          clock: FakeClock) -> None:
+def test_load_figures_alone_reach_a_frontend_at_most_every_refresh_period(
+    state: ClusterState, clock: FakeClock
+) -> None:
     add_node(state, "a")
     add_node(state, "b")
     cursor = TableCursor()
@@ -532,8 +543,9 @@ def test_a_node_leaving_the_table_sends_the_whole_table_again(state: ClusterStat
     assert since(state, cursor) == (True, ["b"])  # "a" is gone: the frontend's copy must drop it
 
 
-def test_a_heartbeat_that_changes_nothing_leaves_the_table_and_the_index_alone(state: ClusterState,
-                                                                             clock: FakeClock) -> None:
+def test_a_heartbeat_that_changes_nothing_leaves_the_table_and_the_index_alone(
+    state: ClusterState, clock: FakeClock
+) -> None:
     add_node(state, "a")
     add_node(state, "b")
     state.node_heartbeat("a", READY, load(running=1))
@@ -558,14 +570,16 @@ def test_a_heartbeat_that_changes_nothing_leaves_the_table_and_the_index_alone(s
     assert reserve(state, "r2") != picked
 
 
-def test_a_node_of_another_model_is_refused_while_a_node_of_the_first_lives(state: ClusterState,
-                                                                          clock: FakeClock) -> None:
+def test_a_node_of_another_model_is_refused_while_a_node_of_the_first_lives(
+    state: ClusterState, clock: FakeClock
+) -> None:
     smol = cluster_pb2.ModelCard(name="SmolLM2-135M-Instruct", engine="llama.cpp", tokenizer_digest="a" * 64)
     other = cluster_pb2.ModelCard(name="Qwen/Qwen3-0.6B", engine="simulated", tokenizer_digest="b" * 64)
     state.register_node(cluster_pb2.NodeEntry(node_id="n0", address="n0:1", model=smol), None)
     state.register_node(cluster_pb2.NodeEntry(node_id="n1", address="n1:1", model=smol), None)
-    with pytest.raises(ModelMismatch, match="node 'n2' serves 'Qwen/Qwen3-0.6B'.*live node 'n0' serves "
-                                            "'SmolLM2-135M-Instruct'"):
+    with pytest.raises(
+        ModelMismatch, match="node 'n2' serves 'Qwen/Qwen3-0.6B'.*live node 'n0' serves 'SmolLM2-135M-Instruct'"
+    ):
         state.register_node(cluster_pb2.NodeEntry(node_id="n2", address="n2:1", model=other), None)
     clock.advance(4.0)
     state.expire()  # n0 and n1 silent past the expiry: DOWN

@@ -31,8 +31,10 @@ def v2(tmp_path, cgroup: str, limits: dict[str, str], mount_root: str = "/") -> 
 
 
 def v1(tmp_path, cgroup: str, limits: dict[str, tuple[str, str]], mount_root: str = "/") -> str:
-    files = {"proc/self/cgroup": f"4:memory:/other\n2:cpu,cpuacct:{cgroup}\n0::/\n",
-             "proc/self/mountinfo": V1_MOUNTINFO.format(root=mount_root)}
+    files = {
+        "proc/self/cgroup": f"4:memory:/other\n2:cpu,cpuacct:{cgroup}\n0::/\n",
+        "proc/self/mountinfo": V1_MOUNTINFO.format(root=mount_root),
+    }
     for d, (quota, period) in limits.items():
         base = f"sys/fs/cgroup/cpu,cpuacct/{d}".rstrip("/")
         files[f"{base}/cpu.cfs_quota_us"] = quota + "\n"
@@ -74,8 +76,9 @@ def test_v2_without_cgroupns_the_mount_root_is_stripped(tmp_path):
 
 
 def test_v1_quota(tmp_path):
-    root = v1(tmp_path, "/docker/abc", {"docker/abc": ("100000", "100000"), "docker": ("-1", "100000"),
-                                        "": ("-1", "100000")})
+    root = v1(
+        tmp_path, "/docker/abc", {"docker/abc": ("100000", "100000"), "docker": ("-1", "100000"), "": ("-1", "100000")}
+    )
     assert cgroup_cpu_quota(root) == 1.0
     assert cpu_budget(root, affinity=2) == CpuBudget(cpus=1.0, affinity=2, quota=1.0)
 
@@ -103,14 +106,20 @@ def test_quota_above_affinity_leaves_affinity(tmp_path):
 def test_hybrid_v1_cpu_and_v2_without_cpu_max(tmp_path):
     root = v1(tmp_path, "/x", {"x": ("200000", "100000")})
     (tmp_path / "proc/self/mountinfo").write_text(
-        V1_MOUNTINFO.format(root="/") + "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
+        V1_MOUNTINFO.format(root="/") + "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n"
+    )
     assert cgroup_cpu_quota(root) == 2.0
 
 
 def test_escaped_mount_point(tmp_path):
-    root = tree(tmp_path, {"proc/self/cgroup": "0::/g\n",
-                           "proc/self/mountinfo": "29 23 0:26 / /cg\\040root rw - cgroup2 cgroup2 rw\n",
-                           "cg root/g/cpu.max": "200000 100000\n"})
+    root = tree(
+        tmp_path,
+        {
+            "proc/self/cgroup": "0::/g\n",
+            "proc/self/mountinfo": "29 23 0:26 / /cg\\040root rw - cgroup2 cgroup2 rw\n",
+            "cg root/g/cpu.max": "200000 100000\n",
+        },
+    )
     assert cgroup_cpu_quota(root) == 2.0
 
 
@@ -130,8 +139,10 @@ def test_no_proc_files_is_no_quota(tmp_path):
     assert cpu_budget(str(tmp_path), affinity=3).cpus == 3
 
 
-@pytest.mark.parametrize("cpus, override, expected", [(0.5, 0, 1), (1.0, 0, 1), (2.0, 0, 1), (3.99, 0, 1), (4.0, 0, 2),
-                                                     (16, 0, 2), (0.5, 3, 3), (16, 1, 1)])
+@pytest.mark.parametrize(
+    "cpus, override, expected",
+    [(0.5, 0, 1), (1.0, 0, 1), (2.0, 0, 1), (3.99, 0, 1), (4.0, 0, 2), (16, 0, 2), (0.5, 3, 3), (16, 1, 1)],
+)
 def test_native_io_threads(cpus, override, expected):
     assert native_io_threads(CpuBudget(cpus=cpus, affinity=16, quota=None), override) == expected
 

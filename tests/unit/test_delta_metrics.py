@@ -11,21 +11,31 @@ from openengine_serve.frontend.metrics import _LATENCY, DeltaMetrics
 
 
 def _pair(registry: CollectorRegistry):
-    return (Counter("t_tokens", "tokens", registry=registry),
-            Histogram("t_itl", "gaps", buckets=_LATENCY, registry=registry))
+    return (
+        Counter("t_tokens", "tokens", registry=registry),
+        Histogram("t_itl", "gaps", buckets=_LATENCY, registry=registry),
+    )
 
 
 def _samples(registry: CollectorRegistry) -> dict:
     """Every sample but the creation times; sums rounded (added in another order, they differ in the last bits)."""
-    return {(s.name, tuple(sorted(s.labels.items()))): round(s.value, 9)
-            for metric in registry.collect() for s in metric.samples if not s.name.endswith("_created")}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): round(s.value, 9)
+        for metric in registry.collect()
+        for s in metric.samples
+        if not s.name.endswith("_created")
+    }
 
 
 async def test_batched_updates_expose_what_one_observe_per_delta_exposes():
     rng = random.Random(3)
-    deltas = [(rng.randrange(1, 4), None if i % 17 == 0 else rng.choice([0.0, 0.001, 0.0025, 0.002, 20.0,
-                                                                          rng.random() * 0.3]))
-              for i in range(500)]
+    deltas = [
+        (
+            rng.randrange(1, 4),
+            None if i % 17 == 0 else rng.choice([0.0, 0.001, 0.0025, 0.002, 20.0, rng.random() * 0.3]),
+        )
+        for i in range(500)
+    ]
     direct, batched = CollectorRegistry(), CollectorRegistry()
     tokens, gaps = _pair(direct)
     for count, gap in deltas:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.engine.simulated.batch import Batch, encode_token_fields
 from openengine_serve.engine.config import WorkerConfig
 from openengine_serve.engine.interface import step_message
+from openengine_serve.engine.simulated.batch import Batch, encode_token_fields
 
 PROMPT = [9707, 11, 1879]
 
@@ -22,8 +22,16 @@ def make_batch(token_fields, max_batch: int = 4) -> Batch:
 
 
 def add(request_id: str, *, sequences: int = 1, priority: int = 0, **fields) -> cluster_pb2.EngineRequest:
-    values = dict(request_id=request_id, frontend_id="fe-1", prompt_token_ids=PROMPT, max_tokens=1000,
-                  ignore_eos=True, temperature=0.7, num_sequences=sequences, priority=priority)
+    values = dict(
+        request_id=request_id,
+        frontend_id="fe-1",
+        prompt_token_ids=PROMPT,
+        max_tokens=1000,
+        ignore_eos=True,
+        temperature=0.7,
+        num_sequences=sequences,
+        priority=priority,
+    )
     values.update(fields)
     return cluster_pb2.EngineRequest(**values)
 
@@ -77,7 +85,9 @@ def test_cancel_of_a_queued_output_and_of_a_running_request(token_fields):
     batch.cancel(cluster_pb2.CancelRequest(request_id="never-seen"), events)
     cancelled = cluster_pb2.EngineStep.FromString(b"".join(events)).events
     assert [(e.request_id, e.output_index, e.finish) for e in cancelled] == [
-        ("queued", 1, cluster_pb2.ENGINE_FINISH_CANCELLED), ("running", 0, cluster_pb2.ENGINE_FINISH_CANCELLED)]
+        ("queued", 1, cluster_pb2.ENGINE_FINISH_CANCELLED),
+        ("running", 0, cluster_pb2.ENGINE_FINISH_CANCELLED),
+    ]
     assert batch.running_sequences == 0 and batch.running_request_ids == []
     batch.admit()  # the cancelled output does not count: the remaining one fits
     assert batch.running_request_ids == ["queued"] and batch.running_sequences == 1
@@ -121,8 +131,10 @@ def test_all_paused_is_idle_and_a_paused_request_can_be_cancelled(token_fields):
     assert batch.paused_tokens == len(PROMPT) + 1
     batch.cancel(cluster_pb2.CancelRequest(request_id="a"), events)
     cancelled = cluster_pb2.EngineStep.FromString(b"".join(events)).events
-    assert [(e.output_index, e.finish) for e in cancelled] == [(0, cluster_pb2.ENGINE_FINISH_CANCELLED),
-                                                              (1, cluster_pb2.ENGINE_FINISH_CANCELLED)]
+    assert [(e.output_index, e.finish) for e in cancelled] == [
+        (0, cluster_pb2.ENGINE_FINISH_CANCELLED),
+        (1, cluster_pb2.ENGINE_FINISH_CANCELLED),
+    ]
     assert (batch.running_sequences, batch.paused_tokens, batch.running_request_ids) == (0, 0, [])
     pause(batch, "a", resume=True)  # resuming what ended does nothing
     assert batch.idle and batch.running_request_ids == []
@@ -151,23 +163,37 @@ def test_step_bytes_equal_protobuf_serialization(token_fields):
         assert [event.first for event in parsed.events] == [number == 1] * 3, "each output's first token says so"
         assert hand == parsed.SerializeToString()
         rebuilt = cluster_pb2.EngineStep(
-            step=number, running=3, running_tokens=running_tokens, step_seconds=0.002, worker_pids=[11, 12],
-            events=[cluster_pb2.OutputEvent(request_id=e.request_id, output_index=e.output_index, lane=e.lane,
-                                            tokens=[cluster_pb2.TokenRecord(token_id=e.tokens[0].token_id)],
-                                            first=number == 1)
-                    for e in parsed.events])
+            step=number,
+            running=3,
+            running_tokens=running_tokens,
+            step_seconds=0.002,
+            worker_pids=[11, 12],
+            events=[
+                cluster_pb2.OutputEvent(
+                    request_id=e.request_id,
+                    output_index=e.output_index,
+                    lane=e.lane,
+                    tokens=[cluster_pb2.TokenRecord(token_id=e.tokens[0].token_id)],
+                    first=number == 1,
+                )
+                for e in parsed.events
+            ],
+        )
         assert hand == rebuilt.SerializeToString()
 
 
 def test_idle_heartbeat_is_an_empty_step(token_fields):
     batch = make_batch(token_fields)
-    assert step_message(7, [], batch.load(0), 0.0, [11]) == cluster_pb2.EngineStep(
-        step=7, worker_pids=[11]).SerializeToString()
+    assert (
+        step_message(7, [], batch.load(0), 0.0, [11])
+        == cluster_pb2.EngineStep(step=7, worker_pids=[11]).SerializeToString()
+    )
 
 
 def test_worker_config_round_trips_and_rejects_bad_values():
-    config = WorkerConfig(command_address="tcp://127.0.0.1:1", step_address="tcp://127.0.0.1:2", max_batch=8,
-                          step_ms=2.5, ranks=2)
+    config = WorkerConfig(
+        command_address="tcp://127.0.0.1:1", step_address="tcp://127.0.0.1:2", max_batch=8, step_ms=2.5, ranks=2
+    )
     assert WorkerConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match="unknown engine worker config keys: colour"):
         WorkerConfig.from_json('{"command_address": "a", "step_address": "b", "max_batch": 1, "colour": 1}')

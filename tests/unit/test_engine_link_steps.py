@@ -29,8 +29,9 @@ def test_queued_steps_leave_turns_to_the_other_tasks():
     async def main():
         order: list[str] = []
         link = EngineLink(step_ms=2, max_batch=4, max_queue=4, ranks=1, on_step=lambda step: order.append("step"))
-        receiver = asyncio.create_task(link._receive_steps(SimpleNamespace(steps=QueuedSteps(QUEUED_STEPS),
-                                                                           worker_pids=())))
+        receiver = asyncio.create_task(
+            link._receive_steps(SimpleNamespace(steps=QueuedSteps(QUEUED_STEPS), worker_pids=()))
+        )
 
         async def other_calls():  # e.g. a lane's credit or a heartbeat reply waiting for its turn
             while len(order) < 2 * QUEUED_STEPS:
@@ -39,7 +40,7 @@ def test_queued_steps_leave_turns_to_the_other_tasks():
 
         await asyncio.wait_for(other_calls(), 5)
         receiver.cancel()
-        first_steps = order[:order.index("other", 1)]
+        first_steps = order[: order.index("other", 1)]
         assert order.count("step") >= QUEUED_STEPS // 2, order
         assert len(first_steps) <= 2, f"the receiver ran {first_steps.count('step')} queued steps in one turn"
 

@@ -12,8 +12,14 @@ FINISH = cluster_pb2
 
 
 def make_request(**fields) -> cluster_pb2.EngineRequest:
-    defaults = dict(request_id="req-1", frontend_id="fe-1", prompt_token_ids=[9707, 11, 1879, 0],
-                    max_tokens=64, temperature=0.8, top_p=0.95)
+    defaults = dict(
+        request_id="req-1",
+        frontend_id="fe-1",
+        prompt_token_ids=[9707, 11, 1879, 0],
+        max_tokens=64,
+        temperature=0.8,
+        top_p=0.95,
+    )
     defaults.update(fields)
     return cluster_pb2.EngineRequest(**defaults)
 
@@ -39,12 +45,15 @@ def test_same_request_gives_same_tokens_whatever_the_request_id():
     assert [r.SerializeToString() for _, _, r in first] == [r.SerializeToString() for _, _, r in again]
 
 
-@pytest.mark.parametrize("change", [
-    dict(seed=7, has_seed=True),
-    dict(temperature=0.5),
-    dict(top_k=40),
-    dict(prompt_token_ids=[9707, 11, 1879, 1]),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(seed=7, has_seed=True),
+        dict(temperature=0.5),
+        dict(top_k=40),
+        dict(prompt_token_ids=[9707, 11, 1879, 1]),
+    ],
+)
 def test_seed_sampling_and_prompt_change_the_tokens(change):
     request = make_request(ignore_eos=True)
     changed = make_request(ignore_eos=True, **change)
@@ -122,7 +131,7 @@ def test_stop_token_ends_the_output_including_the_token():
     stop_id = plain[10]
     first_use = plain.index(stop_id)
     produced = run_output(make_request(ignore_eos=True, max_tokens=50, stop_token_ids=[stop_id, 3]))
-    assert token_ids(produced) == plain[:first_use + 1]
+    assert token_ids(produced) == plain[: first_use + 1]
     assert produced[-1][1] == FINISH.ENGINE_FINISH_STOP_TOKEN
 
 
@@ -130,8 +139,7 @@ def test_stop_token_before_min_tokens_is_an_ordinary_token():
     plain = token_ids(run_output(make_request(ignore_eos=True, max_tokens=80)))
     stop_id = plain[5]
     later_uses = [index for index, token_id in enumerate(plain) if token_id == stop_id and index >= 20]
-    produced = run_output(make_request(ignore_eos=True, max_tokens=80, min_tokens=21,
-                                       stop_token_ids=[stop_id]))
+    produced = run_output(make_request(ignore_eos=True, max_tokens=80, min_tokens=21, stop_token_ids=[stop_id]))
     assert stop_id in token_ids(produced[:20])
     if later_uses:
         assert len(produced) == later_uses[0] + 1
@@ -143,8 +151,7 @@ def test_stop_token_before_min_tokens_is_an_ordinary_token():
 
 def test_a_stop_token_counts_toward_min_tokens():
     plain = token_ids(run_output(make_request(ignore_eos=True, max_tokens=50)))
-    produced = run_output(make_request(ignore_eos=True, max_tokens=50, min_tokens=10,
-                                       stop_token_ids=[plain[9]]))
+    produced = run_output(make_request(ignore_eos=True, max_tokens=50, min_tokens=10, stop_token_ids=[plain[9]]))
     # Ignored before position 10 wherever it occurs, it ends the output as the 10th token.
     assert token_ids(produced) == plain[:10]
     assert produced[-1][1] == FINISH.ENGINE_FINISH_STOP_TOKEN
@@ -170,8 +177,9 @@ def test_greedy_tokens_have_rank_one():
 
 
 def test_top_n_candidates_are_ranked_and_hold_the_chosen_token():
-    request = make_request(max_tokens=300, ignore_eos=True, output_logprobs=True,
-                           output_candidates=cluster_pb2.Candidates(top_n=3))
+    request = make_request(
+        max_tokens=300, ignore_eos=True, output_logprobs=True, output_candidates=cluster_pb2.Candidates(top_n=3)
+    )
     seen_outside = False
     for token_id, _, record in run_output(request):
         candidates = list(record.candidates)
@@ -191,8 +199,9 @@ def test_top_n_candidates_are_ranked_and_hold_the_chosen_token():
 
 def test_token_id_candidates_answer_every_asked_id():
     asked = [11, 13, 9707]
-    request = make_request(max_tokens=100, ignore_eos=True, output_logprobs=True,
-                           output_candidates=cluster_pb2.Candidates(token_ids=asked))
+    request = make_request(
+        max_tokens=100, ignore_eos=True, output_logprobs=True, output_candidates=cluster_pb2.Candidates(token_ids=asked)
+    )
     for token_id, _, record in run_output(request):
         assert [c.token_id for c in record.candidates] == asked
         for candidate in record.candidates:
@@ -204,8 +213,14 @@ def test_token_id_candidates_answer_every_asked_id():
 
 def test_prompt_logprobs_once_for_output_zero_first_token_without_logprob():
     prompt = [9707, 11, 1879, 0, 42]
-    state = model.RequestState(make_request(prompt_token_ids=prompt, num_sequences=2, prompt_logprobs=True,
-                                            prompt_candidates=cluster_pb2.Candidates(top_n=2)))
+    state = model.RequestState(
+        make_request(
+            prompt_token_ids=prompt,
+            num_sequences=2,
+            prompt_logprobs=True,
+            prompt_candidates=cluster_pb2.Candidates(top_n=2),
+        )
+    )
     assert state.take_prompt_records(1) is None
     records = state.take_prompt_records(0)
     assert state.take_prompt_records(0) is None
@@ -218,8 +233,9 @@ def test_prompt_logprobs_once_for_output_zero_first_token_without_logprob():
 def test_prompt_logprob_start_skips_leading_tokens_with_the_same_values():
     prompt = [9707, 11, 1879, 0, 42]
     full = model.prompt_token_records(make_request(prompt_token_ids=prompt, prompt_logprobs=True))
-    tail = model.prompt_token_records(make_request(prompt_token_ids=prompt, prompt_logprobs=True,
-                                                   prompt_logprob_start=2))
+    tail = model.prompt_token_records(
+        make_request(prompt_token_ids=prompt, prompt_logprobs=True, prompt_logprob_start=2)
+    )
     assert [r.SerializeToString() for r in tail] == [r.SerializeToString() for r in full[2:]]
     assert tail[0].has_logprob
 

@@ -13,16 +13,34 @@ import pytest
 from openengine_serve.common import health_probe as hp
 
 # Modules a healthcheck must not pay for (each costs tens to hundreds of milliseconds of CPU to import).
-HEAVY_MODULES = ("grpc", "google.protobuf", "grpc_health", "tiktoken", "mpi4py", "zmq", "prometheus_client",
-                 "asyncio", "openengine_serve.api", "openengine_serve.common.config",
-                 "openengine_serve.common.grpc_server", "openengine_serve.client")
+HEAVY_MODULES = (
+    "grpc",
+    "google.protobuf",
+    "grpc_health",
+    "tiktoken",
+    "mpi4py",
+    "zmq",
+    "prometheus_client",
+    "asyncio",
+    "openengine_serve.api",
+    "openengine_serve.common.config",
+    "openengine_serve.common.grpc_server",
+    "openengine_serve.client",
+)
 
 
 def imported_modules(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "openengine_serve", *args],
-                            capture_output=True, text=True, timeout=60)
-    names = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
-             if line.startswith("import time:") and line.count("|") == 2}
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "openengine_serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    names = {
+        line.rsplit("|", 1)[1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
     return result, names
 
 
@@ -53,8 +71,9 @@ def test_health_of_an_unreachable_target_imports_nothing_heavy():
 
 def test_health_with_an_api_key_stays_on_the_standard_library_probe():
     """grpc.health.v1 needs no key: the flag changes nothing and costs no import."""
-    result, names = imported_modules("health", "--target", f"127.0.0.1:{closed_port()}", "--timeout", "2",
-                                     "--api-key", "k-unused")
+    result, names = imported_modules(
+        "health", "--target", f"127.0.0.1:{closed_port()}", "--timeout", "2", "--api-key", "k-unused"
+    )
     assert result.returncode == 1
     assert result.stdout.startswith("readiness: UNREACHABLE (UNAVAILABLE"), result.stdout
     assert not heavy(names), heavy(names)
@@ -62,8 +81,7 @@ def test_health_with_an_api_key_stays_on_the_standard_library_probe():
 
 def test_health_over_tls_goes_through_grpcio():
     """The standard-library probe speaks h2c only: a TLS flag hands the check to grpcio."""
-    result, names = imported_modules("health", "--target", f"127.0.0.1:{closed_port()}", "--timeout", "2",
-                                     "--tls")
+    result, names = imported_modules("health", "--target", f"127.0.0.1:{closed_port()}", "--timeout", "2", "--tls")
     assert result.returncode == 1
     assert result.stdout.startswith("readiness: UNREACHABLE (UNAVAILABLE"), result.stdout
     assert {"grpc", "openengine_serve.client"} <= names
@@ -85,10 +103,15 @@ def test_no_answer_is_a_timeout():
         assert 0.4 < time.monotonic() - started < 3
 
 
-@pytest.mark.parametrize("target, expected", [("127.0.0.1:50051", ("127.0.0.1", 50051)),
-                                              ("frontend:8080", ("frontend", 8080)),
-                                              ("[::1]:50051", ("::1", 50051)),
-                                              ("dns:///frontend.ns.svc:50051", ("frontend.ns.svc", 50051))])
+@pytest.mark.parametrize(
+    "target, expected",
+    [
+        ("127.0.0.1:50051", ("127.0.0.1", 50051)),
+        ("frontend:8080", ("frontend", 8080)),
+        ("[::1]:50051", ("::1", 50051)),
+        ("dns:///frontend.ns.svc:50051", ("frontend.ns.svc", 50051)),
+    ],
+)
 def test_split_target(target, expected):
     assert hp.split_target(target) == expected
 
@@ -118,15 +141,33 @@ def grpc_body(message: bytes) -> bytes:
     return struct.pack(">BI", 0, len(message)) + message
 
 
-@pytest.mark.parametrize("message, status", [(b"\x08\x01", 1), (b"\x08\x02", 2), (b"", 0), (b"\x08\x03", 3),
-                                             # unknown fields are skipped, the last status wins
-                                             (b"\x12\x02ab\x08\x02\x08\x01\x1d\x00\x00\x00\x00", 1)])
+@pytest.mark.parametrize(
+    "message, status",
+    [
+        (b"\x08\x01", 1),
+        (b"\x08\x02", 2),
+        (b"", 0),
+        (b"\x08\x03", 3),
+        # unknown fields are skipped, the last status wins
+        (b"\x12\x02ab\x08\x02\x08\x01\x1d\x00\x00\x00\x00", 1),
+    ],
+)
 def test_serving_status(message, status):
     assert hp._serving_status(grpc_body(message)) == status
 
 
-@pytest.mark.parametrize("body", [b"", b"\x00\x00\x00", grpc_body(b"\x08\x01")[:-1], b"\x01" + grpc_body(b"")[1:],
-                                  grpc_body(b"\x08"), grpc_body(b"\x0b\x01"), grpc_body(b"\x12\x05ab")])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"\x00\x00\x00",
+        grpc_body(b"\x08\x01")[:-1],
+        b"\x01" + grpc_body(b"")[1:],
+        grpc_body(b"\x08"),
+        grpc_body(b"\x0b\x01"),
+        grpc_body(b"\x12\x05ab"),
+    ],
+)
 def test_no_well_formed_message_is_inconclusive(body):
     with pytest.raises(hp.ProbeInconclusive):
         hp._serving_status(body)
@@ -138,5 +179,4 @@ def test_request_message():
 
 
 def test_status_names():
-    assert [hp.status_name(s) for s in (0, 1, 2, 3, 7)] == ["UNKNOWN", "SERVING", "NOT_SERVING",
-                                                             "SERVICE_UNKNOWN", "7"]
+    assert [hp.status_name(s) for s in (0, 1, 2, 3, 7)] == ["UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", "7"]

@@ -10,8 +10,13 @@ import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.config import CoordinatorConfig
-from openengine_serve.common.heartbeat_stream import (ACK_EVERY_S, BACKOFF_FIRST_S, HeartbeatFailed, HeartbeatStream,
-                                                       PeerHeartbeats)
+from openengine_serve.common.heartbeat_stream import (
+    ACK_EVERY_S,
+    BACKOFF_FIRST_S,
+    HeartbeatFailed,
+    HeartbeatStream,
+    PeerHeartbeats,
+)
 from openengine_serve.coordinator.server import CoordinatorService
 
 from .frontend_fakes import QueuedReplies, rpc_error
@@ -57,11 +62,14 @@ async def test_every_heartbeat_rides_the_same_stream_and_gets_its_reply():
     assert heartbeats.next_delay(1.0) == 1.0
 
 
-@pytest.mark.parametrize("failure, code", [
-    (rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset"), grpc.StatusCode.UNAVAILABLE),
-    (grpc.aio.EOF, grpc.StatusCode.UNAVAILABLE),  # the coordinator ended the stream
-    (None, grpc.StatusCode.DEADLINE_EXCEEDED),  # no reply at all
-])
+@pytest.mark.parametrize(
+    "failure, code",
+    [
+        (rpc_error(grpc.StatusCode.UNAVAILABLE, "connection reset"), grpc.StatusCode.UNAVAILABLE),
+        (grpc.aio.EOF, grpc.StatusCode.UNAVAILABLE),  # the coordinator ended the stream
+        (None, grpc.StatusCode.DEADLINE_EXCEEDED),  # no reply at all
+    ],
+)
 async def test_a_failed_stream_is_cancelled_and_the_next_heartbeat_opens_a_new_one(failure, code):
     first = [KNOWN] + ([failure] if failure is not None else [])
     streams = Streams(first, [KNOWN])
@@ -140,8 +148,7 @@ async def test_quiet_heartbeats_to_a_coordinator_of_an_older_release_read_every_
 
 
 async def test_a_stream_the_coordinator_ended_is_reopened_and_its_first_heartbeat_asks():
-    streams = Streams([QUIET_OK], [cluster_pb2.HeartbeatReply(known=False, replies_optional=True)],
-                      [QUIET_OK])
+    streams = Streams([QUIET_OK], [cluster_pb2.HeartbeatReply(known=False, replies_optional=True)], [QUIET_OK])
     heartbeats = HeartbeatStream(streams.open, reply_timeout_s=1.0)
     await heartbeats.beat(quiet_heartbeat(), quiet=True)
     streams.calls[0].ended_with = grpc.StatusCode.OK  # the coordinator forgot the node
@@ -162,14 +169,17 @@ async def test_the_coordinator_answers_a_quiet_heartbeat_only_by_ending_the_stre
         async def sent():
             for heartbeat in heartbeats:
                 yield heartbeat
+
         return [reply async for reply in service.NodeHeartbeats(sent(), None)]
 
     def heartbeat(node_id, reply_optional):
-        return cluster_pb2.NodeHeartbeatRequest(node_id=node_id, state=cluster_pb2.NODE_STATE_READY,
-                                                reply_optional=reply_optional)
+        return cluster_pb2.NodeHeartbeatRequest(
+            node_id=node_id, state=cluster_pb2.NODE_STATE_READY, reply_optional=reply_optional
+        )
 
-    answered = await replies(heartbeat("n1", False), heartbeat("n1", True), heartbeat("n1", True),
-                             heartbeat("n1", False))
+    answered = await replies(
+        heartbeat("n1", False), heartbeat("n1", True), heartbeat("n1", True), heartbeat("n1", False)
+    )
     assert [(r.known, r.replies_optional) for r in answered] == [(True, True), (True, True)]
     assert service.state.node_entries()[0].state == cluster_pb2.NODE_STATE_READY, "a quiet heartbeat counts"
     # Unknown: an older node's heartbeat gets known=false; a quiet one ends the stream, unread ones after it too.
@@ -192,11 +202,15 @@ class Peer:
         self.registrations = registrations or []  # each registration's result: an interval, or an error to raise
         self.state = cluster_pb2.NODE_STATE_READY
         self.loop = PeerHeartbeats(
-            HeartbeatStream(streams.open, reply_timeout_s=1.0, jitter=lambda: 0.0), interval_s=60.0,
-            register=self.register, heartbeat=self.heartbeat,
+            HeartbeatStream(streams.open, reply_timeout_s=1.0, jitter=lambda: 0.0),
+            interval_s=60.0,
+            register=self.register,
+            heartbeat=self.heartbeat,
             on_reply=lambda heartbeat, reply: self.events.append(("reply", reply.known)),
             on_register_failed=lambda exc: self.events.append(("register failed", exc.code())),
-            on_heartbeat_failed=lambda exc: self.events.append(("heartbeat failed", exc.code)), **options)
+            on_heartbeat_failed=lambda exc: self.events.append(("heartbeat failed", exc.code)),
+            **options,
+        )
         self.task = asyncio.create_task(self.loop.run())
 
     async def register(self):
@@ -227,8 +241,14 @@ class Peer:
 async def test_the_loop_registers_heartbeats_and_registers_again_at_once_when_forgotten():
     streams = Streams([FORGOTTEN, KNOWN, KNOWN])
     peer = Peer(streams)
-    assert await peer.settled(6) == ["register", "heartbeat", ("reply", False),
-                                     "register", "heartbeat", ("reply", True)], "then waits the interval"
+    assert await peer.settled(6) == [
+        "register",
+        "heartbeat",
+        ("reply", False),
+        "register",
+        "heartbeat",
+        ("reply", True),
+    ], "then waits the interval"
     assert peer.loop.interval_s == 60.0, "a registration that asks for no interval keeps the peer's"
     peer.loop.wake.set()  # e.g. a node's drain: the next heartbeat now
     assert (await peer.settled(8))[6:] == ["heartbeat", ("reply", True)]
@@ -248,8 +268,13 @@ async def test_a_failed_registration_counts_into_the_backoff_and_is_tried_again(
     unavailable = rpc_error(grpc.StatusCode.UNAVAILABLE, "no coordinator")
     peer = Peer(Streams([KNOWN]), registrations=[unavailable, None])
     # The second registration within the test's seconds: after the backoff's first step, not the interval.
-    assert await peer.settled(5) == ["register", ("register failed", grpc.StatusCode.UNAVAILABLE),
-                                     "register", "heartbeat", ("reply", True)]
+    assert await peer.settled(5) == [
+        "register",
+        ("register failed", grpc.StatusCode.UNAVAILABLE),
+        "register",
+        "heartbeat",
+        ("reply", True),
+    ]
     assert peer.loop.stream.failures == 0 and peer.loop.stream.next_delay(60.0) == 60.0
     await peer.stop()
 
@@ -262,8 +287,12 @@ async def test_a_failed_heartbeat_is_told_and_the_next_goes_after_the_backoff(re
     peer.loop.wake.set()
     registers_again = ["register"] if register_after_failed_heartbeat else []
     assert (await peer.settled(7 + len(registers_again)))[3:] == [
-        "heartbeat", ("heartbeat failed", grpc.StatusCode.UNAVAILABLE), *registers_again,
-        "heartbeat", ("reply", True)]
+        "heartbeat",
+        ("heartbeat failed", grpc.StatusCode.UNAVAILABLE),
+        *registers_again,
+        "heartbeat",
+        ("reply", True),
+    ]
     assert peer.loop.stream.streams_opened == 2
     await peer.stop()
 

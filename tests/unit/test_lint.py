@@ -1,5 +1,5 @@
-"""ruff over the whole tree with the rules in pyproject.toml ([tool.ruff.lint]): unused or undefined names,
-syntax errors, mutable default arguments. Generated code (service/openengine_serve/api) is excluded there."""
+"""ruff over the whole tree with the rules and format in pyproject.toml ([tool.ruff]). Generated code
+(service/openengine_serve/api) is excluded there."""
 
 from __future__ import annotations
 
@@ -10,8 +10,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+TREES = ["service", "tests", "tools", "scripts"]
+
+
+def ruff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, "--no-cache", *TREES],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_ruff_finds_no_defects():
-    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise",
-                           "service", "tests", "tools", "scripts"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    done = ruff("check", "--output-format", "concise")
     assert done.returncode == 0, f"ruff check found defects:\n{done.stdout}{done.stderr}"
+
+
+def test_code_is_formatted():
+    done = ruff("format", "--check")
+    assert done.returncode == 0, f"run `ruff format {' '.join(TREES)}`:\n{done.stdout}{done.stderr}"

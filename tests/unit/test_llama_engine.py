@@ -21,14 +21,29 @@ PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 
 
 def engine(max_batch: int = 4, context_size: int = 4096, prefill_chunk: int = 32) -> LlamaEngine:
-    return LlamaEngine(WorkerConfig(command_address="-", step_address="-", max_batch=max_batch, engine="llama.cpp",
-                                    model_path=default_model_path(), context_size=context_size,
-                                    prefill_chunk=prefill_chunk, threads=2))
+    return LlamaEngine(
+        WorkerConfig(
+            command_address="-",
+            step_address="-",
+            max_batch=max_batch,
+            engine="llama.cpp",
+            model_path=default_model_path(),
+            context_size=context_size,
+            prefill_chunk=prefill_chunk,
+            threads=2,
+        )
+    )
 
 
 def add(request_id: str, prompt=PROMPT, max_tokens: int = 8, **fields) -> C.EngineRequest:
-    return C.EngineRequest(request_id=request_id, frontend_id="fe", prompt_token_ids=prompt, max_tokens=max_tokens,
-                           ignore_eos=True, **fields)
+    return C.EngineRequest(
+        request_id=request_id,
+        frontend_id="fe",
+        prompt_token_ids=prompt,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        **fields,
+    )
 
 
 def step(llama: LlamaEngine) -> list[C.OutputEvent]:
@@ -62,8 +77,12 @@ def alone():
     """Greedy outputs of requests served one at a time (the reference for the scheduling tests)."""
     llama = engine()
     results = {}
-    for name, prompt, max_tokens in (("short", PROMPT, 40), ("long", list(range(1000, 1300)), 40),
-                                     ("a", list(range(1000, 1100)), 80), ("b", list(range(2000, 2100)), 80)):
+    for name, prompt, max_tokens in (
+        ("short", PROMPT, 40),
+        ("long", list(range(1000, 1300)), 40),
+        ("a", list(range(1000, 1100)), 80),
+        ("b", list(range(2000, 2100)), 80),
+    ):
         llama.enqueue(add(name, prompt, max_tokens=max_tokens))
         results[name] = run(llama)[(name, 0)]["ids"]
     llama.close()
@@ -125,8 +144,9 @@ def test_several_outputs_read_the_prompt_once_and_share_its_cells(alone):
     assert [(e.output_index, e.first) for e in events] == [(0, True), (1, True), (2, True)]
     assert llama.cells == len(PROMPT), "the prompt's cells once, not per output"
     outputs = run(llama)
-    assert [[events[i].tokens[0].token_id] + outputs[("three", i)]["ids"] for i in range(3)] == [alone["short"]] * 3, \
+    assert [[events[i].tokens[0].token_id] + outputs[("three", i)]["ids"] for i in range(3)] == [alone["short"]] * 3, (
         "greedy outputs agree"
+    )
 
 
 def test_cancel_ends_queued_and_running_outputs_and_frees_their_sequences():
@@ -140,7 +160,9 @@ def test_cancel_ends_queued_and_running_outputs_and_frees_their_sequences():
     llama.cancel(C.CancelRequest(request_id="queued"), events)
     cancelled = C.EngineStep.FromString(b"".join(events)).events
     assert [(e.request_id, e.output_index, e.finish) for e in cancelled] == [
-        ("a", 1, C.ENGINE_FINISH_CANCELLED), ("queued", 0, C.ENGINE_FINISH_CANCELLED)]
+        ("a", 1, C.ENGINE_FINISH_CANCELLED),
+        ("queued", 0, C.ENGINE_FINISH_CANCELLED),
+    ]
     assert (llama.running_sequences, llama.queued_sequences, len(llama._free_seq_ids)) == (1, 0, 1)
     freed = llama._free_seq_ids[0]
     assert llama.model.last_position(freed) == -1, "the cancelled output's KV cells are freed"
@@ -174,8 +196,9 @@ def test_priority_orders_admission_when_the_batch_is_full():
 
 def test_prompt_logprobs_cover_the_prompt_from_its_start_index():
     llama = engine(prefill_chunk=4)  # the prompt's rows come from two chunks
-    llama.enqueue(add("p", max_tokens=1, prompt_logprobs=True, prompt_logprob_start=2,
-                      prompt_candidates=C.Candidates(top_n=2)))
+    llama.enqueue(
+        add("p", max_tokens=1, prompt_logprobs=True, prompt_logprob_start=2, prompt_candidates=C.Candidates(top_n=2))
+    )
     first = next(e for e in run_events(llama) if e.tokens)
     records = first.prompt_tokens
     assert [r.token_id for r in records] == PROMPT[2:]
@@ -197,8 +220,16 @@ SYSTEM = list(range(3000, 3200))  # a 200-token shared prefix
 def cached_engine(**settings) -> LlamaEngine:
     values = dict(max_batch=4, context_size=4096, prefill_chunk=32, prefix_cache_tokens=2048)
     values.update(settings)
-    return LlamaEngine(WorkerConfig(command_address="-", step_address="-", engine="llama.cpp",
-                                    model_path=default_model_path(), threads=2, **values))
+    return LlamaEngine(
+        WorkerConfig(
+            command_address="-",
+            step_address="-",
+            engine="llama.cpp",
+            model_path=default_model_path(),
+            threads=2,
+            **values,
+        )
+    )
 
 
 def served(llama: LlamaEngine, request: C.EngineRequest) -> tuple[list[int], int, int, int]:

@@ -14,8 +14,18 @@ def line(**fields) -> str:
 
 
 def test_plain_values_are_bare_and_values_with_a_space_quote_equals_sign_newline_or_nothing_are_quoted():
-    text = line(plain="node-0", space="a b", quote='say "hi"', equals="k=v", newline="a\nb", empty="",
-                backslash_alone="a\\b", number=3)
-    assert text.startswith("ts=") and " level=info component=frontend event=\"request ended\" " in text
-    assert text.endswith(' plain=node-0 space="a b" quote="say \\"hi\\"" equals="k=v" newline="a\\nb" empty="" '
-                         'backslash_alone=a\\b number=3')
+    text = line(
+        plain="node-0",
+        space="a b",
+        quote='say "hi"',
+        equals="k=v",
+        newline="a\nb",
+        empty="",
+        backslash_alone="a\\b",
+        number=3,
+    )
+    assert text.startswith("ts=") and ' level=info component=frontend event="request ended" ' in text
+    assert text.endswith(
+        ' plain=node-0 space="a b" quote="say \\"hi\\"" equals="k=v" newline="a\\nb" empty="" '
+        "backslash_alone=a\\b number=3"
+    )

@@ -6,13 +6,12 @@ import asyncio
 import concurrent.futures
 
 import grpc
+import pygrpc_native.aio as native_aio  # the `native` extra (scripts/bootstrap.sh installs it)
+from pygrpc_native._native import STREAM_CLOSED, STREAM_FULL, STREAM_SENT
 
 from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.common.grpc_server import NativeStreamSender, nonblocking_send, stream_writer
 from openengine_serve.frontend.stream import serialize_response
-
-import pygrpc_native.aio as native_aio  # the `native` extra (scripts/bootstrap.sh installs it)
-from pygrpc_native._native import STREAM_CLOSED, STREAM_FULL, STREAM_SENT
 
 
 class Front:

@@ -13,7 +13,13 @@ from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.coordinator.state import ClusterState
 from openengine_serve.frontend import metrics
 from openengine_serve.frontend.fallback_routing import FallbackRouter
-from openengine_serve.frontend.nodes import BUSY_TURN_S, LaneAcknowledgements, LaneFailure, NodeConnections, SubmitRefused
+from openengine_serve.frontend.nodes import (
+    BUSY_TURN_S,
+    LaneAcknowledgements,
+    LaneFailure,
+    NodeConnections,
+    SubmitRefused,
+)
 from openengine_serve.frontend.refusal import NotServed, Unavailable
 from openengine_serve.frontend.tasks import BackgroundTasks
 
@@ -35,8 +41,10 @@ def test_a_routing_key_lands_where_the_coordinator_sends_it():
     router = FallbackRouter()
     keys = [f"conversation-{i}" for i in range(40)]
     frontend_choice = {key: router.choose(entries, key, None, no_load).node_id for key in keys}
-    coordinator_choice = {key: coordinator.reserve(cluster_pb2.ReserveRequest(
-        request_id=key, frontend_id="fe", routing_key=key)).node_id for key in keys}
+    coordinator_choice = {
+        key: coordinator.reserve(cluster_pb2.ReserveRequest(request_id=key, frontend_id="fe", routing_key=key)).node_id
+        for key in keys
+    }
     assert frontend_choice == coordinator_choice
     assert len(set(frontend_choice.values())) == 4
 
@@ -80,9 +88,16 @@ async def test_the_lane_hands_each_event_to_its_request(nodes: NodeConnections):
     first, second = nodes.open_sink("r1"), nodes.open_sink("r2")
     conn = await nodes.connect(entry)
     assert conn.lane_ready.done()
-    stub.lane.put_nowait(cluster_pb2.StepResults(events=[
-        cluster_pb2.OutputEvent(request_id="r1", output_index=0), cluster_pb2.OutputEvent(request_id="gone"),
-        cluster_pb2.OutputEvent(request_id="r2"), cluster_pb2.OutputEvent(request_id="r1", output_index=1)]))
+    stub.lane.put_nowait(
+        cluster_pb2.StepResults(
+            events=[
+                cluster_pb2.OutputEvent(request_id="r1", output_index=0),
+                cluster_pb2.OutputEvent(request_id="gone"),
+                cluster_pb2.OutputEvent(request_id="r2"),
+                cluster_pb2.OutputEvent(request_id="r1", output_index=1),
+            ]
+        )
+    )
     await settle()
     assert [e.output_index for e in await first.take()] == [0, 1]
     assert [e.request_id for e in await second.take()] == ["r2"]
@@ -96,8 +111,11 @@ async def test_the_lane_gives_the_node_a_window_and_acknowledges_each_message_ha
     assert conn.lane_credits
     assert [(c.frontend_id, c.window) for c in stub.credits] == [("fe-test", nodes.lane_window)]
     for token in range(3):
-        stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(
-            request_id="r1", tokens=[cluster_pb2.TokenRecord(token_id=token)])]))
+        stub.lane.put_nowait(
+            cluster_pb2.StepResults(
+                events=[cluster_pb2.OutputEvent(request_id="r1", tokens=[cluster_pb2.TokenRecord(token_id=token)])]
+            )
+        )
     await settle()
     assert [e.tokens[0].token_id for e in await sink.take()] == [0, 1, 2]
     assert sum(c.handled for c in stub.credits[1:]) == 3, stub.credits  # the opening message is not counted
@@ -113,8 +131,9 @@ async def test_a_sink_whose_client_takes_nothing_pauses_its_request_on_the_lane_
     paused_before = metrics.PAUSED_STREAMS._value.get()
 
     def event(token: int) -> cluster_pb2.StepResults:
-        return cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(
-            request_id="r1", tokens=[cluster_pb2.TokenRecord(token_id=token)])])
+        return cluster_pb2.StepResults(
+            events=[cluster_pb2.OutputEvent(request_id="r1", tokens=[cluster_pb2.TokenRecord(token_id=token)])]
+        )
 
     def pauses() -> list[tuple[str, bool]]:
         return [(p.request_id, p.resume) for credit in stub.credits for p in credit.pauses]
@@ -281,8 +300,7 @@ async def test_submit_and_cancel_reach_the_node_and_count_in_flight(nodes: NodeC
     assert nodes.in_flight("n0") == 0 and nodes.sinks == {}
 
 
-async def test_submissions_of_one_tick_go_to_the_node_in_one_batch_and_refusals_keep_their_code(
-        nodes: NodeConnections):
+async def test_submissions_of_one_tick_go_to_the_node_in_one_batch_and_refusals_keep_their_code(nodes: NodeConnections):
     conn, stub = add_fake_node(nodes, node_entry("n0"))
     batches = []
     open_submissions = stub.Submissions
@@ -294,12 +312,13 @@ async def test_submissions_of_one_tick_go_to_the_node_in_one_batch_and_refusals_
         async def recorded(batch):
             batches.append([s.request.request_id for s in batch.submit])
             await write(batch)
+
         call.write = recorded
         return call
+
     stub.Submissions = recording_submissions
     trace = (("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),)
-    await asyncio.gather(*(nodes.submit(conn, cluster_pb2.EngineRequest(request_id=f"r{i}"), trace)
-                           for i in range(3)))
+    await asyncio.gather(*(nodes.submit(conn, cluster_pb2.EngineRequest(request_id=f"r{i}"), trace) for i in range(3)))
     assert batches == [["r0", "r1", "r2"]] and [r.request_id for r in stub.submitted] == ["r0", "r1", "r2"]
     stub.submit_error = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
     with pytest.raises(SubmitRefused) as refused:
@@ -315,6 +334,7 @@ async def test_a_node_without_the_submissions_call_gets_unary_submits(nodes: Nod
     async def unary(request, timeout, metadata=()):
         unary_metadata.append(metadata)
         return await submit(request, timeout, metadata)
+
     stub.Submit = unary
 
     def unimplemented():
@@ -322,8 +342,10 @@ async def test_a_node_without_the_submissions_call_gets_unary_submits(nodes: Nod
 
         async def refuse(batch):
             call.replies.put_nowait(rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"))
+
         call.write = refuse
         return call
+
     stub.Submissions = unimplemented
     trace = (("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),)
     await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r0"), trace)
@@ -340,6 +362,7 @@ async def test_a_node_whose_lane_does_not_open_is_a_connection_error(nodes: Node
         async def stream():
             raise rpc_error(grpc.StatusCode.UNAVAILABLE)
             yield  # pragma: no cover
+
         return stream()
 
     stub.Results = refused
@@ -365,10 +388,15 @@ async def test_a_request_getting_its_first_event_wakes_before_those_with_a_backl
     assert woken == ["running"]
     tasks[0] = asyncio.create_task(stream("running", running))
     await settle()
-    stub.lane.put_nowait(cluster_pb2.StepResults(events=[
-        cluster_pb2.OutputEvent(request_id="running", output_index=0),
-        cluster_pb2.OutputEvent(request_id="new", output_index=0),
-        cluster_pb2.OutputEvent(request_id="new", output_index=1)]))
+    stub.lane.put_nowait(
+        cluster_pb2.StepResults(
+            events=[
+                cluster_pb2.OutputEvent(request_id="running", output_index=0),
+                cluster_pb2.OutputEvent(request_id="new", output_index=0),
+                cluster_pb2.OutputEvent(request_id="new", output_index=1),
+            ]
+        )
+    )
     await settle()
     assert woken == ["running", "new", "running"], "the new request's stream ran first"
     await asyncio.gather(*tasks)

@@ -41,8 +41,7 @@ async def test_a_paused_request_is_not_taken_for_a_silent_engine_and_resumes_wit
     paused = RequestSink()
     paused.set_paused = lambda pause: True
     paused.paused = True  # its client takes nothing: the node sends nothing on purpose
-    watchdog = asyncio.ensure_future(stall_watchdog({"paused": paused}, stall_timeout_s=0.2,
-                                                    client_stall_timeout_s=30))
+    watchdog = asyncio.ensure_future(stall_watchdog({"paused": paused}, stall_timeout_s=0.2, client_stall_timeout_s=30))
     try:
         await asyncio.sleep(0.5)
         assert not paused.items
@@ -61,8 +60,9 @@ async def test_a_backlog_merges_token_events_per_output_and_keeps_their_order():
     from openengine_serve.frontend.nodes import COMPACT_AT
 
     def event(index, token, finish=cluster_pb2.ENGINE_FINISH_NONE):
-        return cluster_pb2.OutputEvent(request_id="r", output_index=index, finish=finish,
-                                       tokens=[cluster_pb2.TokenRecord(token_id=token)])
+        return cluster_pb2.OutputEvent(
+            request_id="r", output_index=index, finish=finish, tokens=[cluster_pb2.TokenRecord(token_id=token)]
+        )
 
     sink = RequestSink()
     sink.put(cluster_pb2.OutputEvent(request_id="r", output_index=0, prompt_tokens=[cluster_pb2.TokenRecord()]))

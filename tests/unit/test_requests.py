@@ -45,10 +45,22 @@ class Deployment:
 
 
 def plan(request_id: str = "r1", routing_key: str = "", target_rank: int | None = None) -> GenerationPlan:
-    return GenerationPlan(request_id=request_id, model="m", prompt_token_ids=[11, 12, 13], num_sequences=2,
-                          max_tokens=4, seed=7, temperature=0.5, output_candidates=("top_n", 3),
-                          metadata=RequestMetadata(routing_key=routing_key, target_rank=target_rank, priority=-2,
-                                                   traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01"))
+    return GenerationPlan(
+        request_id=request_id,
+        model="m",
+        prompt_token_ids=[11, 12, 13],
+        num_sequences=2,
+        max_tokens=4,
+        seed=7,
+        temperature=0.5,
+        output_candidates=("top_n", 3),
+        metadata=RequestMetadata(
+            routing_key=routing_key,
+            target_rank=target_rank,
+            priority=-2,
+            traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+        ),
+    )
 
 
 @pytest.fixture
@@ -63,14 +75,21 @@ async def test_an_accepted_request_is_submitted_then_released(deployment: Deploy
     async with deployment.requests.open(plan()) as accepted:
         assert accepted.node.node_id == "n1" and deployment.requests.open_count == 1
         [submitted] = deployment.node_stubs["n1"].submitted
-        assert (submitted.request_id, submitted.frontend_id, list(submitted.prompt_token_ids)) == \
-            ("r1", "fe-test", [11, 12, 13])
+        assert (submitted.request_id, submitted.frontend_id, list(submitted.prompt_token_ids)) == (
+            "r1",
+            "fe-test",
+            [11, 12, 13],
+        )
         assert (submitted.num_sequences, submitted.max_tokens, submitted.seed, submitted.has_seed) == (2, 4, 7, True)
         assert (submitted.priority, submitted.output_candidates.top_n) == (-2, 3)
         assert submitted.temperature == pytest.approx(0.5)
         [reserve] = deployment.coordinator_stub.reserved
-        assert (reserve.request_id, reserve.prompt_tokens, reserve.num_sequences, reserve.HasField("target_rank")) \
-            == ("r1", 3, 2, False)
+        assert (reserve.request_id, reserve.prompt_tokens, reserve.num_sequences, reserve.HasField("target_rank")) == (
+            "r1",
+            3,
+            2,
+            False,
+        )
         assert reserve.traceparent == "00-" + "a" * 32 + "-" + "b" * 16 + "-01"  # rides in the batched reservation
         event = cluster_pb2.OutputEvent(request_id="r1")
         deployment.nodes.sinks["r1"].put(event)
@@ -90,8 +109,10 @@ async def test_the_owner_goes_with_the_reservation(deployment: Deployment):
         assert accepted.owner == ""
         accepted.ended = True
     await settle()
-    assert [(r.request_id, r.owner) for r in deployment.coordinator_stub.reserved] == \
-        [("r-owned", "team-a"), ("r-anonymous", "")]
+    assert [(r.request_id, r.owner) for r in deployment.coordinator_stub.reserved] == [
+        ("r-owned", "team-a"),
+        ("r-anonymous", ""),
+    ]
 
 
 async def test_a_stream_that_did_not_end_is_cancelled_on_its_node(deployment: Deployment):
@@ -104,10 +125,13 @@ async def test_a_stream_that_did_not_end_is_cancelled_on_its_node(deployment: De
     deployment.assert_cleaned_up("r1")
 
 
-@pytest.mark.parametrize(("code", "refusal", "fragment"), [
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded, "node n1 is full: queue full; retry later"),
-    (grpc.StatusCode.UNAVAILABLE, Unavailable, "node n1 at n1.test:1 did not take the request: queue full"),
-])
+@pytest.mark.parametrize(
+    ("code", "refusal", "fragment"),
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded, "node n1 is full: queue full; retry later"),
+        (grpc.StatusCode.UNAVAILABLE, Unavailable, "node n1 at n1.test:1 did not take the request: queue full"),
+    ],
+)
 async def test_a_node_that_does_not_take_the_request_is_a_refusal(deployment: Deployment, code, refusal, fragment):
     deployment.node_stubs["n1"].submit_error = rpc_error(code, "queue full")
     with pytest.raises(refusal) as refused:
@@ -119,12 +143,15 @@ async def test_a_node_that_does_not_take_the_request_is_a_refusal(deployment: De
     assert deployment.node_stubs["n1"].cancelled == []
 
 
-@pytest.mark.parametrize(("code", "refusal"), [
-    (grpc.StatusCode.ALREADY_EXISTS, DuplicateRequest),
-    (grpc.StatusCode.NOT_FOUND, NotServed),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded),
-    (grpc.StatusCode.INTERNAL, Unavailable),
-])
+@pytest.mark.parametrize(
+    ("code", "refusal"),
+    [
+        (grpc.StatusCode.ALREADY_EXISTS, DuplicateRequest),
+        (grpc.StatusCode.NOT_FOUND, NotServed),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded),
+        (grpc.StatusCode.INTERNAL, Unavailable),
+    ],
+)
 async def test_a_coordinator_refusal_keeps_its_kind_and_message(deployment: Deployment, code, refusal):
     deployment.coordinator_stub.reserve_error = rpc_error(code, "what the coordinator said")
     with pytest.raises(refusal, match="what the coordinator said"):
@@ -204,8 +231,10 @@ def test_every_kind_of_refusal_has_its_grpc_code_at_the_edge():
     # one kind per code, but for "retry later": a full deployment and an API key at its limit (separate metric reasons)
     codes = list(REFUSAL_CODES.values())
     assert {code for code in codes if codes.count(code) > 1} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-    assert [k for k, code in REFUSAL_CODES.items() if code == grpc.StatusCode.RESOURCE_EXHAUSTED] == \
-        [Overloaded, refusal.KeyAtLimit]
+    assert [k for k, code in REFUSAL_CODES.items() if code == grpc.StatusCode.RESOURCE_EXHAUSTED] == [
+        Overloaded,
+        refusal.KeyAtLimit,
+    ]
 
 
 async def test_the_count_per_owner_returns_to_zero_on_every_ending(deployment: Deployment):

@@ -67,9 +67,11 @@ async def test_reservations_of_one_tick_go_out_as_one_batch_and_are_answered_in_
     assert [r.request_id for r in batch.reserve] == ["r0", "r1", "r2"]
     assert [r.owner for r in batch.reserve] == ["key-0", "key-1", "key-2"]  # the owner rides per reservation
     assert all(r.frontend_id == "" for r in batch.reserve)  # named once, by the batch
-    call.answer(cluster_pb2.ReservationOutcome(node=n0),
-                cluster_pb2.ReservationOutcome(refusal_code=grpc.StatusCode.ALREADY_EXISTS.value[0], refusal="dup"),
-                cluster_pb2.ReservationOutcome(node=n1))
+    call.answer(
+        cluster_pb2.ReservationOutcome(node=n0),
+        cluster_pb2.ReservationOutcome(refusal_code=grpc.StatusCode.ALREADY_EXISTS.value[0], refusal="dup"),
+        cluster_pb2.ReservationOutcome(node=n1),
+    )
     assert await waiting[0] == n0
     with pytest.raises(ReservationRefused, match="dup") as refused:
         await waiting[1]
@@ -181,7 +183,8 @@ async def test_a_large_tick_is_split_into_batches_of_at_most_max_batch(streams):
 
 
 async def test_the_stream_breaking_mid_batch_fails_the_unanswered_keeps_the_answered_and_resends_releases(
-        batcher, streams):
+    batcher, streams
+):
     answered = asyncio.create_task(batcher.reserve(reservation("r0")))
     await settle()
     call = streams.calls[0]
@@ -228,8 +231,9 @@ async def test_a_reservation_whose_caller_left_before_the_answer_is_skipped(batc
     stays = asyncio.create_task(batcher.reserve(reservation("r1")))
     await settle()
     gone.cancel()
-    streams.calls[0].answer(cluster_pb2.ReservationOutcome(node=node_entry("n0")),
-                            cluster_pb2.ReservationOutcome(node=node_entry("n1")))
+    streams.calls[0].answer(
+        cluster_pb2.ReservationOutcome(node=node_entry("n0")), cluster_pb2.ReservationOutcome(node=node_entry("n1"))
+    )
     assert (await stays).node_id == "n1"
     assert gone.cancelled()
 
@@ -272,7 +276,8 @@ async def test_a_stream_that_cannot_even_open_fails_the_batch_at_once():
 
 
 async def test_a_reservation_unanswered_past_its_timeout_raises_timeout_error_and_is_never_answered_or_sent_late(
-        batcher, streams):
+    batcher, streams
+):
     late = asyncio.create_task(batcher.reserve(reservation("r0"), timeout_s=0.05))
     await settle()
     queued = asyncio.create_task(batcher.reserve(reservation("r1"), timeout_s=0.05))  # waits behind r0's batch

@@ -10,8 +10,9 @@ from openengine_serve.node.server import ResultLane
 
 
 def event(request_id: str, token: int, finish=cluster_pb2.ENGINE_FINISH_NONE) -> cluster_pb2.OutputEvent:
-    return cluster_pb2.OutputEvent(request_id=request_id, tokens=[cluster_pb2.TokenRecord(token_id=token)],
-                                   finish=finish, lane="fe")
+    return cluster_pb2.OutputEvent(
+        request_id=request_id, tokens=[cluster_pb2.TokenRecord(token_id=token)], finish=finish, lane="fe"
+    )
 
 
 def test_steps_merge_into_one_waiting_message():
@@ -24,7 +25,9 @@ def test_steps_merge_into_one_waiting_message():
         assert message.step == 3
         # each output's token events folded into one: one event per stream, whatever the steps behind
         assert [(e.request_id, [t.token_id for t in e.tokens]) for e in message.events] == [
-            ("a", [1, 2, 3]), ("b", [1, 2, 3])]
+            ("a", [1, 2, 3]),
+            ("b", [1, 2, 3]),
+        ]
         lane.taken()
         assert lane.backlog_steps == 0 and lane.idle.is_set()
         waiting = asyncio.ensure_future(lane.take())
@@ -44,8 +47,11 @@ def test_beyond_the_bound_waiting_requests_are_shed_and_finished_ones_kept():
         assert lane.put(3, [event("a", 3)]) == ["a"]
         message = await lane.take()
         kept = [(e.request_id, e.finish) for e in message.events]
-        assert kept == [("b", cluster_pb2.ENGINE_FINISH_NONE), ("b", cluster_pb2.ENGINE_FINISH_LENGTH),
-                        ("a", cluster_pb2.ENGINE_FINISH_ERROR)], "b finished in full; a ends with one error"
+        assert kept == [
+            ("b", cluster_pb2.ENGINE_FINISH_NONE),
+            ("b", cluster_pb2.ENGINE_FINISH_LENGTH),
+            ("a", cluster_pb2.ENGINE_FINISH_ERROR),
+        ], "b finished in full; a ends with one error"
         error = message.events[-1]
         assert error.retryable and "2 engine steps behind" in error.message and error.lane == "fe"
 
@@ -69,7 +75,8 @@ def test_folding_keeps_each_outputs_order_around_prompt_finish_and_other_outputs
             ("b", 0, [1, 2], cluster_pb2.ENGINE_FINISH_NONE),
             ("a", 0, [1, 2, 3], cluster_pb2.ENGINE_FINISH_NONE),
             ("a", 1, [10], cluster_pb2.ENGINE_FINISH_NONE),
-            ("b", 0, [3], cluster_pb2.ENGINE_FINISH_STOP_TOKEN)]
+            ("b", 0, [3], cluster_pb2.ENGINE_FINISH_STOP_TOKEN),
+        ]
         assert list(message.events[0].prompt_tokens) == [cluster_pb2.TokenRecord(token_id=99)]
         lane.taken()
         lane.put(5, [event("a", 4)])  # nothing waits: a new message, no folding into the one taken
@@ -95,7 +102,9 @@ def test_with_a_window_unacknowledged_messages_hold_the_next_and_steps_fold_mean
         lane.acknowledge(1)
         message = await waiting
         assert [(e.request_id, [t.token_id for t in e.tokens]) for e in message.events] == [
-            ("a", [3, 4, 5]), ("b", [3, 4, 5])], "the steps waited folded, not as one message each"
+            ("a", [3, 4, 5]),
+            ("b", [3, 4, 5]),
+        ], "the steps waited folded, not as one message each"
         assert lane.unacknowledged == 2
         lane.acknowledge(5)  # more than sent (a frontend acknowledging across a reconnect): no negative credit
         assert lane.unacknowledged == 0 and lane.credit.is_set()
@@ -135,8 +144,9 @@ def test_first_tokens_go_out_alone_past_the_window_while_the_rest_folds():
         await asyncio.sleep(0)
         assert not waiting.done()
         lane.acknowledge(2)
-        assert tokens(await asyncio.wait_for(waiting, 1)) == [("a", [2, 3]), ("b", [8])], \
+        assert tokens(await asyncio.wait_for(waiting, 1)) == [("a", [2, 3]), ("b", [8])], (
             "the running streams' tokens folded meanwhile, in order"
+        )
         lane.taken()
         assert lane.idle.is_set()
 

@@ -75,8 +75,9 @@ async def test_the_model_of_a_ready_node_is_loaded_with_its_limits(node):
 
 async def test_the_operators_settings_override_the_card_and_the_context_only_shrinks(node):
     servicer, address = node
-    config = FrontendConfig(model="my-name", model_aliases="a,b", max_context_length=100_000, max_output_tokens=64,
-                            max_prompt_bytes=5000)
+    config = FrontendConfig(
+        model="my-name", model_aliases="a,b", max_context_length=100_000, max_output_tokens=64, max_prompt_bytes=5000
+    )
     model = ServedModel(config, grpc.aio.insecure_channel)
     model.on_node_table(table(address, servicer.card))
     await loaded(model)

@@ -10,8 +10,13 @@ import pytest
 from openengine_serve.api.openengine.v1 import generation_pb2 as G
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2 as C
 from openengine_serve.common.vocab import EOS_TOKEN_ID, load_encoding
-from openengine_serve.frontend.stream import (OutputStream, TokenStrings, output_index_field, serialize_response,
-                                              token_delta_bytes)
+from openengine_serve.frontend.stream import (
+    OutputStream,
+    TokenStrings,
+    output_index_field,
+    serialize_response,
+    token_delta_bytes,
+)
 from openengine_serve.frontend.validation import GenerationPlan, RequestMetadata
 
 ENC = load_encoding()
@@ -19,16 +24,31 @@ STRINGS = TokenStrings(ENC)
 
 
 def plan(**overrides) -> GenerationPlan:
-    values = dict(request_id="req-1", model="m", prompt_token_ids=[1, 2], num_sequences=1, max_tokens=50,
-                  min_tokens=0, stop_strings=[], stop_token_ids=[], ignore_eos=False, include_stop_in_output=False,
-                  metadata=RequestMetadata())
+    values = dict(
+        request_id="req-1",
+        model="m",
+        prompt_token_ids=[1, 2],
+        num_sequences=1,
+        max_tokens=50,
+        min_tokens=0,
+        stop_strings=[],
+        stop_token_ids=[],
+        ignore_eos=False,
+        include_stop_in_output=False,
+        metadata=RequestMetadata(),
+    )
     values.update(overrides)
     return GenerationPlan(**values)
 
 
 def event(ids, finish=C.ENGINE_FINISH_NONE, finish_token_id=0, index=0):
-    return C.OutputEvent(request_id="req-1", output_index=index, finish=finish, finish_token_id=finish_token_id,
-                         tokens=[C.TokenRecord(token_id=i) for i in ids])
+    return C.OutputEvent(
+        request_id="req-1",
+        output_index=index,
+        finish=finish,
+        finish_token_id=finish_token_id,
+        tokens=[C.TokenRecord(token_id=i) for i in ids],
+    )
 
 
 @pytest.mark.parametrize("request_id", ["r", "x" * 300, "ünïcödé-id"])
@@ -40,8 +60,12 @@ def test_hand_serialized_delta_equals_protobuf(request_id, output_index):
         text = ENC.decode(ids)
         prefix = G.GenerateResponse(request_id=request_id).SerializeToString()
         raw = token_delta_bytes(prefix, output_index_field(output_index), [STRINGS.info_field(i) for i in ids], text)
-        expected = G.GenerateResponse(request_id=request_id, token=G.TokenOutput(
-            output_index=output_index, text=text, tokens=[G.TokenInfo(token_id=i, token=STRINGS(i)) for i in ids]))
+        expected = G.GenerateResponse(
+            request_id=request_id,
+            token=G.TokenOutput(
+                output_index=output_index, text=text, tokens=[G.TokenInfo(token_id=i, token=STRINGS(i)) for i in ids]
+            ),
+        )
         parsed = G.GenerateResponse.FromString(raw)
         assert parsed == expected
         assert parsed.token.HasField("output_index"), "output_index 0 is present on the wire"
@@ -53,8 +77,11 @@ def test_token_by_token_deltas_equal_protobuf_also_across_split_characters(outpu
     each delta's text is what the token completes, a character split over tokens arrives whole once."""
     text = "Héllo wörld, 你好世界 🤖🎉 naïve café ∑∫ — done"
     ids = ENC.encode(text)
-    ids += [i for i in range(ENC.n_vocab) if len(ENC.decode_single_token_bytes(i)) == 1
-            and ENC.decode_single_token_bytes(i)[0] >= 0x80][:40]  # lone bytes of multi-byte characters
+    ids += [
+        i
+        for i in range(ENC.n_vocab)
+        if len(ENC.decode_single_token_bytes(i)) == 1 and ENC.decode_single_token_bytes(i)[0] >= 0x80
+    ][:40]  # lone bytes of multi-byte characters
     assert any(STRINGS.one_token_body(i) is None for i in ids), "the stream must split characters"
     out = OutputStream(output_index, plan(request_id="req-1"), ENC, STRINGS)
     detok = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -64,8 +91,14 @@ def test_token_by_token_deltas_equal_protobuf_also_across_split_characters(outpu
         expected_text = detok.decode(ENC.decode_single_token_bytes(token_id))
         assert delta is not None, "every token is reported, also one whose text is still held back"
         parsed = G.GenerateResponse.FromString(delta)
-        assert parsed == G.GenerateResponse(request_id="req-1", token=G.TokenOutput(
-            output_index=output_index, text=expected_text, tokens=[G.TokenInfo(token_id=token_id, token=STRINGS(token_id))]))
+        assert parsed == G.GenerateResponse(
+            request_id="req-1",
+            token=G.TokenOutput(
+                output_index=output_index,
+                text=expected_text,
+                tokens=[G.TokenInfo(token_id=token_id, token=STRINGS(token_id))],
+            ),
+        )
         assert count == 1 and finished is None
         streamed += parsed.token.text
     assert streamed + detok.decode(b"", final=True) == ENC.decode(ids)
@@ -149,11 +182,13 @@ async def _stream_one_event_at_a_time(ids, send_now):
             self.sink, self.ended, self.owner = RequestSink(), False, ""
             self.node = C.NodeEntry(node_id="n")
             from openengine_serve.frontend.request_trace import NO_TRACE
+
             self.trace = NO_TRACE
 
     inference = Inference.__new__(Inference)
-    inference.model = SimpleNamespace(loaded=SimpleNamespace(tokenizer=ENC, strings=STRINGS,
-                                                             limits=SimpleNamespace(prefix_cache=False)))
+    inference.model = SimpleNamespace(
+        loaded=SimpleNamespace(tokenizer=ENC, strings=STRINGS, limits=SimpleNamespace(prefix_cache=False))
+    )
     accepted, out, direct, written = Accepted(), [], [], []
 
     async def write(message):
@@ -167,8 +202,9 @@ async def _stream_one_event_at_a_time(ids, send_now):
             return True
         return False
 
-    task = asyncio.ensure_future(inference.stream(plan(max_tokens=len(ids)), accepted, 0.0, write,
-                                                  send if send_now else None))
+    task = asyncio.ensure_future(
+        inference.stream(plan(max_tokens=len(ids)), accepted, 0.0, write, send if send_now else None)
+    )
     for n, token_id in enumerate(ids):
         for _ in range(3):
             await asyncio.sleep(0)
@@ -215,4 +251,5 @@ def _metric_counts() -> tuple[float, float]:
 
     samples = {s.name: s.value for m in (metrics.GENERATED_TOKENS, metrics.ITL) for s in m.collect()[0].samples}
     return samples["openengine_frontend_generated_tokens_total"], samples[
-        "openengine_frontend_inter_token_latency_seconds_count"]
+        "openengine_frontend_inter_token_latency_seconds_count"
+    ]

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from openengine_serve.common.vocab import EOS_TOKEN_ID, VOCAB_SIZE, load_encoding, token_bytes
 from openengine_serve.common.tokenizers import Qwen3Tokenizer
+from openengine_serve.common.vocab import EOS_TOKEN_ID, VOCAB_SIZE, load_encoding, token_bytes
 from openengine_serve.frontend.text import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -29,7 +29,7 @@ def detokenize_in_chunks(encoding, token_ids: list[int], rng: random.Random) -> 
     position = 0
     while position < len(token_ids):
         size = rng.randint(0, 4)  # 0: an empty push must be harmless too
-        deltas.append(detokenizer.push(token_ids[position:position + size]))
+        deltas.append(detokenizer.push(token_ids[position : position + size]))
         position += size
     deltas.append(detokenizer.flush())
     return deltas
@@ -57,7 +57,9 @@ def test_qwen3_encode_normalizes_to_nfc(encoding):
 # --- IncrementalDetokenizer ----------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["🎉", " 🎉!", "你", "naïve 你好 👩‍👩‍👧"], ids=["emoji", "emoji-in-text", "cjk", "mixed"])
+@pytest.mark.parametrize(
+    "text", ["🎉", " 🎉!", "你", "naïve 你好 👩‍👩‍👧"], ids=["emoji", "emoji-in-text", "cjk", "mixed"]
+)
 def test_character_split_across_byte_tokens_is_held_until_complete(encoding, byte_token_ids, text):
     token_ids = [byte_token_ids[b] for b in text.encode("utf-8")]
     detokenizer = IncrementalDetokenizer(encoding)
@@ -67,7 +69,7 @@ def test_character_split_across_byte_tokens_is_held_until_complete(encoding, byt
     # A character appears exactly when its last byte arrives (dropping the
     # incomplete tail of a valid UTF-8 prefix leaves the complete characters).
     for index in range(len(deltas)):
-        assert "".join(deltas[:index + 1]) == text.encode("utf-8")[:index + 1].decode("utf-8", errors="ignore")
+        assert "".join(deltas[: index + 1]) == text.encode("utf-8")[: index + 1].decode("utf-8", errors="ignore")
 
 
 def test_emoji_split_by_the_real_tokenizer(encoding):
@@ -81,7 +83,7 @@ def test_emoji_split_by_the_real_tokenizer(encoding):
 
 
 def test_flush_replaces_an_unfinished_character(encoding, byte_token_ids):
-    token_ids = [byte_token_ids[b] for b in "a🎉".encode("utf-8")[:-1]]
+    token_ids = [byte_token_ids[b] for b in "a🎉".encode()[:-1]]
     detokenizer = IncrementalDetokenizer(encoding)
     assert detokenizer.push(token_ids) == "a"
     assert detokenizer.flush() == "\ufffd" == encoding.decode(token_ids)[1:]
@@ -177,7 +179,7 @@ def test_empty_stop_string_is_refused():
 def reference_stop(text: str, stops: list[str]) -> tuple[int, int, str] | None:
     """Brute force: (start, end, stop) of the match completing first, earliest start on ties."""
     for end in range(len(text) + 1):
-        found = [(end - len(s), end, s) for s in stops if end >= len(s) and text[end - len(s):end] == s]
+        found = [(end - len(s), end, s) for s in stops if end >= len(s) and text[end - len(s) : end] == s]
         if found:
             return min(found)
     return None
@@ -193,7 +195,7 @@ def test_feed_boundaries_never_change_the_result(include_stop):
         emitted, matched, position = [], None, 0
         while position < len(text) and matched is None:
             size = rng.randint(0, 5)
-            piece, matched = matcher.feed(text[position:position + size])
+            piece, matched = matcher.feed(text[position : position + size])
             emitted.append(piece)
             position += size
         emitted.append(matcher.flush())
@@ -203,4 +205,4 @@ def test_feed_boundaries_never_change_the_result(include_stop):
             assert (("".join(emitted)), matched) == (text, None), (stops, text)
         else:
             start, end, stop = expected
-            assert ("".join(emitted), matched) == (text[:end if include_stop else start], stop), (stops, text)
+            assert ("".join(emitted), matched) == (text[: end if include_stop else start], stop), (stops, text)

@@ -13,18 +13,61 @@ from openengine_serve.common.tokenizers import GgufTokenizer, Qwen3Tokenizer, to
 from openengine_serve.engine.model_card import default_model_path, gguf_card, served_name, simulated_card
 
 FRAGMENTS = {
-    "unicode": ["héllo wörld", "naïve café", "日本語のテキスト", "中文字符", "한국어", "Ελληνικά", "русский текст",
-                "עברית", "العربية", "हिन्दी", "ไทย", "e\u0301", "ﬁ ligature", "\u00a0nbsp", "zero\u200bwidth",
-                "∑∫√∞≠", "½ ¾ ⅓", "Ångström", "ß ẞ"],
+    "unicode": [
+        "héllo wörld",
+        "naïve café",
+        "日本語のテキスト",
+        "中文字符",
+        "한국어",
+        "Ελληνικά",
+        "русский текст",
+        "עברית",
+        "العربية",
+        "हिन्दी",
+        "ไทย",
+        "e\u0301",
+        "ﬁ ligature",
+        "\u00a0nbsp",
+        "zero\u200bwidth",
+        "∑∫√∞≠",
+        "½ ¾ ⅓",
+        "Ångström",
+        "ß ẞ",
+    ],
     "emoji": ["🎉", "👩‍👩‍👧", "🇫🇷🇯🇵", "👍🏽", "❤️", "🤖🚀✨", "😀😃😄😁", "🏳️‍🌈"],
-    "code": ["def f(x):\n    return x ** 2\n", "for (int i = 0; i < n; ++i) { a[i] += 1; }",
-             '{"key": [1, 2.5, null, true], "nested": {"a": "b"}}', "SELECT * FROM t WHERE id = 42;",
-             "#include <stdio.h>\nint main(void) { printf(\"%d\\n\", 1); }", "x = [i for i in range(10) if i % 2]",
-             "<div class=\"a\">&amp;</div>", "λx.λy.x", "a->b->c; p != NULL && q || !r", "0x1F 0b1010 1e-9 3.14159"],
-    "whitespace": ["   ", "\t\t", "\n\n\n", " \n \n", "\r\n", "a  b   c    d", "   leading", "trailing   ",
-                   "\t mixed \n\t whitespace \r\n", "                                "],
-    "plain": ["The capital of France is", "Once upon a time", "Hello, world!", "It's 5 o'clock.",
-              "Numbers: 1234567890", "UPPER lower MiXeD", "end."],
+    "code": [
+        "def f(x):\n    return x ** 2\n",
+        "for (int i = 0; i < n; ++i) { a[i] += 1; }",
+        '{"key": [1, 2.5, null, true], "nested": {"a": "b"}}',
+        "SELECT * FROM t WHERE id = 42;",
+        '#include <stdio.h>\nint main(void) { printf("%d\\n", 1); }',
+        "x = [i for i in range(10) if i % 2]",
+        '<div class="a">&amp;</div>',
+        "λx.λy.x",
+        "a->b->c; p != NULL && q || !r",
+        "0x1F 0b1010 1e-9 3.14159",
+    ],
+    "whitespace": [
+        "   ",
+        "\t\t",
+        "\n\n\n",
+        " \n \n",
+        "\r\n",
+        "a  b   c    d",
+        "   leading",
+        "trailing   ",
+        "\t mixed \n\t whitespace \r\n",
+        "                                ",
+    ],
+    "plain": [
+        "The capital of France is",
+        "Once upon a time",
+        "Hello, world!",
+        "It's 5 o'clock.",
+        "Numbers: 1234567890",
+        "UPPER lower MiXeD",
+        "end.",
+    ],
 }
 
 
@@ -131,19 +174,25 @@ def test_a_model_of_another_architecture_is_refused(tmp_path):
         gguf_card(str(path), 4096)
 
 
-@pytest.mark.parametrize("file_name, name", [
-    ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
-    ("llama-3.2-1b-instruct-q8_0.gguf", "llama-3.2-1b-instruct"),
-    ("TinyLlama.F16.gguf", "TinyLlama"),
-    ("my-model.gguf", "my-model"),
-])
+@pytest.mark.parametrize(
+    "file_name, name",
+    [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+        ("llama-3.2-1b-instruct-q8_0.gguf", "llama-3.2-1b-instruct"),
+        ("TinyLlama.F16.gguf", "TinyLlama"),
+        ("my-model.gguf", "my-model"),
+    ],
+)
 def test_the_served_name_is_the_file_name_without_quantization(file_name, name):
     assert served_name(f"/models/{file_name}") == name
 
 
 def test_the_card_of_the_embedded_model():
     card = gguf_card(default_model_path(), 4096)
-    assert (card.name, list(card.aliases), card.engine) == ("SmolLM2-135M-Instruct",
-                                                           ["SmolLM2-135M-Instruct.Q4_1"], "llama.cpp")
+    assert (card.name, list(card.aliases), card.engine) == (
+        "SmolLM2-135M-Instruct",
+        ["SmolLM2-135M-Instruct.Q4_1"],
+        "llama.cpp",
+    )
     assert (card.context_length, card.max_output_tokens) == (4096, 4096), "the KV cache bounds the context"
     assert gguf_card(default_model_path(), 65536).context_length == 8192, "and so does the trained context"

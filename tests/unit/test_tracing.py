@@ -18,10 +18,12 @@ TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 def test_off_without_an_endpoint_imports_no_opentelemetry():
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    code = ("import sys; import openengine_serve.frontend.server, openengine_serve.node.server, "
-            "openengine_serve.coordinator.server; from openengine_serve.common import tracing; "
-            "assert tracing.setup_tracing('frontend') is False; "
-            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    code = (
+        "import sys; import openengine_serve.frontend.server, openengine_serve.node.server, "
+        "openengine_serve.coordinator.server; from openengine_serve.common import tracing; "
+        "assert tracing.setup_tracing('frontend') is False; "
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -269,8 +269,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize(("req", "code", "field_name"), [case[1:] for case in BAD_REQUESTS],
-                         ids=[case[0] for case in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    ("req", "code", "field_name"), [case[1:] for case in BAD_REQUESTS], ids=[case[0] for case in BAD_REQUESTS]
+)
 def test_bad_request_is_rejected_naming_the_field(req, code, field_name):
     with pytest.raises(Refusal) as rejected:
         validate(req)
@@ -291,8 +292,16 @@ def test_bad_request_is_rejected_naming_the_field(req, code, field_name):
         (request(guided=pb.GuidedDecoding(json_schema="{}")), ["guided decoding"]),
         (request(prompt="x" * 60, stopping=stopping(max_tokens=5)), ["at most 4 output tokens", "got 5"]),
     ],
-    ids=["top-p-range", "model-lists-served-names", "bad-id-and-position", "media", "kv-session", "lora", "guided",
-         "max-tokens-room"],
+    ids=[
+        "top-p-range",
+        "model-lists-served-names",
+        "bad-id-and-position",
+        "media",
+        "kv-session",
+        "lora",
+        "guided",
+        "max-tokens-room",
+    ],
 )
 def test_rejection_messages_say_what_is_allowed(req, fragments):
     with pytest.raises(Refusal) as rejected:
@@ -309,12 +318,22 @@ def test_rejection_messages_say_what_is_allowed(req, fragments):
         (request(model="gpt-4", lora_name="a"), NOT_FOUND, "model"),
         (request(lora_name="a", sampling=sampling(top_p=2.0)), UNIMPLEMENTED, "lora_name"),
         (request(sampling=sampling(top_p=2.0), stopping=stopping(max_tokens=0)), INVALID, "sampling.top_p"),
-        (request(stopping=stopping(max_tokens=0), response=output_candidates(top_n=99)), INVALID,
-         "stopping.max_tokens"),
+        (
+            request(stopping=stopping(max_tokens=0), response=output_candidates(top_n=99)),
+            INVALID,
+            "stopping.max_tokens",
+        ),
         (request(response=output_candidates(top_n=99), prompt="x" * 100), INVALID, "response.output_candidates"),
     ],
-    ids=["request-id-before-model", "input-before-model", "model-before-features", "features-before-sampling",
-         "sampling-before-stopping", "stopping-before-response", "response-before-prompt-length"],
+    ids=[
+        "request-id-before-model",
+        "input-before-model",
+        "model-before-features",
+        "features-before-sampling",
+        "sampling-before-stopping",
+        "stopping-before-response",
+        "response-before-prompt-length",
+    ],
 )
 def test_checks_run_in_the_documented_order(req, code, field_name):
     with pytest.raises(Refusal) as rejected:
@@ -363,24 +382,54 @@ GOOD_REQUESTS = [
         "defaults",
         request(),
         dict(
-            request_id="req-1", model=MODEL, prompt_token_ids=encode("hello"), num_sequences=1, max_tokens=16,
-            min_tokens=0, stop_strings=[], stop_token_ids=[], ignore_eos=False, include_stop_in_output=False,
-            temperature=1.0, top_p=1.0, top_k=0, seed=None, output_logprobs=False, output_candidates=None,
-            prompt_logprobs=False, prompt_candidates=None, prompt_logprob_start=0, min_p=0.0,
-            frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
+            request_id="req-1",
+            model=MODEL,
+            prompt_token_ids=encode("hello"),
+            num_sequences=1,
+            max_tokens=16,
+            min_tokens=0,
+            stop_strings=[],
+            stop_token_ids=[],
+            ignore_eos=False,
+            include_stop_in_output=False,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            seed=None,
+            output_logprobs=False,
+            output_candidates=None,
+            prompt_logprobs=False,
+            prompt_candidates=None,
+            prompt_logprob_start=0,
+            min_p=0.0,
+            frequency_penalty=0.0,
+            presence_penalty=0.0,
+            repetition_penalty=1.0,
         ),
     ),
     ("alias-resolves-to-served-name", request(model="qwen3"), dict(model=MODEL)),
-    ("token-ids-input", request(token_ids=token_ids(0, 1, VOCAB_SIZE - 1)),
-     dict(prompt_token_ids=[0, 1, VOCAB_SIZE - 1])),
+    (
+        "token-ids-input",
+        request(token_ids=token_ids(0, 1, VOCAB_SIZE - 1)),
+        dict(prompt_token_ids=[0, 1, VOCAB_SIZE - 1]),
+    ),
     ("request-id-exactly-1024-bytes", request(request_id="é" * 512), dict(request_id="é" * 512)),
     ("absent-max-tokens-clamped-to-context", request(prompt="x" * 60), dict(max_tokens=4)),
-    ("max-tokens-fills-context-exactly", request(prompt="x" * 48, stopping=stopping(max_tokens=16)),
-     dict(max_tokens=16)),
-    ("min-tokens-equal-to-max-tokens", request(stopping=stopping(max_tokens=8, min_tokens=8)),
-     dict(max_tokens=8, min_tokens=8)),
-    ("min-tokens-fills-clamped-budget", request(prompt="x" * 60, stopping=stopping(min_tokens=4)),
-     dict(max_tokens=4, min_tokens=4)),
+    (
+        "max-tokens-fills-context-exactly",
+        request(prompt="x" * 48, stopping=stopping(max_tokens=16)),
+        dict(max_tokens=16),
+    ),
+    (
+        "min-tokens-equal-to-max-tokens",
+        request(stopping=stopping(max_tokens=8, min_tokens=8)),
+        dict(max_tokens=8, min_tokens=8),
+    ),
+    (
+        "min-tokens-fills-clamped-budget",
+        request(prompt="x" * 60, stopping=stopping(min_tokens=4)),
+        dict(max_tokens=4, min_tokens=4),
+    ),
     ("greedy", request(sampling=sampling(temperature=0.0)), dict(temperature=0.0)),
     ("top-k-minus-one-means-disabled", request(sampling=sampling(top_k=-1)), dict(top_k=0)),
     ("top-k-set", request(sampling=sampling(top_k=50)), dict(top_k=50)),
@@ -388,28 +437,46 @@ GOOD_REQUESTS = [
     ("num-sequences-at-max", request(sampling=sampling(num_sequences=4)), dict(num_sequences=4)),
     (
         "sampling-at-bounds",
-        request(sampling=sampling(top_p=1.0, min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0,
-                                  repetition_penalty=0.5)),
+        request(
+            sampling=sampling(
+                top_p=1.0, min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=0.5
+            )
+        ),
         dict(top_p=1.0, min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=0.5),
     ),
     (
         "stop-conditions-split-and-deduplicated",
-        request(stopping=stopping(
-            conditions=[stop_text("\n\n"), stop_token(0), stop_text("END"), stop_text("\n\n"), stop_token(0)],
-            ignore_eos=True, include_stop_in_output=True)),
+        request(
+            stopping=stopping(
+                conditions=[stop_text("\n\n"), stop_token(0), stop_text("END"), stop_text("\n\n"), stop_token(0)],
+                ignore_eos=True,
+                include_stop_in_output=True,
+            )
+        ),
         dict(stop_strings=["\n\n", "END"], stop_token_ids=[0], ignore_eos=True, include_stop_in_output=True),
     ),
-    ("sixteen-stop-conditions", request(stopping=stopping(conditions=[stop_token(i) for i in range(16)])),
-     dict(stop_token_ids=list(range(16)))),
+    (
+        "sixteen-stop-conditions",
+        request(stopping=stopping(conditions=[stop_token(i) for i in range(16)])),
+        dict(stop_token_ids=list(range(16))),
+    ),
     ("output-top-n-at-max", request(response=output_candidates(top_n=20)), dict(output_candidates=("top_n", 20))),
     ("output-top-n-zero-means-none", request(response=output_candidates(top_n=0)), dict(output_candidates=None)),
-    ("output-candidate-ids", request(response=output_candidates(token_ids=token_ids(5, 6))),
-     dict(output_candidates=("token_ids", (5, 6)))),
+    (
+        "output-candidate-ids",
+        request(response=output_candidates(token_ids=token_ids(5, 6))),
+        dict(output_candidates=("token_ids", (5, 6))),
+    ),
     (
         "prompt-logprobs",
-        request(response=pb.ResponseOptions(return_prompt_logprobs=True, prompt_logprob_start=4,
-                                            prompt_candidates=pb.CandidateTokenSelection(top_n=3),
-                                            return_output_logprobs=True)),
+        request(
+            response=pb.ResponseOptions(
+                return_prompt_logprobs=True,
+                prompt_logprob_start=4,
+                prompt_candidates=pb.CandidateTokenSelection(top_n=3),
+                return_output_logprobs=True,
+            )
+        ),
         dict(prompt_logprobs=True, prompt_logprob_start=4, prompt_candidates=("top_n", 3), output_logprobs=True),
     ),
     ("kv-bypass-false-is-fine", request(kv=pb.KvOptions(bypass_prefix_cache=False)), dict(model=MODEL)),
@@ -422,8 +489,9 @@ GOOD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize(("req", "expected"), [case[1:] for case in GOOD_REQUESTS],
-                         ids=[case[0] for case in GOOD_REQUESTS])
+@pytest.mark.parametrize(
+    ("req", "expected"), [case[1:] for case in GOOD_REQUESTS], ids=[case[0] for case in GOOD_REQUESTS]
+)
 def test_good_request_becomes_a_normalized_plan(req, expected):
     plan = validate(req)
     assert {name: getattr(plan, name) for name in expected} == expected
@@ -467,23 +535,25 @@ GOOD_METADATA = [
     ),
     ("malformed-traceparent-dropped", [("traceparent", "garbage"), ("tracestate", "a=1")], RequestMetadata()),
     ("zero-trace-id-dropped", [("traceparent", "00-" + "0" * 32 + "-00f067aa0ba902b7-01")], RequestMetadata()),
-    ("repeated-traceparent-dropped", [("traceparent", TRACEPARENT), ("traceparent", TRACEPARENT)],
-     RequestMetadata()),
+    ("repeated-traceparent-dropped", [("traceparent", TRACEPARENT), ("traceparent", TRACEPARENT)], RequestMetadata()),
 ]
 
 
-@pytest.mark.parametrize(("pairs", "expected"), [case[1:] for case in GOOD_METADATA],
-                         ids=[case[0] for case in GOOD_METADATA])
+@pytest.mark.parametrize(
+    ("pairs", "expected"), [case[1:] for case in GOOD_METADATA], ids=[case[0] for case in GOOD_METADATA]
+)
 def test_metadata_is_parsed(pairs, expected):
     assert parse_metadata(pairs) == expected
 
 
 BAD_METADATA = [
-    ("routing-key-twice", [("openengine-routing-key", "a"), ("openengine-routing-key", "a")],
-     "openengine-routing-key"),
+    ("routing-key-twice", [("openengine-routing-key", "a"), ("openengine-routing-key", "a")], "openengine-routing-key"),
     ("priority-twice", [("openengine-priority", "1"), ("openengine-priority", "2")], "openengine-priority"),
-    ("unknown-openengine-key-twice", [("openengine-future-key", "1"), ("openengine-future-key", "1")],
-     "openengine-future-key"),
+    (
+        "unknown-openengine-key-twice",
+        [("openengine-future-key", "1"), ("openengine-future-key", "1")],
+        "openengine-future-key",
+    ),
     ("routing-key-empty", [("openengine-routing-key", "")], "openengine-routing-key"),
     ("routing-key-non-ascii", [("openengine-routing-key", "ключ")], "openengine-routing-key"),
     ("routing-key-non-ascii-bytes", [("openengine-routing-key", b"\xff")], "openengine-routing-key"),
@@ -510,8 +580,9 @@ def test_bad_metadata_is_rejected_naming_the_key(pairs, key):
     assert len(rejected.value.message) < 200
 
 
-@pytest.mark.parametrize("req", [request(model="m" * 10_000), request(lora_name="l" * 10_000)],
-                         ids=["huge-model-name", "huge-lora-name"])
+@pytest.mark.parametrize(
+    "req", [request(model="m" * 10_000), request(lora_name="l" * 10_000)], ids=["huge-model-name", "huge-lora-name"]
+)
 def test_client_values_echoed_in_messages_are_cut_short(req):
     with pytest.raises(Refusal) as rejected:
         validate(req)
@@ -524,7 +595,14 @@ def test_unset_sampling_and_response_plan_as_their_empty_messages():
 
     assert validation._check_sampling(pb.SamplingParams(), LIMITS) == validation._DEFAULT_SAMPLING
     unset = pb.GenerateRequest(request_id="r", model=MODEL, prompt="Hi")
-    empty = pb.GenerateRequest(request_id="r", model=MODEL, prompt="Hi", sampling=pb.SamplingParams(),
-                               response=pb.ResponseOptions(), guided=pb.GuidedDecoding(), kv=pb.KvOptions())
+    empty = pb.GenerateRequest(
+        request_id="r",
+        model=MODEL,
+        prompt="Hi",
+        sampling=pb.SamplingParams(),
+        response=pb.ResponseOptions(),
+        guided=pb.GuidedDecoding(),
+        kv=pb.KvOptions(),
+    )
     assert not unset.HasField("sampling") and empty.HasField("sampling") and empty.HasField("response")
     assert validate(unset) == validate(empty)

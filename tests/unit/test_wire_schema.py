@@ -1,4 +1,5 @@
-"""The project's openengine.v1 protos are wire-identical to the published schema (tests/data/openengine-v1-wire.json)."""
+"""The project's openengine.v1 protos are wire-identical to the published schema
+(tests/data/openengine-v1-wire.json)."""
 
 import json
 
@@ -13,10 +14,14 @@ WIRE = json.loads((DATA / "openengine-v1-wire.json").read_text())
 POOL = openengine_pb2.DESCRIPTOR.pool
 
 SCALARS = {
-    descriptor.FieldDescriptor.TYPE_DOUBLE: "double", descriptor.FieldDescriptor.TYPE_FLOAT: "float",
-    descriptor.FieldDescriptor.TYPE_INT64: "int64", descriptor.FieldDescriptor.TYPE_UINT64: "uint64",
-    descriptor.FieldDescriptor.TYPE_INT32: "int32", descriptor.FieldDescriptor.TYPE_UINT32: "uint32",
-    descriptor.FieldDescriptor.TYPE_BOOL: "bool", descriptor.FieldDescriptor.TYPE_STRING: "string",
+    descriptor.FieldDescriptor.TYPE_DOUBLE: "double",
+    descriptor.FieldDescriptor.TYPE_FLOAT: "float",
+    descriptor.FieldDescriptor.TYPE_INT64: "int64",
+    descriptor.FieldDescriptor.TYPE_UINT64: "uint64",
+    descriptor.FieldDescriptor.TYPE_INT32: "int32",
+    descriptor.FieldDescriptor.TYPE_UINT32: "uint32",
+    descriptor.FieldDescriptor.TYPE_BOOL: "bool",
+    descriptor.FieldDescriptor.TYPE_STRING: "string",
     descriptor.FieldDescriptor.TYPE_BYTES: "bytes",
 }
 
@@ -32,8 +37,11 @@ def field_type(f: descriptor.FieldDescriptor) -> str:
 def field_label(f: descriptor.FieldDescriptor) -> str:
     if f.is_repeated:
         return "repeated"
-    return "optional" if f.has_presence and f.containing_oneof is not None and \
-        f.containing_oneof.name.startswith("_") else ""
+    return (
+        "optional"
+        if f.has_presence and f.containing_oneof is not None and f.containing_oneof.name.startswith("_")
+        else ""
+    )
 
 
 def real_oneof(f: descriptor.FieldDescriptor) -> str:
@@ -43,9 +51,19 @@ def real_oneof(f: descriptor.FieldDescriptor) -> str:
 
 def package_messages() -> set[str]:
     names = set()
-    for file_name in {"openengine/v1/" + n for n in ("error.proto", "kv.proto", "lifecycle.proto", "lora.proto",
-                                                     "model.proto", "server.proto", "generation.proto",
-                                                     "openengine.proto")}:
+    for file_name in {
+        "openengine/v1/" + n
+        for n in (
+            "error.proto",
+            "kv.proto",
+            "lifecycle.proto",
+            "lora.proto",
+            "model.proto",
+            "server.proto",
+            "generation.proto",
+            "openengine.proto",
+        )
+    }:
         names.update(m.full_name for m in POOL.FindFileByName(file_name).message_types_by_name.values())
     return names
 
@@ -53,8 +71,10 @@ def package_messages() -> set[str]:
 @pytest.mark.parametrize("message", sorted(WIRE["messages"]))
 def test_message_fields_match(message):
     desc = POOL.FindMessageTypeByName(message)
-    ours = {f.name: {"number": f.number, "type": field_type(f), "label": field_label(f), "oneof": real_oneof(f)}
-            for f in desc.fields}
+    ours = {
+        f.name: {"number": f.number, "type": field_type(f), "label": field_label(f), "oneof": real_oneof(f)}
+        for f in desc.fields
+    }
     assert ours == WIRE["messages"][message]
 
 
@@ -67,9 +87,15 @@ def test_enum_values_match(enum):
 @pytest.mark.parametrize("service", sorted(WIRE["services"]))
 def test_service_methods_match(service):
     desc = POOL.FindServiceByName(service)
-    ours = {m.name: {"in": m.input_type.full_name, "out": m.output_type.full_name,
-                     "client_streaming": m.client_streaming, "server_streaming": m.server_streaming}
-            for m in desc.methods}
+    ours = {
+        m.name: {
+            "in": m.input_type.full_name,
+            "out": m.output_type.full_name,
+            "client_streaming": m.client_streaming,
+            "server_streaming": m.server_streaming,
+        }
+        for m in desc.methods
+    }
     assert ours == WIRE["services"][service]
 
 

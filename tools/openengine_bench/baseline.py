@@ -57,16 +57,19 @@ class BareInference(openengine_pb2_grpc.InferenceServicer):
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
         count = request.stopping.max_tokens or 16
         token = generation_pb2.GenerateResponse(
-            request_id=request.request_id, token=generation_pb2.TokenOutput(
-                output_index=0, text=TOKEN_TEXT, tokens=[generation_pb2.TokenInfo(token_id=TOKEN_ID,
-                                                                                  token=TOKEN_TEXT)]))
+            request_id=request.request_id,
+            token=generation_pb2.TokenOutput(
+                output_index=0, text=TOKEN_TEXT, tokens=[generation_pb2.TokenInfo(token_id=TOKEN_ID, token=TOKEN_TEXT)]
+            ),
+        )
         wait = self.ticker.event.wait
         for _ in range(count):
             await wait()
             yield token
         finished = generation_pb2.GenerateResponse(
-            request_id=request.request_id, finished=generation_pb2.GenerationFinished(
-                output_index=0, reason=generation_pb2.FINISH_REASON_LENGTH))
+            request_id=request.request_id,
+            finished=generation_pb2.GenerationFinished(output_index=0, reason=generation_pb2.FINISH_REASON_LENGTH),
+        )
         finished.usage.prompt_tokens = len(request.token_ids.ids)
         finished.usage.completion_tokens = count
         finished.usage.total_tokens = count + len(request.token_ids.ids)
@@ -95,12 +98,20 @@ async def serve(server_name: str, host: str, port: int, step_ms: float) -> int:
 def wait_baseline_ready(target: str, timeout: float = 2.0) -> bool:
     """One short Generate answered in full: the bare server is up."""
     with grpc.insecure_channel(target) as channel:
-        call = channel.unary_stream("/openengine.v1.Inference/Generate",
-                                    request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
+        call = channel.unary_stream(
+            "/openengine.v1.Inference/Generate",
+            request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=generation_pb2.GenerateResponse.FromString,
+        )
         try:
-            responses = list(call(generation_pb2.GenerateRequest(
-                request_id="ready", stopping=generation_pb2.StoppingOptions(max_tokens=2)), timeout=timeout))
+            responses = list(
+                call(
+                    generation_pb2.GenerateRequest(
+                        request_id="ready", stopping=generation_pb2.StoppingOptions(max_tokens=2)
+                    ),
+                    timeout=timeout,
+                )
+            )
         except grpc.RpcError:
             return False
     return len(responses) == 3 and responses[-1].HasField("finished")

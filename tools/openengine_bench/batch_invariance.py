@@ -30,11 +30,40 @@ from openengine_serve.client import AsyncClient, is_serving
 from openengine_serve.common.net import free_port
 from openengine_serve.engine.model_card import default_model_path
 
-SUBJECTS = ["the sea", "a lighthouse", "mountains", "a city at night", "autumn leaves", "a train journey",
-            "the moon", "a library", "coffee", "rain", "a garden", "the desert", "winter", "a violin",
-            "the stars", "a market", "an old clock", "a river", "friendship", "the first snow", "a harbour",
-            "bees", "a bridge", "the wind", "a kitchen", "a forest path", "thunder", "a lantern", "the ocean floor",
-            "a chess game", "morning fog", "a kite"]
+SUBJECTS = [
+    "the sea",
+    "a lighthouse",
+    "mountains",
+    "a city at night",
+    "autumn leaves",
+    "a train journey",
+    "the moon",
+    "a library",
+    "coffee",
+    "rain",
+    "a garden",
+    "the desert",
+    "winter",
+    "a violin",
+    "the stars",
+    "a market",
+    "an old clock",
+    "a river",
+    "friendship",
+    "the first snow",
+    "a harbour",
+    "bees",
+    "a bridge",
+    "the wind",
+    "a kitchen",
+    "a forest path",
+    "thunder",
+    "a lantern",
+    "the ocean floor",
+    "a chess game",
+    "morning fog",
+    "a kite",
+]
 
 
 def prompts(count: int) -> list[str]:
@@ -49,14 +78,23 @@ def chat(text: str) -> str:
 async def served(target: str, model: str, prompt_ids: list[list[int]], max_tokens: int) -> list[list]:
     """Every stream at once; per stream its token infos (id, top-2 logprobs)."""
     async with AsyncClient(target) as client:
+
         async def one(ids: list[int]) -> list:
-            req = G.GenerateRequest(request_id=f"inv-{uuid.uuid4()}", model=model, token_ids=G.TokenIds(ids=ids),
-                                    stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
-                                    response=G.ResponseOptions(return_output_logprobs=True))
+            req = G.GenerateRequest(
+                request_id=f"inv-{uuid.uuid4()}",
+                model=model,
+                token_ids=G.TokenIds(ids=ids),
+                stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+                response=G.ResponseOptions(return_output_logprobs=True),
+            )
             req.sampling.temperature = 0
             req.response.output_candidates.top_n = 2
-            return [t async for r in client.inference.Generate(req, timeout=600)
-                    if r.WhichOneof("event") == "token" for t in r.token.tokens]
+            return [
+                t
+                async for r in client.inference.Generate(req, timeout=600)
+                if r.WhichOneof("event") == "token"
+                for t in r.token.tokens
+            ]
 
         return await asyncio.gather(*(one(ids) for ids in prompt_ids))
 
@@ -88,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     import llama_cpp
 
     path = os.environ.get("OPENENGINE_MODEL_PATH") or default_model_path()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=4096, n_threads=args.threads, flash_attn=True, logits_all=True,
-                          verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=path, n_ctx=4096, n_threads=args.threads, flash_attn=True, logits_all=True, verbose=False
+    )
     texts = [chat(p) for p in prompts(args.streams)]
     prompt_ids = [llm.tokenize(t.encode(), add_bos=True, special=True) for t in texts]
     vocab = llm._model.vocab
@@ -97,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
 
     port = free_port()
     env = {**os.environ, "OPENENGINE_THREADS": str(args.threads), "OPENENGINE_MAX_BATCH": str(args.streams)}
-    stack = subprocess.Popen([sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine",
-                              "llama.cpp"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stack = subprocess.Popen(
+        [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine", "llama.cpp"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while not is_serving(f"127.0.0.1:{port}"):
@@ -123,28 +166,46 @@ def main(argv: list[str] | None = None) -> int:
         if diverge is not None and len(infos[diverge].candidates) == 2:
             first, second = infos[diverge].candidates
             margin = first.logprob - second.logprob
-        rows.append({"prompt_tokens": len(ids), "identical": diverge is None, "diverges_at": diverge,
-                     "top2_logprob_margin": margin})
+        rows.append(
+            {
+                "prompt_tokens": len(ids),
+                "identical": diverge is None,
+                "diverges_at": diverge,
+                "top2_logprob_margin": margin,
+            }
+        )
     identical = sum(r["identical"] for r in rows)
     args.output.mkdir(parents=True, exist_ok=True)
-    result = {"streams": args.streams, "max_tokens": args.max_tokens, "identical": identical, "rows": rows,
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads}
+    result = {
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "identical": identical,
+        "rows": rows,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "threads": args.threads,
+    }
     (args.output / "batch_invariance.json").write_text(json.dumps(result, indent=1))
-    lines = [f"# Batch invariance: {identical} of {args.streams} concurrent greedy streams identical to the "
-             f"reference", "",
-             f"{result['date']}; {args.streams} streams x {args.max_tokens} greedy tokens (EOS ignored), "
-             f"{args.threads} threads; reference: llama-cpp-python's own API on the same GGUF, each prompt alone.",
-             "", "| stream | prompt tokens | first different token | top-2 logprob margin there |",
-             "|---|---|---|---|"]
+    lines = [
+        f"# Batch invariance: {identical} of {args.streams} concurrent greedy streams identical to the reference",
+        "",
+        f"{result['date']}; {args.streams} streams x {args.max_tokens} greedy tokens (EOS ignored), "
+        f"{args.threads} threads; reference: llama-cpp-python's own API on the same GGUF, each prompt alone.",
+        "",
+        "| stream | prompt tokens | first different token | top-2 logprob margin there |",
+        "|---|---|---|---|",
+    ]
     for number, row in enumerate(rows):
         if not row["identical"]:
             margin = "-" if row["top2_logprob_margin"] is None else f"{row['top2_logprob_margin']:.4f}"
             lines.append(f"| {number} | {row['prompt_tokens']} | {row['diverges_at']} | {margin} |")
     margins = [r["top2_logprob_margin"] for r in rows if r["top2_logprob_margin"] is not None]
     if margins:
-        lines += ["", f"Median margin at the divergence: {sorted(margins)[len(margins) // 2]:.4f} "
-                      f"(a margin of {math.log(2):.3f} is a 2:1 likelihood)."]
+        lines += [
+            "",
+            f"Median margin at the divergence: {sorted(margins)[len(margins) // 2]:.4f} "
+            f"(a margin of {math.log(2):.3f} is a 2:1 likelihood).",
+        ]
     (args.output / "batch_invariance.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

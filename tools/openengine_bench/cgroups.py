@@ -27,15 +27,18 @@ class QuotaCgroup:
         self.name = name or f"openengine-test-{os.getpid()}-{time.monotonic_ns()}"
         self.path = ""
 
-    def create(self) -> "QuotaCgroup":
+    def create(self) -> QuotaCgroup:
         if os.geteuid() != 0:
             raise CgroupUnavailable("creating a cgroup needs root")
         with open("/proc/self/mountinfo") as f:
             mounts = cgroup_mounts(f.read())
         quota = str(round(self.cpus * self.PERIOD_US))
         v1 = [point for fstype, options, _, point in mounts if fstype == "cgroup" and "cpu" in options]
-        v2 = [point for fstype, _, _, point in mounts if fstype == "cgroup2"
-              and "cpu" in _read(os.path.join(point, "cgroup.controllers")).split()]
+        v2 = [
+            point
+            for fstype, _, _, point in mounts
+            if fstype == "cgroup2" and "cpu" in _read(os.path.join(point, "cgroup.controllers")).split()
+        ]
         try:
             if v1:
                 self.path = os.path.join(v1[0], self.name)
@@ -73,10 +76,12 @@ class QuotaCgroup:
                 stat[key] = int(value)
         if "nr_periods" not in stat:
             return {}
-        throttled_s = (stat["throttled_usec"] / 1e6 if "throttled_usec" in stat
-                       else stat.get("throttled_time", 0) / 1e9)
-        return {"periods": float(stat["nr_periods"]), "throttled_periods": float(stat.get("nr_throttled", 0)),
-                "throttled_s": throttled_s}
+        throttled_s = stat["throttled_usec"] / 1e6 if "throttled_usec" in stat else stat.get("throttled_time", 0) / 1e9
+        return {
+            "periods": float(stat["nr_periods"]),
+            "throttled_periods": float(stat.get("nr_throttled", 0)),
+            "throttled_s": throttled_s,
+        }
 
     def close(self) -> None:
         if not self.path or not os.path.isdir(self.path):
@@ -97,7 +102,7 @@ class QuotaCgroup:
                 time.sleep(0.1)
         self.path = ""
 
-    def __enter__(self) -> "QuotaCgroup":
+    def __enter__(self) -> QuotaCgroup:
         return self.create()
 
     def __exit__(self, *exc) -> None:

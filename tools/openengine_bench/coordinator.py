@@ -83,47 +83,77 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="openengine-serve bench --coordinator", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="openengine-serve bench --coordinator",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--coordinator", action="store_true", help="(selects this benchmark)")
-    p.add_argument("--coordinators", type=coordinator_counts, default=[1],
-                   help="coordinator processes sharing the request ids (default 1); a comma list (e.g. 1,2) "
-                        "measures each count in turn, alternating round by round")
+    p.add_argument(
+        "--coordinators",
+        type=coordinator_counts,
+        default=[1],
+        help="coordinator processes sharing the request ids (default 1); a comma list (e.g. 1,2) "
+        "measures each count in turn, alternating round by round",
+    )
     p.add_argument("--rounds", type=int, default=1, help="rounds over the counts of --coordinators (default 1)")
-    p.add_argument("--coordinator-cpus", type=cpu_budget, default=0.0,
-                   help="each coordinator in a cgroup of its own with this CPU quota (e.g. 0.25), so that the "
-                        "coordinators are the bottleneck at saturation; needs root (default 0: no quota)")
+    p.add_argument(
+        "--coordinator-cpus",
+        type=cpu_budget,
+        default=0.0,
+        help="each coordinator in a cgroup of its own with this CPU quota (e.g. 0.25), so that the "
+        "coordinators are the bottleneck at saturation; needs root (default 0: no quota)",
+    )
     p.add_argument("--nodes", type=int, default=1000, help="simulated nodes (default 1000)")
     p.add_argument("--frontends", type=int, default=100, help="simulated frontends (default 100)")
-    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval of every simulated "
-                                                                   "node and frontend (default 1.0)")
-    p.add_argument("--load-changes", type=float, default=0.0,
-                   help="share of the node heartbeats whose load figures differ from the node's previous ones "
-                        "(0..1; default 0: idle nodes; 1: every node busy, so every frontend heartbeat's reply "
-                        "carries the whole node table)")
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=1.0,
+        help="heartbeat interval of every simulated node and frontend (default 1.0)",
+    )
+    p.add_argument(
+        "--load-changes",
+        type=float,
+        default=0.0,
+        help="share of the node heartbeats whose load figures differ from the node's previous ones "
+        "(0..1; default 0: idle nodes; 1: every node busy, so every frontend heartbeat's reply "
+        "carries the whole node table)",
+    )
     p.add_argument("--concurrency", type=int, default=512, help="saturation: request loops (default 512)")
-    p.add_argument("--in-step", action="store_true",
-                   help="saturation as frontends whose ticks each carry the same requests: every simulated frontend "
-                        "asks for its share of --concurrency in one tick and, once all are answered, releases them "
-                        "and asks for the next in one tick (default: --concurrency independent loops, whose batches "
-                        "fragment when the replies of several coordinators arrive apart)")
+    p.add_argument(
+        "--in-step",
+        action="store_true",
+        help="saturation as frontends whose ticks each carry the same requests: every simulated frontend "
+        "asks for its share of --concurrency in one tick and, once all are answered, releases them "
+        "and asks for the next in one tick (default: --concurrency independent loops, whose batches "
+        "fragment when the replies of several coordinators arrive apart)",
+    )
     p.add_argument("--channels", type=int, default=8, help="unary path: client channels (default 8)")
-    p.add_argument("--rate", type=float, default=40.0, help="fixed load: requests/s (default 40; 0: saturation "
-                                                             "only)")
+    p.add_argument("--rate", type=float, default=40.0, help="fixed load: requests/s (default 40; 0: saturation only)")
     p.add_argument("--window-s", type=float, default=5.0, help="measured window per saturation scenario (default 5)")
-    p.add_argument("--rate-window-s", type=float, default=20.0,
-                   help="measured window at --rate (default 20: 800 reservations at 40/s, so the p99 is not one "
-                        "wait)")
-    p.add_argument("--no-floor", action="store_true",
-                   help="leave out the floor: the batched path at --rate against a trivial server in its own "
-                        "process (same stream and client, every reservation answered at once), measured after the "
-                        "coordinator in the same conditions, so the p99 the coordinator adds can be told from what "
-                        "the machine and the transport cost")
+    p.add_argument(
+        "--rate-window-s",
+        type=float,
+        default=20.0,
+        help="measured window at --rate (default 20: 800 reservations at 40/s, so the p99 is not one wait)",
+    )
+    p.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="leave out the floor: the batched path at --rate against a trivial server in its own "
+        "process (same stream and client, every reservation answered at once), measured after the "
+        "coordinator in the same conditions, so the p99 the coordinator adds can be told from what "
+        "the machine and the transport cost",
+    )
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--paths", default="unary,batched", help="which paths to measure (default unary,batched)")
-    p.add_argument("--coordinator-pythonpath", default="",
-                   help="run the coordinator from this source tree instead (e.g. an older checkout's service/, "
-                        "to measure its unary path: --paths unary)")
+    p.add_argument(
+        "--coordinator-pythonpath",
+        default="",
+        help="run the coordinator from this source tree instead (e.g. an older checkout's service/, "
+        "to measure its unary path: --paths unary)",
+    )
     p.add_argument("--output", default="bench-results", help="directory for coordinator.json (default bench-results/)")
     return p
 
@@ -144,8 +174,9 @@ def cpu_budget(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of CPUs like 0.25, got {text!r}") from None
     if not 0 <= cpus <= os.cpu_count():
-        raise argparse.ArgumentTypeError(f"the coordinator CPU quota must be between 0 and {os.cpu_count()} "
-                                         f"(this machine's CPUs), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"the coordinator CPU quota must be between 0 and {os.cpu_count()} (this machine's CPUs), got {text!r}"
+        )
     return cpus
 
 
@@ -195,24 +226,30 @@ class SimulatedDeployment:
     async def register_with(self, stub: cluster_pb2_grpc.CoordinatorStub) -> None:
         """One coordinator's registrations in order (the coordinators in parallel)."""
         for rank in range(self.args.nodes):
-            node = cluster_pb2.NodeEntry(node_id=f"bench-node-{rank}", address=f"127.0.0.1:{10000 + rank}",
-                                         rank=rank, load=self.load())
+            node = cluster_pb2.NodeEntry(
+                node_id=f"bench-node-{rank}", address=f"127.0.0.1:{10000 + rank}", rank=rank, load=self.load()
+            )
             await stub.RegisterNode(cluster_pb2.RegisterNodeRequest(node=node), timeout=10)
         for frontend_id in self.frontend_ids:
-            await stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
-                frontend_id=frontend_id, address="127.0.0.1:1"), timeout=10)
+            await stub.RegisterFrontend(
+                cluster_pb2.RegisterFrontendRequest(frontend_id=frontend_id, address="127.0.0.1:1"), timeout=10
+            )
 
     @staticmethod
     def load(running: int = 0) -> cluster_pb2.NodeLoad:
-        return cluster_pb2.NodeLoad(running_requests=running, max_running_requests=1_000_000,
-                                    max_queued_requests=1_000_000)
+        return cluster_pb2.NodeLoad(
+            running_requests=running, max_running_requests=1_000_000, max_queued_requests=1_000_000
+        )
 
     def start_heartbeats(self) -> None:
         """The heartbeats run in a process of their own (`heartbeat_peers`), so that the loop that times the
         reservations does not also wait for 1,000 peers' heartbeats: its latencies are the coordinator's."""
         self.heartbeat_process = multiprocessing.get_context("spawn").Process(
-            target=heartbeat_peers, args=(self.targets, self.args, self.frontend_ids), daemon=True,
-            name="bench-heartbeats")
+            target=heartbeat_peers,
+            args=(self.targets, self.args, self.frontend_ids),
+            daemon=True,
+            name="bench-heartbeats",
+        )
         self.heartbeat_process.start()
 
     async def wait_all_ready(self, timeout_s: float = 120.0) -> None:
@@ -257,8 +294,9 @@ def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: 
                 if rng.random() < args.load_changes:
                     running = (running + 1) % 64
                     load = SimulatedDeployment.load(running)
-                heartbeat = cluster_pb2.NodeHeartbeatRequest(node_id=peer_id, state=cluster_pb2.NODE_STATE_READY,
-                                                             load=load)
+                heartbeat = cluster_pb2.NodeHeartbeatRequest(
+                    node_id=peer_id, state=cluster_pb2.NODE_STATE_READY, load=load
+                )
             with contextlib.suppress(HeartbeatFailed):  # a late reply: the coordinator's expiry counts it
                 await stream.beat(heartbeat, quiet=is_node)  # nodes as the real ones: no reply awaited
 
@@ -291,13 +329,15 @@ class TrivialCoordinator(cluster_pb2_grpc.CoordinatorServicer):
 
     async def Reservations(self, request_iterator, context):
         async for batch in request_iterator:
-            yield cluster_pb2.ReservationReplies(outcome=[cluster_pb2.ReservationOutcome(node=FLOOR_NODE)
-                                                          for _ in batch.reserve])
+            yield cluster_pb2.ReservationReplies(
+                outcome=[cluster_pb2.ReservationOutcome(node=FLOOR_NODE) for _ in batch.reserve]
+            )
 
 
-def serve_trivial_coordinator(ports: "multiprocessing.Queue[int]") -> None:
+def serve_trivial_coordinator(ports: multiprocessing.Queue[int]) -> None:
     """Runs in a process of its own: the same grpc.aio server, options, event loop and GC settings as the
     coordinator."""
+
     async def serve() -> None:
         server = create_internal_server()
         cluster_pb2_grpc.add_CoordinatorServicer_to_server(TrivialCoordinator(), server)
@@ -313,13 +353,15 @@ def serve_trivial_coordinator(ports: "multiprocessing.Queue[int]") -> None:
 
 class TrivialServer:
     """`serve_trivial_coordinator` in a spawned process; measured like the coordinators (`measure` reads its pid)."""
+
     cpus = 0.0
 
-    def __enter__(self) -> "TrivialServer":
+    def __enter__(self) -> TrivialServer:
         context = multiprocessing.get_context("spawn")
         ports = context.Queue()
-        self.process = context.Process(target=serve_trivial_coordinator, args=(ports,), daemon=True,
-                                       name="bench-trivial-coordinator")
+        self.process = context.Process(
+            target=serve_trivial_coordinator, args=(ports,), daemon=True, name="bench-trivial-coordinator"
+        )
         self.process.start()
         self.targets = [f"127.0.0.1:{ports.get(timeout=30)}"]
         self.pids = [self.process.pid]
@@ -339,8 +381,9 @@ class UnaryPath:
     def __init__(self, targets: list[str], channels: int, frontend_ids: list[str]) -> None:
         self.targets = targets
         self.channels = {target: [grpc.aio.insecure_channel(target) for _ in range(channels)] for target in targets}
-        self.stubs = {target: [cluster_pb2_grpc.CoordinatorStub(c) for c in chans]
-                      for target, chans in self.channels.items()}
+        self.stubs = {
+            target: [cluster_pb2_grpc.CoordinatorStub(c) for c in chans] for target, chans in self.channels.items()
+        }
         self.frontend_ids = frontend_ids
 
     async def reserve(self, i: int) -> tuple[tuple, float]:
@@ -370,8 +413,13 @@ class BatchedPath:
         self.targets = targets
         self.channels = [grpc.aio.insecure_channel(target) for _ in frontend_ids for target in targets]
         channels = iter(self.channels)
-        self.batchers = [{target: ReservationBatcher(fid, cluster_pb2_grpc.CoordinatorStub(next(channels)).Reservations)
-                          for target in targets} for fid in frontend_ids]
+        self.batchers = [
+            {
+                target: ReservationBatcher(fid, cluster_pb2_grpc.CoordinatorStub(next(channels)).Reservations)
+                for target in targets
+            }
+            for fid in frontend_ids
+        ]
 
     async def reserve(self, i: int) -> tuple[tuple, float]:
         request_id = uuid.uuid4().hex
@@ -409,28 +457,49 @@ class Coordinators:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
-    def start(self) -> "Coordinators":
+    def start(self) -> Coordinators:
         expiry = max(3.0, 5 * self.args.heartbeat_s)
         env = dict(os.environ)
         if self.args.coordinator_pythonpath:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.args.coordinator_pythonpath,
-                                                              env.get("PYTHONPATH")]))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.args.coordinator_pythonpath, env.get("PYTHONPATH")]))
         with open(self.out / "coordinator-bench.log", "ab") as log:
             for i in range(self.count):
                 if self.cpus:
                     try:
-                        self.cgroups.append(QuotaCgroup(
-                            self.cpus, name=f"openengine-coordinator-bench-{os.getpid()}-{i}").create())
+                        self.cgroups.append(
+                            QuotaCgroup(self.cpus, name=f"openengine-coordinator-bench-{os.getpid()}-{i}").create()
+                        )
                     except CgroupUnavailable as exc:
-                        raise SystemExit(f"--coordinator-cpus {self.cpus:g}: {exc}; run as root, or leave it out "
-                                         f"(no quota)") from exc
+                        raise SystemExit(
+                            f"--coordinator-cpus {self.cpus:g}: {exc}; run as root, or leave it out (no quota)"
+                        ) from exc
                 port = free_port()
                 self.targets.append(f"127.0.0.1:{port}")
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "openengine_serve", "coordinator", "--host", "127.0.0.1", "--port",
-                     str(port), "--metrics-port", "0", "--heartbeat-s", str(self.args.heartbeat_s),
-                     "--node-expiry-s", str(expiry), "--log-level", "warning"],
-                    stdout=log, stderr=subprocess.STDOUT, env=env))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "openengine_serve",
+                            "coordinator",
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                            "--metrics-port",
+                            "0",
+                            "--heartbeat-s",
+                            str(self.args.heartbeat_s),
+                            "--node-expiry-s",
+                            str(expiry),
+                            "--log-level",
+                            "warning",
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                )
         deadline = time.monotonic() + 30
         for target, proc in zip(self.targets, self.procs):
             while not is_serving(target):
@@ -458,7 +527,7 @@ class Coordinators:
             for cgroup in self.cgroups:
                 cgroup.close()
 
-    def __enter__(self) -> "Coordinators":
+    def __enter__(self) -> Coordinators:
         try:
             return self.start()
         except BaseException:
@@ -469,32 +538,43 @@ class Coordinators:
         self.stop()
 
 
-def limited_by(load: str, coordinator_cores: list[float], quota_cpus: float, throttled_shares: list[float | None],
-               load_generator_cores: float, machine_idle_cores: float) -> tuple[str, bool]:
+def limited_by(
+    load: str,
+    coordinator_cores: list[float],
+    quota_cpus: float,
+    throttled_shares: list[float | None],
+    load_generator_cores: float,
+    machine_idle_cores: float,
+) -> tuple[str, bool]:
     """What limited a window, and whether it was the coordinators alone (every one at its quota, or at a full
     core without one; the load generator and the machine with room left).
 
     A coordinator is at its quota when it used QUOTA_USED of it over the window. Its throttled share is shown but
     not enough: a process that works in bursts is throttled in some periods while using far less than its quota
     (seen on a busy machine: throttled in 11 % of the periods at 0.04 of a 0.1-CPU quota)."""
-    at_limit = [cores >= QUOTA_USED * quota_cpus if quota_cpus else cores >= report.BUSY
-                for cores in coordinator_cores]
+    at_limit = [cores >= QUOTA_USED * quota_cpus if quota_cpus else cores >= report.BUSY for cores in coordinator_cores]
     reasons = []
     if any(at_limit):
         busiest = max(range(len(coordinator_cores)), key=lambda i: coordinator_cores[i])
         share = throttled_shares[busiest]
-        reasons.append(f"coordinator CPU ({sum(at_limit)} of {len(at_limit)} at "
-                       + (f"their {quota_cpus:g}-CPU quota; busiest {coordinator_cores[busiest]:.2f} CPU, throttled "
-                          f"in {(share or 0.0) * 100:.0f} % of periods)" if quota_cpus else
-                          f"a full core; busiest {coordinator_cores[busiest]:.2f})"))
+        reasons.append(
+            f"coordinator CPU ({sum(at_limit)} of {len(at_limit)} at "
+            + (
+                f"their {quota_cpus:g}-CPU quota; busiest {coordinator_cores[busiest]:.2f} CPU, throttled "
+                f"in {(share or 0.0) * 100:.0f} % of periods)"
+                if quota_cpus
+                else f"a full core; busiest {coordinator_cores[busiest]:.2f})"
+            )
+        )
     # The load generator is one Python process: one core is all it can use.
     if load_generator_cores >= report.BUSY:
         reasons.append(f"load generator ({load_generator_cores:.2f} core)")
     if machine := report.machine_reason(machine_idle_cores):
         reasons.append(machine)
     if not reasons:
-        return ("none (open-loop arrivals; nothing saturated)" if load.endswith("/s")
-                else "none saturated (latency-bound)"), False
+        return (
+            "none (open-loop arrivals; nothing saturated)" if load.endswith("/s") else "none saturated (latency-bound)"
+        ), False
     return "; ".join(reasons), all(at_limit) and len(reasons) == 1
 
 
@@ -555,7 +635,7 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
         held: list[tuple] = []
         while not stop:
             outcomes = await asyncio.gather(*(release(h) for h in held), *(reserve(i) for _ in range(per_tick)))
-            held = [h for h in outcomes[len(held):] if h is not None]
+            held = [h for h in outcomes[len(held) :] if h is not None]
         await asyncio.gather(*(release(h) for h in held))
 
     async def open_loop() -> None:
@@ -595,15 +675,20 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
     await asyncio.gather(*loops, return_exceptions=True)
     elapsed = t1 - t0
     each_cores = [(b - a) / elapsed for a, b in zip(each0, each1)]
-    throttled_shares = [(after["throttled_periods"] - before["throttled_periods"])
-                        / max(1.0, after["periods"] - before["periods"]) if after and before else None
-                        for before, after in zip(throttled0, throttled1)] or [None] * len(each_cores)
+    throttled_shares = [
+        (after["throttled_periods"] - before["throttled_periods"]) / max(1.0, after["periods"] - before["periods"])
+        if after and before
+        else None
+        for before, after in zip(throttled0, throttled1)
+    ] or [None] * len(each_cores)
     load_generator_cores = (own1 - own0) / elapsed
     machine_idle_cores = (idle1 - idle0) / elapsed
-    limit, coordinator_limited = limited_by(load, each_cores, coordinators.cpus, throttled_shares,
-                                            load_generator_cores, machine_idle_cores)
+    limit, coordinator_limited = limited_by(
+        load, each_cores, coordinators.cpus, throttled_shares, load_generator_cores, machine_idle_cores
+    )
     result = {
-        "path": path.name, "load": load,
+        "path": path.name,
+        "load": load,
         "reservations_per_s": done / elapsed,
         "coordinator_cores": (cpu1 - cpu0) / elapsed,
         # With several coordinators: the one that caps the deployment first (each has its own core to go to).
@@ -618,8 +703,10 @@ async def measure(path, coordinators: Coordinators, args: argparse.Namespace, ra
         "latency_p50_ms": 1e3 * percentile(latencies, 0.50),
         "latency_p99_ms": 1e3 * percentile(latencies, 0.99),
         # The window's longest waits with when they came (s into the window): one stall decides a short window's p99.
-        "latency_longest_ms": [(round(1e3 * wait, 2), round(at - t0, 3))
-                               for wait, at in sorted(zip(latencies, finished_at), reverse=True)[:5]],
+        "latency_longest_ms": [
+            (round(1e3 * wait, 2), round(at - t0, 3))
+            for wait, at in sorted(zip(latencies, finished_at), reverse=True)[:5]
+        ],
         "errors": sum(errors.values()),
         "error_kinds": dict(errors),
     }
@@ -651,20 +738,28 @@ async def drive(coordinators: Coordinators, args: argparse.Namespace, round_numb
     deployment.start_heartbeats()
     await deployment.wait_all_ready()
     await asyncio.sleep(args.warmup_s)
-    heartbeat_cores, heartbeat_peers_cores = await heartbeat_only(pids, deployment.heartbeat_process.pid,
-                                                                  args.window_s)
+    heartbeat_cores, heartbeat_peers_cores = await heartbeat_only(pids, deployment.heartbeat_process.pid, args.window_s)
     result = {
-        "round": round_number, "coordinators": len(targets), "coordinator_cpus": coordinators.cpus or None,
-        "memory": [{"rss_empty_mb": empty / 2**20, "rss_registered_mb": registered / 2**20,
-                    "bytes_per_registered_peer": (registered - empty) / max(1, peers)}
-                   for empty, registered in zip(rss_empty, rss_registered)],
+        "round": round_number,
+        "coordinators": len(targets),
+        "coordinator_cpus": coordinators.cpus or None,
+        "memory": [
+            {
+                "rss_empty_mb": empty / 2**20,
+                "rss_registered_mb": registered / 2**20,
+                "bytes_per_registered_peer": (registered - empty) / max(1, peers),
+            }
+            for empty, registered in zip(rss_empty, rss_registered)
+        ],
         "registration_s": registration_s,
         "heartbeat_only_cores": heartbeat_cores,
         "heartbeat_peers_cores": heartbeat_peers_cores,  # the simulated peers' process
         "scenarios": [],
     }
-    known = {"unary": lambda: UnaryPath(targets, args.channels, deployment.frontend_ids),
-             "batched": lambda: BatchedPath(targets, deployment.frontend_ids)}
+    known = {
+        "unary": lambda: UnaryPath(targets, args.channels, deployment.frontend_ids),
+        "batched": lambda: BatchedPath(targets, deployment.frontend_ids),
+    }
     paths = [known[name.strip()]() for name in args.paths.split(",") if name.strip()]
     # The simulated frontends' process collects its garbage as a frontend process does (frozen startup objects,
     # fewer young collections), and each scenario's garbage before the next (`measure`): otherwise a full
@@ -706,23 +801,31 @@ def summarize(runs: list[dict]) -> dict:
     groups: dict[tuple[int, str, str], list[dict]] = collections.defaultdict(list)
     for run in runs:
         for scenario in run["scenarios"]:
-            groups[(run["coordinators"], scenario["path"], scenario["load"])].append({**scenario,
-                                                                                     "round": run["round"]})
+            groups[(run["coordinators"], scenario["path"], scenario["load"])].append(
+                {**scenario, "round": run["round"]}
+            )
     rows = []
     for (count, path, load), scenarios in groups.items():
         rates = [s["reservations_per_s"] for s in scenarios]
-        rows.append({
-            "coordinators": count, "path": path, "load": load, "rounds": len(scenarios),
-            "reservations_per_s_min": min(rates), "reservations_per_s_median": report.median(rates),
-            "coordinator_cpu_us_per_request_median": report.median(
-                [s["coordinator_cpu_us_per_request"] for s in scenarios]),
-            "busiest_coordinator_cores_median": report.median([s["busiest_coordinator_cores"] for s in scenarios]),
-            "load_generator_cores_median": report.median([s["load_generator_cores"] for s in scenarios]),
-            "requests_per_batch_median": report.median([s.get("requests_per_batch", 1.0) for s in scenarios]),
-            "latency_p99_ms_median": report.median([s["latency_p99_ms"] for s in scenarios]),
-            "coordinator_limited_rounds": sum(bool(s["coordinator_limited"]) for s in scenarios),
-            "errors": sum(s["errors"] for s in scenarios),
-        })
+        rows.append(
+            {
+                "coordinators": count,
+                "path": path,
+                "load": load,
+                "rounds": len(scenarios),
+                "reservations_per_s_min": min(rates),
+                "reservations_per_s_median": report.median(rates),
+                "coordinator_cpu_us_per_request_median": report.median(
+                    [s["coordinator_cpu_us_per_request"] for s in scenarios]
+                ),
+                "busiest_coordinator_cores_median": report.median([s["busiest_coordinator_cores"] for s in scenarios]),
+                "load_generator_cores_median": report.median([s["load_generator_cores"] for s in scenarios]),
+                "requests_per_batch_median": report.median([s.get("requests_per_batch", 1.0) for s in scenarios]),
+                "latency_p99_ms_median": report.median([s["latency_p99_ms"] for s in scenarios]),
+                "coordinator_limited_rounds": sum(bool(s["coordinator_limited"]) for s in scenarios),
+                "errors": sum(s["errors"] for s in scenarios),
+            }
+        )
     scaling = []
     base = min(run["coordinators"] for run in runs) if runs else 1
     for (count, path, load), scenarios in groups.items():
@@ -732,20 +835,35 @@ def summarize(runs: list[dict]) -> dict:
         pairs = [(s, base_by_round[s["round"]]) for s in scenarios if s["round"] in base_by_round]
         ratios = [s["reservations_per_s"] / b["reservations_per_s"] for s, b in pairs if b["reservations_per_s"]]
         if ratios:
-            scaling.append({"path": path, "load": load, "coordinators": count, "versus": base, "rounds": len(ratios),
-                            "ratio_min": min(ratios), "ratio_median": report.median(ratios),
-                            "ratios": ratios,
-                            "both_coordinator_limited_rounds": sum(bool(s["coordinator_limited"]
-                                                                        and b["coordinator_limited"])
-                                                                   for s, b in pairs)})
+            scaling.append(
+                {
+                    "path": path,
+                    "load": load,
+                    "coordinators": count,
+                    "versus": base,
+                    "rounds": len(ratios),
+                    "ratio_min": min(ratios),
+                    "ratio_median": report.median(ratios),
+                    "ratios": ratios,
+                    "both_coordinator_limited_rounds": sum(
+                        bool(s["coordinator_limited"] and b["coordinator_limited"]) for s, b in pairs
+                    ),
+                }
+            )
     memory = []
     for count in sorted({run["coordinators"] for run in runs}):
         each = [m["bytes_per_registered_peer"] for run in runs if run["coordinators"] == count for m in run["memory"]]
-        memory.append({"coordinators": count, "bytes_per_registered_peer_median": report.median(each),
-                       "bytes_per_registered_peer_min": min(each), "bytes_per_registered_peer_max": max(each),
-                       "rss_registered_mb_median": report.median(
-                           [m["rss_registered_mb"] for run in runs if run["coordinators"] == count
-                            for m in run["memory"]])})
+        memory.append(
+            {
+                "coordinators": count,
+                "bytes_per_registered_peer_median": report.median(each),
+                "bytes_per_registered_peer_min": min(each),
+                "bytes_per_registered_peer_max": max(each),
+                "rss_registered_mb_median": report.median(
+                    [m["rss_registered_mb"] for run in runs if run["coordinators"] == count for m in run["memory"]]
+                ),
+            }
+        )
     return {"scenarios": rows, "scaling": scaling, "memory_per_coordinator": memory}
 
 
@@ -755,17 +873,22 @@ def floor_line(run: dict) -> str:
     if FLOOR_PATH not in at_rate or "batched" not in at_rate:
         return ""
     coordinator, floor = at_rate["batched"], at_rate[FLOOR_PATH]
-    return (f"\nRound {run['round']}, {run['coordinators']} coordinator(s), {coordinator['load']}: p99 "
-            f"{coordinator['latency_p99_ms']:.2f} ms through the coordinator, {floor['latency_p99_ms']:.2f} ms through "
-            f"the trivial server on the same stream (p50 {coordinator['latency_p50_ms']:.2f} / "
-            f"{floor['latency_p50_ms']:.2f} ms): the coordinator's own share of the p99 is "
-            f"{coordinator['latency_p99_ms'] - floor['latency_p99_ms']:+.2f} ms.")
+    return (
+        f"\nRound {run['round']}, {run['coordinators']} coordinator(s), {coordinator['load']}: p99 "
+        f"{coordinator['latency_p99_ms']:.2f} ms through the coordinator, {floor['latency_p99_ms']:.2f} ms through "
+        f"the trivial server on the same stream (p50 {coordinator['latency_p50_ms']:.2f} / "
+        f"{floor['latency_p50_ms']:.2f} ms): the coordinator's own share of the p99 is "
+        f"{coordinator['latency_p99_ms'] - floor['latency_p99_ms']:+.2f} ms."
+    )
 
 
 def render(result: dict) -> str:
     config = result["config"]
-    budget = (f"each coordinator in its own {config['coordinator_cpus']:g}-CPU cgroup quota"
-              if config["coordinator_cpus"] else "no CPU quota")
+    budget = (
+        f"each coordinator in its own {config['coordinator_cpus']:g}-CPU cgroup quota"
+        if config["coordinator_cpus"]
+        else "no CPU quota"
+    )
     lines = [
         f"Coordinator benchmark: {','.join(map(str, config['coordinators']))} coordinator(s), "
         f"{config['rounds']} round(s), {config['nodes']} nodes, {config['frontends']} frontends "
@@ -779,49 +902,74 @@ def render(result: dict) -> str:
     ]
     for run in result["runs"]:
         for s in run["scenarios"]:
-            lines.append(f"| {run['round']} | {run['coordinators']} | {s['path']} | {s['load']} | "
-                         f"{s['reservations_per_s']:,.0f} | {s['coordinator_cores']:.2f} "
-                         f"({s['busiest_coordinator_cores']:.2f}) | "
-                         f"{s['coordinator_cpu_us_per_request']:,.0f} | {s['marginal_cpu_us_per_request']:,.0f} | "
-                         f"{s['latency_p50_ms']:.2f} | {s['latency_p99_ms']:.2f} | "
-                         f"{s.get('requests_per_batch', 1):.1f} | {s['load_generator_cores']:.2f} | {s['errors']} | "
-                         f"{s['limited_by']} |")
+            lines.append(
+                f"| {run['round']} | {run['coordinators']} | {s['path']} | {s['load']} | "
+                f"{s['reservations_per_s']:,.0f} | {s['coordinator_cores']:.2f} "
+                f"({s['busiest_coordinator_cores']:.2f}) | "
+                f"{s['coordinator_cpu_us_per_request']:,.0f} | {s['marginal_cpu_us_per_request']:,.0f} | "
+                f"{s['latency_p50_ms']:.2f} | {s['latency_p99_ms']:.2f} | "
+                f"{s.get('requests_per_batch', 1):.1f} | {s['load_generator_cores']:.2f} | {s['errors']} | "
+                f"{s['limited_by']} |"
+            )
     lines += [line for line in map(floor_line, result["runs"]) if line]
     lines += ["", "Memory and heartbeats per run:", ""]
     for run in result["runs"]:
-        memory = ", ".join(f"{m['rss_empty_mb']:.1f} → {m['rss_registered_mb']:.1f} MB "
-                           f"({m['bytes_per_registered_peer'] / 1024:.2f} KiB per node/frontend)"
-                           for m in run["memory"])
-        lines.append(f"- round {run['round']}, {run['coordinators']} coordinator(s): {memory}; heartbeats alone "
-                     f"{run['heartbeat_only_cores']:.2f} cores (all coordinators; the simulated peers "
-                     f"{run['heartbeat_peers_cores']:.2f}); registration took "
-                     f"{run['registration_s']:.1f} s")
+        memory = ", ".join(
+            f"{m['rss_empty_mb']:.1f} → {m['rss_registered_mb']:.1f} MB "
+            f"({m['bytes_per_registered_peer'] / 1024:.2f} KiB per node/frontend)"
+            for m in run["memory"]
+        )
+        lines.append(
+            f"- round {run['round']}, {run['coordinators']} coordinator(s): {memory}; heartbeats alone "
+            f"{run['heartbeat_only_cores']:.2f} cores (all coordinators; the simulated peers "
+            f"{run['heartbeat_peers_cores']:.2f}); registration took "
+            f"{run['registration_s']:.1f} s"
+        )
     summary = result["summary"]
     if config["rounds"] > 1 or len(config["coordinators"]) > 1:
-        lines += ["", "Over the rounds (min / median):", "",
-                  "| coordinators | path | load | reservations/s min | median | CPU µs/request (median) | "
-                  "busiest coordinator cores | load-gen cores | requests/message | p99 ms | rounds limited by the "
-                  "coordinators alone |",
-                  "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "Over the rounds (min / median):",
+            "",
+            "| coordinators | path | load | reservations/s min | median | CPU µs/request (median) | "
+            "busiest coordinator cores | load-gen cores | requests/message | p99 ms | rounds limited by the "
+            "coordinators alone |",
+            "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
         for row in summary["scenarios"]:
-            lines.append(f"| {row['coordinators']} | {row['path']} | {row['load']} | "
-                         f"{row['reservations_per_s_min']:,.0f} | {row['reservations_per_s_median']:,.0f} | "
-                         f"{row['coordinator_cpu_us_per_request_median']:,.0f} | "
-                         f"{row['busiest_coordinator_cores_median']:.2f} | {row['load_generator_cores_median']:.2f} | "
-                         f"{row['requests_per_batch_median']:.1f} | {row['latency_p99_ms_median']:.1f} | "
-                         f"{row['coordinator_limited_rounds']} of {row['rounds']} |")
+            lines.append(
+                f"| {row['coordinators']} | {row['path']} | {row['load']} | "
+                f"{row['reservations_per_s_min']:,.0f} | {row['reservations_per_s_median']:,.0f} | "
+                f"{row['coordinator_cpu_us_per_request_median']:,.0f} | "
+                f"{row['busiest_coordinator_cores_median']:.2f} | {row['load_generator_cores_median']:.2f} | "
+                f"{row['requests_per_batch_median']:.1f} | {row['latency_p99_ms_median']:.1f} | "
+                f"{row['coordinator_limited_rounds']} of {row['rounds']} |"
+            )
     if summary["scaling"]:
-        lines += ["", "Reservations/s relative to the smallest count, same round (min / median over rounds):", "",
-                  "| path | load | coordinators | ratio min | ratio median | rounds where both runs were limited "
-                  "by the coordinators alone |", "|---|---|---|---:|---:|---|"]
+        lines += [
+            "",
+            "Reservations/s relative to the smallest count, same round (min / median over rounds):",
+            "",
+            "| path | load | coordinators | ratio min | ratio median | rounds where both runs were limited "
+            "by the coordinators alone |",
+            "|---|---|---|---:|---:|---|",
+        ]
         for row in summary["scaling"]:
-            lines.append(f"| {row['path']} | {row['load']} | {row['coordinators']} vs {row['versus']} | "
-                         f"{row['ratio_min']:.2f}× | {row['ratio_median']:.2f}× | "
-                         f"{row['both_coordinator_limited_rounds']} of {row['rounds']} |")
-    lines += ["", "Memory per registered node/frontend (each coordinator holds the whole table): " + "; ".join(
-        f"{m['coordinators']} coordinator(s): median {m['bytes_per_registered_peer_median'] / 1024:.2f} KiB "
-        f"[{m['bytes_per_registered_peer_min'] / 1024:.2f}–{m['bytes_per_registered_peer_max'] / 1024:.2f}] "
-        f"per coordinator" for m in summary["memory_per_coordinator"])]
+            lines.append(
+                f"| {row['path']} | {row['load']} | {row['coordinators']} vs {row['versus']} | "
+                f"{row['ratio_min']:.2f}× | {row['ratio_median']:.2f}× | "
+                f"{row['both_coordinator_limited_rounds']} of {row['rounds']} |"
+            )
+    lines += [
+        "",
+        "Memory per registered node/frontend (each coordinator holds the whole table): "
+        + "; ".join(
+            f"{m['coordinators']} coordinator(s): median {m['bytes_per_registered_peer_median'] / 1024:.2f} KiB "
+            f"[{m['bytes_per_registered_peer_min'] / 1024:.2f}–{m['bytes_per_registered_peer_max'] / 1024:.2f}] "
+            f"per coordinator"
+            for m in summary["memory_per_coordinator"]
+        ),
+    ]
     return "\n".join(lines)
 
 

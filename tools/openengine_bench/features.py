@@ -45,9 +45,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openengine_bench.engines import (HOST, PROMPTS, ForeignLoad, cpu_model, default_threads, descendants, fmt,
-                                      git_commit, http_get, median, percentile, ratio, version, wait_quiet,
-                                      write_json)
+from openengine_bench.engines import (
+    HOST,
+    PROMPTS,
+    ForeignLoad,
+    cpu_model,
+    default_threads,
+    descendants,
+    fmt,
+    git_commit,
+    http_get,
+    median,
+    percentile,
+    ratio,
+    version,
+    wait_quiet,
+    write_json,
+)
 from openengine_serve.common.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,13 +71,13 @@ DEFAULT_LOGS = REPO / "bench-results" / "features-logs"
 PARTS = ("guided", "cache", "isolation", "routing")
 
 # The targets (judged on the medians over the rounds).
-GUIDED_SHARE = 0.8        # guided tok/s >= 0.8x unguided (this bench's bar: no figure was set for it)
+GUIDED_SHARE = 0.8  # guided tok/s >= 0.8x unguided (this bench's bar: no figure was set for it)
 GUIDED_AT = (8, 32)
-CACHE_SPEEDUP = 3.0       # "several times faster": TTFT p50 without the cache >= 3x with it
-ISOLATION_FACTOR = 1.5    # ITL p99 with the huge-guide stream <= 1.5x without
+CACHE_SPEEDUP = 3.0  # "several times faster": TTFT p50 without the cache >= 3x with it
+ISOLATION_FACTOR = 1.5  # ITL p99 with the huge-guide stream <= 1.5x without
 ISOLATION_STREAMS = 8
 
-MAX_GUIDE_BYTES = 65536   # the frontend's OPENENGINE_MAX_GUIDE_BYTES default
+MAX_GUIDE_BYTES = 65536  # the frontend's OPENENGINE_MAX_GUIDE_BYTES default
 HUGE_GUIDE_MARGIN = 2048  # the huge schema stays this far below it
 START_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0
@@ -74,22 +88,31 @@ FOREIGN_CPUS_NOTED = 0.1
 
 @dataclass(frozen=True)
 class Mode:
-    rounds: int               # guided and isolation levels are run this many times, order alternated
-    warmup_s: float           # uncounted load before each window; the streams' starts are spread over it
-    window_s: float           # the measured window
-    cache_pairs: int          # prefix cache: requests with the cache and without it, each
+    rounds: int  # guided and isolation levels are run this many times, order alternated
+    warmup_s: float  # uncounted load before each window; the streams' starts are spread over it
+    window_s: float  # the measured window
+    cache_pairs: int  # prefix cache: requests with the cache and without it, each
     routing: tuple[tuple[int, int], ...]  # (system prompts K, requests per prompt) of each routing workload
     routing_concurrency: int
-    mask_repeats: int         # in-process mask timing: passes over the generated outputs
+    mask_repeats: int  # in-process mask timing: passes over the generated outputs
 
 
-FULL = Mode(rounds=2, warmup_s=5.0, window_s=25.0, cache_pairs=15, routing=((4, 16), (8, 8)),
-            routing_concurrency=4, mask_repeats=30)
-QUICK = Mode(rounds=1, warmup_s=2.0, window_s=6.0, cache_pairs=5, routing=((4, 6),), routing_concurrency=4,
-             mask_repeats=5)
+FULL = Mode(
+    rounds=2,
+    warmup_s=5.0,
+    window_s=25.0,
+    cache_pairs=15,
+    routing=((4, 16), (8, 8)),
+    routing_concurrency=4,
+    mask_repeats=30,
+)
+QUICK = Mode(
+    rounds=1, warmup_s=2.0, window_s=6.0, cache_pairs=5, routing=((4, 6),), routing_concurrency=4, mask_repeats=5
+)
 
 
 # ---------------------------------------------------------------- workloads
+
 
 def chat(user: str, system: str | None = None) -> str:
     """SmolLM2's chat template as text (the frontend takes the prompt as it is)."""
@@ -97,18 +120,31 @@ def chat(user: str, system: str | None = None) -> str:
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
-PERSONS = ("a famous scientist", "a retired football player", "a young jazz musician", "a medieval king",
-           "a travelling chef", "a mountain guide", "a children's book author", "a startup founder")
-GUIDED_PROMPTS = tuple(chat(f"Describe {p} as a JSON object with a name, an age and up to three tags.")
-                       for p in PERSONS)
+PERSONS = (
+    "a famous scientist",
+    "a retired football player",
+    "a young jazz musician",
+    "a medieval king",
+    "a travelling chef",
+    "a mountain guide",
+    "a children's book author",
+    "a startup founder",
+)
+GUIDED_PROMPTS = tuple(
+    chat(f"Describe {p} as a JSON object with a name, an age and up to three tags.") for p in PERSONS
+)
 TAGS = ["science", "art", "sports", "music", "politics", "business", "history", "travel"]
 PERSON_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 20},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                   "tags": {"type": "array", "maxItems": 3, "items": {"enum": TAGS}}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
-GUIDED_MAX_TOKENS = 128   # a ceiling: the grammar ends the object well before
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "maxItems": 3, "items": {"enum": TAGS}},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+GUIDED_MAX_TOKENS = 128  # a ceiling: the grammar ends the object well before
 ORDINARY_MAX_TOKENS = 128
 HUGE_MAX_TOKENS = 64
 HUGE_PROMPT = chat("Fill in one record of the catalogue as a JSON object.")
@@ -143,19 +179,50 @@ RULES = (
     "When you do not know an answer, say so and offer to ask a librarian.",
     "Keep answers short: two or three sentences unless the member asks for more.",
 )
-ORGANIZATIONS = ("the Riverside Public Library", "the Northgate University Library", "the Harbour Town Archive",
-                 "the Lakeside Children's Library", "the Central Music Library", "the Old Mill Community Library",
-                 "the Hillcrest Law Library", "the Westbrook Medical Library", "the Maple Street Branch Library",
-                 "the Seaview Maritime Museum Library", "the Summit Engineering Library",
-                 "the Greenfield Agricultural Library", "the Starlight Observatory Library",
-                 "the Castle Hill Heritage Library", "the Pinewood School Library", "the Eastside Film Library",
-                 "the Redwood Botanical Library", "the Silver Lake Art Library", "the Kingsbridge Business Library",
-                 "the Foxglove Poetry Library")
-QUESTION_FORMS = ("Can I borrow {}?", "Where do I find {}?", "How long may I keep {}?", "Is there a fee for {}?",
-                  "Who can help me with {}?", "Can I reserve {} online?")
-QUESTION_ITEMS = ("a novel", "a travel guide", "a cookbook", "a children's book", "a history atlas",
-                  "a poetry collection", "a science magazine", "a music score", "a film on DVD",
-                  "a language course", "a board game", "a laptop")
+ORGANIZATIONS = (
+    "the Riverside Public Library",
+    "the Northgate University Library",
+    "the Harbour Town Archive",
+    "the Lakeside Children's Library",
+    "the Central Music Library",
+    "the Old Mill Community Library",
+    "the Hillcrest Law Library",
+    "the Westbrook Medical Library",
+    "the Maple Street Branch Library",
+    "the Seaview Maritime Museum Library",
+    "the Summit Engineering Library",
+    "the Greenfield Agricultural Library",
+    "the Starlight Observatory Library",
+    "the Castle Hill Heritage Library",
+    "the Pinewood School Library",
+    "the Eastside Film Library",
+    "the Redwood Botanical Library",
+    "the Silver Lake Art Library",
+    "the Kingsbridge Business Library",
+    "the Foxglove Poetry Library",
+)
+QUESTION_FORMS = (
+    "Can I borrow {}?",
+    "Where do I find {}?",
+    "How long may I keep {}?",
+    "Is there a fee for {}?",
+    "Who can help me with {}?",
+    "Can I reserve {} online?",
+)
+QUESTION_ITEMS = (
+    "a novel",
+    "a travel guide",
+    "a cookbook",
+    "a children's book",
+    "a history atlas",
+    "a poetry collection",
+    "a science magazine",
+    "a music score",
+    "a film on DVD",
+    "a language course",
+    "a board game",
+    "a laptop",
+)
 
 
 def questions() -> list[str]:
@@ -183,8 +250,7 @@ def system_prompts(k: int, count_tokens: Callable[[str], int], target: int, seed
     for i in range(k):
         rules = list(RULES)
         random.Random(seed + i).shuffle(rules)
-        out.append(grow_text(f"You are the help desk assistant of {ORGANIZATIONS[i]}.", rules, count_tokens,
-                             target))
+        out.append(grow_text(f"You are the help desk assistant of {ORGANIZATIONS[i]}.", rules, count_tokens, target))
     return out
 
 
@@ -222,10 +288,12 @@ def huge_schema(limit: int, seed: int = 7, fields: int = 6, values: int = 20) ->
 
 # ---------------------------------------------------------------- one request, as streamed
 
+
 @dataclass
 class Record:
     """One request as the client saw it: when it was sent, when each token response came (and how many tokens
     it carried), when and how it ended, and the final usage."""
+
     sent: float
     arrivals: list[float] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
@@ -246,13 +314,25 @@ class StreamError(Exception):
     """The server reported an error inside the stream."""
 
 
-def make_request(model: str, prompt: str, *, max_tokens: int, ignore_eos: bool = False, schema: str = "",
-                 salt: str | None = None, bypass: bool = False):
+def make_request(
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    ignore_eos: bool = False,
+    schema: str = "",
+    salt: str | None = None,
+    bypass: bool = False,
+):
     from openengine_serve.api.openengine.v1 import generation_pb2 as g
 
-    request = g.GenerateRequest(request_id=uuid.uuid4().hex, model=model, prompt=prompt,
-                                sampling=g.SamplingParams(temperature=0),
-                                stopping=g.StoppingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos))
+    request = g.GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        model=model,
+        prompt=prompt,
+        sampling=g.SamplingParams(temperature=0),
+        stopping=g.StoppingOptions(max_tokens=max_tokens, ignore_eos=ignore_eos),
+    )
     if schema:
         request.guided.json_schema = schema
     if salt is not None:
@@ -286,6 +366,7 @@ async def run_request(client, request, record: Record, metadata: Sequence[tuple[
 
 # ---------------------------------------------------------------- window statistics (pure)
 
+
 def window_stats(records: Iterable[Record], t0: float, t1: float) -> dict[str, Any]:
     """What a group of streams did in the window [t0, t1): output tokens that arrived then (and per second), the
     TTFT of the requests whose first token came then, the inter-token latencies (the gaps between successive
@@ -313,12 +394,24 @@ def window_stats(records: Iterable[Record], t0: float, t1: float) -> dict[str, A
             lengths.append(sum(r.counts))
             finishes[r.finish or "?"] = finishes.get(r.finish or "?", 0) + 1
     ms = lambda values, q: None if not values else percentile([v * 1000 for v in values], q)
-    return {"window_s": seconds, "tokens": tokens, "tok_s": tokens / seconds if seconds > 0 else None,
-            "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99), "ttft_n": len(ttft),
-            "itl_p50_ms": ms(gaps, 50), "itl_p99_ms": ms(gaps, 99), "itl_max_ms": ms(gaps, 100), "itl_n": len(gaps),
-            "multi_token_responses": multi, "completed": completed,
-            "mean_output_tokens": sum(lengths) / len(lengths) if lengths else None, "finish": finishes,
-            "errors": errors, "error_samples": samples}
+    return {
+        "window_s": seconds,
+        "tokens": tokens,
+        "tok_s": tokens / seconds if seconds > 0 else None,
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "ttft_n": len(ttft),
+        "itl_p50_ms": ms(gaps, 50),
+        "itl_p99_ms": ms(gaps, 99),
+        "itl_max_ms": ms(gaps, 100),
+        "itl_n": len(gaps),
+        "multi_token_responses": multi,
+        "completed": completed,
+        "mean_output_tokens": sum(lengths) / len(lengths) if lengths else None,
+        "finish": finishes,
+        "errors": errors,
+        "error_samples": samples,
+    }
 
 
 # ---------------------------------------------------------------- Prometheus samples (pure)
@@ -329,8 +422,11 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def parse_metrics(text: str) -> Samples:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def metric(samples: Samples, name: str, **labels: str) -> float:
@@ -372,16 +468,28 @@ def node_deltas(before: Sequence[Samples], after: Sequence[Samples]) -> list[dic
     out = []
     for b, a in zip(before, after):
         step_ms = histogram_mean(b, a, STEP)
-        out.append({"prefilled": delta(b, a, PREFILL), "hits": delta(b, a, HITS),
-                    "requests": delta(b, a, f"{QUEUE_TIME}_count"), "steps": delta(b, a, f"{STEP}_count"),
-                    "step_ms": None if step_ms is None else step_ms * 1000})
+        out.append(
+            {
+                "prefilled": delta(b, a, PREFILL),
+                "hits": delta(b, a, HITS),
+                "requests": delta(b, a, f"{QUEUE_TIME}_count"),
+                "steps": delta(b, a, f"{STEP}_count"),
+                "step_ms": None if step_ms is None else step_ms * 1000,
+            }
+        )
     return out
 
 
 # ---------------------------------------------------------------- mask cost (pure summary)
 
-def mask_summary(compute_ns: Sequence[int], apply_ns: Sequence[int], consume_ns: Sequence[int],
-                 choose_guided_ns: Sequence[int], choose_plain_ns: Sequence[int]) -> dict[str, Any]:
+
+def mask_summary(
+    compute_ns: Sequence[int],
+    apply_ns: Sequence[int],
+    consume_ns: Sequence[int],
+    choose_guided_ns: Sequence[int],
+    choose_plain_ns: Sequence[int],
+) -> dict[str, Any]:
     """µs per token: the mask computed (llguidance), unpacked and applied to the logits row (sampling.py), the
     token consumed by the matcher; and OutputSampler.choose with the guide and without it, whose difference is
     the guide's cost in the engine's own code."""
@@ -389,13 +497,20 @@ def mask_summary(compute_ns: Sequence[int], apply_ns: Sequence[int], consume_ns:
     mean = lambda values: None if not values else sum(values) / len(values) / 1000
     masked = [c + a for c, a in zip(compute_ns, apply_ns)]
     guided, plain = mean(choose_guided_ns), mean(choose_plain_ns)
-    return {"tokens": len(compute_ns),
-            "compute_us": mean(compute_ns), "apply_us": mean(apply_ns),
-            "mask_us": mean(masked), "mask_p50_us": us(masked, 50), "mask_p99_us": us(masked, 99),
-            "mask_max_us": us(masked, 100), "consume_us": mean(consume_ns),
-            "per_token_us": None if not masked else mean(masked) + (mean(consume_ns) or 0.0),
-            "choose_guided_us": guided, "choose_plain_us": plain,
-            "choose_delta_us": None if guided is None or plain is None else guided - plain}
+    return {
+        "tokens": len(compute_ns),
+        "compute_us": mean(compute_ns),
+        "apply_us": mean(apply_ns),
+        "mask_us": mean(masked),
+        "mask_p50_us": us(masked, 50),
+        "mask_p99_us": us(masked, 99),
+        "mask_max_us": us(masked, 100),
+        "consume_us": mean(consume_ns),
+        "per_token_us": None if not masked else mean(masked) + (mean(consume_ns) or 0.0),
+        "choose_guided_us": guided,
+        "choose_plain_us": plain,
+        "choose_delta_us": None if guided is None or plain is None else guided - plain,
+    }
 
 
 def step_share(per_token_us: float | None, guided_per_step: float | None, step_ms: float | None) -> float | None:
@@ -406,6 +521,7 @@ def step_share(per_token_us: float | None, guided_per_step: float | None, step_m
 
 
 # ---------------------------------------------------------------- the stack
+
 
 def _stop_with_parent() -> None:
     from openengine_serve.local import _stop_with_parent as stop_with_parent  # `up`'s own: SIGTERM when we die
@@ -439,11 +555,19 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         command = [sys.executable, "-m", "openengine_serve", *args]
-        self._log.write(f"\n==== {datetime.datetime.now().isoformat(timespec='seconds')} {name}: "
-                        f"{' '.join(command)}\n".encode())
+        self._log.write(
+            f"\n==== {datetime.datetime.now().isoformat(timespec='seconds')} {name}: {' '.join(command)}\n".encode()
+        )
         self._log.flush()
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True, preexec_fn=_stop_with_parent)
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_stop_with_parent,
+        )
         self.procs.append((name, proc))
 
     def alive(self) -> bool:
@@ -464,17 +588,49 @@ class Stack:
         coordinator_port, self.coordinator_metrics = free_port(HOST), free_port(HOST)
         coordinator = f"{HOST}:{coordinator_port}"
         common = ["--host", HOST]
-        self._spawn("coordinator", ["coordinator", *common, "--port", str(coordinator_port),
-                                    "--metrics-port", str(self.coordinator_metrics)], env)
+        self._spawn(
+            "coordinator",
+            ["coordinator", *common, "--port", str(coordinator_port), "--metrics-port", str(self.coordinator_metrics)],
+            env,
+        )
         for i in range(self.nodes):
             metrics_port = free_port(HOST)
             self.node_metrics.append(metrics_port)
-            self._spawn(f"node-{i}", ["node", *common, "--port", str(free_port(HOST)), "--node-rank", str(i),
-                                      "--coordinator-address", coordinator, "--metrics-port", str(metrics_port),
-                                      "--engine", "llama.cpp"], env)
+            self._spawn(
+                f"node-{i}",
+                [
+                    "node",
+                    *common,
+                    "--port",
+                    str(free_port(HOST)),
+                    "--node-rank",
+                    str(i),
+                    "--coordinator-address",
+                    coordinator,
+                    "--metrics-port",
+                    str(metrics_port),
+                    "--engine",
+                    "llama.cpp",
+                ],
+                env,
+            )
         self.port = free_port(HOST)
-        self._spawn("frontend", ["frontend", *common, "--port", str(self.port), "--coordinator-address", coordinator,
-                                 "--metrics-port", str(free_port(HOST)), "--grpc-server", "grpcio"], env)
+        self._spawn(
+            "frontend",
+            [
+                "frontend",
+                *common,
+                "--port",
+                str(self.port),
+                "--coordinator-address",
+                coordinator,
+                "--metrics-port",
+                str(free_port(HOST)),
+                "--grpc-server",
+                "grpcio",
+            ],
+            env,
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if not self.alive():
@@ -484,13 +640,15 @@ class Stack:
                 if await self.ready_nodes() >= self.nodes and await asyncio.to_thread(is_serving, self.target):
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the stack was not ready within {START_TIMEOUT_S:g} s; the log ends:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"the stack was not ready within {START_TIMEOUT_S:g} s; the log ends:\n{self.log_tail()}"
+                )
             await asyncio.sleep(0.5)
 
         def model_info():
             with Client(self.target) as client:
                 return served_model(client)
+
         from google.protobuf.json_format import MessageToDict
 
         info = await asyncio.to_thread(model_info)
@@ -529,8 +687,11 @@ class Stack:
             with contextlib.suppress(Exception):
                 await self.client.close()
             self.client = None
-        order = ([p for n, p in self.procs if n == "frontend"], [p for n, p in self.procs if n.startswith("node-")],
-                 [p for n, p in self.procs if n == "coordinator"])
+        order = (
+            [p for n, p in self.procs if n == "frontend"],
+            [p for n, p in self.procs if n.startswith("node-")],
+            [p for n, p in self.procs if n == "coordinator"],
+        )
         for group in order:
             running = [p for p in group if p.poll() is None]
             trees = {p.pid: descendants(p.pid) for p in running}
@@ -552,9 +713,11 @@ class Stack:
 
 # ---------------------------------------------------------------- load
 
+
 @dataclass
 class Group:
     """Streams of one kind: each sends `request(i, k)` (stream i, its k-th request) back to back."""
+
     name: str
     streams: int
     request: Callable[[int, int], Any]
@@ -614,7 +777,10 @@ async def run_window(stack: Stack, groups: Sequence[Group], mode: Mode) -> dict[
         "steps": sum(n["steps"] for n in nodes),
         "running_mean": sum(running) / len(running) if running else None,
         "queued_mean": sum(queued) / len(queued) if queued else None,
-        "foreign_cpus": foreign_cpus, "foreign_busiest": busiest, "stack_alive": stack.alive()}
+        "foreign_cpus": foreign_cpus,
+        "foreign_busiest": busiest,
+        "stack_alive": stack.alive(),
+    }
     if not await stack.drain():
         result["not_drained"] = True
     return result
@@ -626,13 +792,17 @@ def say(message: str) -> None:
 
 # ---------------------------------------------------------------- 1. guided decoding cost
 
+
 async def calibrate_guided(stack: Stack, schema: str) -> dict[str, Any]:
     """Each guided prompt once, alone: the outputs (their tokens feed the in-process mask timing) and their mean
     length (the unguided requests' length)."""
     outputs = []
     for prompt in GUIDED_PROMPTS:
-        record = await run_request(stack.client, make_request(stack.model, prompt, max_tokens=GUIDED_MAX_TOKENS,
-                                                              schema=schema), Record(sent=time.perf_counter()))
+        record = await run_request(
+            stack.client,
+            make_request(stack.model, prompt, max_tokens=GUIDED_MAX_TOKENS, schema=schema),
+            Record(sent=time.perf_counter()),
+        )
         outputs.append({"token_ids": record.token_ids, "finish": record.finish})
     lengths = [len(o["token_ids"]) for o in outputs]
     return {"outputs": outputs, "lengths": lengths, "mean_length": sum(lengths) / len(lengths)}
@@ -648,20 +818,36 @@ async def guided_levels(stack: Stack, schema: str, unguided_tokens: int, mode: M
             for kind in order:
                 await wait_quiet_note(level, kind)
                 if kind == "guided":
-                    group = Group("guided", n, lambda i, k: make_request(
-                        stack.model, GUIDED_PROMPTS[(i + k) % len(GUIDED_PROMPTS)], max_tokens=GUIDED_MAX_TOKENS,
-                        schema=schema))
+                    group = Group(
+                        "guided",
+                        n,
+                        lambda i, k: make_request(
+                            stack.model,
+                            GUIDED_PROMPTS[(i + k) % len(GUIDED_PROMPTS)],
+                            max_tokens=GUIDED_MAX_TOKENS,
+                            schema=schema,
+                        ),
+                    )
                 else:
-                    group = Group("unguided", n, lambda i, k: make_request(
-                        stack.model, GUIDED_PROMPTS[(i + k) % len(GUIDED_PROMPTS)], max_tokens=unguided_tokens,
-                        ignore_eos=True))
+                    group = Group(
+                        "unguided",
+                        n,
+                        lambda i, k: make_request(
+                            stack.model,
+                            GUIDED_PROMPTS[(i + k) % len(GUIDED_PROMPTS)],
+                            max_tokens=unguided_tokens,
+                            ignore_eos=True,
+                        ),
+                    )
                 say(f"  guided cost, round {r + 1}: {n} streams {kind}...")
                 window = await run_window(stack, [group], mode)
                 stats = window["groups"][kind]
                 level[kind] = {**stats, **{k: v for k, v in window.items() if k != "groups"}}
-                say(f"  guided cost, round {r + 1}: {n} streams {kind}: {fmt(stats['tok_s'])} tok/s, "
+                say(
+                    f"  guided cost, round {r + 1}: {n} streams {kind}: {fmt(stats['tok_s'])} tok/s, "
                     f"{stats['completed']} requests, {fmt(stats['mean_output_tokens'])} tokens each, "
-                    f"step {fmt(window['step_ms'])} ms, running {fmt(window['running_mean'])}, {stats['errors']} errors")
+                    f"step {fmt(window['step_ms'])} ms, running {fmt(window['running_mean'])}, {stats['errors']} errors"
+                )
             rnd["levels"][str(n)] = level
         rounds.append(rnd)
     return rounds
@@ -684,9 +870,18 @@ def guided_summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         entry: dict[str, Any] = {}
         for kind in ("guided", "unguided"):
             cells = [lv[kind] for lv in levels if kind in lv]
-            entry[kind] = {key: median([c.get(key) for c in cells])
-                           for key in ("tok_s", "ttft_p50_ms", "itl_p50_ms", "mean_output_tokens", "step_ms",
-                                       "running_mean", "queued_mean")}
+            entry[kind] = {
+                key: median([c.get(key) for c in cells])
+                for key in (
+                    "tok_s",
+                    "ttft_p50_ms",
+                    "itl_p50_ms",
+                    "mean_output_tokens",
+                    "step_ms",
+                    "running_mean",
+                    "queued_mean",
+                )
+            }
             entry[kind]["requests"] = sum(c.get("completed", 0) for c in cells)
             entry[kind]["errors"] = sum(c.get("errors", 0) for c in cells)
         entry["ratio"] = ratio(entry["guided"]["tok_s"], entry["unguided"]["tok_s"])
@@ -694,8 +889,14 @@ def guided_summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items(), key=lambda item: int(item[0])))
 
 
-def measure_mask(grammar: str, sequences: Sequence[Sequence[int]], tokenizer, vocab_size: int,
-                 end_of_generation: Sequence[int], repeats: int) -> dict[str, Any]:
+def measure_mask(
+    grammar: str,
+    sequences: Sequence[Sequence[int]],
+    tokenizer,
+    vocab_size: int,
+    end_of_generation: Sequence[int],
+    repeats: int,
+) -> dict[str, Any]:
     """Times, per token of each sequence (a real output of the grammar) and one more step (where the end is
     chosen): the mask computed, unpacked and applied as sampling.py does, and the token consumed; and
     OutputSampler.choose with this guide and without a guide. Also the guide's compilation: the frontend's check
@@ -760,14 +961,21 @@ def measure_mask(grammar: str, sequences: Sequence[Sequence[int]], tokenizer, vo
             guided.close()
             plain.close()
     out = mask_summary(compute, apply, consume, choose_guided, choose_plain)
-    out.update({"sequences": len(sequences), "repeats": repeats, "grammar_bytes": len(grammar.encode()),
-                "check_ms": 1000 * sum(check_s) / len(check_s) if check_s else None,
-                "compile_ms": 1000 * sum(compile_s) / len(compile_s) if compile_s else None,
-                "problems": sorted(set(problems))})
+    out.update(
+        {
+            "sequences": len(sequences),
+            "repeats": repeats,
+            "grammar_bytes": len(grammar.encode()),
+            "check_ms": 1000 * sum(check_s) / len(check_s) if check_s else None,
+            "compile_ms": 1000 * sum(compile_s) / len(compile_s) if compile_s else None,
+            "problems": sorted(set(problems)),
+        }
+    )
     return out
 
 
 # ---------------------------------------------------------------- 2. prefix cache TTFT
+
 
 async def prefix_cache_ttft(stack: Stack, system: str, pairs: int) -> dict[str, Any]:
     """One request at a time: a warm-up with the cache, then `pairs` with the cache and `pairs` bypassing it,
@@ -782,13 +990,21 @@ async def prefix_cache_ttft(stack: Stack, system: str, pairs: int) -> dict[str, 
 
     async def one(question: str, bypass: bool) -> dict[str, Any]:
         before = await stack.nodes_samples()
-        record = await run_request(stack.client, make_request(stack.model, chat(question, system), max_tokens=8,
-                                                              salt=salt, bypass=bypass), Record(time.perf_counter()))
+        record = await run_request(
+            stack.client,
+            make_request(stack.model, chat(question, system), max_tokens=8, salt=salt, bypass=bypass),
+            Record(time.perf_counter()),
+        )
         after = await stack.nodes_samples()
         node = node_deltas(before, after)[0]
-        return {"ttft_ms": None if record.ttft is None else record.ttft * 1000, "prompt_tokens": record.prompt_tokens,
-                "cached_prompt_tokens": record.cached_prompt_tokens, "prefilled": node["prefilled"],
-                "hits": node["hits"], "question": question}
+        return {
+            "ttft_ms": None if record.ttft is None else record.ttft * 1000,
+            "prompt_tokens": record.prompt_tokens,
+            "cached_prompt_tokens": record.cached_prompt_tokens,
+            "prefilled": node["prefilled"],
+            "hits": node["hits"],
+            "question": question,
+        }
 
     warmup = await one(asks[0], False)
     warmup_bypass = await one(asks[1], True)
@@ -801,16 +1017,26 @@ async def prefix_cache_ttft(stack: Stack, system: str, pairs: int) -> dict[str, 
             counters[kind]["prefilled"] += result["prefilled"]
             counters[kind]["hits"] += result["hits"]
     last = await stack.nodes_samples()
-    summary = {kind: {"ttft_p50_ms": percentile([r["ttft_ms"] for r in rs if r["ttft_ms"] is not None], 50),
-                      "ttft_p99_ms": percentile([r["ttft_ms"] for r in rs if r["ttft_ms"] is not None], 99),
-                      "requests": len(rs),
-                      "prompt_tokens_mean": mean_of(r["prompt_tokens"] for r in rs),
-                      "cached_prompt_tokens_mean": mean_of(r["cached_prompt_tokens"] for r in rs),
-                      **counters[kind]} for kind, rs in results.items()}
-    return {"salt": salt, "warmup": [warmup, warmup_bypass], "requests": results, "summary": summary,
-            "speedup": ratio(summary["bypass"]["ttft_p50_ms"], summary["cached"]["ttft_p50_ms"]),
-            "counters_before": {"prefill": metric(first[0], PREFILL), "hits": metric(first[0], HITS)},
-            "counters_after": {"prefill": metric(last[0], PREFILL), "hits": metric(last[0], HITS)}}
+    summary = {
+        kind: {
+            "ttft_p50_ms": percentile([r["ttft_ms"] for r in rs if r["ttft_ms"] is not None], 50),
+            "ttft_p99_ms": percentile([r["ttft_ms"] for r in rs if r["ttft_ms"] is not None], 99),
+            "requests": len(rs),
+            "prompt_tokens_mean": mean_of(r["prompt_tokens"] for r in rs),
+            "cached_prompt_tokens_mean": mean_of(r["cached_prompt_tokens"] for r in rs),
+            **counters[kind],
+        }
+        for kind, rs in results.items()
+    }
+    return {
+        "salt": salt,
+        "warmup": [warmup, warmup_bypass],
+        "requests": results,
+        "summary": summary,
+        "speedup": ratio(summary["bypass"]["ttft_p50_ms"], summary["cached"]["ttft_p50_ms"]),
+        "counters_before": {"prefill": metric(first[0], PREFILL), "hits": metric(first[0], HITS)},
+        "counters_after": {"prefill": metric(last[0], PREFILL), "hits": metric(last[0], HITS)},
+    }
 
 
 def mean_of(values: Iterable[float | None]) -> float | None:
@@ -834,14 +1060,33 @@ async def isolation_levels(stack: Stack, huge: str, mode: Mode) -> tuple[list[di
         rnd: dict[str, Any] = {"round": r + 1, "order": order}
         for kind in order:
             await wait_quiet_note(rnd, kind)
-            groups = [Group("ordinary", ISOLATION_STREAMS, lambda i, k: make_request(
-                stack.model, PROMPTS[(i + k) % len(PROMPTS)], max_tokens=ORDINARY_MAX_TOKENS, ignore_eos=True))]
+            groups = [
+                Group(
+                    "ordinary",
+                    ISOLATION_STREAMS,
+                    lambda i, k: make_request(
+                        stack.model, PROMPTS[(i + k) % len(PROMPTS)], max_tokens=ORDINARY_MAX_TOKENS, ignore_eos=True
+                    ),
+                )
+            ]
             if kind == "with":
-                groups.append(Group("extra", 1, lambda i, k: make_request(stack.model, HUGE_PROMPT,
-                                                                           max_tokens=HUGE_MAX_TOKENS, schema=huge)))
+                groups.append(
+                    Group(
+                        "extra",
+                        1,
+                        lambda i, k: make_request(stack.model, HUGE_PROMPT, max_tokens=HUGE_MAX_TOKENS, schema=huge),
+                    )
+                )
             elif kind == "plain":
-                groups.append(Group("extra", 1, lambda i, k: make_request(stack.model, HUGE_PROMPT,
-                                                                           max_tokens=HUGE_MAX_TOKENS, ignore_eos=True)))
+                groups.append(
+                    Group(
+                        "extra",
+                        1,
+                        lambda i, k: make_request(
+                            stack.model, HUGE_PROMPT, max_tokens=HUGE_MAX_TOKENS, ignore_eos=True
+                        ),
+                    )
+                )
             say(f"  isolation, round {r + 1}: 8 ordinary streams, {ISOLATION_LABELS[kind]}...")
             window = await run_window(stack, groups, mode)
             rnd[kind] = window
@@ -849,14 +1094,18 @@ async def isolation_levels(stack: Stack, huge: str, mode: Mode) -> tuple[list[di
             extra = ""
             if kind != "without":
                 h = window["groups"]["extra"]
-                extra = (f"; the extra stream: {h['completed']} requests, {h['errors']} errors, TTFT p50 "
-                         f"{fmt(h['ttft_p50_ms'])} ms")
+                extra = (
+                    f"; the extra stream: {h['completed']} requests, {h['errors']} errors, TTFT p50 "
+                    f"{fmt(h['ttft_p50_ms'])} ms"
+                )
             if kind == "with" and not huge_output:
                 done = [rec for rec in groups[1].records if rec.ended and not rec.error and rec.token_ids]
                 if done:
                     huge_output = list(done[0].token_ids)
-            say(f"  isolation, round {r + 1}: {kind}: ITL p50 {fmt(ordinary['itl_p50_ms'])} ms, p99 "
-                f"{fmt(ordinary['itl_p99_ms'])} ms, {fmt(ordinary['tok_s'])} tok/s{extra}")
+            say(
+                f"  isolation, round {r + 1}: {kind}: ITL p50 {fmt(ordinary['itl_p50_ms'])} ms, p99 "
+                f"{fmt(ordinary['itl_p99_ms'])} ms, {fmt(ordinary['tok_s'])} tok/s{extra}"
+            )
         rounds.append(rnd)
     return rounds, huge_output
 
@@ -870,19 +1119,23 @@ def isolation_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         cells = [rnd[kind]["groups"]["ordinary"] for rnd in rounds if kind in rnd]
         if not cells:
             continue
-        out[kind] = {key: median([c.get(key) for c in cells])
-                     for key in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms", "tok_s", "ttft_p50_ms")}
+        out[kind] = {
+            key: median([c.get(key) for c in cells])
+            for key in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms", "tok_s", "ttft_p50_ms")
+        }
         out[kind]["gaps"] = sum(c.get("itl_n", 0) for c in cells)
         out[kind]["step_ms"] = median([rnd[kind].get("step_ms") for rnd in rounds if kind in rnd])
     for kind in ("plain", "with"):
         extra = [rnd[kind]["groups"]["extra"] for rnd in rounds if kind in rnd and "extra" in rnd[kind]["groups"]]
         if extra:
             out[f"{kind}_extra"] = {
-                "requests": sum(h["completed"] for h in extra), "errors": sum(h["errors"] for h in extra),
+                "requests": sum(h["completed"] for h in extra),
+                "errors": sum(h["errors"] for h in extra),
                 "error_samples": [e for h in extra for e in h["error_samples"]][:3],
                 "ttft_p50_ms": median([h["ttft_p50_ms"] for h in extra]),
                 "mean_output_tokens": median([h["mean_output_tokens"] for h in extra]),
-                "finish": merge_counts(h["finish"] for h in extra)}
+                "finish": merge_counts(h["finish"] for h in extra),
+            }
     p99 = lambda kind: out.get(kind, {}).get("itl_p99_ms")  # noqa: E731
     out["ratio"] = ratio(p99("with"), p99("without"))
     out["ratio_to_plain"] = ratio(p99("with"), p99("plain"))
@@ -900,8 +1153,10 @@ def merge_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
 
 # ---------------------------------------------------------------- 4. prefix routing with 2 nodes
 
-async def routing_run(stack: Stack, prompts: Sequence[str], plan: Sequence[tuple[int, int]], concurrency: int,
-                      random_key: bool) -> dict[str, Any]:
+
+async def routing_run(
+    stack: Stack, prompts: Sequence[str], plan: Sequence[tuple[int, int]], concurrency: int, random_key: bool
+) -> dict[str, Any]:
     """Sends the plan's requests with `concurrency` at once (under a salt of this run's own, so nothing an earlier
     run cached is reused); the nodes' and coordinator's counters around it."""
     salt = f"routing-{uuid.uuid4().hex[:8]}"
@@ -919,8 +1174,12 @@ async def routing_run(stack: Stack, prompts: Sequence[str], plan: Sequence[tuple
             records.append(record)
             metadata = (("openengine-routing-key", uuid.uuid4().hex),) if random_key else ()
             try:
-                await run_request(stack.client, make_request(stack.model, chat(asks[q], prompts[p]), max_tokens=8,
-                                                             salt=salt), record, metadata)
+                await run_request(
+                    stack.client,
+                    make_request(stack.model, chat(asks[q], prompts[p]), max_tokens=8, salt=salt),
+                    record,
+                    metadata,
+                )
             except Exception as exc:  # noqa: BLE001 - counted and sampled
                 record.error, record.ended = f"{type(exc).__name__}: {str(exc)[:300]}", time.perf_counter()
 
@@ -929,19 +1188,30 @@ async def routing_run(stack: Stack, prompts: Sequence[str], plan: Sequence[tuple
     foreign_cpus, busiest = foreign.measure()
     nodes_after, coordinator_after = await stack.nodes_samples(), await stack.coordinator_samples()
     nodes = node_deltas(nodes_before, nodes_after)
-    decisions = {reason: value - by_label(coordinator_before, ROUTING, "reason").get(reason, 0.0)
-                 for reason, value in by_label(coordinator_after, ROUTING, "reason").items()}
+    decisions = {
+        reason: value - by_label(coordinator_before, ROUTING, "reason").get(reason, 0.0)
+        for reason, value in by_label(coordinator_after, ROUTING, "reason").items()
+    }
     errors = [r.error for r in records if r.error]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in records)
-    return {"requests": len(records), "errors": len(errors), "error_samples": errors[:3], "seconds": seconds,
-            "requests_per_s": len(records) / seconds if seconds > 0 else None,
-            "ttft_p50_ms": percentile([r.ttft * 1000 for r in records if r.ttft is not None], 50),
-            "nodes": nodes, "routing_decisions": {k: v for k, v in decisions.items() if v},
-            "hit_rate": hit_rate(sum(n["hits"] for n in nodes), sum(n["prefilled"] for n in nodes)),
-            "client_hit_rate": (sum(r.cached_prompt_tokens or 0 for r in records) / prompt_tokens
-                                if prompt_tokens else None),
-            "spread": spread([n["requests"] for n in nodes]), "foreign_cpus": foreign_cpus,
-            "foreign_busiest": busiest, "salt": salt}
+    return {
+        "requests": len(records),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "seconds": seconds,
+        "requests_per_s": len(records) / seconds if seconds > 0 else None,
+        "ttft_p50_ms": percentile([r.ttft * 1000 for r in records if r.ttft is not None], 50),
+        "nodes": nodes,
+        "routing_decisions": {k: v for k, v in decisions.items() if v},
+        "hit_rate": hit_rate(sum(n["hits"] for n in nodes), sum(n["prefilled"] for n in nodes)),
+        "client_hit_rate": (
+            sum(r.cached_prompt_tokens or 0 for r in records) / prompt_tokens if prompt_tokens else None
+        ),
+        "spread": spread([n["requests"] for n in nodes]),
+        "foreign_cpus": foreign_cpus,
+        "foreign_busiest": busiest,
+        "salt": salt,
+    }
 
 
 ROUTING_NOTES = [
@@ -970,6 +1240,7 @@ def spread(handled: Sequence[float]) -> float | None:
 
 # ---------------------------------------------------------------- verdicts and the report (pure)
 
+
 def verdicts(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Each stated target: met (True/False), or None when its figures are missing."""
     out = []
@@ -979,26 +1250,37 @@ def verdicts(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if cell is None:
             continue
         r = cell.get("ratio")
-        out.append({"goal": f"guided decoding at {n} streams: output tok/s >= {GUIDED_SHARE:g}x unguided "
-                            f"(this bench's bar)",
-                    "met": None if r is None else r >= GUIDED_SHARE,
-                    "figures": f"{fmt(cell['guided']['tok_s'])} vs {fmt(cell['unguided']['tok_s'])} tok/s = "
-                               f"{fmt(r, 2)}x"})
+        out.append(
+            {
+                "goal": f"guided decoding at {n} streams: output tok/s >= {GUIDED_SHARE:g}x unguided "
+                f"(this bench's bar)",
+                "met": None if r is None else r >= GUIDED_SHARE,
+                "figures": f"{fmt(cell['guided']['tok_s'])} vs {fmt(cell['unguided']['tok_s'])} tok/s = {fmt(r, 2)}x",
+            }
+        )
     cache = doc.get("prefix_cache")
     if cache and "summary" in cache:
         s = cache["summary"]
-        out.append({"goal": f"prefix cache: TTFT p50 several times faster with the cache (>= {CACHE_SPEEDUP:g}x)",
-                    "met": None if cache.get("speedup") is None else cache["speedup"] >= CACHE_SPEEDUP,
-                    "figures": f"{fmt(s['cached']['ttft_p50_ms'])} ms with, {fmt(s['bypass']['ttft_p50_ms'])} ms "
-                               f"without = {fmt(cache.get('speedup'), 1)}x faster"})
+        out.append(
+            {
+                "goal": f"prefix cache: TTFT p50 several times faster with the cache (>= {CACHE_SPEEDUP:g}x)",
+                "met": None if cache.get("speedup") is None else cache["speedup"] >= CACHE_SPEEDUP,
+                "figures": f"{fmt(s['cached']['ttft_p50_ms'])} ms with, {fmt(s['bypass']['ttft_p50_ms'])} ms "
+                f"without = {fmt(cache.get('speedup'), 1)}x faster",
+            }
+        )
     isolation = doc.get("isolation", {}).get("summary")
     if isolation:
         r = isolation.get("ratio")
-        out.append({"goal": f"isolation: ITL p99 of {ISOLATION_STREAMS} ordinary streams with a huge-guide stream "
-                            f"<= {ISOLATION_FACTOR:g}x without",
-                    "met": None if r is None else r <= ISOLATION_FACTOR,
-                    "figures": f"{fmt(isolation['with']['itl_p99_ms'])} vs {fmt(isolation['without']['itl_p99_ms'])} "
-                               f"ms = {fmt(r, 2)}x"})
+        out.append(
+            {
+                "goal": f"isolation: ITL p99 of {ISOLATION_STREAMS} ordinary streams with a huge-guide stream "
+                f"<= {ISOLATION_FACTOR:g}x without",
+                "met": None if r is None else r <= ISOLATION_FACTOR,
+                "figures": f"{fmt(isolation['with']['itl_p99_ms'])} vs {fmt(isolation['without']['itl_p99_ms'])} "
+                f"ms = {fmt(r, 2)}x",
+            }
+        )
     return out
 
 
@@ -1009,11 +1291,15 @@ def problems(doc: dict[str, Any]) -> list[str]:
     def window(where: str, w: dict[str, Any]) -> None:
         for name, g in w.get("groups", {"": w}).items():
             if g.get("errors"):
-                out.append(f"{where}{' ' + name if name else ''}: {g['errors']} errors, e.g. "
-                           f"{(g.get('error_samples') or ['?'])[0]}")
+                out.append(
+                    f"{where}{' ' + name if name else ''}: {g['errors']} errors, e.g. "
+                    f"{(g.get('error_samples') or ['?'])[0]}"
+                )
         if (w.get("foreign_cpus") or 0) > FOREIGN_CPUS_NOTED:
-            out.append(f"{where}: processes this benchmark did not start kept {w['foreign_cpus']:.2f} CPUs busy "
-                       f"({'; '.join(w.get('foreign_busiest') or []) or '?'})")
+            out.append(
+                f"{where}: processes this benchmark did not start kept {w['foreign_cpus']:.2f} CPUs busy "
+                f"({'; '.join(w.get('foreign_busiest') or []) or '?'})"
+            )
         if w.get("stack_alive") is False:
             out.append(f"{where}: a component of the stack exited during the window")
         if w.get("not_drained"):
@@ -1039,16 +1325,22 @@ def problems(doc: dict[str, Any]) -> list[str]:
 
 def render_report(doc: dict[str, Any]) -> str:
     machine, settings = doc["machine"], doc["settings"]
-    lines = [f"# Guided decoding and the prefix cache on the llama.cpp engine ({'quick' if settings['quick'] else 'full'}"
-             f" run)", "",
-             f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['date']}; llama-cpp-python "
-             f"{machine['llama_cpp_python']}, llguidance {machine['llguidance']}; Python {machine['python']}; "
-             f"openengine-serve {machine['openengine']}.", "",
-             f"Stack: `{settings['stack']}` (grpcio frontend; components started one by one as `up` starts them, "
-             f"each with a metrics port of its own); model {settings['model_file']}; greedy requests from this "
-             f"process (AsyncClient). {settings['rounds']} round(s); windows of {settings['window_s']:g} s after "
-             f"{settings['warmup_s']:g} s of warm-up; figures over rounds are medians.", "",
-             f"Command: `{settings['command']}`", ""]
+    lines = [
+        f"# Guided decoding and the prefix cache on the llama.cpp engine ({'quick' if settings['quick'] else 'full'}"
+        f" run)",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['date']}; llama-cpp-python "
+        f"{machine['llama_cpp_python']}, llguidance {machine['llguidance']}; Python {machine['python']}; "
+        f"openengine-serve {machine['openengine']}.",
+        "",
+        f"Stack: `{settings['stack']}` (grpcio frontend; components started one by one as `up` starts them, "
+        f"each with a metrics port of its own); model {settings['model_file']}; greedy requests from this "
+        f"process (AsyncClient). {settings['rounds']} round(s); windows of {settings['window_s']:g} s after "
+        f"{settings['warmup_s']:g} s of warm-up; figures over rounds are medians.",
+        "",
+        f"Command: `{settings['command']}`",
+        "",
+    ]
 
     lines += ["## Targets", ""]
     for v in doc.get("verdicts", []):
@@ -1061,137 +1353,186 @@ def render_report(doc: dict[str, Any]) -> str:
     guided = doc.get("guided")
     if guided:
         cal = guided.get("calibration", {})
-        lines += ["## 1. Guided decoding cost", "",
-                  f"N streams each sending requests back to back for the window; the {len(GUIDED_PROMPTS)} chat "
-                  f"prompts asking for a person as JSON, rotated. Guided: `guided.json_schema` = {json.dumps(guided['schema'])} "
-                  f"(max_tokens {GUIDED_MAX_TOKENS}; the grammar ends the object: {fmt(cal.get('mean_length'))} tokens "
-                  f"on average alone). Unguided: the same prompts, end of generation ignored, "
-                  f"{guided.get('unguided_tokens')} tokens (the guided outputs' mean), so that prompt reading weighs "
-                  f"the same. tok/s: output tokens streamed in the window / the window; step: the node's mean engine "
-                  f"step in the window; running/queued: the node's gauges sampled each second (the node runs at "
-                  f"most {settings.get('max_guided_sequences', '?')} guided outputs at once: "
-                  f"OPENENGINE_MAX_GUIDED_SEQUENCES).", "",
-                  "| streams | requests | tok/s | tokens/request | TTFT p50 (ms) | step (ms) | running | queued | "
-                  "requests done | errors | guided/unguided |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "## 1. Guided decoding cost",
+            "",
+            f"N streams each sending requests back to back for the window; the {len(GUIDED_PROMPTS)} chat "
+            f"prompts asking for a person as JSON, rotated. "
+            f"Guided: `guided.json_schema` = {json.dumps(guided['schema'])} "
+            f"(max_tokens {GUIDED_MAX_TOKENS}; the grammar ends the object: {fmt(cal.get('mean_length'))} tokens "
+            f"on average alone). Unguided: the same prompts, end of generation ignored, "
+            f"{guided.get('unguided_tokens')} tokens (the guided outputs' mean), so that prompt reading weighs "
+            f"the same. tok/s: output tokens streamed in the window / the window; step: the node's mean engine "
+            f"step in the window; running/queued: the node's gauges sampled each second (the node runs at "
+            f"most {settings.get('max_guided_sequences', '?')} guided outputs at once: "
+            f"OPENENGINE_MAX_GUIDED_SEQUENCES).",
+            "",
+            "| streams | requests | tok/s | tokens/request | TTFT p50 (ms) | step (ms) | running | queued | "
+            "requests done | errors | guided/unguided |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for n, cell in guided.get("summary", {}).items():
             for kind in ("unguided", "guided"):
                 c = cell[kind]
-                lines.append(f"| {n} | {kind} | {fmt(c['tok_s'])} | {fmt(c['mean_output_tokens'])} | "
-                             f"{fmt(c['ttft_p50_ms'])} | {fmt(c['step_ms'])} | {fmt(c['running_mean'])} | "
-                             f"{fmt(c['queued_mean'])} | {c['requests']} | {c['errors']} | "
-                             f"{fmt(cell['ratio'], 2) + 'x' if kind == 'guided' and cell['ratio'] is not None else ''} |")
+                lines.append(
+                    f"| {n} | {kind} | {fmt(c['tok_s'])} | {fmt(c['mean_output_tokens'])} | "
+                    f"{fmt(c['ttft_p50_ms'])} | {fmt(c['step_ms'])} | {fmt(c['running_mean'])} | "
+                    f"{fmt(c['queued_mean'])} | {c['requests']} | {c['errors']} | "
+                    f"{fmt(cell['ratio'], 2) + 'x' if kind == 'guided' and cell['ratio'] is not None else ''} |"
+                )
         lines.append("")
         masks = guided.get("mask", {})
         if masks:
-            lines += ["### The mask's cost per token (in-process)", "",
-                      "llguidance on the model's vocabulary (`guides.vocabulary`), over the tokens the stack generated "
-                      "for each guide (plus the step that chooses the end), repeated: `unsafe_compute_mask_ptr`, then "
-                      "`np.unpackbits` and the assignment of -inf as sampling.py does (mask), and `consume_token` "
-                      "(consume); and the engine's own `OutputSampler.choose` (greedy) with the guide minus without "
-                      "(choose Δ). check / compile: the frontend's `guides.check` and the engine's `guides.matcher` "
-                      "of the guide, each time a request comes.", "",
-                      "| guide | grammar (bytes) | tokens timed | compute (µs) | apply (µs) | mask mean (µs) | "
-                      "mask p99 (µs) | mask max (µs) | consume (µs) | choose Δ (µs) | check (ms) | compile (ms) |",
-                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            lines += [
+                "### The mask's cost per token (in-process)",
+                "",
+                "llguidance on the model's vocabulary (`guides.vocabulary`), over the tokens the stack generated "
+                "for each guide (plus the step that chooses the end), repeated: `unsafe_compute_mask_ptr`, then "
+                "`np.unpackbits` and the assignment of -inf as sampling.py does (mask), and `consume_token` "
+                "(consume); and the engine's own `OutputSampler.choose` (greedy) with the guide minus without "
+                "(choose Δ). check / compile: the frontend's `guides.check` and the engine's `guides.matcher` "
+                "of the guide, each time a request comes.",
+                "",
+                "| guide | grammar (bytes) | tokens timed | compute (µs) | apply (µs) | mask mean (µs) | "
+                "mask p99 (µs) | mask max (µs) | consume (µs) | choose Δ (µs) | check (ms) | compile (ms) |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            ]
             for name, m in masks.items():
-                lines.append(f"| {name} | {m['grammar_bytes']} | {m['tokens']} | {fmt(m['compute_us'])} | "
-                             f"{fmt(m['apply_us'])} | {fmt(m['mask_us'])} | {fmt(m['mask_p99_us'])} | "
-                             f"{fmt(m['mask_max_us'])} | {fmt(m['consume_us'])} | {fmt(m['choose_delta_us'])} | "
-                             f"{fmt(m['check_ms'], 2)} | {fmt(m['compile_ms'], 2)} |")
+                lines.append(
+                    f"| {name} | {m['grammar_bytes']} | {m['tokens']} | {fmt(m['compute_us'])} | "
+                    f"{fmt(m['apply_us'])} | {fmt(m['mask_us'])} | {fmt(m['mask_p99_us'])} | "
+                    f"{fmt(m['mask_max_us'])} | {fmt(m['consume_us'])} | {fmt(m['choose_delta_us'])} | "
+                    f"{fmt(m['check_ms'], 2)} | {fmt(m['compile_ms'], 2)} |"
+                )
             lines.append("")
             for share in guided.get("step_shares", []):
-                lines.append(f"- {share['streams']} guided streams: {fmt(share['guided_per_step'])} guided outputs "
-                             f"per step × {fmt(share['per_token_us'])} µs (mask + consume) = "
-                             f"{fmt(share['mask_ms_per_step'], 2)} ms of a {fmt(share['step_ms'])} ms step "
-                             f"({fmt(100 * share['share'] if share['share'] is not None else None)} %); the unguided "
-                             f"step at the same streams: {fmt(share['unguided_step_ms'])} ms.")
+                lines.append(
+                    f"- {share['streams']} guided streams: {fmt(share['guided_per_step'])} guided outputs "
+                    f"per step × {fmt(share['per_token_us'])} µs (mask + consume) = "
+                    f"{fmt(share['mask_ms_per_step'], 2)} ms of a {fmt(share['step_ms'])} ms step "
+                    f"({fmt(100 * share['share'] if share['share'] is not None else None)} %); the unguided "
+                    f"step at the same streams: {fmt(share['unguided_step_ms'])} ms."
+                )
             lines.append("")
 
     cache = doc.get("prefix_cache")
     if cache and "summary" in cache:
         s = cache["summary"]
-        lines += ["## 2. Prefix cache: time to first token", "",
-                  f"One request at a time: a system prompt of {fmt(s['cached']['prompt_tokens_mean'], 0)} prompt "
-                  f"tokens in all (a ~{settings['cache_system_tokens']}-token system message and a short question of "
-                  f"its own, chat template), 8 output tokens, under a salt of this run; one warm-up request with the "
-                  f"cache, then {s['cached']['requests']} with it and {s['bypass']['requests']} with "
-                  f"`kv.bypass_prefix_cache`, alternated. prefilled / hit: the node's "
-                  f"`openengine_node_prefill_tokens_total` and `openengine_node_prefix_cache_hit_tokens_total` "
-                  f"summed over those requests.", "",
-                  "| requests | TTFT p50 (ms) | TTFT p99 (ms) | cached_prompt_tokens (mean) | prefilled | hit |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "## 2. Prefix cache: time to first token",
+            "",
+            f"One request at a time: a system prompt of {fmt(s['cached']['prompt_tokens_mean'], 0)} prompt "
+            f"tokens in all (a ~{settings['cache_system_tokens']}-token system message and a short question of "
+            f"its own, chat template), 8 output tokens, under a salt of this run; one warm-up request with the "
+            f"cache, then {s['cached']['requests']} with it and {s['bypass']['requests']} with "
+            f"`kv.bypass_prefix_cache`, alternated. prefilled / hit: the node's "
+            f"`openengine_node_prefill_tokens_total` and `openengine_node_prefix_cache_hit_tokens_total` "
+            f"summed over those requests.",
+            "",
+            "| requests | TTFT p50 (ms) | TTFT p99 (ms) | cached_prompt_tokens (mean) | prefilled | hit |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for kind, label in (("cached", "with the cache"), ("bypass", "bypass_prefix_cache")):
             c = s[kind]
-            lines.append(f"| {label} | {fmt(c['ttft_p50_ms'])} | {fmt(c['ttft_p99_ms'])} | "
-                         f"{fmt(c['cached_prompt_tokens_mean'])} | {c['prefilled']:.0f} | {c['hits']:.0f} |")
+            lines.append(
+                f"| {label} | {fmt(c['ttft_p50_ms'])} | {fmt(c['ttft_p99_ms'])} | "
+                f"{fmt(c['cached_prompt_tokens_mean'])} | {c['prefilled']:.0f} | {c['hits']:.0f} |"
+            )
         b, a = cache["counters_before"], cache["counters_after"]
-        lines += ["", f"With the cache {fmt(cache['speedup'], 1)}x faster. Node counters before → after the whole "
-                      f"measurement (warm-ups included): prefill {b['prefill']:.0f} → {a['prefill']:.0f}, prefix cache "
-                      f"hits {b['hits']:.0f} → {a['hits']:.0f}.", ""]
+        lines += [
+            "",
+            f"With the cache {fmt(cache['speedup'], 1)}x faster. Node counters before → after the whole "
+            f"measurement (warm-ups included): prefill {b['prefill']:.0f} → {a['prefill']:.0f}, prefix cache "
+            f"hits {b['hits']:.0f} → {a['hits']:.0f}.",
+            "",
+        ]
 
     isolation = doc.get("isolation")
     if isolation and "summary" in isolation:
         s = isolation["summary"]
         huge = isolation.get("huge_guide", {})
-        lines += ["## 3. Isolation from a huge guide", "",
-                  f"{ISOLATION_STREAMS} ordinary streams (greedy, {ORDINARY_MAX_TOKENS} tokens, end of generation "
-                  f"ignored): alone; with a ninth stream sending, back to back, requests guided by a JSON schema of "
-                  f"{huge.get('bytes', '?')} bytes (an anyOf of {huge.get('objects', '?')} closed objects of 6 enum "
-                  f"fields of 20 words; the frontend's limit is {MAX_GUIDE_BYTES} bytes; max_tokens {HUGE_MAX_TOKENS}); "
-                  f"and, as a control, with a ninth stream of the same prompt unguided ({HUGE_MAX_TOKENS} tokens, end "
-                  f"of generation ignored): what any ninth stream costs. ITL: the gaps between successive token "
-                  f"responses of the ordinary streams that ended in the window.", "",
-                  "| ordinary streams | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) | gaps | tok/s | step (ms) |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "## 3. Isolation from a huge guide",
+            "",
+            f"{ISOLATION_STREAMS} ordinary streams (greedy, {ORDINARY_MAX_TOKENS} tokens, end of generation "
+            f"ignored): alone; with a ninth stream sending, back to back, requests guided by a JSON schema of "
+            f"{huge.get('bytes', '?')} bytes (an anyOf of {huge.get('objects', '?')} closed objects of 6 enum "
+            f"fields of 20 words; the frontend's limit is {MAX_GUIDE_BYTES} bytes; max_tokens {HUGE_MAX_TOKENS}); "
+            f"and, as a control, with a ninth stream of the same prompt unguided ({HUGE_MAX_TOKENS} tokens, end "
+            f"of generation ignored): what any ninth stream costs. ITL: the gaps between successive token "
+            f"responses of the ordinary streams that ended in the window.",
+            "",
+            "| ordinary streams | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) | gaps | tok/s | step (ms) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for kind in ISOLATION_KINDS:
             c = s.get(kind)
             if c is None:
                 continue
-            lines.append(f"| {ISOLATION_LABELS[kind]} | {fmt(c['itl_p50_ms'])} | {fmt(c['itl_p99_ms'])} | "
-                         f"{fmt(c['itl_max_ms'])} | {c['gaps']} | {fmt(c['tok_s'])} | {fmt(c['step_ms'])} |")
-        lines += ["", f"ITL p99 with the huge-guide stream / alone: {fmt(s['ratio'], 2)}x; with a plain ninth stream / "
-                      f"alone: {fmt(s.get('plain_ratio'), 2)}x; huge-guide / plain ninth stream: "
-                      f"{fmt(s.get('ratio_to_plain'), 2)}x."]
+            lines.append(
+                f"| {ISOLATION_LABELS[kind]} | {fmt(c['itl_p50_ms'])} | {fmt(c['itl_p99_ms'])} | "
+                f"{fmt(c['itl_max_ms'])} | {c['gaps']} | {fmt(c['tok_s'])} | {fmt(c['step_ms'])} |"
+            )
+        lines += [
+            "",
+            f"ITL p99 with the huge-guide stream / alone: {fmt(s['ratio'], 2)}x; with a plain ninth stream / "
+            f"alone: {fmt(s.get('plain_ratio'), 2)}x; huge-guide / plain ninth stream: "
+            f"{fmt(s.get('ratio_to_plain'), 2)}x.",
+        ]
         for kind, label in (("with_extra", "The huge-guide stream"), ("plain_extra", "The plain ninth stream")):
             h = s.get(kind)
             if h:
-                lines.append(f"{label}: {h['requests']} requests completed in the windows "
-                             f"({', '.join(f'{k} {v}' for k, v in h['finish'].items()) or '–'}), {h['errors']} errors, "
-                             f"TTFT p50 {fmt(h['ttft_p50_ms'])} ms, {fmt(h['mean_output_tokens'])} tokens each.")
+                lines.append(
+                    f"{label}: {h['requests']} requests completed in the windows "
+                    f"({', '.join(f'{k} {v}' for k, v in h['finish'].items()) or '–'}), {h['errors']} errors, "
+                    f"TTFT p50 {fmt(h['ttft_p50_ms'])} ms, {fmt(h['mean_output_tokens'])} tokens each."
+                )
         lines.append("")
         rows = []
         for rnd in isolation.get("rounds", []):
             for kind in rnd.get("order", []):
                 c = rnd[kind]["groups"]["ordinary"]
-                rows.append(f"| {rnd['round']} | {ISOLATION_LABELS[kind]} | {fmt(c['itl_p50_ms'])} | "
-                            f"{fmt(c['itl_p99_ms'])} | {fmt(c['tok_s'])} | {fmt(rnd[kind].get('foreign_cpus'), 2)} |")
+                rows.append(
+                    f"| {rnd['round']} | {ISOLATION_LABELS[kind]} | {fmt(c['itl_p50_ms'])} | "
+                    f"{fmt(c['itl_p99_ms'])} | {fmt(c['tok_s'])} | {fmt(rnd[kind].get('foreign_cpus'), 2)} |"
+                )
         if rows:
-            lines += ["| round | ordinary streams | ITL p50 (ms) | ITL p99 (ms) | tok/s | other CPUs |",
-                      "| ---: | --- | ---: | ---: | ---: | ---: |", *rows, ""]
+            lines += [
+                "| round | ordinary streams | ITL p50 (ms) | ITL p99 (ms) | tok/s | other CPUs |",
+                "| ---: | --- | ---: | ---: | ---: | ---: |",
+                *rows,
+                "",
+            ]
 
     routing = doc.get("routing")
     if routing and routing.get("workloads"):
-        lines += ["## 4. Prefix routing with 2 nodes", "",
-                  f"`{routing['stack']}`. Each workload: K system prompts of ~{settings['routing_system_tokens']} "
-                  f"tokens (each names its own organization first: their first 64 tokens, which name a prefix for "
-                  f"routing, differ), each shared by R requests with distinct short questions (8 output tokens), in "
-                  f"one shuffled order, {settings['routing_concurrency']} at a time, under a salt of each run's own. "
-                  f"prefix routing: no routing key (the coordinator prefers the prefix's node); random key: an "
-                  f"`openengine-routing-key` of its own per request, which takes precedence and places each request "
-                  f"without regard to its prefix. Hit rate: hit / (hit + prefilled) prompt tokens over both nodes' "
-                  f"counters.", "",
-                  "| workload | routing | requests | hit rate | client hit rate | requests per node | prefilled per node | "
-                  "busiest share | routing decisions | TTFT p50 (ms) | requests/s | errors |",
-                  "| --- | --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: | ---: | ---: |"]
+        lines += [
+            "## 4. Prefix routing with 2 nodes",
+            "",
+            f"`{routing['stack']}`. Each workload: K system prompts of ~{settings['routing_system_tokens']} "
+            f"tokens (each names its own organization first: their first 64 tokens, which name a prefix for "
+            f"routing, differ), each shared by R requests with distinct short questions (8 output tokens), in "
+            f"one shuffled order, {settings['routing_concurrency']} at a time, under a salt of each run's own. "
+            f"prefix routing: no routing key (the coordinator prefers the prefix's node); random key: an "
+            f"`openengine-routing-key` of its own per request, which takes precedence and places each request "
+            f"without regard to its prefix. Hit rate: hit / (hit + prefilled) prompt tokens over both nodes' "
+            f"counters.",
+            "",
+            "| workload | routing | requests | hit rate | client hit rate | requests per node | prefilled per node | "
+            "busiest share | routing decisions | TTFT p50 (ms) | requests/s | errors |",
+            "| --- | --- | ---: | ---: | ---: | --- | --- | ---: | --- | ---: | ---: | ---: |",
+        ]
         for workload in routing["workloads"]:
             for variant, run in workload.get("variants", {}).items():
                 per_node = " / ".join(f"{n['requests']:.0f}" for n in run["nodes"])
                 prefilled = " / ".join(f"{n.get('prefilled', 0):.0f}" for n in run["nodes"])
                 decisions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(run["routing_decisions"].items()))
-                lines.append(f"| {workload['name']} | {variant} | {run['requests']} | {fmt(run['hit_rate'], 3)} | "
-                             f"{fmt(run['client_hit_rate'], 3)} | {per_node} | {prefilled} | {fmt(run['spread'], 2)} | {decisions} | "
-                             f"{fmt(run['ttft_p50_ms'])} | {fmt(run['requests_per_s'], 2)} | {run['errors']} |")
+                lines.append(
+                    f"| {workload['name']} | {variant} | {run['requests']} | {fmt(run['hit_rate'], 3)} | "
+                    f"{fmt(run['client_hit_rate'], 3)} | {per_node} | {prefilled} | {fmt(run['spread'], 2)} | "
+                    f"{decisions} | "
+                    f"{fmt(run['ttft_p50_ms'])} | {fmt(run['requests_per_s'], 2)} | {run['errors']} |"
+                )
         lines.append("")
         for note in routing.get("notes", []):
             lines.append(f"- {note}")
@@ -1207,34 +1548,68 @@ def render_report(doc: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------- orchestration
 
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m openengine_bench.features", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"one round of {QUICK.window_s:g} s windows, fewer requests "
-                                                        f"(default: {FULL.rounds} rounds of {FULL.window_s:g} s)")
-    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where features.json and report.md go "
-                                                                        "(default docs/bench/features)")
-    p.add_argument("--logs", type=Path, default=DEFAULT_LOGS, help="the stacks' logs, appended "
-                                                                    "(default bench-results/features-logs)")
+    p = argparse.ArgumentParser(
+        prog="python -m openengine_bench.features",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"one round of {QUICK.window_s:g} s windows, fewer requests "
+        f"(default: {FULL.rounds} rounds of {FULL.window_s:g} s)",
+    )
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=DEFAULT_OUTPUT,
+        help="where features.json and report.md go (default docs/bench/features)",
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=DEFAULT_LOGS,
+        help="the stacks' logs, appended (default bench-results/features-logs)",
+    )
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)} (default: all)")
-    p.add_argument("--threads", type=int, default=default_threads(),
-                   help="OPENENGINE_THREADS of the one node (default: this process's CPUs); with 2 nodes each gets "
-                        "half")
-    p.add_argument("--cache-system-tokens", type=int, default=1000, help="the prefix cache TTFT's system prompt "
-                                                                         "(tokens, default 1000)")
-    p.add_argument("--routing-system-tokens", type=int, default=500, help="each routing system prompt (tokens, "
-                                                                          "default 500)")
-    p.add_argument("--quiet-wait", type=float, default=20.0,
-                   help="before each measurement, wait up to this many minutes while processes this benchmark did "
-                        "not start keep more than 0.25 CPU busy (default 20; 0: do not wait)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="OPENENGINE_THREADS of the one node (default: this process's CPUs); with 2 nodes each gets half",
+    )
+    p.add_argument(
+        "--cache-system-tokens",
+        type=int,
+        default=1000,
+        help="the prefix cache TTFT's system prompt (tokens, default 1000)",
+    )
+    p.add_argument(
+        "--routing-system-tokens", type=int, default=500, help="each routing system prompt (tokens, default 500)"
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=20.0,
+        help="before each measurement, wait up to this many minutes while processes this benchmark did "
+        "not start keep more than 0.25 CPU busy (default 20; 0: do not wait)",
+    )
     return p
 
 
 def node_env(threads: int) -> dict[str, str]:
     """The node settings, explicit (the defaults of OPENENGINE_* but the threads)."""
-    return {"OPENENGINE_ENGINE": "llama.cpp", "OPENENGINE_THREADS": str(threads), "OPENENGINE_MAX_BATCH": "32",
-            "OPENENGINE_CONTEXT_SIZE": "16384", "OPENENGINE_PREFILL_CHUNK": "256",
-            "OPENENGINE_PREFIX_CACHE_TOKENS": "8192", "OPENENGINE_MAX_GUIDED_SEQUENCES": "32"}
+    return {
+        "OPENENGINE_ENGINE": "llama.cpp",
+        "OPENENGINE_THREADS": str(threads),
+        "OPENENGINE_MAX_BATCH": "32",
+        "OPENENGINE_CONTEXT_SIZE": "16384",
+        "OPENENGINE_PREFILL_CHUNK": "256",
+        "OPENENGINE_PREFIX_CACHE_TOKENS": "8192",
+        "OPENENGINE_MAX_GUIDED_SEQUENCES": "32",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1265,28 +1640,46 @@ def main(argv: list[str] | None = None) -> int:
     huge_text = json.dumps(huge)
     huge_grammar = guides.grammar_of("json_schema", huge_text)
     guides.check("json_schema", huge_grammar, ll_tokenizer, guides.Limits())  # the frontend would refuse it else
-    cache_system = grow_text("You are the help desk assistant of the Riverside Public Library.", RULES, count,
-                             args.cache_system_tokens)
+    cache_system = grow_text(
+        "You are the help desk assistant of the Riverside Public Library.", RULES, count, args.cache_system_tokens
+    )
 
     one_node = node_env(args.threads)
     two_nodes = node_env(max(1, args.threads // 2))
-    command = "python -m openengine_bench.features" + (" --quick" if args.quick else "") + (
-        f" --output {args.output}" if args.output != DEFAULT_OUTPUT else "") + (
-        f" --parts {args.parts}" if parts != list(PARTS) else "")
+    command = (
+        "python -m openengine_bench.features"
+        + (" --quick" if args.quick else "")
+        + (f" --output {args.output}" if args.output != DEFAULT_OUTPUT else "")
+        + (f" --parts {args.parts}" if parts != list(PARTS) else "")
+    )
     doc: dict[str, Any] = {
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)),
-                    "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                    "python": platform.python_version(), "llama_cpp_python": version("llama_cpp_python"),
-                    "llguidance": version("llguidance"), "grpcio": version("grpcio"),
-                    "openengine": f"{version('openengine-serve')} ({git_commit()})"},
-        "settings": {"quick": args.quick, "parts": parts, **asdict(mode), "model_file": Path(model).name,
-                     "command": command, "stack": Stack(1, one_node, args.logs, "").describe(),
-                     "stack_two_nodes": Stack(2, two_nodes, args.logs, "").describe(),
-                     "max_guided_sequences": int(one_node["OPENENGINE_MAX_GUIDED_SEQUENCES"]),
-                     "cache_system_tokens": args.cache_system_tokens,
-                     "routing_system_tokens": args.routing_system_tokens,
-                     "routing_concurrency": mode.routing_concurrency},
-        "errors": [], "notes": []}
+        "machine": {
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(),
+            "cpus_allowed": len(os.sched_getaffinity(0)),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "llama_cpp_python": version("llama_cpp_python"),
+            "llguidance": version("llguidance"),
+            "grpcio": version("grpcio"),
+            "openengine": f"{version('openengine-serve')} ({git_commit()})",
+        },
+        "settings": {
+            "quick": args.quick,
+            "parts": parts,
+            **asdict(mode),
+            "model_file": Path(model).name,
+            "command": command,
+            "stack": Stack(1, one_node, args.logs, "").describe(),
+            "stack_two_nodes": Stack(2, two_nodes, args.logs, "").describe(),
+            "max_guided_sequences": int(one_node["OPENENGINE_MAX_GUIDED_SEQUENCES"]),
+            "cache_system_tokens": args.cache_system_tokens,
+            "routing_system_tokens": args.routing_system_tokens,
+            "routing_concurrency": mode.routing_concurrency,
+        },
+        "errors": [],
+        "notes": [],
+    }
     output = args.output
     output.mkdir(parents=True, exist_ok=True)
     say(f"features bench: {', '.join(parts)} -> {output}")
@@ -1300,20 +1693,31 @@ def main(argv: list[str] | None = None) -> int:
             await stack.start()
             doc["settings"]["served_model"] = stack.model
             for _ in range(2):  # warm-up: page-in, first-request paths, the guide path
-                await run_request(stack.client, make_request(stack.model, PROMPTS[0], max_tokens=16),
-                                  Record(time.perf_counter()))
-                await run_request(stack.client, make_request(stack.model, GUIDED_PROMPTS[0], max_tokens=32,
-                                                             schema=schema), Record(time.perf_counter()))
+                await run_request(
+                    stack.client, make_request(stack.model, PROMPTS[0], max_tokens=16), Record(time.perf_counter())
+                )
+                await run_request(
+                    stack.client,
+                    make_request(stack.model, GUIDED_PROMPTS[0], max_tokens=32, schema=schema),
+                    Record(time.perf_counter()),
+                )
             if "guided" in parts:
                 calibration = await calibrate_guided(stack, schema)
                 calibration_outputs = [o["token_ids"] for o in calibration["outputs"] if o["token_ids"]]
                 unguided_tokens = max(1, round(calibration["mean_length"]))
-                doc["guided"] = {"schema": PERSON_SCHEMA, "calibration": {
-                    "lengths": calibration["lengths"], "mean_length": calibration["mean_length"],
-                    "finish": [o["finish"] for o in calibration["outputs"]],
-                    "texts": [tokenizer.decode_bytes(o["token_ids"]).decode("utf-8", "replace")
-                              for o in calibration["outputs"]]},
-                    "unguided_tokens": unguided_tokens}
+                doc["guided"] = {
+                    "schema": PERSON_SCHEMA,
+                    "calibration": {
+                        "lengths": calibration["lengths"],
+                        "mean_length": calibration["mean_length"],
+                        "finish": [o["finish"] for o in calibration["outputs"]],
+                        "texts": [
+                            tokenizer.decode_bytes(o["token_ids"]).decode("utf-8", "replace")
+                            for o in calibration["outputs"]
+                        ],
+                    },
+                    "unguided_tokens": unguided_tokens,
+                }
                 doc["guided"]["rounds"] = await guided_levels(stack, schema, unguided_tokens, mode)
                 doc["guided"]["summary"] = guided_summary(doc["guided"]["rounds"])
                 write_json(output / "features.json", doc)
@@ -1322,13 +1726,18 @@ def main(argv: list[str] | None = None) -> int:
                 say("prefix cache TTFT...")
                 doc["prefix_cache"] = await prefix_cache_ttft(stack, cache_system, mode.cache_pairs)
                 s = doc["prefix_cache"]["summary"]
-                say(f"  prefix cache: TTFT p50 {fmt(s['cached']['ttft_p50_ms'])} ms with, "
-                    f"{fmt(s['bypass']['ttft_p50_ms'])} ms without ({fmt(doc['prefix_cache']['speedup'], 1)}x)")
+                say(
+                    f"  prefix cache: TTFT p50 {fmt(s['cached']['ttft_p50_ms'])} ms with, "
+                    f"{fmt(s['bypass']['ttft_p50_ms'])} ms without ({fmt(doc['prefix_cache']['speedup'], 1)}x)"
+                )
                 write_json(output / "features.json", doc)
             if "isolation" in parts:
                 rounds, huge_output = await isolation_levels(stack, huge_text, mode)
-                doc["isolation"] = {"huge_guide": {"bytes": len(huge_text.encode()), "objects": len(huge["anyOf"])},
-                                    "rounds": rounds, "summary": isolation_summary(rounds)}
+                doc["isolation"] = {
+                    "huge_guide": {"bytes": len(huge_text.encode()), "objects": len(huge["anyOf"])},
+                    "rounds": rounds,
+                    "summary": isolation_summary(rounds),
+                }
                 write_json(output / "features.json", doc)
         except Exception as exc:  # noqa: BLE001 - reported; the other parts still run
             doc["errors"].append(f"one-node stack: {type(exc).__name__}: {exc}")
@@ -1345,22 +1754,29 @@ def main(argv: list[str] | None = None) -> int:
             say("starting the stack (2 nodes)...")
             await stack.start()
             for _ in range(2):
-                await run_request(stack.client, make_request(stack.model, PROMPTS[0], max_tokens=8),
-                                  Record(time.perf_counter()))
+                await run_request(
+                    stack.client, make_request(stack.model, PROMPTS[0], max_tokens=8), Record(time.perf_counter())
+                )
             for k, per_prompt in mode.routing:
                 prompts = system_prompts(k, count, args.routing_system_tokens)
                 plan = routing_plan(k, per_prompt)
-                workload: dict[str, Any] = {"name": f"K={k} x R={per_prompt}", "k": k, "per_prompt": per_prompt,
-                                            "prompt_tokens": [count(chat(questions()[0], p)) for p in prompts],
-                                            "variants": {}}
+                workload: dict[str, Any] = {
+                    "name": f"K={k} x R={per_prompt}",
+                    "k": k,
+                    "per_prompt": per_prompt,
+                    "prompt_tokens": [count(chat(questions()[0], p)) for p in prompts],
+                    "variants": {},
+                }
                 doc["routing"]["workloads"].append(workload)
                 for variant in ("prefix routing", "random key"):
                     await wait_quiet_note(workload, variant)
                     say(f"  routing {workload['name']}: {variant}...")
                     run = await routing_run(stack, prompts, plan, mode.routing_concurrency, variant == "random key")
                     workload["variants"][variant] = run
-                    say(f"  routing {workload['name']}: {variant}: hit rate {fmt(run['hit_rate'], 3)}, per node "
-                        f"{[n['requests'] for n in run['nodes']]}, {run['routing_decisions']}, {run['errors']} errors")
+                    say(
+                        f"  routing {workload['name']}: {variant}: hit rate {fmt(run['hit_rate'], 3)}, per node "
+                        f"{[n['requests'] for n in run['nodes']]}, {run['routing_decisions']}, {run['errors']} errors"
+                    )
                     await stack.drain()
                 write_json(output / "features.json", doc)
             doc["routing"]["notes"] += ROUTING_NOTES
@@ -1381,32 +1797,55 @@ def main(argv: list[str] | None = None) -> int:
             say("timing the mask in-process...")
             masks = {}
             if calibration_outputs:
-                masks["person (small)"] = measure_mask(small_grammar, calibration_outputs, ll_tokenizer,
-                                                       tokenizer.n_vocab, tokenizer.end_of_generation,
-                                                       mode.mask_repeats)
+                masks["person (small)"] = measure_mask(
+                    small_grammar,
+                    calibration_outputs,
+                    ll_tokenizer,
+                    tokenizer.n_vocab,
+                    tokenizer.end_of_generation,
+                    mode.mask_repeats,
+                )
             if huge_output:
-                masks["huge (anyOf)"] = measure_mask(huge_grammar, [huge_output], ll_tokenizer, tokenizer.n_vocab,
-                                                     tokenizer.end_of_generation, mode.mask_repeats * 4)
+                masks["huge (anyOf)"] = measure_mask(
+                    huge_grammar,
+                    [huge_output],
+                    ll_tokenizer,
+                    tokenizer.n_vocab,
+                    tokenizer.end_of_generation,
+                    mode.mask_repeats * 4,
+                )
             doc["guided"]["mask"] = masks
             small = masks.get("person (small)")
             shares = []
             for n, cell in doc["guided"].get("summary", {}).items():
                 g = cell["guided"]
-                guided_per_step = None if g["running_mean"] is None else min(
-                    g["running_mean"], doc["settings"]["max_guided_sequences"])
+                guided_per_step = (
+                    None
+                    if g["running_mean"] is None
+                    else min(g["running_mean"], doc["settings"]["max_guided_sequences"])
+                )
                 per_token = small["per_token_us"] if small else None
                 share = step_share(per_token, guided_per_step, g["step_ms"])
-                shares.append({"streams": int(n), "guided_per_step": guided_per_step, "per_token_us": per_token,
-                               "mask_ms_per_step": None if per_token is None or guided_per_step is None
-                               else per_token * guided_per_step / 1000,
-                               "step_ms": g["step_ms"], "share": share,
-                               "unguided_step_ms": cell["unguided"]["step_ms"]})
+                shares.append(
+                    {
+                        "streams": int(n),
+                        "guided_per_step": guided_per_step,
+                        "per_token_us": per_token,
+                        "mask_ms_per_step": None
+                        if per_token is None or guided_per_step is None
+                        else per_token * guided_per_step / 1000,
+                        "step_ms": g["step_ms"],
+                        "share": share,
+                        "unguided_step_ms": cell["unguided"]["step_ms"],
+                    }
+                )
             doc["guided"]["step_shares"] = shares
             write_json(output / "features.json", doc)
         if "routing" in parts:
             await two_node()
 
     from openengine_serve.common.lifecycle import run
+
     try:
         run(run_all())
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
 END_STREAM, ACK, END_HEADERS, PADDED = 0x1, 0x1, 0x4, 0x8
 SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 0x2, 0x3, 0x4
-MAX_WINDOW = 2 ** 31 - 1
+MAX_WINDOW = 2**31 - 1
 CANCEL = 0x8
 EOF = object()  # what `read` returns after the last message (the caller may pass grpc.aio.EOF instead)
 
@@ -63,7 +63,7 @@ def header_block(headers: list[tuple[str, str]]) -> bytes:
 class Stream:
     __slots__ = ("connection", "stream_id", "request", "messages", "buffer", "waiter", "ended", "error")
 
-    def __init__(self, connection: "Connection", request: bytes) -> None:
+    def __init__(self, connection: Connection, request: bytes) -> None:
         self.connection = connection
         self.stream_id = 0
         self.request = request
@@ -87,8 +87,8 @@ class Stream:
                 size = int.from_bytes(buffer[1:5], "big")
                 if len(buffer) < 5 + size:
                     break
-                self.messages.append(buffer[5:5 + size])
-                buffer = buffer[5 + size:]
+                self.messages.append(buffer[5 : 5 + size])
+                buffer = buffer[5 + size :]
             self.buffer = buffer
         self._wake()
 
@@ -123,25 +123,34 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, authority: str, path: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.loop = asyncio.get_running_loop()
-        self.headers = header_block([(":method", "POST"), (":scheme", "http"), (":path", path),
-                                     (":authority", authority), ("content-type", "application/grpc"),
-                                     ("te", "trailers"), *metadata])
+        self.headers = header_block(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", path),
+                (":authority", authority),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                *metadata,
+            ]
+        )
         self.transport: asyncio.Transport | None = None
         self.buffer = b""
         self.streams: dict[int, Stream] = {}
         self.waiting: collections.deque[Stream] = collections.deque()
         self.next_id = 1
-        self.max_streams = 2 ** 31
+        self.max_streams = 2**31
         self.send_window = 65535
         self.unacknowledged = 0  # DATA bytes received since our last WINDOW_UPDATE
         self.failed: str | None = None
         self.settled = self.loop.create_future()  # the peer's first SETTINGS arrived
 
     @classmethod
-    async def open(cls, target: str, path: str, metadata=()) -> "Connection":
+    async def open(cls, target: str, path: str, metadata=()) -> Connection:
         host, _, port = target.rpartition(":")
         _, connection = await asyncio.get_running_loop().create_connection(
-            lambda: cls(target, path, metadata), host.strip("[]"), int(port))
+            lambda: cls(target, path, metadata), host.strip("[]"), int(port)
+        )
         await connection.settled
         return connection
 
@@ -150,8 +159,11 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         settings = struct.pack(">HIHI", SETTINGS_ENABLE_PUSH, 0, SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW)
-        transport.write(PREFACE + _frame(SETTINGS, 0, 0, settings)
-                        + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65535)))
+        transport.write(
+            PREFACE
+            + _frame(SETTINGS, 0, 0, settings)
+            + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65535))
+        )
 
     def connection_lost(self, exc) -> None:
         self._fail("connection_lost")
@@ -160,19 +172,19 @@ class Connection(asyncio.Protocol):
         buffer = self.buffer + data if self.buffer else data
         offset, size = 0, len(buffer)
         while size - offset >= 9:
-            length = int.from_bytes(buffer[offset:offset + 3], "big")
+            length = int.from_bytes(buffer[offset : offset + 3], "big")
             end = offset + 9 + length
             if end > size:
                 break
             kind, flags = buffer[offset + 3], buffer[offset + 4]
-            stream_id = int.from_bytes(buffer[offset + 5:offset + 9], "big") & 0x7FFFFFFF
-            payload = buffer[offset + 9:end]
+            stream_id = int.from_bytes(buffer[offset + 5 : offset + 9], "big") & 0x7FFFFFFF
+            payload = buffer[offset + 9 : end]
             offset = end
             if kind == DATA:
                 self.unacknowledged += length
                 stream = self.streams.get(stream_id)
                 if flags & PADDED:
-                    payload = payload[1:len(payload) - payload[0]]
+                    payload = payload[1 : len(payload) - payload[0]]
                 if stream is not None:
                     if payload:
                         stream.feed(payload)
@@ -191,7 +203,7 @@ class Connection(asyncio.Protocol):
     def _control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if kind == SETTINGS and not flags & ACK:
             for i in range(0, len(payload) - 5, 6):
-                key, value = struct.unpack(">HI", payload[i:i + 6])
+                key, value = struct.unpack(">HI", payload[i : i + 6])
                 if key == SETTINGS_MAX_CONCURRENT_STREAMS:
                     self.max_streams = value
             self.transport.write(_frame(SETTINGS, ACK, 0))
@@ -236,8 +248,10 @@ class Connection(asyncio.Protocol):
             stream.stream_id = self.next_id
             self.next_id += 2
             self.streams[stream.stream_id] = stream
-            self.transport.write(_frame(HEADERS, END_HEADERS, stream.stream_id, self.headers)
-                                 + _frame(DATA, END_STREAM, stream.stream_id, body))
+            self.transport.write(
+                _frame(HEADERS, END_HEADERS, stream.stream_id, self.headers)
+                + _frame(DATA, END_STREAM, stream.stream_id, body)
+            )
 
     def closed_stream(self, stream: Stream) -> None:
         if self.streams.pop(stream.stream_id, None) is not None:

@@ -83,8 +83,10 @@ class NonReading:
         self.count, self.running = count, running
         self.channel = grpc.insecure_channel(target, options=list(NON_READING_OPTIONS))
         self.generate = self.channel.unary_stream(
-            "/openengine.v1.Inference/Generate", request_serializer=generation_pb2.GenerateRequest.SerializeToString,
-            response_deserializer=generation_pb2.GenerateResponse.FromString)
+            "/openengine.v1.Inference/Generate",
+            request_serializer=generation_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=generation_pb2.GenerateResponse.FromString,
+        )
         self.calls: list = []
 
     def start(self, block_s: float, timeout_s: float = 30.0) -> None:
@@ -156,20 +158,41 @@ class Isolation:
 
     def summary(self) -> dict:
         ms = lambda xs: [round(x * 1000, 2) for x in xs]  # noqa: E731
-        return {"alone_ms": ms(self.alone), "beside_ms": ms(self.beside),
-                "median_alone_ms": round(statistics.median(self.alone) * 1000, 2),
-                "median_beside_ms": round(statistics.median(self.beside) * 1000, 2), "ratio": round(self.ratio, 2),
-                "within_bound": self.ratio <= ITL_BOUND, "gaps_alone": self.gaps_alone,
-                "gaps_beside": self.gaps_beside, "stalls_during_beside": self.stalls_during_beside,
-                **({"cpu_cores_alone": [round(c, 3) for c in self.cpu_alone],
+        return {
+            "alone_ms": ms(self.alone),
+            "beside_ms": ms(self.beside),
+            "median_alone_ms": round(statistics.median(self.alone) * 1000, 2),
+            "median_beside_ms": round(statistics.median(self.beside) * 1000, 2),
+            "ratio": round(self.ratio, 2),
+            "within_bound": self.ratio <= ITL_BOUND,
+            "gaps_alone": self.gaps_alone,
+            "gaps_beside": self.gaps_beside,
+            "stalls_during_beside": self.stalls_during_beside,
+            **(
+                {
+                    "cpu_cores_alone": [round(c, 3) for c in self.cpu_alone],
                     "cpu_cores_beside": [round(c, 3) for c in self.cpu_beside],
                     "median_cpu_cores_alone": round(statistics.median(self.cpu_alone), 3),
-                    "median_cpu_cores_beside": round(statistics.median(self.cpu_beside), 3)} if self.cpu_alone else {})}
+                    "median_cpu_cores_beside": round(statistics.median(self.cpu_beside), 3),
+                }
+                if self.cpu_alone
+                else {}
+            ),
+        }
 
 
-def measure_isolation(target: str, non_reading: NonReading, stalls: Callable[[], float], *, pairs: int,
-                      well_behaved: int, window_s: float, block_s: float, warmup_s: float = 1.0,
-                      cpu_seconds: Callable[[], float] | None = None) -> Isolation:
+def measure_isolation(
+    target: str,
+    non_reading: NonReading,
+    stalls: Callable[[], float],
+    *,
+    pairs: int,
+    well_behaved: int,
+    window_s: float,
+    block_s: float,
+    warmup_s: float = 1.0,
+    cpu_seconds: Callable[[], float] | None = None,
+) -> Isolation:
     """`pairs` pairs of windows in ABBA order: alone, beside, beside, alone, alone, ... Two adjacent windows
     beside share their non-reading streams. An odd count ends on a window beside, whose streams are left
     running for the caller to see them ended by the stall timeout. `cpu_seconds` (cpu_seconds_of): the CPU
@@ -212,16 +235,30 @@ def run_server(deployment: Deployment, server: str, args: argparse.Namespace, pa
     try:
         stalls_before = stalls()
         components = cpu_seconds_of([frontend.pid, *(node.pid for node, _ in deployment.nodes)])
-        result = measure_isolation(target, non_reading, stalls, pairs=args.pairs, well_behaved=args.well_behaved,
-                                   window_s=args.window_s, block_s=args.block_s, cpu_seconds=components)
+        result = measure_isolation(
+            target,
+            non_reading,
+            stalls,
+            pairs=args.pairs,
+            well_behaved=args.well_behaved,
+            window_s=args.window_s,
+            block_s=args.block_s,
+            cpu_seconds=components,
+        )
         ended = wait(lambda: stalls() - stalls_before >= args.non_reading, 2 * args.stall_timeout_s + 10)
         freed = wait(lambda: running_requests(target) == 0, 15)
         pauses = scrape_values(deployment.frontend_metrics, (PAUSES,))[PAUSES]
     finally:
         non_reading.close()
         deployment.stop_frontend()
-    return {"server": server, "client_pause_after_s": pause_after_s or "default", **result.summary(),
-            "stall_timeout_ended_all": ended, "slots_freed": freed, "client_pauses": pauses}
+    return {
+        "server": server,
+        "client_pause_after_s": pause_after_s or "default",
+        **result.summary(),
+        "stall_timeout_ended_all": ended,
+        "slots_freed": freed,
+        "client_pauses": pauses,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,17 +268,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, default=2.0)
     parser.add_argument("--well-behaved", type=int, default=8)
     parser.add_argument("--non-reading", type=int, default=64)
-    parser.add_argument("--block-s", type=float, default=0.5,
-                        help="after the non-reading streams run, before the window (their windows fill)")
-    parser.add_argument("--stall-timeout-s", type=float, default=8.0,
-                        help="more than --block-s plus two windows: the streams stay through both their windows")
+    parser.add_argument(
+        "--block-s",
+        type=float,
+        default=0.5,
+        help="after the non-reading streams run, before the window (their windows fill)",
+    )
+    parser.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=8.0,
+        help="more than --block-s plus two windows: the streams stay through both their windows",
+    )
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=2.0)
-    parser.add_argument("--client-pause-after-s", default="",
-                        help="comma-separated values of the frontend's --client-pause-after-s, each measured in "
-                             "turn per server and round (e.g. 0.1,0: pausing on, then off); default: its default")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure every (server, pause value) this many times, alternating, for a spread")
+    parser.add_argument(
+        "--client-pause-after-s",
+        default="",
+        help="comma-separated values of the frontend's --client-pause-after-s, each measured in "
+        "turn per server and round (e.g. 0.1,0: pausing on, then off); default: its default",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every (server, pause value) this many times, alternating, for a spread",
+    )
     parser.add_argument("--out", type=Path, default=Path("isolation-out"))
     args = parser.parse_args(argv)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -262,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(results[-1]), flush=True)
     finally:
         deployment.close()
-    (args.out / "isolation.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                         "results": results}, indent=1) + "\n")
+    (args.out / "isolation.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1) + "\n"
+    )
     return 0
 
 

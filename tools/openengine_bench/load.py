@@ -48,11 +48,12 @@ MASK64 = (1 << 64) - 1
 MODEL = "Qwen/Qwen3-0.6B"
 GENERATE = "/openengine.v1.Inference/Generate"
 RPC_TIMEOUT_S = 600.0
-CONNECT_MARGIN_S = 1.0   # between handing out jobs and the first request: channels connect meanwhile
-SETTLE_S = 0.5           # pause after a window (saturation: the frontend cleans up the cancelled streams)
+CONNECT_MARGIN_S = 1.0  # between handing out jobs and the first request: channels connect meanwhile
+SETTLE_S = 0.5  # pause after a window (saturation: the frontend cleans up the cancelled streams)
 
 
 # ---------------------------------------------------------------- deterministic requests
+
 
 def prompt_ids(key: int, length: int) -> list[int]:
     """`length` token ids determined by `key` (within the regular vocabulary)."""
@@ -79,13 +80,16 @@ def digest(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(array.array("I", token_ids).tobytes(), digest_size=8).hexdigest()
 
 
-def build_request(request_id: str, key: int, prompt_tokens: int, output_tokens: int,
-                  model: str = MODEL) -> generation_pb2.GenerateRequest:
+def build_request(
+    request_id: str, key: int, prompt_tokens: int, output_tokens: int, model: str = MODEL
+) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
-        request_id=request_id, model=model,
+        request_id=request_id,
+        model=model,
         token_ids=generation_pb2.TokenIds(ids=prompt_ids(key, prompt_tokens)),
         sampling=generation_pb2.SamplingParams(seed=key & MASK64),
-        stopping=generation_pb2.StoppingOptions(max_tokens=output_tokens, ignore_eos=True))
+        stopping=generation_pb2.StoppingOptions(max_tokens=output_tokens, ignore_eos=True),
+    )
 
 
 # GenerateResponse's oneof `event` (field numbers from the generated descriptor, never literals that could drift)
@@ -155,13 +159,16 @@ def scan_response(data: bytes, token_ids: list[int]) -> str | None:
 
 
 def channel_options() -> list[tuple[str, Any]]:
-    return [("grpc.max_receive_message_length", 16 * 1024 * 1024),
-            ("grpc.enable_retries", 0),
-            # Without a local pool, channels to one target share one subchannel, i.e. one TCP connection.
-            ("grpc.use_local_subchannel_pool", 1)]
+    return [
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        ("grpc.enable_retries", 0),
+        # Without a local pool, channels to one target share one subchannel, i.e. one TCP connection.
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
 
 
 # ---------------------------------------------------------------- one worker's job
+
 
 class _Run:
     """State of one job in one worker process."""
@@ -183,7 +190,7 @@ class _Run:
         self.itl = array.array("d")
         self.hashes: dict[str, str] = {}
         self.lag_max = 0.0
-        self.closing = False       # set when the run cancels what is still open on purpose
+        self.closing = False  # set when the run cancels what is still open on purpose
         self.cancelled_at_end = 0
         self.eof = h2client.EOF if job.get("client") == "h2" else grpc.aio.EOF
         api_key = job.get("api_key") or ""
@@ -252,10 +259,19 @@ class _Run:
         self.hashes[request_id] = digest(ids)
 
     def result(self) -> dict[str, Any]:
-        return {"window_tokens": self.window_tokens, "window_messages": self.window_messages, "tokens": self.tokens,
-                "started": self.started, "completed": self.completed, "errors": self.errors,
-                "ttft": self.ttft.tobytes(), "itl": self.itl.tobytes(), "hashes": self.hashes,
-                "lag_max_s": self.lag_max, "cancelled_at_end": self.cancelled_at_end}
+        return {
+            "window_tokens": self.window_tokens,
+            "window_messages": self.window_messages,
+            "tokens": self.tokens,
+            "started": self.started,
+            "completed": self.completed,
+            "errors": self.errors,
+            "ttft": self.ttft.tobytes(),
+            "itl": self.itl.tobytes(),
+            "hashes": self.hashes,
+            "lag_max_s": self.lag_max,
+            "cancelled_at_end": self.cancelled_at_end,
+        }
 
 
 async def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -267,8 +283,15 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
         if job.get("client") == "h2":
             if job.get("tls"):
                 raise ValueError("the h2 load generator is plaintext only; use --client grpc-aio for TLS")
-            for c, opened in zip(mine, await asyncio.wait_for(asyncio.gather(
-                    *(h2client.Connection.open(job["target"], GENERATE, run.metadata or ()) for _ in mine)), 20.0)):
+            for c, opened in zip(
+                mine,
+                await asyncio.wait_for(
+                    asyncio.gather(
+                        *(h2client.Connection.open(job["target"], GENERATE, run.metadata or ()) for _ in mine)
+                    ),
+                    20.0,
+                ),
+            ):
                 channels[c] = opened
             calls = {c: ch.generate for c, ch in channels.items()}
         else:
@@ -277,8 +300,9 @@ async def run_job(job: dict[str, Any]) -> dict[str, Any]:
             # No serializer either way: requests go out as prepared bytes, responses come in as bytes.
             calls = {c: ch.unary_stream(GENERATE) for c, ch in channels.items()}
         # Fixed load: every request is serialized before the first arrival; the window pays only for sending.
-        prepared = {k: run.request_bytes(f"{job['id_prefix']}-{k}", job["key_base"] + k)
-                    for k, _ in job.get("arrivals", ())}
+        prepared = {
+            k: run.request_bytes(f"{job['id_prefix']}-{k}", job["key_base"] + k) for k, _ in job.get("arrivals", ())
+        }
         delay = job["start_at"] - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -314,10 +338,14 @@ def _open_channel(job: dict[str, Any]) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(job["target"], options=channel_options())
     from openengine_serve.common.tls import channel_credentials
 
-    options = channel_options() + ([("grpc.ssl_target_name_override", tls["server_name"])]
-                                   if tls.get("server_name") else [])
-    return grpc.aio.secure_channel(job["target"], channel_credentials(tls.get("ca_file", ""), tls.get("cert_file", ""),
-                                                                      tls.get("key_file", "")), options=options)
+    options = channel_options() + (
+        [("grpc.ssl_target_name_override", tls["server_name"])] if tls.get("server_name") else []
+    )
+    return grpc.aio.secure_channel(
+        job["target"],
+        channel_credentials(tls.get("ca_file", ""), tls.get("cert_file", ""), tls.get("key_file", "")),
+        options=options,
+    )
 
 
 async def _fixed(run: _Run, job: dict[str, Any], calls: dict, tasks: list, prepared: dict[int, bytes]) -> None:
@@ -330,8 +358,11 @@ async def _fixed(run: _Run, job: dict[str, Any], calls: dict, tasks: list, prepa
             await asyncio.sleep(delay)
         else:
             run.lag_max = max(run.lag_max, -delay)
-        tasks.append(asyncio.create_task(run.request(calls[k % connections], f"{prefix}-{k}", job["key_base"] + k,
-                                                     prepared.pop(k))))
+        tasks.append(
+            asyncio.create_task(
+                run.request(calls[k % connections], f"{prefix}-{k}", job["key_base"] + k, prepared.pop(k))
+            )
+        )
 
 
 def _saturation(run: _Run, job: dict[str, Any], calls: dict, tasks: list) -> None:
@@ -351,6 +382,7 @@ def _saturation(run: _Run, job: dict[str, Any], calls: dict, tasks: list) -> Non
 
 
 # ---------------------------------------------------------------- worker processes
+
 
 def _worker_main(conn, cpus: list[int] | None, loop_name: str = "") -> None:
     if cpus:
@@ -381,8 +413,7 @@ class LoadPool:
         self.workers = []
         for _ in range(procs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(child, list(cpus) if cpus else None, loop_name),
-                               daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(child, list(cpus) if cpus else None, loop_name), daemon=True)
             proc.start()
             self.workers.append((proc, parent))
 
@@ -410,7 +441,7 @@ class LoadPool:
         return out
 
     def close(self) -> None:
-        for proc, conn in self.workers:
+        for _proc, conn in self.workers:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
@@ -422,19 +453,47 @@ class LoadPool:
                 proc.join(5)
 
 
-def make_jobs(*, kind: str, target: str, connections: int, procs: int, start_at: float, t0: float, t1: float,
-              stop_at: float, drain_timeout_s: float, id_prefix: str, key_base: int, prompt_tokens: int,
-              output_tokens: int, arrivals: Sequence[float] = (), inflight: int = 0,
-              extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def make_jobs(
+    *,
+    kind: str,
+    target: str,
+    connections: int,
+    procs: int,
+    start_at: float,
+    t0: float,
+    t1: float,
+    stop_at: float,
+    drain_timeout_s: float,
+    id_prefix: str,
+    key_base: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    arrivals: Sequence[float] = (),
+    inflight: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     """One job per worker process that has connections (P' = min(P, C)); `extra` (e.g. `tls`, `api_key`, `model`)
     is copied into every job."""
     procs = max(1, min(procs, connections))
     jobs = []
     for index in range(procs):
-        job = {"kind": kind, "target": target, "connections": connections, "procs": procs, "index": index,
-               "start_at": start_at, "t0": t0, "t1": t1, "stop_at": stop_at, "drain_timeout_s": drain_timeout_s,
-               "id_prefix": id_prefix, "key_base": key_base, "prompt_tokens": prompt_tokens,
-               "output_tokens": output_tokens, **(extra or {})}
+        job = {
+            "kind": kind,
+            "target": target,
+            "connections": connections,
+            "procs": procs,
+            "index": index,
+            "start_at": start_at,
+            "t0": t0,
+            "t1": t1,
+            "stop_at": stop_at,
+            "drain_timeout_s": drain_timeout_s,
+            "id_prefix": id_prefix,
+            "key_base": key_base,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            **(extra or {}),
+        }
         if kind == "fixed":
             job["arrivals"] = [(k, a) for k, a in enumerate(arrivals) if (k % connections) % procs == index]
         else:
@@ -445,8 +504,19 @@ def make_jobs(*, kind: str, target: str, connections: int, procs: int, start_at:
 
 def merge_results(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Sums the counters of every worker's result; concatenates samples; unions hashes."""
-    merged: dict[str, Any] = {"window_tokens": 0, "window_messages": 0, "tokens": 0, "started": 0, "completed": 0,
-                              "cancelled_at_end": 0, "errors": {}, "ttft": [], "itl": [], "hashes": {}, "lag_max_s": 0.0}
+    merged: dict[str, Any] = {
+        "window_tokens": 0,
+        "window_messages": 0,
+        "tokens": 0,
+        "started": 0,
+        "completed": 0,
+        "cancelled_at_end": 0,
+        "errors": {},
+        "ttft": [],
+        "itl": [],
+        "hashes": {},
+        "lag_max_s": 0.0,
+    }
     for r in results:
         for key in ("window_tokens", "window_messages", "tokens", "started", "completed", "cancelled_at_end"):
             merged[key] += r[key]

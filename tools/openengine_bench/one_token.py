@@ -39,20 +39,31 @@ MODEL = "Qwen/Qwen3-0.6B"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="openengine-serve bench --one-token", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="openengine-serve bench --one-token",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--one-token", action="store_true", help="(selects this benchmark)")
     p.add_argument("--servers", default="grpcio,pygrpc-native")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--inflight", type=int, default=256)
     p.add_argument("--window-s", type=float, default=6.0)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="measured windows per server, one after the other on the same stack (one line each)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measured windows per server, one after the other on the same stack (one line each)",
+    )
     p.add_argument("--warmup-s", type=float, default=2.0)
     p.add_argument("--pythonpath", default="", help="run the deployment from this source tree")
     p.add_argument("--label", default="", help="a name for this run in the output (e.g. before, after)")
-    p.add_argument("--loop", choices=("default", "asyncio"), default="default",
-                   help="the load generator's event loop: the components' (uvloop where it exists) or asyncio's own")
+    p.add_argument(
+        "--loop",
+        choices=("default", "asyncio"),
+        default="default",
+        help="the load generator's event loop: the components' (uvloop where it exists) or asyncio's own",
+    )
     p.add_argument("--output", default="bench-results", help="directory for one-token.jsonl (appended)")
     return p
 
@@ -82,8 +93,11 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
         stub = stubs[i % len(stubs)]
         while not state["stop"]:
             request = generation_pb2.GenerateRequest(
-                request_id=uuid.uuid4().hex, model=MODEL, prompt="Hi",
-                stopping=generation_pb2.StoppingOptions(max_tokens=1, ignore_eos=True))
+                request_id=uuid.uuid4().hex,
+                model=MODEL,
+                prompt="Hi",
+                stopping=generation_pb2.StoppingOptions(max_tokens=1, ignore_eos=True),
+            )
             try:
                 async for _ in stub.Generate(request, timeout=30):
                     pass
@@ -107,14 +121,19 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
         f1, c1, t1 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
         g1 = cpu_seconds(os.getpid())
         done = state["done"] - done0
-        results.append({"requests_per_s": done / (t1 - t0), "frontend_cores": (f1 - f0) / (t1 - t0),
-                        "frontend_cpu_us_per_request": 1e6 * (f1 - f0) / max(1, done),
-                        # what one worker would serve with a whole core to itself: bound by its CPU per request
-                        "requests_per_frontend_core_s": done / max(f1 - f0, 1e-9),
-                        "coordinator_cpu_us_per_request": 1e6 * (c1 - c0) / max(1, done),
-                        "load_generator_cpu_us_per_request": 1e6 * (g1 - g0) / max(1, done),
-                        "errors": state["errors"] - errors0,
-                        "error_codes": dict(error_codes.most_common(5))})
+        results.append(
+            {
+                "requests_per_s": done / (t1 - t0),
+                "frontend_cores": (f1 - f0) / (t1 - t0),
+                "frontend_cpu_us_per_request": 1e6 * (f1 - f0) / max(1, done),
+                # what one worker would serve with a whole core to itself: bound by its CPU per request
+                "requests_per_frontend_core_s": done / max(f1 - f0, 1e-9),
+                "coordinator_cpu_us_per_request": 1e6 * (c1 - c0) / max(1, done),
+                "load_generator_cpu_us_per_request": 1e6 * (g1 - g0) / max(1, done),
+                "errors": state["errors"] - errors0,
+                "error_codes": dict(error_codes.most_common(5)),
+            }
+        )
     state["record"], state["stop"] = False, True
     await asyncio.gather(*tasks, return_exceptions=True)
     for channel in channels:
@@ -125,13 +144,19 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
 def run_server(server: str, args: argparse.Namespace) -> list[dict]:
     from .stack import UpStack
 
-    up = UpStack(server, nodes=args.nodes, workers=1, pythonpath=args.pythonpath,  # the stack's log beside the results
-                 log_path=Path(args.output) / f"one-token-{server}-{args.label or 'run'}.log").start()
+    up = UpStack(
+        server,
+        nodes=args.nodes,
+        workers=1,
+        pythonpath=args.pythonpath,  # the stack's log beside the results
+        log_path=Path(args.output) / f"one-token-{server}-{args.label or 'run'}.log",
+    ).start()
     try:
         loop_factory = asyncio.new_event_loop if args.loop == "asyncio" else new_event_loop
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            results = runner.run(drive(up.target, child_named(up.pid, "frontend"),
-                                       child_named(up.pid, "coordinator"), args))
+            results = runner.run(
+                drive(up.target, child_named(up.pid, "frontend"), child_named(up.pid, "coordinator"), args)
+            )
     finally:
         up.stop()
     loop = "asyncio" if args.loop == "asyncio" else event_loop_name()
@@ -146,10 +171,13 @@ def main(argv: list[str]) -> int:
         for result in run_server(server, args):
             with open(out / "one-token.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(result) + "\n")
-            print(f"{server:14} {args.label:8} {result['requests_per_s']:8.0f} req/s  frontend "
-                  f"{result['frontend_cpu_us_per_request']:6.0f} µs/req ({result['frontend_cores']:.2f} cores, "
-                  f"{result['requests_per_frontend_core_s']:5.0f} req/s per core)  "
-                  f"coordinator {result['coordinator_cpu_us_per_request']:5.0f} µs/req  "
-                  f"load generator {result['load_generator_cpu_us_per_request']:4.0f} µs/req  errors {result['errors']}"
-                  + (f" {result['error_codes']}" if result["error_codes"] else ""), flush=True)
+            print(
+                f"{server:14} {args.label:8} {result['requests_per_s']:8.0f} req/s  frontend "
+                f"{result['frontend_cpu_us_per_request']:6.0f} µs/req ({result['frontend_cores']:.2f} cores, "
+                f"{result['requests_per_frontend_core_s']:5.0f} req/s per core)  "
+                f"coordinator {result['coordinator_cpu_us_per_request']:5.0f} µs/req  "
+                f"load generator {result['load_generator_cpu_us_per_request']:4.0f} µs/req  errors {result['errors']}"
+                + (f" {result['error_codes']}" if result["error_codes"] else ""),
+                flush=True,
+            )
     return 0

@@ -71,10 +71,14 @@ FRONTEND_METRICS = ("openengine_frontend_event_loop_lag_seconds", "openengine_fr
 
 # ---------------------------------------------------------------- probes (sync, fresh connection each)
 
+
 def short_request(tokens: int) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
-        request_id=f"probe-{uuid.uuid4()}", model=MODEL, prompt="The quick brown fox",
-        stopping=generation_pb2.StoppingOptions(max_tokens=tokens, ignore_eos=True))
+        request_id=f"probe-{uuid.uuid4()}",
+        model=MODEL,
+        prompt="The quick brown fox",
+        stopping=generation_pb2.StoppingOptions(max_tokens=tokens, ignore_eos=True),
+    )
 
 
 def ttft_sample(target: str, tokens: int = 5, timeout: float = 30.0) -> dict[str, float | None]:
@@ -94,12 +98,16 @@ def ttft_sample(target: str, tokens: int = 5, timeout: float = 30.0) -> dict[str
                 if first is None and response.WhichOneof("event") == "token":
                     first = time.monotonic()
         except grpc.RpcError:
-            return {"connect_s": connected - started, "ttft_s": None, "total_s": None,
-                    "request_id": request.request_id}
+            return {"connect_s": connected - started, "ttft_s": None, "total_s": None, "request_id": request.request_id}
         done = time.monotonic()
-    return {"connect_s": connected - started, "ttft_s": None if first is None else first - connected,
-            "total_s": done - connected, "request_id": request.request_id, "called_at": connected,
-            "first_at": first}
+    return {
+        "connect_s": connected - started,
+        "ttft_s": None if first is None else first - connected,
+        "total_s": done - connected,
+        "request_id": request.request_id,
+        "called_at": connected,
+        "first_at": first,
+    }
 
 
 def liveness_sample(target: str, timeout: float) -> float | None:
@@ -113,6 +121,7 @@ def liveness_sample(target: str, timeout: float) -> float | None:
 
 
 # ---------------------------------------------------------------- the load (its own process)
+
 
 def _load_main(target: str, streams: int, tokens: int, stop, results) -> None:
     asyncio.set_event_loop(new_event_loop())
@@ -154,10 +163,11 @@ class Load:
         context = multiprocessing.get_context("spawn")
         self.stop_event = context.Event()
         self.results = context.Queue()
-        self.proc = context.Process(target=_load_main, args=(target, streams, tokens, self.stop_event, self.results),
-                                    daemon=True)
+        self.proc = context.Process(
+            target=_load_main, args=(target, streams, tokens, self.stop_event, self.results), daemon=True
+        )
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         self.proc.start()
         return self
 
@@ -179,6 +189,7 @@ class Load:
 
 
 # ---------------------------------------------------------------- sampling
+
 
 def rss_mb(pid: int) -> float | None:
     try:
@@ -204,8 +215,9 @@ def scrape_values(port: int, names: Sequence[str]) -> dict[str, float]:
 class Sampler(threading.Thread):
     """Every `interval_s`: RSS of each process in `pids` (name -> pid), and the metrics of `metric_ports`."""
 
-    def __init__(self, pids: dict[str, int], metric_ports: dict[str, tuple[int, Sequence[str]]],
-                 interval_s: float) -> None:
+    def __init__(
+        self, pids: dict[str, int], metric_ports: dict[str, tuple[int, Sequence[str]]], interval_s: float
+    ) -> None:
         super().__init__(daemon=True)
         self.pids, self.metric_ports, self.interval_s = pids, metric_ports, interval_s
         self.t0 = time.monotonic()
@@ -236,7 +248,7 @@ def series(samples: Sequence[dict[str, Any]], prefix: str) -> dict[str, list[tup
     for sample in samples:
         for key, value in sample.items():
             if key.startswith(prefix + ".") and value is not None:
-                out.setdefault(key[len(prefix) + 1:], []).append((sample["t"], value))
+                out.setdefault(key[len(prefix) + 1 :], []).append((sample["t"], value))
     return out
 
 
@@ -277,8 +289,10 @@ def log_lines(path: Path, event: str, numeric: tuple[str, ...] = ()) -> Iterator
             if marker not in line:
                 continue
             fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
-            yield fields.get("request_id", ""), {k: float(v) for k, v in fields.items()
-                                                 if k.endswith("_at") or k in numeric}
+            yield (
+                fields.get("request_id", ""),
+                {k: float(v) for k, v in fields.items() if k.endswith("_at") or k in numeric},
+            )
 
 
 def log_fields(path: Path, event: str, wanted: set[str]) -> dict[str, dict[str, float]]:
@@ -311,15 +325,27 @@ def hop_timings(log_dir: Path, probes: Sequence[dict[str, Any]]) -> dict[str, di
 
 
 def print_hops(hops: dict[str, dict[str, Any]]) -> None:
-    print("  first-token hops (ms, p50 / p99 / max): " + "; ".join(
-        f"{hop} {v['p50_ms']} / {v['p99_ms']} / {v['max_ms']}" for hop, v in hops.items() if v["n"]), flush=True)
+    print(
+        "  first-token hops (ms, p50 / p99 / max): "
+        + "; ".join(f"{hop} {v['p50_ms']} / {v['p99_ms']} / {v['max_ms']}" for hop, v in hops.items() if v["n"]),
+        flush=True,
+    )
 
 
 # ---------------------------------------------------------------- one measured window
 
-def measure_window(target: str, *, duration_s: float, probe_tokens: int = 5, probe_timeout_s: float = 5.0,
-                   probe_interval_s: float = 0.1, liveness: bool = True,
-                   deadline_s: float | None = None, min_samples: int = 0) -> dict[str, list]:
+
+def measure_window(
+    target: str,
+    *,
+    duration_s: float,
+    probe_tokens: int = 5,
+    probe_timeout_s: float = 5.0,
+    probe_interval_s: float = 0.1,
+    liveness: bool = True,
+    deadline_s: float | None = None,
+    min_samples: int = 0,
+) -> dict[str, list]:
     """Alternating TTFT and liveness probes for `duration_s` (sequential: one probe at a time), and on until
     `min_samples` TTFT probes were taken (at most 4 × `duration_s` in all: a loaded machine's probes are slow)."""
     out: dict[str, list] = {"ttft": [], "liveness": [], "t_ttft": [], "t_liveness": []}
@@ -339,8 +365,13 @@ def measure_window(target: str, *, duration_s: float, probe_tokens: int = 5, pro
 def latency_summary(values: Sequence[float | None]) -> dict[str, Any]:
     ok = [v for v in values if v is not None]
     pct = lambda q: None if not ok else round(report.percentile(ok, q) * 1000, 2)  # noqa: E731
-    return {"n": len(values), "failed": len(values) - len(ok), "p50_ms": pct(50), "p99_ms": pct(99),
-            "max_ms": None if not ok else round(max(ok) * 1000, 2)}
+    return {
+        "n": len(values),
+        "failed": len(values) - len(ok),
+        "p50_ms": pct(50),
+        "p99_ms": pct(99),
+        "max_ms": None if not ok else round(max(ok) * 1000, 2),
+    }
 
 
 def running_requests(target: str) -> int:
@@ -362,6 +393,7 @@ def wait_running(target: str, at_least: int, timeout: float) -> int:
 
 # ---------------------------------------------------------------- the deployment
 
+
 class Deployment:
     def __init__(self, out: Path, nodes: int, step_ms: float, max_batch: int, log_level: str = "warning") -> None:
         self.out, self.log_dir = out, out / "logs"
@@ -372,11 +404,24 @@ class Deployment:
         self.nodes: list[tuple[Process, int]] = []
         for rank in range(nodes):
             metrics_port = free_port(HOST)
-            node = self._start(f"node{rank}", "node", "--coordinator-address", self.coordinator.target,
-                               "--node-rank", str(rank), "--engine", "simulated", "--step-ms", str(step_ms),
-                               "--max-batch", str(max_batch),
-                               "--max-queue", str(4 * max_batch), metrics_port=metrics_port,
-                               log_level=log_level)
+            node = self._start(
+                f"node{rank}",
+                "node",
+                "--coordinator-address",
+                self.coordinator.target,
+                "--node-rank",
+                str(rank),
+                "--engine",
+                "simulated",
+                "--step-ms",
+                str(step_ms),
+                "--max-batch",
+                str(max_batch),
+                "--max-queue",
+                str(4 * max_batch),
+                metrics_port=metrics_port,
+                log_level=log_level,
+            )
             self.nodes.append((node, metrics_port))
         for node, _ in self.nodes:
             node.wait_ready(180, lambda node=node: is_serving(node.target))
@@ -385,16 +430,46 @@ class Deployment:
 
     def _start(self, name: str, *args: str, metrics_port: int = 0, log_level: str = "warning") -> Process:
         port = free_port(HOST)
-        return Process(name, [sys.executable, "-m", "openengine_serve", *args, "--host", HOST, "--port", str(port),
-                              "--metrics-port", str(metrics_port), "--log-level", log_level],
-                       self.cpus, self.log_dir / f"{name}.log", port).start()
+        return Process(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "openengine_serve",
+                *args,
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--log-level",
+                log_level,
+            ],
+            self.cpus,
+            self.log_dir / f"{name}.log",
+            port,
+        ).start()
 
     def start_frontend(self, server: str, *extra: str) -> Process:
         self.frontend_metrics = free_port(HOST)
-        self.frontend = self._start(f"frontend-{server}", "frontend", "--coordinator-address",
-                                    self.coordinator.target, "--grpc-server", server, "--workers", "1",
-                                    "--heartbeat-s", "0.5", "--drain-timeout-s", "2", *extra,
-                                    metrics_port=self.frontend_metrics, log_level=self.log_level)
+        self.frontend = self._start(
+            f"frontend-{server}",
+            "frontend",
+            "--coordinator-address",
+            self.coordinator.target,
+            "--grpc-server",
+            server,
+            "--workers",
+            "1",
+            "--heartbeat-s",
+            "0.5",
+            "--drain-timeout-s",
+            "2",
+            *extra,
+            metrics_port=self.frontend_metrics,
+            log_level=self.log_level,
+        )
         self.frontend.wait_ready(90, lambda: is_serving(self.frontend.target))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and ttft_sample(self.frontend.target)["ttft_s"] is None:
@@ -415,12 +490,18 @@ class Deployment:
 
 # ---------------------------------------------------------------- a run
 
+
 def run_one(deployment: Deployment, server: str, streams: int, args: argparse.Namespace) -> dict[str, Any]:
     frontend = deployment.start_frontend(server, "--max-in-flight", str(max(streams * 2, 1024)))
     target = frontend.target
     try:
-        idle = measure_window(target, duration_s=args.idle_s, probe_tokens=args.probe_tokens,
-                              probe_timeout_s=args.probe_timeout_s, probe_interval_s=args.probe_interval_s)
+        idle = measure_window(
+            target,
+            duration_s=args.idle_s,
+            probe_tokens=args.probe_tokens,
+            probe_timeout_s=args.probe_timeout_s,
+            probe_interval_s=args.probe_interval_s,
+        )
         pids = {node.name: node.pid for node, _ in deployment.nodes} | {"frontend": frontend.pid}
         ports = {node.name: (port, NODE_METRICS) for node, port in deployment.nodes}
         ports["frontend"] = (deployment.frontend_metrics, FRONTEND_METRICS)
@@ -432,10 +513,16 @@ def run_one(deployment: Deployment, server: str, streams: int, args: argparse.Na
             time.sleep(args.warmup_s)
             loaded_at = time.monotonic() - started
             generated_before = scrape_values(deployment.frontend_metrics, (GENERATED_TOKENS,))[GENERATED_TOKENS]
-            window = measure_window(target, duration_s=args.duration_s, probe_tokens=args.probe_tokens,
-                                    probe_timeout_s=args.probe_timeout_s, probe_interval_s=args.probe_interval_s)
-            delivered = (scrape_values(deployment.frontend_metrics, (GENERATED_TOKENS,))[GENERATED_TOKENS]
-                         - generated_before) / (time.monotonic() - started - loaded_at)
+            window = measure_window(
+                target,
+                duration_s=args.duration_s,
+                probe_tokens=args.probe_tokens,
+                probe_timeout_s=args.probe_timeout_s,
+                probe_interval_s=args.probe_interval_s,
+            )
+            delivered = (
+                scrape_values(deployment.frontend_metrics, (GENERATED_TOKENS,))[GENERATED_TOKENS] - generated_before
+            ) / (time.monotonic() - started - loaded_at)
             load_counts = load.stop()
         samples = sampler.stop()
     finally:
@@ -447,27 +534,43 @@ def run_one(deployment: Deployment, server: str, streams: int, args: argparse.Na
     shed = series(samples, "openengine_node_lane_shed_requests_total")
     ttft = [s["ttft_s"] for s in window["ttft"]]
     result = {
-        "server": server, "streams": streams, "running_at_start": running, "loaded_at_s": round(loaded_at, 2),
-        "offered_tokens_per_s": round(streams * 1000 / args.step_ms), "delivered_tokens_per_s": round(delivered),
+        "server": server,
+        "streams": streams,
+        "running_at_start": running,
+        "loaded_at_s": round(loaded_at, 2),
+        "offered_tokens_per_s": round(streams * 1000 / args.step_ms),
+        "delivered_tokens_per_s": round(delivered),
         "keeps_up": running >= streams and delivered >= KEEPS_UP * streams * 1000 / args.step_ms,
-        "idle": {"ttft": latency_summary([s["ttft_s"] for s in idle["ttft"]]),
-                 "liveness": latency_summary(idle["liveness"])},
+        "idle": {
+            "ttft": latency_summary([s["ttft_s"] for s in idle["ttft"]]),
+            "liveness": latency_summary(idle["liveness"]),
+        },
         "ttft": latency_summary(ttft),
         "connect": latency_summary([s["connect_s"] for s in window["ttft"]]),
         "liveness": latency_summary(window["liveness"]),
         "event_loop_lag_max_ms": None if not lag else round(max(lag) * 1000, 1),
         "lane_backlog_max_steps": max((v for points in backlog.values() for _, v in points), default=None),
         "lane_shed_requests": sum(points[-1][1] for points in shed.values() if points),
-        "node_rss_mb": {name: {"loaded_start": points[0][1] if points else None,
-                               "end": points[-1][1] if points else None,
-                               "max": max((v for _, v in points), default=None),
-                               "growth_mb_per_s": growth_mb_per_s(points)}
-                        for name, points in loaded_rss.items()},
-        "load": load_counts | {"tokens_per_s": round(load_counts.get("tokens", 0) / max(
-            time.monotonic() - started, 1e-9))} if load_counts else {},
+        "node_rss_mb": {
+            name: {
+                "loaded_start": points[0][1] if points else None,
+                "end": points[-1][1] if points else None,
+                "max": max((v for _, v in points), default=None),
+                "growth_mb_per_s": growth_mb_per_s(points),
+            }
+            for name, points in loaded_rss.items()
+        },
+        "load": load_counts
+        | {"tokens_per_s": round(load_counts.get("tokens", 0) / max(time.monotonic() - started, 1e-9))}
+        if load_counts
+        else {},
         "samples": samples,
-        "probes": {"t_ttft": window["t_ttft"], "ttft": ttft, "t_liveness": window["t_liveness"],
-                   "liveness": window["liveness"]},
+        "probes": {
+            "t_ttft": window["t_ttft"],
+            "ttft": ttft,
+            "t_liveness": window["t_liveness"],
+            "liveness": window["liveness"],
+        },
     }
     if args.hops:
         result["hops"] = hop_timings(deployment.log_dir, window["ttft"])
@@ -475,16 +578,22 @@ def run_one(deployment: Deployment, server: str, streams: int, args: argparse.Na
 
 
 def print_run(r: dict[str, Any]) -> None:
-    nodes = ", ".join(f"{name} {v['loaded_start']:.0f}->{v['end']:.0f} MB ({(v['growth_mb_per_s'] or 0):+.2f} MB/s)"
-                      for name, v in r["node_rss_mb"].items() if name.startswith("node") and v["end"] is not None)
-    print(f"[{r['server']}, {r['streams']} streams] TTFT p50 {r['ttft']['p50_ms']} ms p99 {r['ttft']['p99_ms']} ms "
-          f"max {r['ttft']['max_ms']} ms (n={r['ttft']['n']}, failed {r['ttft']['failed']}; idle p99 "
-          f"{r['idle']['ttft']['p99_ms']} ms) | liveness p50 {r['liveness']['p50_ms']} ms p99 "
-          f"{r['liveness']['p99_ms']} ms (failed {r['liveness']['failed']}) | loop lag max "
-          f"{r['event_loop_lag_max_ms']} ms | lane backlog max {r['lane_backlog_max_steps']} steps, shed "
-          f"{r['lane_shed_requests']} | node RSS {nodes} | load {r['load'].get('tokens_per_s')} tokens/s, "
-          f"{r['load'].get('errors')} errors | delivered {r['delivered_tokens_per_s']} of "
-          f"{r['offered_tokens_per_s']} tokens/s offered (keeps up: {r['keeps_up']})", flush=True)
+    nodes = ", ".join(
+        f"{name} {v['loaded_start']:.0f}->{v['end']:.0f} MB ({(v['growth_mb_per_s'] or 0):+.2f} MB/s)"
+        for name, v in r["node_rss_mb"].items()
+        if name.startswith("node") and v["end"] is not None
+    )
+    print(
+        f"[{r['server']}, {r['streams']} streams] TTFT p50 {r['ttft']['p50_ms']} ms p99 {r['ttft']['p99_ms']} ms "
+        f"max {r['ttft']['max_ms']} ms (n={r['ttft']['n']}, failed {r['ttft']['failed']}; idle p99 "
+        f"{r['idle']['ttft']['p99_ms']} ms) | liveness p50 {r['liveness']['p50_ms']} ms p99 "
+        f"{r['liveness']['p99_ms']} ms (failed {r['liveness']['failed']}) | loop lag max "
+        f"{r['event_loop_lag_max_ms']} ms | lane backlog max {r['lane_backlog_max_steps']} steps, shed "
+        f"{r['lane_shed_requests']} | node RSS {nodes} | load {r['load'].get('tokens_per_s')} tokens/s, "
+        f"{r['load'].get('errors')} errors | delivered {r['delivered_tokens_per_s']} of "
+        f"{r['offered_tokens_per_s']} tokens/s offered (keeps up: {r['keeps_up']})",
+        flush=True,
+    )
 
 
 def capacity(runs: Sequence[dict[str, Any]]) -> dict[str, int | None]:
@@ -498,6 +607,7 @@ def capacity(runs: Sequence[dict[str, Any]]) -> dict[str, int | None]:
 
 
 # ---------------------------------------------------------------- chart
+
 
 def write_chart(result: dict[str, Any], path: Path) -> Path:
     import matplotlib
@@ -522,26 +632,44 @@ def write_chart(result: dict[str, Any], path: Path) -> Path:
             ax_live.plot([t for t, _ in live], [v for _, v in live], ".", color=color, label=label, ms=4)
         for name, points in series(r["samples"], "rss_mb").items():
             if name.startswith("node"):
-                ax_rss.plot([t for t, _ in points], [v for _, v in points], color=color, alpha=alpha,
-                            label=f"{label}: {name}", lw=1)
+                ax_rss.plot(
+                    [t for t, _ in points],
+                    [v for _, v in points],
+                    color=color,
+                    alpha=alpha,
+                    label=f"{label}: {name}",
+                    lw=1,
+                )
         lag = series(r["samples"], "openengine_frontend_event_loop_lag_seconds").get("frontend", [])
         ax_lag.plot([t for t, _ in lag], [v * 1000 for _, v in lag], color=color, alpha=alpha, label=label, lw=1)
     if sweep:
         for server in report.SERVERS:
             mine = sorted((r for r in runs if r["server"] == server), key=lambda r: r["streams"])
             for ax, key in ((ax_ttft, "ttft"), (ax_live, "liveness")):
-                ax.plot([r["streams"] for r in mine], [r[key]["p99_ms"] for r in mine], "o-",
-                        color=colors[server], label=f"{server} p99")
-                ax.plot([r["streams"] for r in mine], [r[key]["p50_ms"] for r in mine], "o--",
-                        color=colors[server], alpha=0.5, label=f"{server} p50")
+                ax.plot(
+                    [r["streams"] for r in mine],
+                    [r[key]["p99_ms"] for r in mine],
+                    "o-",
+                    color=colors[server],
+                    label=f"{server} p99",
+                )
+                ax.plot(
+                    [r["streams"] for r in mine],
+                    [r[key]["p50_ms"] for r in mine],
+                    "o--",
+                    color=colors[server],
+                    alpha=0.5,
+                    label=f"{server} p50",
+                )
                 ax.set_xlabel("long streams open on the worker")
     else:
         ax_ttft.axhline(100, color="red", lw=0.8, ls=":", label="target p99 100 ms")
         for ax in (ax_ttft, ax_live):
             ax.set_xlabel("seconds into the loaded window")
     ax_ttft.set_yscale("log")  # seconds-long outliers beside tens of milliseconds
-    ax_ttft.set_title(f"new {result['meta']['probe_tokens']}-token request on a fresh connection: TTFT (ms)",
-                      fontsize=10)
+    ax_ttft.set_title(
+        f"new {result['meta']['probe_tokens']}-token request on a fresh connection: TTFT (ms)", fontsize=10
+    )
     ax_live.set_title("liveness Check on a fresh connection (kubelet-style), ms", fontsize=10)
     ax_rss.set_title("node RSS (MB) over time (load starts after the idle probes)", fontsize=10)
     ax_lag.set_title("frontend event-loop lag (ms), sampled", fontsize=10)
@@ -551,8 +679,11 @@ def write_chart(result: dict[str, Any], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     meta = result["meta"]
-    fig.suptitle(f"overload ({meta['mode']}): {meta['nodes']} nodes at {meta['step_ms']:g} ms/step, streams of "
-                 f"{meta['tokens']} tokens, one reading connection each", fontsize=11)
+    fig.suptitle(
+        f"overload ({meta['mode']}): {meta['nodes']} nodes at {meta['step_ms']:g} ms/step, streams of "
+        f"{meta['tokens']} tokens, one reading connection each",
+        fontsize=11,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -562,10 +693,15 @@ def write_chart(result: dict[str, Any], path: Path) -> Path:
 
 # ---------------------------------------------------------------- CLI
 
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m openengine_bench.overload", description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=sorted(MODES), default="ttft",
-                        help="presets for --streams: ttft 64, health 128 (2x saturation), capacity a sweep")
+    parser.add_argument(
+        "--mode",
+        choices=sorted(MODES),
+        default="ttft",
+        help="presets for --streams: ttft 64, health 128 (2x saturation), capacity a sweep",
+    )
     parser.add_argument("--servers", default=",".join(report.SERVERS))
     parser.add_argument("--streams", help="comma-separated stream counts (default: from --mode)")
     parser.add_argument("--tokens", type=int, default=8000, help="tokens per long stream")
@@ -579,9 +715,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--probe-interval-s", type=float, default=0.1)
     parser.add_argument("--probe-timeout-s", type=float, default=5.0)
     parser.add_argument("--sample-s", type=float, default=0.5)
-    parser.add_argument("--hops", action="store_true",
-                        help="run the frontend and nodes at --log-level debug and time each hop of the probes' "
-                             "first token from their log lines (costs a few debug lines per request)")
+    parser.add_argument(
+        "--hops",
+        action="store_true",
+        help="run the frontend and nodes at --log-level debug and time each hop of the probes' "
+        "first token from their log lines (costs a few debug lines per request)",
+    )
     parser.add_argument("--out", type=Path, default=Path("overload-out"))
     return parser
 
@@ -599,14 +738,22 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--servers: unknown {unknown}; choose from {list(report.SERVERS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"mode": args.mode, "nodes": args.nodes, "step_ms": args.step_ms, "tokens": args.tokens,
-            "max_batch": args.max_batch, "duration_s": args.duration_s, "probe_tokens": args.probe_tokens,
-            "cpus": len(os.sched_getaffinity(0)),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = {
+        "mode": args.mode,
+        "nodes": args.nodes,
+        "step_ms": args.step_ms,
+        "tokens": args.tokens,
+        "max_batch": args.max_batch,
+        "duration_s": args.duration_s,
+        "probe_tokens": args.probe_tokens,
+        "cpus": len(os.sched_getaffinity(0)),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the deployment below is stopped, not orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    deployment = Deployment(args.out, args.nodes, args.step_ms, args.max_batch,
-                            log_level="debug" if args.hops else "warning")
+    deployment = Deployment(
+        args.out, args.nodes, args.step_ms, args.max_batch, log_level="debug" if args.hops else "warning"
+    )
     runs = []
     try:
         for count in streams:
@@ -620,8 +767,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"meta": meta, "runs": runs}
     if args.mode == "capacity":
         result["capacity_streams"] = capacity(runs)
-        print(f"most streams one worker kept up with at the {args.step_ms:g} ms step (delivered >= "
-              f"{KEEPS_UP:.0%} of offered): {result['capacity_streams']}")
+        print(
+            f"most streams one worker kept up with at the {args.step_ms:g} ms step (delivered >= "
+            f"{KEEPS_UP:.0%} of offered): {result['capacity_streams']}"
+        )
     (args.out / "overload.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     write_chart(result, args.out / "overload.png")
     print(f"wrote {args.out / 'overload.json'} and {args.out / 'overload.png'}")

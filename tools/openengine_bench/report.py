@@ -37,20 +37,49 @@ METRICS: dict[str, tuple[str, str]] = {
     "client_us_per_token": ("load generator CPU/token", "µs"),
     "errors": ("errors", "count"),
 }
-STACK_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                 "frontend_util", "frontend_core_busy", "foreign_frontend_core", "other_core_busy",
-                 "tokens_per_message", "client_us_per_token", "errors")
+STACK_COLUMNS = (
+    "cpu_us_per_token",
+    "tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "frontend_util",
+    "frontend_core_busy",
+    "foreign_frontend_core",
+    "other_core_busy",
+    "tokens_per_message",
+    "client_us_per_token",
+    "errors",
+)
 # Unpinned placements have no core of their own: the per-core columns do not apply.
-UNPINNED_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                    "frontend_util", "other_core_busy", "tokens_per_message", "client_us_per_token", "errors")
-BASELINE_COLUMNS = ("cpu_us_per_token", "tokens_per_s", "frontend_util", "frontend_core_busy", "other_core_busy",
-                    "errors")
+UNPINNED_COLUMNS = (
+    "cpu_us_per_token",
+    "tokens_per_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "frontend_util",
+    "other_core_busy",
+    "tokens_per_message",
+    "client_us_per_token",
+    "errors",
+)
+BASELINE_COLUMNS = (
+    "cpu_us_per_token",
+    "tokens_per_s",
+    "frontend_util",
+    "frontend_core_busy",
+    "other_core_busy",
+    "errors",
+)
 
 # Thresholds the report compares against (never asserted).
-TARGET_CPU_RATIO = 0.65          # native/grpcio CPU per token at fixed load, <=, in every placement
-TARGET_SATURATION_RATIO = 1.6    # native/grpcio tokens/s at saturation, >= (budgeted: in every round)
-TARGET_FLOOR_MULTIPLE = 1.5      # native CPU/token / native bare CPU/message, <=
-TARGET_TTFT_RATIO = 0.5          # native/grpcio TTFT p99 at fixed load, <=
+TARGET_CPU_RATIO = 0.65  # native/grpcio CPU per token at fixed load, <=, in every placement
+TARGET_SATURATION_RATIO = 1.6  # native/grpcio tokens/s at saturation, >= (budgeted: in every round)
+TARGET_FLOOR_MULTIPLE = 1.5  # native CPU/token / native bare CPU/message, <=
+TARGET_TTFT_RATIO = 0.5  # native/grpcio TTFT p99 at fixed load, <=
 
 BUSY = 0.90  # a core this busy over the window counts as saturated
 THROTTLED = 0.10  # a quota throttled in this share of its periods limited the frontend
@@ -73,11 +102,12 @@ PLACEMENT_TITLES = {
     "quota": "frontend in a cgroup CPU quota, every core visible (as under `docker --cpus` or a Kubernetes limit)",
     "shared": "frontend unconstrained, every core visible",
     BUDGET: "budgeted saturation: frontend in a small cgroup CPU quota, meant to be the bottleneck (checked per "
-            "window)",
+    "window)",
 }
 
 
 # ---------------------------------------------------------------- statistics
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0..100) with linear interpolation between closest ranks (numpy's default).
@@ -118,20 +148,29 @@ def verdict(value: float | None, op: str, threshold: float) -> str:
     """PASS / MISS for `value op threshold` (op one of <=, >=, <, >, ==); N/A when there is no value."""
     if value is None:
         return "N/A"
-    ok = {"<=": value <= threshold, ">=": value >= threshold, "<": value < threshold,
-          ">": value > threshold, "==": value == threshold}[op]
+    ok = {
+        "<=": value <= threshold,
+        ">=": value >= threshold,
+        "<": value < threshold,
+        ">": value > threshold,
+        "==": value == threshold,
+    }[op]
     return "PASS" if ok else "MISS"
 
 
 def latency_stats(samples_s: Sequence[float]) -> dict[str, float | None]:
     """p50/p99 in milliseconds of samples in seconds."""
     p50, p99 = percentile(samples_s, 50), percentile(samples_s, 99)
-    return {"p50_ms": None if p50 is None else p50 * 1e3, "p99_ms": None if p99 is None else p99 * 1e3,
-            "n": len(samples_s)}
+    return {
+        "p50_ms": None if p50 is None else p50 * 1e3,
+        "p99_ms": None if p99 is None else p99 * 1e3,
+        "n": len(samples_s),
+    }
 
 
-def bottleneck(frontend_util: float | None, frontend_core_busy: float | None, other_core_busy: float | None,
-               workload: str) -> str:
+def bottleneck(
+    frontend_util: float | None, frontend_core_busy: float | None, other_core_busy: float | None, workload: str
+) -> str:
     """Which side limited a round.
 
     frontend_util: the frontend process's CPU over the window (cores); *_core_busy: how busy the cores were in
@@ -151,14 +190,22 @@ def bottleneck(frontend_util: float | None, frontend_core_busy: float | None, ot
     return "none saturated (latency-bound: engine step pacing / queueing)"
 
 
-def limiter(workload: str, frontend_util: float | None, quota_cpus: float | None, throttled_share: float | None,
-            machine_idle_cores: float | None, node_util: float | None) -> str:
+def limiter(
+    workload: str,
+    frontend_util: float | None,
+    quota_cpus: float | None,
+    throttled_share: float | None,
+    machine_idle_cores: float | None,
+    node_util: float | None,
+) -> str:
     """What limited a window of an unpinned frontend: its quota (throttled periods from the cgroup's cpu.stat),
     the machine's CPU (no idle left on any core), or the backend (the node's one Python loop)."""
     reasons = []
     if quota_cpus and ((throttled_share or 0.0) >= THROTTLED or (frontend_util or 0.0) >= BUSY * quota_cpus):
-        reasons.append(f"frontend quota ({fmt_number(frontend_util)} of {quota_cpus:g} CPU, throttled in "
-                       f"{(throttled_share or 0.0) * 100:.0f} % of periods)")
+        reasons.append(
+            f"frontend quota ({fmt_number(frontend_util)} of {quota_cpus:g} CPU, throttled in "
+            f"{(throttled_share or 0.0) * 100:.0f} % of periods)"
+        )
     if machine := machine_reason(machine_idle_cores):
         reasons.append(machine)
     if node_util is not None and node_util >= BUSY:
@@ -170,9 +217,14 @@ def limiter(workload: str, frontend_util: float | None, quota_cpus: float | None
     return "none saturated (latency-bound: engine step pacing / queueing)"
 
 
-def budget_limiter(frontend_util: float | None, quota_cpus: float | None, throttled_share: float | None,
-                   other_core_busy: float | None, machine_idle_cores: float | None,
-                   rest_util: Mapping[str, float] | None = None) -> tuple[str, bool]:
+def budget_limiter(
+    frontend_util: float | None,
+    quota_cpus: float | None,
+    throttled_share: float | None,
+    other_core_busy: float | None,
+    machine_idle_cores: float | None,
+    rest_util: Mapping[str, float] | None = None,
+) -> tuple[str, bool]:
     """What limited a budgeted-saturation window, and whether it was the frontend's quota alone.
 
     frontend_util: the frontend's CPU over the window (cores); other_core_busy: mean busy share of the cores the
@@ -182,10 +234,15 @@ def budget_limiter(frontend_util: float | None, quota_cpus: float | None, thrott
     a window that is not is no measure of the servers' relative cost.
     """
     at_quota = bool(quota_cpus) and frontend_util is not None and frontend_util >= QUOTA_USED * quota_cpus
-    quota_text = (f"frontend quota ({fmt_number(frontend_util)} of {quota_cpus:g} CPU, throttled in "
-                  f"{(throttled_share or 0.0) * 100:.0f} % of periods)" if quota_cpus else "no frontend quota")
-    consumers = sorted(((cores, name) for name, cores in (rest_util or {}).items() if cores >= REST_SHOWN),
-                       reverse=True)
+    quota_text = (
+        f"frontend quota ({fmt_number(frontend_util)} of {quota_cpus:g} CPU, throttled in "
+        f"{(throttled_share or 0.0) * 100:.0f} % of periods)"
+        if quota_cpus
+        else "no frontend quota"
+    )
+    consumers = sorted(
+        ((cores, name) for name, cores in (rest_util or {}).items() if cores >= REST_SHOWN), reverse=True
+    )
     named = ", ".join(f"{name} {cores:.2f}" for cores, name in consumers)
     if other_core_busy is not None:
         headroom = other_core_busy < OTHER_BUSY_MAX
@@ -205,8 +262,10 @@ def budget_limiter(frontend_util: float | None, quota_cpus: float | None, thrott
     if at_quota:
         reasons.append(quota_text)
     elif quota_cpus and frontend_util is not None:
-        reasons.append(f"not the frontend: {fmt_number(frontend_util)} of its {quota_cpus:g}-CPU quota, below "
-                       f"{QUOTA_USED * 100:.0f} %")
+        reasons.append(
+            f"not the frontend: {fmt_number(frontend_util)} of its {quota_cpus:g}-CPU quota, below "
+            f"{QUOTA_USED * 100:.0f} %"
+        )
     if headroom:
         reasons.append(f"not the rest: {rest_text}")
     return "; ".join(reasons), False
@@ -219,8 +278,14 @@ def classify_budget_window(record: Mapping[str, Any]) -> tuple[str, bool]:
     """`budget_limiter` over a round record's stored figures (so older bench.json files can be rerendered)."""
     util = record.get("process_util") or {}
     rest = {name: cores for name, cores in util.items() if name not in REST_EXCLUDED}
-    return budget_limiter(record.get("frontend_util"), record.get("quota_cpus"), record.get("throttled_share"),
-                          record.get("other_core_busy"), record.get("machine_idle_cores"), rest)
+    return budget_limiter(
+        record.get("frontend_util"),
+        record.get("quota_cpus"),
+        record.get("throttled_share"),
+        record.get("other_core_busy"),
+        record.get("machine_idle_cores"),
+        rest,
+    )
 
 
 def frontend_limited(record: Mapping[str, Any]) -> bool:
@@ -253,8 +318,10 @@ def by_placement(rounds: Sequence[Mapping[str, Any]]) -> dict[str, list[Mapping[
 
 # ---------------------------------------------------------------- aggregation
 
-def summarize_rounds(rounds: Sequence[Mapping[str, Any]],
-                     metrics: Iterable[str] = METRICS) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+
+def summarize_rounds(
+    rounds: Sequence[Mapping[str, Any]], metrics: Iterable[str] = METRICS
+) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
     """{mode: {scenario: {server: {metric: summary}}}} over every round record."""
     metrics = tuple(metrics)
     grouped: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
@@ -263,12 +330,19 @@ def summarize_rounds(rounds: Sequence[Mapping[str, Any]],
     out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     for (mode, scenario, server), records in grouped.items():
         out.setdefault(mode, {}).setdefault(scenario, {})[server] = {
-            m: summarize(r.get(m) for r in records) for m in metrics}
+            m: summarize(r.get(m) for r in records) for m in metrics
+        }
     return out
 
 
-def paired_ratios(rounds: Sequence[Mapping[str, Any]], mode: str, scenario: str, metric: str,
-                  numerator: str = NATIVE, denominator: str = GRPCIO) -> dict[str, Any]:
+def paired_ratios(
+    rounds: Sequence[Mapping[str, Any]],
+    mode: str,
+    scenario: str,
+    metric: str,
+    numerator: str = NATIVE,
+    denominator: str = GRPCIO,
+) -> dict[str, Any]:
     """numerator/denominator of `metric` per round pair (round r of one server against round r of the other).
 
     Consecutive rounds alternate the servers, so a pair saw the same machine drift; the result summarizes the
@@ -282,8 +356,14 @@ def paired_ratios(rounds: Sequence[Mapping[str, Any]], mode: str, scenario: str,
     return summarize(values)
 
 
-def median_ratio(summary: Mapping[str, Any], mode: str, scenario: str, metric: str,
-                 numerator: str = NATIVE, denominator: str = GRPCIO) -> float | None:
+def median_ratio(
+    summary: Mapping[str, Any],
+    mode: str,
+    scenario: str,
+    metric: str,
+    numerator: str = NATIVE,
+    denominator: str = GRPCIO,
+) -> float | None:
     """Ratio of the two servers' medians of `metric` (None when either is missing)."""
     try:
         servers = summary[mode][scenario]
@@ -300,16 +380,24 @@ def compare_tokens(hashes: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
     a, b = hashes[servers[0]], hashes[servers[1]]
     common = a.keys() & b.keys()
     mismatched = sorted(rid for rid in common if a[rid] != b[rid])
-    return {"compared": len(common), "mismatched": len(mismatched), "mismatched_ids": mismatched[:20],
-            "only_one_server": len(a.keys() ^ b.keys())}
+    return {
+        "compared": len(common),
+        "mismatched": len(mismatched),
+        "mismatched_ids": mismatched[:20],
+        "only_one_server": len(a.keys() ^ b.keys()),
+    }
 
 
 def scenario_name(workload: str, connections: int) -> str:
     return f"{workload}-c{connections}"
 
 
-def evaluate_targets(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
-                     identical: Mapping[str, Mapping[str, Any]], connections: Sequence[int]) -> list[dict[str, Any]]:
+def evaluate_targets(
+    summary: Mapping[str, Any],
+    rounds: Sequence[Mapping[str, Any]],
+    identical: Mapping[str, Mapping[str, Any]],
+    connections: Sequence[int],
+) -> list[dict[str, Any]]:
     """The report's targets, each {name, value, op, threshold, verdict, detail}.
 
     summary: {placement: {mode: {scenario: {server: {metric: summary}}}}} (see `build_result`). Per placement
@@ -321,8 +409,16 @@ def evaluate_targets(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, A
     groups = by_placement(rounds)
 
     def add(name: str, value: float | None, op: str, threshold: float, detail: str = "") -> None:
-        targets.append({"name": name, "value": value, "op": op, "threshold": threshold,
-                        "verdict": verdict(value, op, threshold), "detail": detail})
+        targets.append(
+            {
+                "name": name,
+                "value": value,
+                "op": op,
+                "threshold": threshold,
+                "verdict": verdict(value, op, threshold),
+                "detail": detail,
+            }
+        )
 
     for placement in placements_in(rounds):
         stack = summary.get(placement, {}).get("stack", {})
@@ -331,27 +427,45 @@ def evaluate_targets(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, A
             fixed = scenario_name("fixed", c)
             if fixed in stack:
                 pair = paired_ratios(place_rounds, "stack", fixed, "cpu_us_per_token")
-                add(f"{placement}: CPU/token native/grpcio at fixed load, {c} conn",
-                    median_ratio(summary[placement], "stack", fixed, "cpu_us_per_token"), "<=", TARGET_CPU_RATIO,
-                    _pair_detail(pair))
+                add(
+                    f"{placement}: CPU/token native/grpcio at fixed load, {c} conn",
+                    median_ratio(summary[placement], "stack", fixed, "cpu_us_per_token"),
+                    "<=",
+                    TARGET_CPU_RATIO,
+                    _pair_detail(pair),
+                )
         for c in connections:
             fixed = scenario_name("fixed", c)
             if fixed in stack:
-                add(f"{placement}: TTFT p99 native/grpcio at fixed load, {c} conn",
-                    median_ratio(summary[placement], "stack", fixed, "ttft_p99_ms"), "<=", TARGET_TTFT_RATIO)
+                add(
+                    f"{placement}: TTFT p99 native/grpcio at fixed load, {c} conn",
+                    median_ratio(summary[placement], "stack", fixed, "ttft_p99_ms"),
+                    "<=",
+                    TARGET_TTFT_RATIO,
+                )
         for c in sorted({r["connections"] for r in place_rounds if r["workload"] == "saturation"}, reverse=True):
             sat = scenario_name("saturation", c)
             pair = paired_ratios(place_rounds, "stack", sat, "tokens_per_s")
             if placement == BUDGET:
                 valid = budget_valid_rounds(place_rounds, sat)
-                valid_pair = paired_ratios([r for r in place_rounds if valid.get(r["round"])], "stack", sat,
-                                           "tokens_per_s")
-                add(f"budget: saturation tokens/s native/grpcio, {c} conn, worst frontend-limited round",
-                    valid_pair["min"], ">=", TARGET_SATURATION_RATIO, _budget_detail(valid, valid_pair, pair))
+                valid_pair = paired_ratios(
+                    [r for r in place_rounds if valid.get(r["round"])], "stack", sat, "tokens_per_s"
+                )
+                add(
+                    f"budget: saturation tokens/s native/grpcio, {c} conn, worst frontend-limited round",
+                    valid_pair["min"],
+                    ">=",
+                    TARGET_SATURATION_RATIO,
+                    _budget_detail(valid, valid_pair, pair),
+                )
             else:
-                add(f"{placement}: saturation tokens/s native/grpcio, {c} conn (full cores)",
-                    median_ratio(summary[placement], "stack", sat, "tokens_per_s"), ">=", TARGET_SATURATION_RATIO,
-                    _pair_detail(pair))
+                add(
+                    f"{placement}: saturation tokens/s native/grpcio, {c} conn (full cores)",
+                    median_ratio(summary[placement], "stack", sat, "tokens_per_s"),
+                    ">=",
+                    TARGET_SATURATION_RATIO,
+                    _pair_detail(pair),
+                )
     pinned = summary.get(PINNED, {})
     for c in connections:
         fixed = scenario_name("fixed", c)
@@ -362,14 +476,24 @@ def evaluate_targets(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, A
             continue
         value = ratio(stack_cpu, floor)
         detail = "" if value is None else f"{stack_cpu:.1f} µs vs bare {floor:.1f} µs/message"
-        add(f"pinned: native CPU/token / bare per-message floor, fixed load, {c} conn", value, "<=",
-            TARGET_FLOOR_MULTIPLE, detail)
+        add(
+            f"pinned: native CPU/token / bare per-message floor, fixed load, {c} conn",
+            value,
+            "<=",
+            TARGET_FLOOR_MULTIPLE,
+            detail,
+        )
     total_errors = sum(int(r.get("errors") or 0) for r in rounds)
     add("errors (all rounds, both servers, every mode)", float(total_errors), "==", 0.0)
     compared = sum(v["compared"] for v in identical.values())
     mismatched = sum(v["mismatched"] for v in identical.values())
-    add("requests with different tokens on the two servers", float(mismatched) if compared else None, "==", 0.0,
-        f"{compared} requests compared")
+    add(
+        "requests with different tokens on the two servers",
+        float(mismatched) if compared else None,
+        "==",
+        0.0,
+        f"{compared} requests compared",
+    )
     return targets
 
 
@@ -380,8 +504,10 @@ def budget_valid_rounds(rounds: Sequence[Mapping[str, Any]], scenario: str) -> d
     for r in rounds:
         if r["mode"] == "stack" and r["scenario"] == scenario and r["server"] in SERVERS:
             by_round.setdefault(r["round"], {})[r["server"]] = r
-    return {number: all(s in pair and frontend_limited(pair[s]) for s in SERVERS)
-            for number, pair in sorted(by_round.items())}
+    return {
+        number: all(s in pair and frontend_limited(pair[s]) for s in SERVERS)
+        for number, pair in sorted(by_round.items())
+    }
 
 
 def _budget_detail(valid: Mapping[int, bool], valid_pair: Mapping[str, Any], every_pair: Mapping[str, Any]) -> str:
@@ -400,6 +526,7 @@ def _pair_detail(pair: Mapping[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------- formatting
+
 
 def fmt_number(value: float | None) -> str:
     if value is None:
@@ -447,8 +574,9 @@ def metric_title(metric: str) -> str:
     return f"{title} ({unit})" if unit not in ("count", "fraction", "1/s", "ratio") else title
 
 
-def scenario_table(summary: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], mode: str,
-                   columns: Sequence[str]) -> str:
+def scenario_table(
+    summary: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], mode: str, columns: Sequence[str]
+) -> str:
     """One row per scenario and server (median [min–max]) plus a native/grpcio row of per-pair ratios."""
     headers = ["scenario", "server", "rounds", *(metric_title(m) for m in columns)]
     rows: list[list[str]] = []
@@ -495,13 +623,16 @@ def process_table(rounds: Sequence[Mapping[str, Any]], mode: str = "stack") -> s
                 groups.append(g)
     headers = ["scenario", "server", *(f"{g} (cores)" for g in groups), "limited by"]
     rows = []
-    for (scenario, server) in sorted(by_key, key=lambda k: (_scenario_order(k[0]), SERVERS.index(k[1])
-                                                            if k[1] in SERVERS else 9)):
+    for scenario, server in sorted(
+        by_key, key=lambda k: (_scenario_order(k[0]), SERVERS.index(k[1]) if k[1] in SERVERS else 9)
+    ):
         records = by_key[(scenario, server)]
         cells = [fmt_number(summarize(r.get("process_util", {}).get(g) for r in records)["median"]) for g in groups]
         if all(placement_of(r) == BUDGET for r in records):  # one verdict per window: in the round table
-            limits = [f"frontend quota alone in {sum(frontend_limited(r) for r in records)} of {len(records)} "
-                      "windows (each window's verdict: round table above)"]
+            limits = [
+                f"frontend quota alone in {sum(frontend_limited(r) for r in records)} of {len(records)} "
+                "windows (each window's verdict: round table above)"
+            ]
         else:
             limits = sorted({r.get("bottleneck", "unknown") for r in records})
         rows.append([scenario, server, *cells, "; ".join(limits)])
@@ -520,10 +651,18 @@ def thread_table(rounds: Sequence[Mapping[str, Any]], mode: str = "stack") -> st
             if name not in names and value >= 0.005:
                 names.append(name)
     rows = []
-    for (scenario, server) in sorted(by_key, key=lambda k: (_scenario_order(k[0]), k[1])):
+    for scenario, server in sorted(by_key, key=lambda k: (_scenario_order(k[0]), k[1])):
         records = by_key[(scenario, server)]
-        rows.append([scenario, server, *(fmt_number(summarize(
-            r.get("frontend_threads_util", {}).get(n) for r in records)["median"]) for n in names)])
+        rows.append(
+            [
+                scenario,
+                server,
+                *(
+                    fmt_number(summarize(r.get("frontend_threads_util", {}).get(n) for r in records)["median"])
+                    for n in names
+                ),
+            ]
+        )
     return format_table(["scenario", "server", *(f"{n} (cores)" for n in names)], rows)
 
 
@@ -554,23 +693,50 @@ def round_table(rounds: Sequence[Mapping[str, Any]], metric: str = "tokens_per_s
     for (scenario, number), servers in sorted(by_key.items(), key=lambda kv: (_scenario_order(kv[0][0]), kv[0][1])):
         g, n = servers.get(GRPCIO, {}), servers.get(NATIVE, {})
         not_limited = [name for name, w in (("grpcio", g), ("native", n)) if not (w and frontend_limited(w))]
-        counts = "yes" if not not_limited else (f"no ({' and '.join(not_limited)} not limited by the frontend "
-                                                f"alone): not a measure of the servers")
-        rows.append([scenario, str(number), fmt_number(g.get(metric)), fmt_number(n.get(metric)),
-                     fmt_ratio(ratio(n.get(metric), g.get(metric))), counts,
-                     fmt_number(g.get("tokens_per_message")), fmt_number(n.get("tokens_per_message")),
-                     g.get("bottleneck", "–"), n.get("bottleneck", "–")])
-    table = format_table(["scenario", "round", f"grpcio {METRICS[metric][0]}", f"native {METRICS[metric][0]}",
-                          "native/grpcio", "measures the servers", "grpcio tokens/message",
-                          "native tokens/message", "grpcio limited by", "native limited by"], rows)
+        counts = (
+            "yes"
+            if not not_limited
+            else (f"no ({' and '.join(not_limited)} not limited by the frontend alone): not a measure of the servers")
+        )
+        rows.append(
+            [
+                scenario,
+                str(number),
+                fmt_number(g.get(metric)),
+                fmt_number(n.get(metric)),
+                fmt_ratio(ratio(n.get(metric), g.get(metric))),
+                counts,
+                fmt_number(g.get("tokens_per_message")),
+                fmt_number(n.get("tokens_per_message")),
+                g.get("bottleneck", "–"),
+                n.get("bottleneck", "–"),
+            ]
+        )
+    table = format_table(
+        [
+            "scenario",
+            "round",
+            f"grpcio {METRICS[metric][0]}",
+            f"native {METRICS[metric][0]}",
+            "native/grpcio",
+            "measures the servers",
+            "grpcio tokens/message",
+            "native tokens/message",
+            "grpcio limited by",
+            "native limited by",
+        ],
+        rows,
+    )
     lines = [table, ""]
     for scenario in sorted({key[0] for key in by_key}, key=_scenario_order):
         valid = budget_valid_rounds(rounds, scenario)
         pair = paired_ratios([r for r in rounds if valid.get(r["round"])], "stack", scenario, metric)
-        lines.append(f"{scenario}: {sum(valid.values())} of {len(valid)} rounds frontend-limited in both windows "
-                     f"(frontend at ≥ {QUOTA_USED * 100:.0f} % of its quota, the other cores below "
-                     f"{OTHER_BUSY_MAX:.2f} busy); native/grpcio over them: "
-                     f"{_fmt_ratio_range(pair)} (the target counts only these)")
+        lines.append(
+            f"{scenario}: {sum(valid.values())} of {len(valid)} rounds frontend-limited in both windows "
+            f"(frontend at ≥ {QUOTA_USED * 100:.0f} % of its quota, the other cores below "
+            f"{OTHER_BUSY_MAX:.2f} busy); native/grpcio over them: "
+            f"{_fmt_ratio_range(pair)} (the target counts only these)"
+        )
     return "\n".join(lines)
 
 
@@ -580,22 +746,27 @@ def render(result: Mapping[str, Any]) -> str:
     parts = [f"# openengine-serve bench ({'quick' if result['meta'].get('quick') else 'full'} run)", ""]
     meta = result["meta"]
     wake_up = meta.get("wake_up_cpu_us")
-    parts.append(f"machine: {meta.get('nproc')} cores, {meta.get('cpu_model')}, Python {meta.get('python')}"
-                 f"{'' if wake_up is None else f', a thread wake-up costs {wake_up:g} µs of CPU'}; "
-                 f"frontend CPUs {meta.get('frontend_cpus')} (when pinned), everything else on "
-                 f"{meta.get('other_cpus')}; quota {meta.get('quota_cpus', '–')} CPU, budget "
-                 f"{meta.get('budget_cpus', '–')} CPU with {meta.get('budget_inflight') or meta.get('inflight')} "
-                 "in flight")
-    parts.append(f"workload: {meta.get('prompt_tokens')} prompt tokens, {meta.get('output_tokens')} output tokens "
-                 f"per request, engine step {meta.get('step_ms')} ms; fixed load {meta.get('rate')} req/s, "
-                 f"saturation {meta.get('inflight')} in flight; windows: fixed {meta.get('fixed_window_s')} s, "
-                 f"saturation {meta.get('saturation_window_s')} s, baseline {meta.get('baseline_window_s')} s")
+    parts.append(
+        f"machine: {meta.get('nproc')} cores, {meta.get('cpu_model')}, Python {meta.get('python')}"
+        f"{'' if wake_up is None else f', a thread wake-up costs {wake_up:g} µs of CPU'}; "
+        f"frontend CPUs {meta.get('frontend_cpus')} (when pinned), everything else on "
+        f"{meta.get('other_cpus')}; quota {meta.get('quota_cpus', '–')} CPU, budget "
+        f"{meta.get('budget_cpus', '–')} CPU with {meta.get('budget_inflight') or meta.get('inflight')} "
+        "in flight"
+    )
+    parts.append(
+        f"workload: {meta.get('prompt_tokens')} prompt tokens, {meta.get('output_tokens')} output tokens "
+        f"per request, engine step {meta.get('step_ms')} ms; fixed load {meta.get('rate')} req/s, "
+        f"saturation {meta.get('inflight')} in flight; windows: fixed {meta.get('fixed_window_s')} s, "
+        f"saturation {meta.get('saturation_window_s')} s, baseline {meta.get('baseline_window_s')} s"
+    )
     for placement, place_rounds in by_placement(rounds).items():
         summary = result["summary"].get(placement, {})
         columns = STACK_COLUMNS if placement == PINNED else UNPINNED_COLUMNS
         parts.append("")
-        parts.append(f"## Placement `{placement}`: {PLACEMENT_TITLES.get(placement, placement)}; "
-                     "median [min–max] over rounds")
+        parts.append(
+            f"## Placement `{placement}`: {PLACEMENT_TITLES.get(placement, placement)}; median [min–max] over rounds"
+        )
         parts.append(scenario_table(summary, place_rounds, "stack", columns))
         if placement == BUDGET:
             parts.append("")
@@ -603,8 +774,10 @@ def render(result: Mapping[str, Any]) -> str:
             parts.append(round_table(place_rounds))
         if "baseline" in summary:
             parts.append("")
-            parts.append("### Baseline: trivial streaming servicer (same server options, same client, same "
-                         "placement); 'CPU/token' = CPU per streamed message")
+            parts.append(
+                "### Baseline: trivial streaming servicer (same server options, same client, same "
+                "placement); 'CPU/token' = CPU per streamed message"
+            )
             parts.append(scenario_table(summary, place_rounds, "baseline", BASELINE_COLUMNS))
         parts.append("")
         parts.append("### CPU by process (cores busy over the window, median) and what limited each scenario")
@@ -613,22 +786,32 @@ def render(result: Mapping[str, Any]) -> str:
             parts.append("")
             parts.append(process_table(place_rounds, "baseline"))
         parts.append("")
-        parts.append("### Frontend CPU by thread name (cores, median); event_engine: grpcio's internal channels "
-                     "to node and coordinator; grpc-native-io: pygrpc-native's Rust I/O threads")
+        parts.append(
+            "### Frontend CPU by thread name (cores, median); event_engine: grpcio's internal channels "
+            "to node and coordinator; grpc-native-io: pygrpc-native's Rust I/O threads"
+        )
         parts.append(thread_table(place_rounds, "stack"))
     parts.append("")
     parts.append("## Identical tokens on both servers (same request ids and seeds)")
-    parts.append(format_table(["placement/scenario", "compared", "mismatched", "completed on one server only"],
-                              [[s, v["compared"], v["mismatched"], v["only_one_server"]]
-                               for s, v in sorted(result["identical"].items(), key=lambda kv: _identical_order(kv[0]))]))
+    parts.append(
+        format_table(
+            ["placement/scenario", "compared", "mismatched", "completed on one server only"],
+            [
+                [s, v["compared"], v["mismatched"], v["only_one_server"]]
+                for s, v in sorted(result["identical"].items(), key=lambda kv: _identical_order(kv[0]))
+            ],
+        )
+    )
     parts.append("")
     parts.append("## Targets (compared, not asserted)")
     parts.append(targets_table(result["targets"]))
     for server, scenarios in result.get("profiles", {}).items():
         for scenario, prof in scenarios.items():
             parts.append("")
-            parts.append(f"## Profile: frontend on {server}, {scenario}: asyncio loop thread, "
-                         f"{prof['samples']} busy samples (py-spy; flame graph {prof.get('file', '')})")
+            parts.append(
+                f"## Profile: frontend on {server}, {scenario}: asyncio loop thread, "
+                f"{prof['samples']} busy samples (py-spy; flame graph {prof.get('file', '')})"
+            )
             parts.append(profile_table(prof, "self"))
             parts.append("")
             parts.append(profile_table(prof, "inclusive", 25))
@@ -644,6 +827,7 @@ def _identical_order(key: str) -> tuple[int, tuple[int, int]]:
 
 # ---------------------------------------------------------------- profiles (py-spy raw / collapsed stacks)
 
+
 def _function_of(frame: str) -> str:
     """'Handle._run (asyncio/events.py:80)' -> 'Handle._run (asyncio/events.py)'; line numbers merged."""
     name, sep, location = frame.partition(" (")
@@ -653,8 +837,9 @@ def _function_of(frame: str) -> str:
     return f"{name} ({file})"
 
 
-def profile_summary(collapsed: str, top: int = 20, skip_idle: bool = True,
-                    main_thread_only: bool = True) -> dict[str, Any]:
+def profile_summary(
+    collapsed: str, top: int = 20, skip_idle: bool = True, main_thread_only: bool = True
+) -> dict[str, Any]:
     """Self and inclusive sample shares per function from py-spy's raw (collapsed stack) output.
 
     Each line is 'frame;frame;...;leaf COUNT' with the root first. Samples whose leaf is an idle wait (the
@@ -680,8 +865,12 @@ def profile_summary(collapsed: str, top: int = 20, skip_idle: bool = True,
             other_threads += n
             continue
         leaf = frames[-1]
-        if skip_idle and (leaf.startswith("EpollSelector.select") or leaf.startswith("select ")
-                          or leaf.startswith("_run_once") and "select" in leaf):
+        if skip_idle and (
+            leaf.startswith("EpollSelector.select")
+            or leaf.startswith("select ")
+            or leaf.startswith("_run_once")
+            and "select" in leaf
+        ):
             idle += n
             continue
         total += n
@@ -690,11 +879,22 @@ def profile_summary(collapsed: str, top: int = 20, skip_idle: bool = True,
             inclusive[f] = inclusive.get(f, 0) + n
 
     def ranked(counts: dict[str, int]) -> list[dict[str, Any]]:
-        return [{"function": f, "share": c / total} for f, c in
-                sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]] if total else []
+        return (
+            [
+                {"function": f, "share": c / total}
+                for f, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+            ]
+            if total
+            else []
+        )
 
-    return {"samples": total, "idle_samples": idle, "other_thread_samples": other_threads,
-            "self": ranked(self_counts), "inclusive": ranked(inclusive)}
+    return {
+        "samples": total,
+        "idle_samples": idle,
+        "other_thread_samples": other_threads,
+        "self": ranked(self_counts),
+        "inclusive": ranked(inclusive),
+    }
 
 
 def profile_table(summary: Mapping[str, Any], kind: str = "self", top: int = 15) -> str:
@@ -704,9 +904,14 @@ def profile_table(summary: Mapping[str, Any], kind: str = "self", top: int = 15)
 
 # ---------------------------------------------------------------- result assembly and files
 
-def build_result(meta: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
-                 hashes: Mapping[str, Mapping[str, Mapping[str, str]]], connections: Sequence[int],
-                 profiles: Mapping[str, Any] | None = None) -> dict[str, Any]:
+
+def build_result(
+    meta: Mapping[str, Any],
+    rounds: Sequence[Mapping[str, Any]],
+    hashes: Mapping[str, Mapping[str, Mapping[str, str]]],
+    connections: Sequence[int],
+    profiles: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """hashes: {placement/scenario: {server: {request_id: digest}}}. Returns the JSON-able result, with the
     summary and the ratios per placement: {placement: {mode: {scenario: ...}}}."""
     summary: dict[str, Any] = {}
@@ -716,13 +921,24 @@ def build_result(meta: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]],
         for mode, scenarios in summary[placement].items():
             for scenario in scenarios:
                 ratios.setdefault(placement, {}).setdefault(mode, {})[scenario] = {
-                    m: {"of_medians": median_ratio(summary[placement], mode, scenario, m),
-                        "per_round_pair": paired_ratios(place_rounds, mode, scenario, m)}
-                    for m in METRICS if m != "errors"}
+                    m: {
+                        "of_medians": median_ratio(summary[placement], mode, scenario, m),
+                        "per_round_pair": paired_ratios(place_rounds, mode, scenario, m),
+                    }
+                    for m in METRICS
+                    if m != "errors"
+                }
     identical = {key: compare_tokens(per_server) for key, per_server in hashes.items()}
     targets = evaluate_targets(summary, rounds, identical, connections)
-    return {"meta": dict(meta), "rounds": [dict(r) for r in rounds], "summary": summary, "ratios": ratios,
-            "identical": identical, "targets": targets, "profiles": dict(profiles or {})}
+    return {
+        "meta": dict(meta),
+        "rounds": [dict(r) for r in rounds],
+        "summary": summary,
+        "ratios": ratios,
+        "identical": identical,
+        "targets": targets,
+        "profiles": dict(profiles or {}),
+    }
 
 
 def write_json(result: Mapping[str, Any], path: Path | str) -> Path:
@@ -747,14 +963,21 @@ def write_chart(result: Mapping[str, Any], path: Path | str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     summary = result["summary"]
-    groups = [(placement, scenario) for placement in placements_in(result["rounds"])
-              for scenario in sorted(summary.get(placement, {}).get("stack", {}), key=_scenario_order)]
+    groups = [
+        (placement, scenario)
+        for placement in placements_in(result["rounds"])
+        for scenario in sorted(summary.get(placement, {}).get("stack", {}), key=_scenario_order)
+    ]
     colors = {GRPCIO: "#4C72B0", NATIVE: "#DD8452"}
     fig, axes = plt.subplots(1, 2, figsize=(max(13, 1.6 * len(groups) * 2), 5.8))
     width = 0.2
     for panel, (ax, metric, title) in enumerate(
-            zip(axes, ("cpu_us_per_token", "tokens_per_s"),
-                ("frontend CPU per token (µs), lower is better", "tokens/s, higher is better"))):
+        zip(
+            axes,
+            ("cpu_us_per_token", "tokens_per_s"),
+            ("frontend CPU per token (µs), lower is better", "tokens/s, higher is better"),
+        )
+    ):
         for i, server in enumerate(SERVERS):
             for source in ("stack", "baseline"):
                 if panel == 1 and source == "baseline":
@@ -773,17 +996,30 @@ def write_chart(result: Mapping[str, Any], path: Path | str) -> Path:
                 if not xs:
                     continue
                 label = server + (" (bare server floor)" if source == "baseline" else "")
-                ax.bar(xs, meds, width if panel == 0 else width * 2, yerr=[lows, highs], capsize=3,
-                       color=colors[server], alpha=0.45 if source == "baseline" else 1.0,
-                       hatch="//" if source == "baseline" else None, label=label, edgecolor="black", linewidth=0.4)
+                ax.bar(
+                    xs,
+                    meds,
+                    width if panel == 0 else width * 2,
+                    yerr=[lows, highs],
+                    capsize=3,
+                    color=colors[server],
+                    alpha=0.45 if source == "baseline" else 1.0,
+                    hatch="//" if source == "baseline" else None,
+                    label=label,
+                    edgecolor="black",
+                    linewidth=0.4,
+                )
         ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([f"{placement}\n{_scenario_label(scenario, result['meta'])}"
-                            for placement, scenario in groups], fontsize=7)
+        ax.set_xticklabels(
+            [f"{placement}\n{_scenario_label(scenario, result['meta'])}" for placement, scenario in groups], fontsize=7
+        )
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
-    fig.suptitle("openengine-serve frontend: grpcio vs pygrpc-native by placement (median, whiskers = min–max "
-                 "over rounds)", fontsize=11)
+    fig.suptitle(
+        "openengine-serve frontend: grpcio vs pygrpc-native by placement (median, whiskers = min–max over rounds)",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -31,8 +31,9 @@ class AnsweringCall:
         self.node = cluster_pb2.NodeEntry(node_id="n0", address="127.0.0.1:1")
 
     async def write(self, batch: cluster_pb2.ReservationBatch) -> None:
-        reply = cluster_pb2.ReservationReplies(outcome=[cluster_pb2.ReservationOutcome(node=self.node)
-                                                        for _ in batch.reserve])
+        reply = cluster_pb2.ReservationReplies(
+            outcome=[cluster_pb2.ReservationOutcome(node=self.node) for _ in batch.reserve]
+        )
         asyncio.get_running_loop().call_later(self.rtt_s, self.replies.put_nowait, reply)
 
     async def read(self):
@@ -42,8 +43,9 @@ class AnsweringCall:
         return True
 
 
-async def measure(rate: float, hold_s: float, rtt_s: float, duration_s: float, max_unanswered: int = 0,
-                  seed: int = 1) -> dict:
+async def measure(
+    rate: float, hold_s: float, rtt_s: float, duration_s: float, max_unanswered: int = 0, seed: int = 1
+) -> dict:
     """`max_unanswered` 0: the batcher's default."""
     options = {"max_unanswered": max_unanswered} if max_unanswered else {}
     batcher = ReservationBatcher("fe-1", lambda: AnsweringCall(rtt_s), **options)
@@ -65,8 +67,14 @@ async def measure(rate: float, hold_s: float, rtt_s: float, duration_s: float, m
     await asyncio.gather(*tasks)
     await batcher.close()
     ms = lambda q: round(report.percentile(latencies, q) * 1000, 2)  # noqa: E731
-    return {"reservations": len(latencies), "batches": batcher.batches_sent, "p50_ms": ms(50), "p90_ms": ms(90),
-            "p99_ms": ms(99), "max_ms": round(max(latencies) * 1000, 2)}
+    return {
+        "reservations": len(latencies),
+        "batches": batcher.batches_sent,
+        "p50_ms": ms(50),
+        "p90_ms": ms(90),
+        "p99_ms": ms(99),
+        "max_ms": round(max(latencies) * 1000, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hold-s", type=float, default=0.26, help="reservation to release (default 0.26 s)")
     parser.add_argument("--rtt-ms", type=float, default=2.0, help="the coordinator's round trip (default 2 ms)")
     parser.add_argument("--duration-s", type=float, default=10.0)
-    parser.add_argument("--max-unanswered", type=int, default=0, help="batches out unanswered (default: the "
-                        "batcher's own)")
+    parser.add_argument(
+        "--max-unanswered", type=int, default=0, help="batches out unanswered (default: the batcher's own)"
+    )
     args = parser.parse_args(argv)
     print(asyncio.run(measure(args.rate, args.hold_s, args.rtt_ms / 1000, args.duration_s, args.max_unanswered)))
 

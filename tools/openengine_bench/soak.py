@@ -40,27 +40,33 @@ RSS_MB = 1024 * 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="openengine-serve bench --soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="openengine-serve bench --soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--soak", type=float, required=True, metavar="MINUTES", help="load duration per server")
     p.add_argument("--servers", default="grpcio,pygrpc-native", help="comma-separated, run one after the other")
     p.add_argument("--nodes", type=int, default=2, help="nodes of the deployment (default 2)")
     p.add_argument("--workers", type=int, default=2, help="frontend worker processes (default 2)")
-    p.add_argument("--rate", type=float, default=10.0, help="operations started per second, evenly spaced "
-                                                             "(default 10)")
+    p.add_argument("--rate", type=float, default=10.0, help="operations started per second, evenly spaced (default 10)")
     p.add_argument("--sample-s", type=float, default=2.0, help="seconds between process samples (default 2)")
     p.add_argument("--warmup", type=float, default=0.2, help="fraction of the run that is warm-up (default 0.2)")
-    p.add_argument("--max-growth", type=float, default=0.05, help="largest growth allowed per process, RSS and "
-                                                                  "open fds (default 0.05 = 5 %%)")
+    p.add_argument(
+        "--max-growth",
+        type=float,
+        default=0.05,
+        help="largest growth allowed per process, RSS and open fds (default 0.05 = 5 %%)",
+    )
     p.add_argument("--seed", type=int, default=1, help="seed of the operation mix and lengths")
     p.add_argument("--drain-s", type=float, default=30.0, help="after the load: how long open operations get")
     p.add_argument("--output", default="bench-results", help="directory for soak.json, soak.png, soak.md, logs/")
-    p.add_argument("--rerender", action="store_true", help="measure nothing: rebuild soak.png and soak.md from "
-                                                           "<output>/soak.json")
+    p.add_argument(
+        "--rerender", action="store_true", help="measure nothing: rebuild soak.png and soak.md from <output>/soak.json"
+    )
     return p
 
 
 # ---------------------------------------------------------------- the processes of a deployment
+
 
 def label_processes(root_pid: int) -> dict[int, str]:
     """pid -> a stable name for `up` and every process below it: the component (coordinator, node-<rank>,
@@ -74,7 +80,7 @@ def label_processes(root_pid: int) -> dict[int, str]:
     def own_name(proc: psutil.Process) -> str:
         args = proc.cmdline()
         if "openengine_serve" in args:
-            rest = args[args.index("openengine_serve") + 1:]
+            rest = args[args.index("openengine_serve") + 1 :]
             command = rest[0] if rest else "?"
             if command == "node" and "--node-rank" in rest:
                 return f"node-{rest[rest.index('--node-rank') + 1]}"
@@ -121,6 +127,7 @@ def sample(pids: dict[int, str]) -> dict[str, tuple[int, float, int] | None]:
 
 # ---------------------------------------------------------------- analysis (pure)
 
+
 def growth(values: list[float], warmup_samples: int) -> dict[str, Any]:
     """Growth of a series after its warm-up: mean of the last quarter vs mean of the first quarter."""
     after = values[warmup_samples:]
@@ -151,8 +158,10 @@ def evaluate(run: dict[str, Any], warmup: float, max_growth: float) -> dict[str,
             if g is None or not present:
                 failures.append(f"{name}: no {metric} samples after the warm-up")
             elif g >= max_growth:
-                failures.append(f"{name}: {metric} grew {g * 100:.1f} % ({entry[metric]['first']:.1f} -> "
-                                f"{entry[metric]['last']:.1f})")
+                failures.append(
+                    f"{name}: {metric} grew {g * 100:.1f} % ({entry[metric]['first']:.1f} -> "
+                    f"{entry[metric]['last']:.1f})"
+                )
         processes[name] = entry
     if len(times) - warmup_samples < 4:
         failures.append(f"only {len(times) - warmup_samples} samples after the warm-up (need 4): run longer")
@@ -162,11 +171,16 @@ def evaluate(run: dict[str, Any], warmup: float, max_growth: float) -> dict[str,
     for what, value in run["left_behind"].items():
         if value:
             failures.append(f"left behind after the load: {value} {what}")
-    return {"warmup_samples": warmup_samples, "processes": processes, "failures": failures,
-            "verdict": "FAIL" if failures else "PASS"}
+    return {
+        "warmup_samples": warmup_samples,
+        "processes": processes,
+        "failures": failures,
+        "verdict": "FAIL" if failures else "PASS",
+    }
 
 
 # ---------------------------------------------------------------- one server
+
 
 async def _soak(up, args: argparse.Namespace, server: str) -> dict[str, Any]:
     from .soak_load import SoakLoad, live_reservations, running_requests
@@ -198,20 +212,32 @@ async def _soak(up, args: argparse.Namespace, server: str) -> dict[str, Any]:
     left = {"running or queued requests": None, "live reservations": None}
     deadline = time.monotonic() + 15.0
     while True:  # the nodes report their load with their heartbeat: give it a few
-        left = {"running or queued requests": await running_requests(up.target),
-                "live reservations": await live_reservations(up.coordinator_target)}
+        left = {
+            "running or queued requests": await running_requests(up.target),
+            "live reservations": await live_reservations(up.coordinator_target),
+        }
         if not any(left.values()) or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.5)
-    return {"server": server, "duration_s": duration_s, "times": times, "series": series,
-            "pids": {str(pid): name for pid, name in pids.items()}, "operations_started_at_samples": ops_at,
-            "load": load.tally.summary(), "operations_issued": load.issued, "still_open_after_drain": still_open,
-            "schedule_lag_max_ms": load.lag_max_s * 1e3, "load_generator_cores": load_cpu_s / duration_s,
-            "left_behind": left}
+    return {
+        "server": server,
+        "duration_s": duration_s,
+        "times": times,
+        "series": series,
+        "pids": {str(pid): name for pid, name in pids.items()},
+        "operations_started_at_samples": ops_at,
+        "load": load.tally.summary(),
+        "operations_issued": load.issued,
+        "still_open_after_drain": still_open,
+        "schedule_lag_max_ms": load.lag_max_s * 1e3,
+        "load_generator_cores": load_cpu_s / duration_s,
+        "left_behind": left,
+    }
 
 
 def run_server(server: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from openengine_serve.common.lifecycle import new_event_loop
+
     from .stack import UpStack
 
     up = UpStack(server, nodes=args.nodes, workers=args.workers, log_path=out / "logs" / f"soak-{server}.log")
@@ -234,15 +260,20 @@ def run_server(server: str, args: argparse.Namespace, out: Path) -> dict[str, An
 
 # ---------------------------------------------------------------- outputs
 
+
 def render(result: dict[str, Any]) -> str:
     meta = result["meta"]
-    lines = [f"# Soak: {meta['minutes']:g} min per server", "",
-             f"Deployment: `openengine-serve up --nodes {meta['nodes']} --workers {meta['workers']}` (engine step "
-             f"2 ms). Load: {meta['rate']:g} operations/s evenly spaced from one asyncio client (mix per 100: "
-             f"{', '.join(f'{n} {k}' for k, n in meta['mix'].items())}). Samples every {meta['sample_s']:g} s; "
-             f"warm-up: the first {meta['warmup'] * 100:.0f} %; growth = mean of the last quarter of the samples "
-             f"after the warm-up vs the first quarter, allowed < {meta['max_growth'] * 100:.0f} %.",
-             f"Machine: {meta['nproc']} cores, Python {meta['python']}, {meta['date']}.", ""]
+    lines = [
+        f"# Soak: {meta['minutes']:g} min per server",
+        "",
+        f"Deployment: `openengine-serve up --nodes {meta['nodes']} --workers {meta['workers']}` (engine step "
+        f"2 ms). Load: {meta['rate']:g} operations/s evenly spaced from one asyncio client (mix per 100: "
+        f"{', '.join(f'{n} {k}' for k, n in meta['mix'].items())}). Samples every {meta['sample_s']:g} s; "
+        f"warm-up: the first {meta['warmup'] * 100:.0f} %; growth = mean of the last quarter of the samples "
+        f"after the warm-up vs the first quarter, allowed < {meta['max_growth'] * 100:.0f} %.",
+        f"Machine: {meta['nproc']} cores, Python {meta['python']}, {meta['date']}.",
+        "",
+    ]
     for run in result["runs"]:
         load = run["load"]
         lines += [f"## {run['server']}: {run['verdict']}", ""]
@@ -251,19 +282,26 @@ def render(result: dict[str, Any]) -> str:
         for name, p in run["processes"].items():
             rss, fds = p["rss_mb"], p["fds"]
             rows.append([name, _pair(rss, "{:.1f}"), _pct(rss["growth"]), _pair(fds, "{:.1f}"), _pct(fds["growth"])])
-        lines.append(report.format_table(["process", "RSS MB first → last", "RSS growth", "open fds first → last",
-                                          "fd growth"], rows))
+        lines.append(
+            report.format_table(
+                ["process", "RSS MB first → last", "RSS growth", "open fds first → last", "fd growth"], rows
+            )
+        )
         lines.append("")
-        outcome_rows = [[kind, load["operations"].get(kind, 0),
-                         ", ".join(f"{o} {n}" for o, n in outcomes.items())]
-                        for kind, outcomes in load["outcomes"].items()]
+        outcome_rows = [
+            [kind, load["operations"].get(kind, 0), ", ".join(f"{o} {n}" for o, n in outcomes.items())]
+            for kind, outcomes in load["outcomes"].items()
+        ]
         lines.append(report.format_table(["operation", "started", "outcomes"], outcome_rows))
-        lines += ["", f"Injected errors answered with their documented code: {load['injected_total']} "
-                      f"({', '.join(f'{k} {n}' for k, n in load['injected_errors'].items())}); unexpected: "
-                      f"{load['unexpected']}. Left behind: "
-                      f"{', '.join(f'{k} {v}' for k, v in run['left_behind'].items())}. Load generator: "
-                      f"{run['load_generator_cores']:.2f} cores, schedule lag max {run['schedule_lag_max_ms']:.0f} ms.",
-                  ""]
+        lines += [
+            "",
+            f"Injected errors answered with their documented code: {load['injected_total']} "
+            f"({', '.join(f'{k} {n}' for k, n in load['injected_errors'].items())}); unexpected: "
+            f"{load['unexpected']}. Left behind: "
+            f"{', '.join(f'{k} {v}' for k, v in run['left_behind'].items())}. Load generator: "
+            f"{run['load_generator_cores']:.2f} cores, schedule lag max {run['schedule_lag_max_ms']:.0f} ms.",
+            "",
+        ]
         for u in load["unexpected_samples"][:10]:
             lines.append(f"- unexpected: {u['kind']} → {u['outcome']}: {u['detail']}")
     lines.append("Verdict: " + ", ".join(f"{r['server']} {r['verdict']}" for r in result["runs"]))
@@ -305,8 +343,11 @@ def write_chart(result: dict[str, Any], path: Path) -> Path:
             axes[2][col].plot(times, [s[2] for _, s in points], **style)
         for bound in (-meta["max_growth"] * 100, meta["max_growth"] * 100):
             axes[1][col].axhline(bound, color="red", linewidth=0.8, linestyle="--")
-        titles = ("RSS (MB, log scale)", "RSS change vs the first window after warm-up (%; dashed: allowed)",
-                  "open file descriptors (log scale)")
+        titles = (
+            "RSS (MB, log scale)",
+            "RSS change vs the first window after warm-up (%; dashed: allowed)",
+            "open file descriptors (log scale)",
+        )
         for row, title in enumerate(titles):
             ax = axes[row][col]
             ax.axvspan(0, warmup_end, color="grey", alpha=0.12)
@@ -316,8 +357,11 @@ def write_chart(result: dict[str, Any], path: Path) -> Path:
                 ax.set_yscale("log")
         axes[2][col].set_xlabel("seconds (shaded: warm-up)")
         axes[2][col].legend(fontsize=6, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
-    fig.suptitle(f"openengine-serve soak: every process of `up --nodes {meta['nodes']} --workers {meta['workers']}` "
-                 f"under {meta['rate']:g} mixed operations/s", fontsize=11)
+    fig.suptitle(
+        f"openengine-serve soak: every process of `up --nodes {meta['nodes']} --workers {meta['workers']}` "
+        f"under {meta['rate']:g} mixed operations/s",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -336,16 +380,28 @@ def main(argv: list[str]) -> int:
     if args.rerender:
         return write_outputs(report.read_json(out / "soak.json"), out)
     if args.soak <= 0 or args.rate <= 0 or args.sample_s <= 0 or not 0 <= args.warmup < 1:
-        raise SystemExit("openengine-serve bench --soak: MINUTES, --rate and --sample-s must be > 0 and "
-                         "--warmup in [0, 1)")
+        raise SystemExit(
+            "openengine-serve bench --soak: MINUTES, --rate and --sample-s must be > 0 and --warmup in [0, 1)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     runs = [run_server(server, args, out) for server in servers]
-    meta = {"minutes": args.soak, "servers": servers, "nodes": args.nodes, "workers": args.workers,
-            "rate": args.rate, "sample_s": args.sample_s, "warmup": args.warmup, "max_growth": args.max_growth,
-            "seed": args.seed, "mix": MIX, "nproc": os.cpu_count(), "python": platform.python_version(),
-            "loadavg_at_end": list(os.getloadavg()),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    meta = {
+        "minutes": args.soak,
+        "servers": servers,
+        "nodes": args.nodes,
+        "workers": args.workers,
+        "rate": args.rate,
+        "sample_s": args.sample_s,
+        "warmup": args.warmup,
+        "max_growth": args.max_growth,
+        "seed": args.seed,
+        "mix": MIX,
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "loadavg_at_end": list(os.getloadavg()),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     return write_outputs({"meta": meta, "runs": runs}, out)
 
 

@@ -60,8 +60,12 @@ EXPECTED = {
     "disconnect": {"UNAVAILABLE"},
 }
 # Outcomes that are errors the load injected on purpose (the rest of EXPECTED are normal ends).
-INJECTED = {"duplicate": {"ALREADY_EXISTS"}, "malformed": {"INVALID_ARGUMENT"},
-            "invalid": {"INVALID_ARGUMENT", "NOT_FOUND"}, "disconnect": {"UNAVAILABLE"}}
+INJECTED = {
+    "duplicate": {"ALREADY_EXISTS"},
+    "malformed": {"INVALID_ARGUMENT"},
+    "invalid": {"INVALID_ARGUMENT", "NOT_FOUND"},
+    "disconnect": {"UNAVAILABLE"},
+}
 
 
 def deck(seed: int) -> list[str]:
@@ -92,9 +96,14 @@ class Tally:
         for (kind, outcome), n in self.counts.items():
             if outcome in INJECTED.get(kind, ()):
                 injected[f"{kind}: {outcome}"] += n
-        return {"operations": dict(self.started), "outcomes": by_kind, "unexpected": unexpected,
-                "unexpected_samples": self.unexpected, "injected_errors": dict(sorted(injected.items())),
-                "injected_total": sum(injected.values())}
+        return {
+            "operations": dict(self.started),
+            "outcomes": by_kind,
+            "unexpected": unexpected,
+            "unexpected_samples": self.unexpected,
+            "injected_errors": dict(sorted(injected.items())),
+            "injected_total": sum(injected.values()),
+        }
 
 
 def _error_outcome(exc: BaseException) -> tuple[str, str]:
@@ -124,8 +133,11 @@ class AbruptRelay:
             client_writer.close()
             return
         self.links += [client_writer, upstream_writer]
-        await asyncio.gather(self._pump(client_reader, upstream_writer), self._pump(upstream_reader, client_writer),
-                             return_exceptions=True)
+        await asyncio.gather(
+            self._pump(client_reader, upstream_writer),
+            self._pump(upstream_reader, client_writer),
+            return_exceptions=True,
+        )
 
     @staticmethod
     async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -217,9 +229,12 @@ class SoakLoad:
         variant = i % VARIANTS
         words = " ".join(f"w{(variant * 7 + k) % 97}" for k in range(1 + variant))
         return G.GenerateRequest(
-            request_id=f"{self.id_prefix}-{i}{suffix}", model=MODEL, prompt=f"soak {variant}: {words}",
+            request_id=f"{self.id_prefix}-{i}{suffix}",
+            model=MODEL,
+            prompt=f"soak {variant}: {words}",
             sampling=G.SamplingParams(seed=variant),
-            stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True))
+            stopping=G.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+        )
 
     def next_case(self, kind: str, count: int) -> int:
         """Cycles through an operation's `count` cases, one per occurrence of the operation."""
@@ -267,10 +282,14 @@ class SoakLoad:
         errors = [r.error for r in responses if r.WhichOneof("event") == "error"]
         if errors:
             self.tally.add("stream", "engine error event", str(errors[0]))
-        elif (tokens, [f.reason for f in finished]) != (length, [G.FINISH_REASON_LENGTH]) \
-                or not responses[-1].HasField("usage"):
-            self.tally.add("stream", "wrong stream end",
-                           f"{tokens}/{length} tokens, finished {[G.FinishReason.Name(f.reason) for f in finished]}")
+        elif (tokens, [f.reason for f in finished]) != (length, [G.FINISH_REASON_LENGTH]) or not responses[-1].HasField(
+            "usage"
+        ):
+            self.tally.add(
+                "stream",
+                "wrong stream end",
+                f"{tokens}/{length} tokens, finished {[G.FinishReason.Name(f.reason) for f in finished]}",
+            )
         else:
             self.tally.add("stream", "completed")
 
@@ -295,11 +314,15 @@ class SoakLoad:
             tokens, ended = await self.read_tokens(call, self.rng.randint(1, 64))
             read_s = time.monotonic() - started
             if ended:
-                self.tally.add("abort", f"stream ended before the abort ({ended})",
-                               f"{request.request_id}: after {tokens} tokens in {read_s:.2f} s")
+                self.tally.add(
+                    "abort",
+                    f"stream ended before the abort ({ended})",
+                    f"{request.request_id}: after {tokens} tokens in {read_s:.2f} s",
+                )
                 return
-            reply = await self.control(i + 1).Abort(lifecycle_pb2.AbortRequest(request_id=request.request_id),
-                                                    timeout=CALL_TIMEOUT_S)
+            reply = await self.control(i + 1).Abort(
+                lifecycle_pb2.AbortRequest(request_id=request.request_id), timeout=CALL_TIMEOUT_S
+            )
             timing = f"{tokens} tokens read in {read_s:.2f} s, Abort answered after {time.monotonic() - started:.2f} s"
             rest = await self.read_to_end(call)
         except grpc.aio.AioRpcError as exc:
@@ -308,11 +331,13 @@ class SoakLoad:
             return
         finished = [r.finished.reason for r in rest if r.WhichOneof("event") == "finished"]
         if reply.status != lifecycle_pb2.ABORT_STATUS_ABORTED:
-            self.tally.add("abort", f"abort answered {lifecycle_pb2.AbortStatus.Name(reply.status)}",
-                           f"{reply.message}; {timing}")
+            self.tally.add(
+                "abort", f"abort answered {lifecycle_pb2.AbortStatus.Name(reply.status)}", f"{reply.message}; {timing}"
+            )
         elif finished != [G.FINISH_REASON_CANCELLED]:
-            self.tally.add("abort", "aborted stream did not end CANCELLED",
-                           str([G.FinishReason.Name(f) for f in finished]))
+            self.tally.add(
+                "abort", "aborted stream did not end CANCELLED", str([G.FinishReason.Name(f) for f in finished])
+            )
         else:
             self.tally.add("abort", "aborted")
 
@@ -339,9 +364,9 @@ class SoakLoad:
         self.tally.add("duplicate", "original cancelled")
 
     MALFORMED = (
-        ("Inference", "Generate", "openengine.v1.GenerateRequest", b"\xff\xff\xff\xff"),     # wire type 7
+        ("Inference", "Generate", "openengine.v1.GenerateRequest", b"\xff\xff\xff\xff"),  # wire type 7
         ("Inference", "Generate", "openengine.v1.GenerateRequest", b"\x08" + b"\xff" * 11),  # endless varint
-        ("Control", "Abort", "openengine.v1.AbortRequest", b"\x0a\x40short"),               # length past the end
+        ("Control", "Abort", "openengine.v1.AbortRequest", b"\x0a\x40short"),  # length past the end
     )
 
     async def op_malformed(self, i: int) -> None:
@@ -379,25 +404,54 @@ class SoakLoad:
             r.token_ids.ids.extend([1000, 999_999_999])
 
         cases = [
-            ("empty request_id", "INVALID_ARGUMENT", lambda: self._invalid_generate(
-                i, lambda r: setattr(r, "request_id", ""))),
-            ("top_p 1.5", "INVALID_ARGUMENT", lambda: self._invalid_generate(
-                i, lambda r: setattr(r.sampling, "top_p", 1.5))),
-            ("max_tokens 0", "INVALID_ARGUMENT", lambda: self._invalid_generate(
-                i, lambda r: setattr(r.stopping, "max_tokens", 0))),
-            ("num_sequences 0", "INVALID_ARGUMENT", lambda: self._invalid_generate(
-                i, lambda r: setattr(r.sampling, "num_sequences", 0))),
+            (
+                "empty request_id",
+                "INVALID_ARGUMENT",
+                lambda: self._invalid_generate(i, lambda r: setattr(r, "request_id", "")),
+            ),
+            (
+                "top_p 1.5",
+                "INVALID_ARGUMENT",
+                lambda: self._invalid_generate(i, lambda r: setattr(r.sampling, "top_p", 1.5)),
+            ),
+            (
+                "max_tokens 0",
+                "INVALID_ARGUMENT",
+                lambda: self._invalid_generate(i, lambda r: setattr(r.stopping, "max_tokens", 0)),
+            ),
+            (
+                "num_sequences 0",
+                "INVALID_ARGUMENT",
+                lambda: self._invalid_generate(i, lambda r: setattr(r.sampling, "num_sequences", 0)),
+            ),
             ("token id beyond the vocabulary", "INVALID_ARGUMENT", lambda: self._invalid_generate(i, token_ids)),
-            ("unknown model", "NOT_FOUND", lambda: self._invalid_generate(
-                i, lambda r: setattr(r, "model", "no-such-model"))),
-            ("target rank 7", "NOT_FOUND", lambda: self._invalid_generate(
-                i, lambda r: None, (("openengine-target-dp-rank", "7"),))),
-            ("target rank 'x1'", "INVALID_ARGUMENT", lambda: self._invalid_generate(
-                i, lambda r: None, (("openengine-target-dp-rank", "x1"),))),
-            ("Abort without a target", "INVALID_ARGUMENT", lambda: self.control(i).Abort(
-                lifecycle_pb2.AbortRequest(), timeout=CALL_TIMEOUT_S)),
-            ("Abort of an unknown id", "NOT_FOUND", lambda: self.control(i).Abort(
-                lifecycle_pb2.AbortRequest(request_id=f"{self.id_prefix}-never-{i}"), timeout=CALL_TIMEOUT_S)),
+            (
+                "unknown model",
+                "NOT_FOUND",
+                lambda: self._invalid_generate(i, lambda r: setattr(r, "model", "no-such-model")),
+            ),
+            (
+                "target rank 7",
+                "NOT_FOUND",
+                lambda: self._invalid_generate(i, lambda r: None, (("openengine-target-dp-rank", "7"),)),
+            ),
+            (
+                "target rank 'x1'",
+                "INVALID_ARGUMENT",
+                lambda: self._invalid_generate(i, lambda r: None, (("openengine-target-dp-rank", "x1"),)),
+            ),
+            (
+                "Abort without a target",
+                "INVALID_ARGUMENT",
+                lambda: self.control(i).Abort(lifecycle_pb2.AbortRequest(), timeout=CALL_TIMEOUT_S),
+            ),
+            (
+                "Abort of an unknown id",
+                "NOT_FOUND",
+                lambda: self.control(i).Abort(
+                    lifecycle_pb2.AbortRequest(request_id=f"{self.id_prefix}-never-{i}"), timeout=CALL_TIMEOUT_S
+                ),
+            ),
         ]
         name, wanted, call = cases[self.next_case("invalid", len(cases))]
         try:
@@ -416,8 +470,10 @@ class SoakLoad:
         channel = grpc.aio.insecure_channel(await relay.start(), options=channel_options())
         try:
             stub = openengine_pb2_grpc.InferenceStub(channel)
-            calls = [stub.Generate(self.request(i, LONG_TOKENS, f"-d{k}"), timeout=CALL_TIMEOUT_S)
-                     for k in range(STREAMS_PER_DISCONNECT)]
+            calls = [
+                stub.Generate(self.request(i, LONG_TOKENS, f"-d{k}"), timeout=CALL_TIMEOUT_S)
+                for k in range(STREAMS_PER_DISCONNECT)
+            ]
             for call in calls:
                 tokens, ended = await self.read_tokens(call, 1)
                 if ended:
@@ -446,6 +502,7 @@ async def live_reservations(coordinator_target: str) -> int:
     from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 
     async with grpc.aio.insecure_channel(coordinator_target) as channel:
-        load = await cluster_pb2_grpc.CoordinatorStub(channel).GetClusterLoad(cluster_pb2.GetClusterLoadRequest(),
-                                                                              timeout=10)
+        load = await cluster_pb2_grpc.CoordinatorStub(channel).GetClusterLoad(
+            cluster_pb2.GetClusterLoadRequest(), timeout=10
+        )
         return load.live_reservations

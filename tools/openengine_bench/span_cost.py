@@ -45,8 +45,10 @@ def main(argv: list[str]) -> None:
         one_request(i)
     tracing.shutdown_tracing()
     cpu = time.process_time() - started
-    print(f"tracing {'on' if tracing.enabled() else 'off'}: {cpu / requests * 1e6:.1f} µs CPU per request, "
-          f"{cpu / requests / TOKENS_PER_REQUEST * 1e6:.2f} µs per token at {TOKENS_PER_REQUEST} tokens")
+    print(
+        f"tracing {'on' if tracing.enabled() else 'off'}: {cpu / requests * 1e6:.1f} µs CPU per request, "
+        f"{cpu / requests / TOKENS_PER_REQUEST * 1e6:.2f} µs per token at {TOKENS_PER_REQUEST} tokens"
+    )
 
 
 if __name__ == "__main__":

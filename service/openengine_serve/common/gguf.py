@@ -92,8 +92,10 @@ def read_header(path: str) -> GgufHeader:
             reader = _Reader(file, path)
             version = reader.scalar("<I")
             if version not in _SUPPORTED_VERSIONS:
-                raise GgufError(f"{path}: GGUF version {version} is not supported (supported: "
-                                f"{', '.join(map(str, _SUPPORTED_VERSIONS))})")
+                raise GgufError(
+                    f"{path}: GGUF version {version} is not supported (supported: "
+                    f"{', '.join(map(str, _SUPPORTED_VERSIONS))})"
+                )
             tensor_count, kv_count = reader.scalar("<Q"), reader.scalar("<Q")
             reader.recorded.clear()
             metadata = {}

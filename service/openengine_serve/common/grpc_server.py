@@ -46,9 +46,7 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.so_reuseport", 1),
 )
 # grpc.aio only: pygrpc-native raises at construction on these.
-GRPCIO_ONLY_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_connection_idle_ms", 15 * 60_000),
-)
+GRPCIO_ONLY_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_connection_idle_ms", 15 * 60_000),)
 
 
 class DependencyError(RuntimeError):
@@ -57,10 +55,10 @@ class DependencyError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerImplementation:
-    name: str      # "grpcio" or "pygrpc-native"
+    name: str  # "grpcio" or "pygrpc-native"
     version: str
-    cpu_budget: float = 0.0   # CPUs this process may use (min of affinity and cgroup quota); 0 = not derived
-    io_threads: int = 0       # pygrpc-native's Rust I/O threads; 0 = its own default (and always for grpcio)
+    cpu_budget: float = 0.0  # CPUs this process may use (min of affinity and cgroup quota); 0 = not derived
+    io_threads: int = 0  # pygrpc-native's Rust I/O threads; 0 = its own default (and always for grpcio)
 
     def describe(self) -> dict[str, str | float]:
         """For the start-up log line and ServerInfo.extra."""
@@ -83,11 +81,13 @@ def check_native_dependency() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise DependencyError(
             f"OPENENGINE_GRPC_SERVER=pygrpc-native needs the optional package {NATIVE_REQUIREMENT}, "
-            f"which is not installed. Install it with: {NATIVE_INSTALL_COMMAND}") from None
+            f"which is not installed. Install it with: {NATIVE_INSTALL_COMMAND}"
+        ) from None
     if not NATIVE_MINIMUM <= _version_tuple(version) < NATIVE_BELOW:
         raise DependencyError(
             f"OPENENGINE_GRPC_SERVER=pygrpc-native found pygrpc-native {version}, but {NATIVE_REQUIREMENT} "
-            f"is required. Install a supported version with: pip install '{NATIVE_REQUIREMENT}'")
+            f"is required. Install a supported version with: pip install '{NATIVE_REQUIREMENT}'"
+        )
     return version
 
 
@@ -103,9 +103,13 @@ def resolve_implementation(name: str, io_threads: int = 0, sharing: int = 1) -> 
     raise DependencyError(f"unknown gRPC server {name!r}; allowed: {GRPCIO}, {NATIVE}")
 
 
-def create_server(implementation: ServerImplementation = ServerImplementation(GRPCIO, grpc.__version__),
-                  interceptors=(), options: tuple[tuple[str, int], ...] = (), max_connection_age_s: float = 0.0,
-                  max_connection_age_grace_s: float = 0.0) -> grpc.aio.Server:
+def create_server(
+    implementation: ServerImplementation = ServerImplementation(GRPCIO, grpc.__version__),
+    interceptors=(),
+    options: tuple[tuple[str, int], ...] = (),
+    max_connection_age_s: float = 0.0,
+    max_connection_age_grace_s: float = 0.0,
+) -> grpc.aio.Server:
     """`options` override SERVER_OPTIONS entries of the same name (the frontend's stated limits).
     max_connection_age_s > 0 (grpc.aio only): connections older than that get GOAWAY, so clients reconnect
     and reach frontends added since; open calls get max_connection_age_grace_s to finish."""
@@ -117,21 +121,26 @@ def create_server(implementation: ServerImplementation = ServerImplementation(GR
 
         # Its Rust I/O threads share the CPUs with the Python loop: sized from the CPU budget (cpu_budget.py).
         io_threads = implementation.io_threads or native_io_threads(cpu_budget())
-        return pygrpc_native.aio.Server(options=list(common), interceptors=list(interceptors),
-                                        io_threads=io_threads)
-    age_options = ((("grpc.max_connection_age_ms", round(max_connection_age_s * 1000)),
-                    ("grpc.max_connection_age_grace_ms", round(max_connection_age_grace_s * 1000)))
-                   if max_connection_age_s else ())
-    return grpc.aio.server(options=list(common + GRPCIO_ONLY_OPTIONS + age_options),
-                           interceptors=list(interceptors))
+        return pygrpc_native.aio.Server(options=list(common), interceptors=list(interceptors), io_threads=io_threads)
+    age_options = (
+        (
+            ("grpc.max_connection_age_ms", round(max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", round(max_connection_age_grace_s * 1000)),
+        )
+        if max_connection_age_s
+        else ()
+    )
+    return grpc.aio.server(options=list(common + GRPCIO_ONLY_OPTIONS + age_options), interceptors=list(interceptors))
 
 
 def create_internal_server() -> grpc.aio.Server:
     """Coordinator and node: always grpc.aio, whatever OPENENGINE_GRPC_SERVER says (it is the frontend's)."""
     if "OPENENGINE_GRPC_SERVER" in os.environ:
-        log_event(logging.getLogger("openengine_serve"),
-                  "OPENENGINE_GRPC_SERVER is ignored: internal components always run grpc.aio",
-                  value=os.environ["OPENENGINE_GRPC_SERVER"])
+        log_event(
+            logging.getLogger("openengine_serve"),
+            "OPENENGINE_GRPC_SERVER is ignored: internal components always run grpc.aio",
+            value=os.environ["OPENENGINE_GRPC_SERVER"],
+        )
     return create_server()
 
 
@@ -166,8 +175,12 @@ class NativeStreamSender:
         front = getattr(server, "_front", None)
         call_id = getattr(getattr(context, "_call", None), "call_id", None)
         try_send = getattr(front, "stream_try_send", None)
-        if (try_send is None or call_id is None or not hasattr(context, "_closed")
-                or not callable(getattr(server, "_encode", None))):
+        if (
+            try_send is None
+            or call_id is None
+            or not hasattr(context, "_closed")
+            or not callable(getattr(server, "_encode", None))
+        ):
             return None
         from pygrpc_native._native import STREAM_FULL, STREAM_SENT  # only reached on pygrpc-native
 

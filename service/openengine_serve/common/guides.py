@@ -55,8 +55,11 @@ def vocabulary(llama_vocab):
 def parser_limits(limits: Limits):
     from llguidance import LLParserLimits
 
-    return LLParserLimits(max_grammar_size=limits.max_grammar_size, initial_lexer_fuel=limits.initial_lexer_fuel,
-                          step_lexer_fuel=limits.step_lexer_fuel)
+    return LLParserLimits(
+        max_grammar_size=limits.max_grammar_size,
+        initial_lexer_fuel=limits.initial_lexer_fuel,
+        step_lexer_fuel=limits.step_lexer_fuel,
+    )
 
 
 def grammar_of(kind: str, value) -> str:
@@ -109,18 +112,22 @@ def _structural_tag(field: str, text: str) -> str:
     structures = spec.get("structures") if isinstance(spec, dict) else None
     triggers = spec.get("triggers") if isinstance(spec, dict) else None
     if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers:
-        raise GuideError(f"{field} must be a JSON object with non-empty \"structures\" (each with \"begin\", "
-                         f"\"schema\", \"end\") and \"triggers\" lists")
+        raise GuideError(
+            f'{field} must be a JSON object with non-empty "structures" (each with "begin", '
+            f'"schema", "end") and "triggers" lists'
+        )
     tags = []
     for index, structure in enumerate(structures):
         if not isinstance(structure, dict) or not {"begin", "schema", "end"} <= structure.keys():
-            raise GuideError(f"{field}: structures[{index}] needs \"begin\", \"schema\" and \"end\"")
+            raise GuideError(f'{field}: structures[{index}] needs "begin", "schema" and "end"')
         trigger = next((t for t in triggers if isinstance(t, str) and t and structure["begin"].startswith(t)), None)
         if trigger is None:
-            raise GuideError(f"{field}: structures[{index}].begin {structure['begin']!r} starts with none of the "
-                             f"triggers")
-        tags.append(StructTag(trigger=trigger, begin=structure["begin"], grammar=structure["schema"],
-                              end=structure["end"]))
+            raise GuideError(
+                f"{field}: structures[{index}].begin {structure['begin']!r} starts with none of the triggers"
+            )
+        tags.append(
+            StructTag(trigger=trigger, begin=structure["begin"], grammar=structure["schema"], end=structure["end"])
+        )
     return LLMatcher.grammar_from_lark(StructTag.to_grammar(tags))
 
 

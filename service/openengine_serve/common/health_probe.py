@@ -42,13 +42,22 @@ def check(target: str, service: str, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        headers = [(":method", "POST"), (":scheme", "http"), (":path", CHECK_PATH), (":authority", target.removeprefix("dns:///")),
-                   ("content-type", "application/grpc"), ("te", "trailers"),
-                   ("grpc-timeout", f"{max(1, min(int(timeout * 1000), 99_999_999))}m")]
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", CHECK_PATH),
+            (":authority", target.removeprefix("dns:///")),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            ("grpc-timeout", f"{max(1, min(int(timeout * 1000), 99_999_999))}m"),
+        ]
         request = _protobuf_string(1, service.encode())
-        sock.sendall(PREFACE + _frame(SETTINGS, 0, 0, b"")
-                     + _frame(HEADERS, FLAG_END_HEADERS, STREAM_ID, b"".join(_hpack_literal(n, v) for n, v in headers))
-                     + _frame(DATA, FLAG_END_STREAM, STREAM_ID, struct.pack(">BI", 0, len(request)) + request))
+        sock.sendall(
+            PREFACE
+            + _frame(SETTINGS, 0, 0, b"")
+            + _frame(HEADERS, FLAG_END_HEADERS, STREAM_ID, b"".join(_hpack_literal(n, v) for n, v in headers))
+            + _frame(DATA, FLAG_END_STREAM, STREAM_ID, struct.pack(">BI", 0, len(request)) + request)
+        )
         body = bytearray()
         reader = _FrameReader(sock, deadline)
         while True:
@@ -61,7 +70,7 @@ def check(target: str, service: str, timeout: float) -> int:
                 raise ProbeInconclusive("the server ended the call")
             elif stream == STREAM_ID and kind in (DATA, HEADERS):
                 if kind == DATA:
-                    body += payload[1:len(payload) - payload[0]] if flags & FLAG_PADDED and payload else payload
+                    body += payload[1 : len(payload) - payload[0]] if flags & FLAG_PADDED and payload else payload
                 if flags & FLAG_END_STREAM:
                     return _serving_status(bytes(body))
 
@@ -170,6 +179,6 @@ class _FrameReader:
         self._fill(9 + length)
         kind, flags = self.buffer[3], self.buffer[4]
         stream = int.from_bytes(self.buffer[5:9], "big") & 0x7FFF_FFFF
-        payload = bytes(self.buffer[9:9 + length])
-        del self.buffer[:9 + length]
+        payload = bytes(self.buffer[9 : 9 + length])
+        del self.buffer[: 9 + length]
         return kind, flags, stream, payload

@@ -79,8 +79,13 @@ class HeartbeatFailed(Exception):
 class HeartbeatStream:
     """One peer's heartbeat stream to one coordinator (see the module docstring)."""
 
-    def __init__(self, open_call: Callable[[], HeartbeatCall], reply_timeout_s: float,
-                 jitter: Callable[[], float] = random.random, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        open_call: Callable[[], HeartbeatCall],
+        reply_timeout_s: float,
+        jitter: Callable[[], float] = random.random,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.streams_opened = 0
         self.failures = 0  # in a row, since the last reply
         self.replies_skipped = 0  # quiet heartbeats sent without waiting for a reply
@@ -175,16 +180,21 @@ class PeerHeartbeats:
     (`register_after_failed_heartbeat`).
     """
 
-    def __init__(self, stream: HeartbeatStream, interval_s: float, *,
-                 register: Callable[[], Awaitable[float | None]],
-                 heartbeat: Callable[[], Any],
-                 on_reply: Callable[[Any, Any], None],
-                 on_register_failed: Callable[[grpc.aio.AioRpcError], None],
-                 on_heartbeat_failed: Callable[[HeartbeatFailed], None],
-                 quiet: Callable[[Any], bool] = lambda heartbeat: False,
-                 wake: asyncio.Event | None = None,
-                 register_at_once_when_forgotten: bool = True,
-                 register_after_failed_heartbeat: bool = False) -> None:
+    def __init__(
+        self,
+        stream: HeartbeatStream,
+        interval_s: float,
+        *,
+        register: Callable[[], Awaitable[float | None]],
+        heartbeat: Callable[[], Any],
+        on_reply: Callable[[Any, Any], None],
+        on_register_failed: Callable[[grpc.aio.AioRpcError], None],
+        on_heartbeat_failed: Callable[[HeartbeatFailed], None],
+        quiet: Callable[[Any], bool] = lambda heartbeat: False,
+        wake: asyncio.Event | None = None,
+        register_at_once_when_forgotten: bool = True,
+        register_after_failed_heartbeat: bool = False,
+    ) -> None:
         self.stream = stream
         self.interval_s = interval_s
         self.wake = wake if wake is not None else asyncio.Event()

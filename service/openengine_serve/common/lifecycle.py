@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import signal
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from prometheus_client import start_http_server
 

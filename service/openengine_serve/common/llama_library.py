@@ -29,8 +29,12 @@ def llama_cpp() -> ModuleType:
 
     @bindings.llama_log_callback
     def log(level: int, text: bytes, _user_data) -> None:
-        if (level >= _GGML_LOG_LEVEL_WARN and level != _GGML_LOG_LEVEL_CONT and text
-                and not any(expected in text for expected in _EXPECTED_WARNINGS)):
+        if (
+            level >= _GGML_LOG_LEVEL_WARN
+            and level != _GGML_LOG_LEVEL_CONT
+            and text
+            and not any(expected in text for expected in _EXPECTED_WARNINGS)
+        ):
             logger.warning("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
 
     _callback = log

@@ -22,8 +22,12 @@ class KeyValueFormatter(logging.Formatter):
             self._second_text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
             self._second = second
         fields = getattr(record, "kv", None) or {}
-        parts = [f"ts={self._second_text}.{int(record.msecs):03d}Z", f"level={record.levelname.lower()}",
-                 f"component={self.component}", f"event={_quote(record.getMessage())}"]
+        parts = [
+            f"ts={self._second_text}.{int(record.msecs):03d}Z",
+            f"level={record.levelname.lower()}",
+            f"component={self.component}",
+            f"event={_quote(record.getMessage())}",
+        ]
         parts += [f"{k}={_quote(str(v))}" for k, v in fields.items()]
         if record.exc_info:
             parts.append(f"error={_quote(self.formatException(record.exc_info))}")

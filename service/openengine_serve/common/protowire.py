@@ -28,8 +28,19 @@ def length_delimited(tag: bytes, payload: bytes) -> bytes:
 
 _F = FieldDescriptor
 _WIRE_TYPES = {  # field type -> wire type: 0 varint, 1 64-bit, 2 length-delimited, 5 32-bit
-    **dict.fromkeys((_F.TYPE_INT64, _F.TYPE_UINT64, _F.TYPE_INT32, _F.TYPE_UINT32, _F.TYPE_BOOL, _F.TYPE_ENUM,
-                     _F.TYPE_SINT32, _F.TYPE_SINT64), 0),
+    **dict.fromkeys(
+        (
+            _F.TYPE_INT64,
+            _F.TYPE_UINT64,
+            _F.TYPE_INT32,
+            _F.TYPE_UINT32,
+            _F.TYPE_BOOL,
+            _F.TYPE_ENUM,
+            _F.TYPE_SINT32,
+            _F.TYPE_SINT64,
+        ),
+        0,
+    ),
     **dict.fromkeys((_F.TYPE_DOUBLE, _F.TYPE_FIXED64, _F.TYPE_SFIXED64), 1),
     **dict.fromkeys((_F.TYPE_STRING, _F.TYPE_MESSAGE, _F.TYPE_BYTES), 2),
     **dict.fromkeys((_F.TYPE_FLOAT, _F.TYPE_FIXED32, _F.TYPE_SFIXED32), 5),

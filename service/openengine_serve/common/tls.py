@@ -24,7 +24,8 @@ NATIVE_TLS_CONFLICT = (
     "TLS is configured (OPENENGINE_TLS_CERT_FILE/--tls-cert-file) but OPENENGINE_GRPC_SERVER=pygrpc-native "
     "cannot serve TLS (pygrpc-native 0.5 has no secure port). Either use the grpcio server "
     "(OPENENGINE_GRPC_SERVER=grpcio), or terminate TLS in front of the frontend (the Compose profile `tls`, "
-    "or an ingress/sidecar; see README \"Security\") and unset the TLS files here.")
+    'or an ingress/sidecar; see README "Security") and unset the TLS files here.'
+)
 CLIENT_CA_ALONE = "OPENENGINE_TLS_CLIENT_CA_FILE needs OPENENGINE_TLS_CERT_FILE and OPENENGINE_TLS_KEY_FILE"
 
 
@@ -53,8 +54,9 @@ class ReloadingServerCertificate:
 
     def __init__(self, cert_file: str, key_file: str, client_ca_file: str = "", variable_prefix: str = "TLS") -> None:
         if bool(cert_file) != bool(key_file):
-            raise ConfigError(f"OPENENGINE_{variable_prefix}_CERT_FILE and OPENENGINE_{variable_prefix}_KEY_FILE "
-                              "must be set together")
+            raise ConfigError(
+                f"OPENENGINE_{variable_prefix}_CERT_FILE and OPENENGINE_{variable_prefix}_KEY_FILE must be set together"
+            )
         self.paths = tuple(p for p in (cert_file, key_file, client_ca_file) if p)
         self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
         self.prefix = variable_prefix
@@ -66,8 +68,13 @@ class ReloadingServerCertificate:
         p = self.prefix
         chain = read_file(self.cert_file, f"OPENENGINE_{p}_CERT_FILE")
         key = read_file(self.key_file, f"OPENENGINE_{p}_KEY_FILE")
-        ca = read_file(self.client_ca_file, f"OPENENGINE_{p}_CLIENT_CA_FILE" if p == "TLS" else f"OPENENGINE_{p}_CA_FILE") \
-            if self.client_ca_file else None
+        ca = (
+            read_file(
+                self.client_ca_file, f"OPENENGINE_{p}_CLIENT_CA_FILE" if p == "TLS" else f"OPENENGINE_{p}_CA_FILE"
+            )
+            if self.client_ca_file
+            else None
+        )
         return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=ca)
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
@@ -79,20 +86,23 @@ class ReloadingServerCertificate:
             try:
                 configuration = self._configuration()
             except ConfigError as exc:  # mid-rotation (one file written, not the other): retry next handshake
-                log_event(logger, "TLS certificate reload failed; keeping the current one", logging.WARNING,
-                          error=str(exc))
+                log_event(
+                    logger, "TLS certificate reload failed; keeping the current one", logging.WARNING, error=str(exc)
+                )
                 return None
             self._state = state
             log_event(logger, "TLS certificate reloaded", cert_file=self.cert_file)
             return configuration
 
     def credentials(self) -> grpc.ServerCredentials:
-        return grpc.dynamic_ssl_server_credentials(self.initial, self, require_client_authentication=bool(
-            self.client_ca_file))
+        return grpc.dynamic_ssl_server_credentials(
+            self.initial, self, require_client_authentication=bool(self.client_ca_file)
+        )
 
 
-def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = "",
-                        variable_prefix: str = "TLS") -> grpc.ChannelCredentials:
+def channel_credentials(
+    ca_file: str = "", cert_file: str = "", key_file: str = "", variable_prefix: str = "TLS"
+) -> grpc.ChannelCredentials:
     """Client TLS: `ca_file` verifies the server (empty: the system roots); cert/key present a client certificate."""
     if bool(cert_file) != bool(key_file):
         raise ConfigError("a client certificate needs both its certificate and its key file")
@@ -100,31 +110,43 @@ def channel_credentials(ca_file: str = "", cert_file: str = "", key_file: str = 
     return grpc.ssl_channel_credentials(
         root_certificates=read_file(ca_file, f"{p} CA file") if ca_file else None,
         private_key=read_file(key_file, f"{p} key file") if key_file else None,
-        certificate_chain=read_file(cert_file, f"{p} certificate file") if cert_file else None)
+        certificate_chain=read_file(cert_file, f"{p} certificate file") if cert_file else None,
+    )
 
 
 # ---------------------------------------------------------------- internal plane (coordinator, node, frontend)
 
+
 def internal_tls_enabled(config) -> bool:
     files = (config.internal_tls_cert_file, config.internal_tls_key_file, config.internal_tls_ca_file)
     if any(files) and not all(files):
-        raise ConfigError("internal mutual TLS needs all three of OPENENGINE_INTERNAL_TLS_CERT_FILE, "
-                          "OPENENGINE_INTERNAL_TLS_KEY_FILE and OPENENGINE_INTERNAL_TLS_CA_FILE")
+        raise ConfigError(
+            "internal mutual TLS needs all three of OPENENGINE_INTERNAL_TLS_CERT_FILE, "
+            "OPENENGINE_INTERNAL_TLS_KEY_FILE and OPENENGINE_INTERNAL_TLS_CA_FILE"
+        )
     return all(files)
 
 
 def check_internal_tls(config) -> None:
     """At start: internal TLS is all three files or none, and they can be read (ConfigError otherwise)."""
     if internal_tls_enabled(config):
-        ReloadingServerCertificate(config.internal_tls_cert_file, config.internal_tls_key_file,
-                                   config.internal_tls_ca_file, variable_prefix="INTERNAL_TLS")
+        ReloadingServerCertificate(
+            config.internal_tls_cert_file,
+            config.internal_tls_key_file,
+            config.internal_tls_ca_file,
+            variable_prefix="INTERNAL_TLS",
+        )
 
 
 def add_internal_port(server, address: str, config) -> None:
     """Binds an internal server: mutual TLS (client certificates signed by the internal CA required) or plaintext."""
     if internal_tls_enabled(config):
-        fetcher = ReloadingServerCertificate(config.internal_tls_cert_file, config.internal_tls_key_file,
-                                             config.internal_tls_ca_file, variable_prefix="INTERNAL_TLS")
+        fetcher = ReloadingServerCertificate(
+            config.internal_tls_cert_file,
+            config.internal_tls_key_file,
+            config.internal_tls_ca_file,
+            variable_prefix="INTERNAL_TLS",
+        )
         server.add_secure_port(address, fetcher.credentials())
     else:
         server.add_insecure_port(address)
@@ -134,8 +156,12 @@ def internal_channel(address: str, config, options=()) -> grpc.aio.Channel:
     """A grpc.aio channel to another component, presenting this component's certificate when internal TLS is on."""
     if not internal_tls_enabled(config):
         return grpc.aio.insecure_channel(address, options=list(options))
-    credentials = channel_credentials(config.internal_tls_ca_file, config.internal_tls_cert_file,
-                                      config.internal_tls_key_file, variable_prefix="OPENENGINE_INTERNAL_TLS")
+    credentials = channel_credentials(
+        config.internal_tls_ca_file,
+        config.internal_tls_cert_file,
+        config.internal_tls_key_file,
+        variable_prefix="OPENENGINE_INTERNAL_TLS",
+    )
     options = list(options)
     if config.internal_tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.internal_tls_server_name))

@@ -51,8 +51,10 @@ def setup_tracing(component: str) -> bool:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        raise SystemExit(f"an OTLP endpoint is set ({'/'.join(ENDPOINT_VARIABLES)}) but OpenTelemetry is not "
-                         f"installed ({exc.name}); install it with: {INSTALL_HINT}") from None
+        raise SystemExit(
+            f"an OTLP endpoint is set ({'/'.join(ENDPOINT_VARIABLES)}) but OpenTelemetry is not "
+            f"installed ({exc.name}); install it with: {INSTALL_HINT}"
+        ) from None
     service = os.environ.get("OTEL_SERVICE_NAME") or f"openengine-{component}"
     # Resource.create reads OTEL_RESOURCE_ATTRIBUTES; the provider reads the sampler variables, the exporter
     # its endpoint, headers, timeout and TLS variables.
@@ -60,8 +62,9 @@ def setup_tracing(component: str) -> bool:
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     _tracer = trace.get_tracer("openengine_serve")
-    log_event(logger, "tracing on", service=service,
-              sampler=os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
+    log_event(
+        logger, "tracing on", service=service, sampler=os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+    )
     return True
 
 
@@ -108,8 +111,7 @@ def start_server_span(name: str, metadata: Sequence[tuple[str, str | bytes]], at
         return None
     from opentelemetry.trace import SpanKind
 
-    return _tracer.start_span(name, context=_parent_context(metadata), kind=SpanKind.SERVER,
-                              attributes=attributes)
+    return _tracer.start_span(name, context=_parent_context(metadata), kind=SpanKind.SERVER, attributes=attributes)
 
 
 def start_child_span(parent, name: str, attributes: dict | None = None):
@@ -119,8 +121,9 @@ def start_child_span(parent, name: str, attributes: dict | None = None):
     from opentelemetry import trace
     from opentelemetry.trace import SpanKind
 
-    return _tracer.start_span(name, context=trace.set_span_in_context(parent), kind=SpanKind.CLIENT,
-                              attributes=attributes)
+    return _tracer.start_span(
+        name, context=trace.set_span_in_context(parent), kind=SpanKind.CLIENT, attributes=attributes
+    )
 
 
 def end_span(span, error: BaseException | str | None = None) -> None:
@@ -143,8 +146,7 @@ def server_span(name: str, context, **attributes) -> Iterator[object]:
     if _tracer is None:
         yield None
         return
-    span = start_server_span(name, context.invocation_metadata() or (),
-                             {"rpc.system": "grpc", **attributes})
+    span = start_server_span(name, context.invocation_metadata() or (), {"rpc.system": "grpc", **attributes})
     try:
         yield span
     except BaseException as exc:

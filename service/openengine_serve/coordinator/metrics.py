@@ -22,17 +22,21 @@ class CoordinatorCollector(Collector):
         frontends = GaugeMetricFamily("openengine_coordinator_frontends", "frontends by state", labels=["state"])
         for state, count in snapshot["frontends_by_state"].items():
             frontends.add_metric([state], count)
-        routing = CounterMetricFamily("openengine_coordinator_routing_decisions",
-                                      "requests routed, by reason", labels=["reason"])
+        routing = CounterMetricFamily(
+            "openengine_coordinator_routing_decisions", "requests routed, by reason", labels=["reason"]
+        )
         for reason, count in snapshot["routing_decisions"].items():
             routing.add_metric([reason], count)
-        refusals = CounterMetricFamily("openengine_coordinator_refusals", "reservations refused, by reason",
-                                       labels=["reason"])
+        refusals = CounterMetricFamily(
+            "openengine_coordinator_refusals", "reservations refused, by reason", labels=["reason"]
+        )
         for reason, count in snapshot["refusals"].items():
             refusals.add_metric([reason], count)
-        streams = GaugeMetricFamily("openengine_coordinator_heartbeat_streams",
-                                    "heartbeat streams open, by peer (one per node and frontend worker when all is "
-                                    "well)", labels=["peer"])
+        streams = GaugeMetricFamily(
+            "openengine_coordinator_heartbeat_streams",
+            "heartbeat streams open, by peer (one per node and frontend worker when all is well)",
+            labels=["peer"],
+        )
         for peer, count in self.heartbeat_streams.items():
             streams.add_metric([peer], count)
         yield from (nodes, frontends, routing, refusals, streams)
@@ -43,9 +47,9 @@ class CoordinatorCollector(Collector):
 _GAUGES = {  # snapshot key -> help; the metric is openengine_coordinator_<key>
     "live_reservations": "request ids currently owned",
     "oldest_reservation_age_s": "age of the oldest live reservation (grows without bound when a frontend leaks "
-                                "reservations)",
+    "reservations)",
     "frontend_reported_live_requests": "live requests the frontends report in their heartbeats (compare with "
-                                       "live_reservations)",
+    "live_reservations)",
     "finished_remembered": "finished request ids remembered to answer a late Abort",
 }
 

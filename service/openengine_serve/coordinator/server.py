@@ -15,13 +15,13 @@ import logging
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from ..common import tracing
 from ..common.config import CoordinatorConfig
 from ..common.grpc_server import STATUS_BY_NUMBER, create_internal_server
 from ..common.health import Health
 from ..common.lifecycle import bind_address, freeze_startup_objects, start_metrics
-from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
-from ..common import tracing
+from ..common.tls import add_internal_port, internal_channel
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
 from .state import REFUSAL_STATUS, ClusterState, ModelMismatch, RankConflict, TableCursor
@@ -48,8 +48,9 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         except (RankConflict, ModelMismatch) as exc:
             await context.abort(REFUSAL_CODES[type(exc)], str(exc))
         log_event(logger, "node registered", node_id=entry.node_id, address=entry.address, rank=entry.rank)
-        return cluster_pb2.RegisterReply(heartbeat_interval_s=self.config.heartbeat_s,
-                                         nodes=self.state.node_entries(), assigned_rank=entry.rank)
+        return cluster_pb2.RegisterReply(
+            heartbeat_interval_s=self.config.heartbeat_s, nodes=self.state.node_entries(), assigned_rank=entry.rank
+        )
 
     async def NodeHeartbeats(self, request_iterator, context):
         """One node's heartbeats: one reply each, in order, except for those marked reply_optional (the node
@@ -59,8 +60,9 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         expiry time (`housekeeping`), as when its heartbeats simply stop."""
         with self._open_stream("node"):
             async for heartbeat in request_iterator:
-                known = self.state.node_heartbeat(heartbeat.node_id, heartbeat.state,
-                                                  heartbeat.load if heartbeat.HasField("load") else None)
+                known = self.state.node_heartbeat(
+                    heartbeat.node_id, heartbeat.state, heartbeat.load if heartbeat.HasField("load") else None
+                )
                 if not heartbeat.reply_optional:
                     yield _KNOWN if known else _UNKNOWN
                 elif not known:
@@ -115,15 +117,19 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                 yield cluster_pb2.ReservationReplies(outcome=self.state.apply_batch(batch))
                 continue
             self.state.apply_releases(batch)
-            yield cluster_pb2.ReservationReplies(outcome=[self._traced_outcome(r, batch.frontend_id)
-                                                          for r in batch.reserve])
+            yield cluster_pb2.ReservationReplies(
+                outcome=[self._traced_outcome(r, batch.frontend_id) for r in batch.reserve]
+            )
 
     def _traced_outcome(self, request: cluster_pb2.ReserveRequest, frontend_id: str) -> cluster_pb2.ReservationOutcome:
         """A batched reservation in its own SERVER span, parented by the trace context it carries (as the unary
         Reserve's span is by its call metadata)."""
-        carried = (("traceparent", request.traceparent), ("tracestate", request.tracestate)) if request.traceparent else ()
-        span = tracing.start_server_span(RESERVE_SPAN, carried, {"rpc.system": "grpc",
-                                                                 "openengine.request_id": request.request_id})
+        carried = (
+            (("traceparent", request.traceparent), ("tracestate", request.tracestate)) if request.traceparent else ()
+        )
+        span = tracing.start_server_span(
+            RESERVE_SPAN, carried, {"rpc.system": "grpc", "openengine.request_id": request.request_id}
+        )
         outcome = self.state.reservation_outcome(request, frontend_id)
         if outcome.refusal_code:
             tracing.end_span(span, outcome.refusal)
@@ -159,10 +165,17 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
             channel = self.node_channels[node.address] = internal_channel(node.address, self.config)
         try:
             return await cluster_pb2_grpc.NodeStub(channel).Cancel(
-                cluster_pb2.CancelRequest(request_id=request_id, hold=True), timeout=self.config.rpc_timeout_s)
+                cluster_pb2.CancelRequest(request_id=request_id, hold=True), timeout=self.config.rpc_timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
-            log_event(logger, "abort could not reach node", logging.WARNING, node_id=node.node_id,
-                      request_id=request_id, code=exc.code().name)
+            log_event(
+                logger,
+                "abort could not reach node",
+                logging.WARNING,
+                node_id=node.node_id,
+                request_id=request_id,
+                code=exc.code().name,
+            )
             return cluster_pb2.CancelReply()
 
     async def GetClusterLoad(self, request, context) -> cluster_pb2.ClusterLoad:

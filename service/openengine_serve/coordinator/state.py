@@ -155,6 +155,7 @@ class _Frontend:
 class TableCursor:
     """How far one frontend's copy of the node table is (one per heartbeat stream; ClusterState.node_table_since):
     every change up to `version` except load figures, which only up to `loads_version`, sent at `loads_at`."""
+
     version: int = -1  # -1: nothing yet
     loads_version: int = -1
     loads_at: float = float("-inf")
@@ -280,7 +281,8 @@ class ClusterState:
                     f"node {entry.node_id!r} serves {model.name or 'no model'!r} ({model.engine or 'unknown'} "
                     f"engine, tokenizer {model.tokenizer_digest[:12] or 'none'}), but live node {node_id!r} serves "
                     f"{other.name!r} ({other.engine} engine, tokenizer {other.tokenizer_digest[:12]}); every node "
-                    f"of a deployment serves the same model")
+                    f"of a deployment serves the same model"
+                )
 
     def node_heartbeat(self, node_id: str, state: int, load: cluster_pb2.NodeLoad | None) -> bool:
         """Records a node's state and load; False for an unknown node (it must register).
@@ -297,8 +299,10 @@ class ClusterState:
         if load is not None:
             if node.entry.load != load:
                 old = node.entry.load
-                limits_changed = (old.max_running_requests != load.max_running_requests
-                                  or old.max_queued_requests != load.max_queued_requests)
+                limits_changed = (
+                    old.max_running_requests != load.max_running_requests
+                    or old.max_queued_requests != load.max_queued_requests
+                )
                 old.CopyFrom(load)
                 self._entry_changed(node, structural=limits_changed)
                 rescore = True
@@ -351,8 +355,9 @@ class ClusterState:
             raise ValueError("frontend_id must be non-empty")
         frontend = self._frontends.get(frontend_id)
         if frontend is None:
-            self._frontends[frontend_id] = _Frontend(address=address, last_heartbeat=self._now(), registered=True,
-                                                     incarnation=incarnation)
+            self._frontends[frontend_id] = _Frontend(
+                address=address, last_heartbeat=self._now(), registered=True, incarnation=incarnation
+            )
             return
         if frontend.registered and not (incarnation and incarnation == frontend.incarnation):
             self._drop_reservations(frontend.request_ids)
@@ -461,8 +466,9 @@ class ClusterState:
         for request_id in batch.release:
             self.release(request_id, batch.frontend_id)
 
-    def reservation_outcome(self, request: cluster_pb2.ReserveRequest,
-                            frontend_id: str) -> cluster_pb2.ReservationOutcome:
+    def reservation_outcome(
+        self, request: cluster_pb2.ReserveRequest, frontend_id: str
+    ) -> cluster_pb2.ReservationOutcome:
         """One reservation of a batch (whose entries leave frontend_id empty) as its outcome."""
         request.frontend_id = frontend_id
         try:

@@ -31,22 +31,35 @@ class WorkerConfig:
     max_guided_sequences: int = 32  # llama.cpp: guided outputs running at once
 
     def __post_init__(self) -> None:
-        if (self.max_batch < 1 or self.ranks < 1 or self.step_ms <= 0 or self.context_size < 1
-                or self.prefill_chunk < 1 or self.threads < 1 or self.prefix_cache_tokens < 0
-                or self.max_guided_sequences < 0):
-            raise ValueError(f"invalid engine worker config: need max_batch >= 1, ranks >= 1, step_ms > 0, "
-                             f"context_size >= 1, prefill_chunk >= 1, threads >= 1, prefix_cache_tokens >= 0 "
-                             f"and max_guided_sequences >= 0, got {self}")
+        if (
+            self.max_batch < 1
+            or self.ranks < 1
+            or self.step_ms <= 0
+            or self.context_size < 1
+            or self.prefill_chunk < 1
+            or self.threads < 1
+            or self.prefix_cache_tokens < 0
+            or self.max_guided_sequences < 0
+        ):
+            raise ValueError(
+                f"invalid engine worker config: need max_batch >= 1, ranks >= 1, step_ms > 0, "
+                f"context_size >= 1, prefill_chunk >= 1, threads >= 1, prefix_cache_tokens >= 0 "
+                f"and max_guided_sequences >= 0, got {self}"
+            )
         if self.engine not in ("simulated", "llama.cpp"):
-            raise ValueError(f"invalid engine worker config: engine must be simulated or llama.cpp, got {self.engine!r}")
+            raise ValueError(
+                f"invalid engine worker config: engine must be simulated or llama.cpp, got {self.engine!r}"
+            )
         if self.engine == "llama.cpp" and (self.ranks != 1 or not self.model_path):
-            raise ValueError(f"invalid engine worker config: llama.cpp runs in one rank and needs model_path, got {self}")
+            raise ValueError(
+                f"invalid engine worker config: llama.cpp runs in one rank and needs model_path, got {self}"
+            )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "WorkerConfig":
+    def from_json(cls, text: str) -> WorkerConfig:
         values = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(values) - names

@@ -66,7 +66,7 @@ class Engine(ABC):
     def load(self) -> EngineLoad:
         """The figures of the last step."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: engines holding nothing native leave it empty)
         """Frees the model (the process is about to exit)."""
 
 
@@ -86,13 +86,19 @@ def event_field(event_payload: bytes) -> bytes:
     return length_delimited(_EVENTS_TAG, event_payload)
 
 
-def step_message(step: int, events: list[bytes], load: EngineLoad, step_seconds: float,
-                 worker_pids: list[int]) -> bytes:
+def step_message(
+    step: int, events: list[bytes], load: EngineLoad, step_seconds: float, worker_pids: list[int]
+) -> bytes:
     """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..11), in field order,
     so the bytes equal protobuf's own serialization of the same message."""
     figures = cluster_pb2.EngineStep(
-        running=load.running, queued=load.queued, running_tokens=load.running_tokens,
-        waiting_tokens=load.waiting_tokens, step_seconds=step_seconds, worker_pids=worker_pids,
-        prefilled_tokens=load.prefilled_tokens, cached_prompt_tokens=load.cached_prompt_tokens,
+        running=load.running,
+        queued=load.queued,
+        running_tokens=load.running_tokens,
+        waiting_tokens=load.waiting_tokens,
+        step_seconds=step_seconds,
+        worker_pids=worker_pids,
+        prefilled_tokens=load.prefilled_tokens,
+        cached_prompt_tokens=load.cached_prompt_tokens,
     ).SerializeToString()
     return cluster_pb2.EngineStep(step=step).SerializeToString() + b"".join(events) + figures

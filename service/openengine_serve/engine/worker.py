@@ -94,8 +94,9 @@ class _Scheduler:
         self._broadcast_plan()
         stepped = self._engine.step(events)
         if stepped or events:
-            self._steps.send(step_message(self._step, events, self._engine.load(), time.monotonic() - started,
-                                          self._worker_pids))
+            self._steps.send(
+                step_message(self._step, events, self._engine.load(), time.monotonic() - started, self._worker_pids)
+            )
         else:
             self._step -= 1  # nothing sent: step numbers stay consecutive (only the simulated engine has followers,
             # and it always steps)

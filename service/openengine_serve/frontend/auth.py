@@ -38,14 +38,16 @@ logger = logging.getLogger("openengine_serve.frontend")
 ROLES = ("user", "admin")
 RELOAD_CHECK_S = 0.5  # how often a call may look at the file; a removed key stops within this (plus the write)
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-USER_METHODS = frozenset({
-    "/openengine.v1.Inference/Generate",
-    "/openengine.v1.Control/GetServerInfo",
-    "/openengine.v1.Control/GetModelInfo",
-    "/openengine.v1.Control/GetLoad",
-    "/openengine.v1.Control/Health",
-    "/openengine.v1.Control/Abort",  # only of its own requests, and not all_requests (see abort_refusal)
-})
+USER_METHODS = frozenset(
+    {
+        "/openengine.v1.Inference/Generate",
+        "/openengine.v1.Control/GetServerInfo",
+        "/openengine.v1.Control/GetModelInfo",
+        "/openengine.v1.Control/GetLoad",
+        "/openengine.v1.Control/Health",
+        "/openengine.v1.Control/Abort",  # only of its own requests, and not all_requests (see abort_refusal)
+    }
+)
 NO_KEY_LABEL = "-"  # the key label of requests when keys are off
 _HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 LINE_FORMAT = "`ROLE NAME SECRET [max_in_flight=N]`"
@@ -120,7 +122,7 @@ def parse_keys(path: str) -> tuple[ApiKey, ...]:
         if role not in ROLES:
             raise ConfigError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
         if secret.startswith("sha256:"):
-            hexdigest = secret[len("sha256:"):]
+            hexdigest = secret[len("sha256:") :]
             if not _HEX_DIGEST.fullmatch(hexdigest):
                 raise ConfigError(f"{where}: a sha256: secret must be 64 hexadecimal digits")
             digest = bytes.fromhex(hexdigest)
@@ -137,7 +139,7 @@ def parse_keys(path: str) -> tuple[ApiKey, ...]:
 
 def _max_in_flight(option: str, where: str) -> int:
     """The value of a `max_in_flight=N` field; the field is never echoed (it may be part of a mistyped secret)."""
-    value = option[len(MAX_IN_FLIGHT_OPTION):] if option.startswith(MAX_IN_FLIGHT_OPTION) else ""
+    value = option[len(MAX_IN_FLIGHT_OPTION) :] if option.startswith(MAX_IN_FLIGHT_OPTION) else ""
     if not (value.isascii() and value.isdigit() and int(value) > 0):
         raise ConfigError(f"{where}: the 4th field must be max_in_flight=N with N a positive integer")
     return int(value)
@@ -171,8 +173,7 @@ class KeyStore:
         try:
             keys = parse_keys(self.path)
         except ConfigError as exc:
-            log_event(logger, "API key file reload failed; keeping the previous keys", logging.ERROR,
-                      error=str(exc))
+            log_event(logger, "API key file reload failed; keeping the previous keys", logging.ERROR, error=str(exc))
             return  # _state unchanged: tried again at the next check
         self._state = state
         self.keys = keys
@@ -207,6 +208,7 @@ def handler_kind(handler) -> str:
 
 def refusal(handler, code: grpc.StatusCode, message: str):
     """The same kind of handler, answering `code`; the request is not even deserialized."""
+
     async def refuse(request, context):
         await context.abort(code, message)
 
@@ -238,14 +240,17 @@ def _as_caller(handler, key: ApiKey):
     kind = handler_kind(handler)
     behavior = getattr(handler, kind)
     if inspect.isasyncgenfunction(behavior):
+
         async def bound(request, context):
             _CALLER.set(key)
             async for item in behavior(request, context):
                 yield item
     else:
+
         async def bound(request, context):
             _CALLER.set(key)  # each call runs in its own task: its own copy of the context
             return await behavior(request, context)
+
     return handler._replace(**{kind: bound})
 
 
@@ -261,14 +266,20 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = bearer_token(handler_call_details.invocation_metadata)
         if not token:
-            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
-                            "an API key is required: send the metadata `authorization: Bearer <key>`")
+            return refusal(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "an API key is required: send the metadata `authorization: Bearer <key>`",
+            )
         key = self.store.authenticate(token)
         if key is None:
             return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "the API key is not valid")
         if not key.admin and method not in USER_METHODS:
-            return refusal(handler, grpc.StatusCode.PERMISSION_DENIED,
-                            f"API key {key.name!r} has role user; {method} needs role admin")
+            return refusal(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"API key {key.name!r} has role user; {method} needs role admin",
+            )
         return cached_wrapper(self._bound, (handler, key), _as_caller, handler, key)
 
 

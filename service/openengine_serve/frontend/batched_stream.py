@@ -79,8 +79,9 @@ class BatchedStream:
     refusal: type[Refused] = Refused
     max_kept_riders = MAX_KEPT_RIDERS
 
-    def __init__(self, open_call: Callable[[], BatchCall], max_batch: int = MAX_BATCH,
-                 max_unanswered: int = MAX_UNANSWERED) -> None:
+    def __init__(
+        self, open_call: Callable[[], BatchCall], max_batch: int = MAX_BATCH, max_unanswered: int = MAX_UNANSWERED
+    ) -> None:
         self.max_batch = max_batch
         self.max_unanswered = max_unanswered
         self.batches_sent = 0
@@ -171,8 +172,8 @@ class BatchedStream:
         return bool(self._riders) and len(self._unanswered) < self.max_unanswered
 
     async def _send_one(self) -> bool:
-        calls, self._calls = self._calls[:self.max_batch], self._calls[self.max_batch:]
-        riders, self._riders = self._riders[:self.max_batch], self._riders[self.max_batch:]
+        calls, self._calls = self._calls[: self.max_batch], self._calls[self.max_batch :]
+        riders, self._riders = self._riders[: self.max_batch], self._riders[self.max_batch :]
         futures, requests = [], []
         for request, future in calls:
             if future.done():  # the caller stopped waiting before it was sent: it cleans up itself
@@ -244,6 +245,14 @@ class BatchedStream:
                     failed += 1
         dropped = max(0, len(self._riders) - self.max_kept_riders)
         del self._riders[:dropped]
-        log_event(logger, f"{self.kind} stream broken", logging.WARNING if failed or self._riders else logging.INFO,
-                  detail=detail, **{f"{self.calls_name}_failed": failed, f"{self.riders_name}_kept": len(self._riders),
-                                    f"{self.riders_name}_dropped": dropped})
+        log_event(
+            logger,
+            f"{self.kind} stream broken",
+            logging.WARNING if failed or self._riders else logging.INFO,
+            detail=detail,
+            **{
+                f"{self.calls_name}_failed": failed,
+                f"{self.riders_name}_kept": len(self._riders),
+                f"{self.riders_name}_dropped": dropped,
+            },
+        )

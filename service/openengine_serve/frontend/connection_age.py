@@ -33,13 +33,15 @@ from . import metrics
 
 logger = logging.getLogger("openengine_serve.frontend")
 
-QUIET_S = 0.05         # no call on the connection this long: the last response has left the process
-SWEEP_S = 0.025        # how often aged connections are checked
-SCAN_S = 1.0           # how often every connection is checked (aged while idle) and the socket table refreshed
-RESCAN_S = 0.2         # a connection aged before the table knew it waits at most this for a fresh look
+QUIET_S = 0.05  # no call on the connection this long: the last response has left the process
+SWEEP_S = 0.025  # how often aged connections are checked
+SCAN_S = 1.0  # how often every connection is checked (aged while idle) and the socket table refreshed
+RESCAN_S = 0.2  # a connection aged before the table knew it waits at most this for a fresh look
 FORGET_CLOSED_S = 5.0  # a closed connection's calls that were already on their way are still refused this long
-REFUSAL = ("this connection is older than OPENENGINE_MAX_CONNECTION_AGE_S and is being closed; the call was "
-           "not started: retry it on a new connection")
+REFUSAL = (
+    "this connection is older than OPENENGINE_MAX_CONNECTION_AGE_S and is being closed; the call was "
+    "not started: retry it on a new connection"
+)
 
 
 @dataclass
@@ -55,7 +57,7 @@ class ConnectionAges:
         self.max_age_s = max_age_s
         self._clock = clock
         self._connections: dict[str, _Connection] = {}
-        self._aged: set[str] = set()   # what the frequent sweep looks at
+        self._aged: set[str] = set()  # what the frequent sweep looks at
         self._sockets = PeerSockets(local_port, clock)
 
     def open(self, peer: str) -> bool:
@@ -108,7 +110,7 @@ class ConnectionAges:
                 last_scan = self._clock()
                 due = self.due(self._connections)
                 if self._connections:
-                    self._sockets.scan()    # so that most connections are known before they age
+                    self._sockets.scan()  # so that most connections are known before they age
             else:
                 due = self.due(self._aged)
             if due:
@@ -116,18 +118,18 @@ class ConnectionAges:
 
     def sweep(self, due: list[str]) -> None:
         found, gone = self._sockets.find(due)
-        for peer in gone:                       # the client has left already
+        for peer in gone:  # the client has left already
             self._mark_closed(peer)
         for peer, sock in found.items():
             try:
-                if _unread(sock):               # a call arriving: look again after another quiet spell
+                if _unread(sock):  # a call arriving: look again after another quiet spell
                     self._connections[peer].last_activity = self._clock()
                     continue
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass                            # closed meanwhile
+                pass  # closed meanwhile
             finally:
-                sock.close()                    # our duplicate only
+                sock.close()  # our duplicate only
             self._mark_closed(peer)
             metrics.CONNECTIONS_MOVED.inc()
             log_event(logger, "connection closed at its maximum age", logging.DEBUG, peer=peer)
@@ -160,7 +162,7 @@ class PeerSockets:
             if sock is not None:
                 found[peer] = sock
             elif address is None:
-                gone.append(peer)               # not a TCP client: nothing to close
+                gone.append(peer)  # not a TCP client: nothing to close
             else:
                 missing.append(peer)
         if not missing or self._clock() - self._scanned_at < RESCAN_S:
@@ -206,11 +208,14 @@ class PeerSockets:
 
     def _address_of(self, sock: socket.socket) -> tuple[str, int] | None:
         try:
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM \
-                    and sock.getsockname()[1] == self.local_port:
+            if (
+                sock.family in (socket.AF_INET, socket.AF_INET6)
+                and sock.type == socket.SOCK_STREAM
+                and sock.getsockname()[1] == self.local_port
+            ):
                 return _normalized(sock.getpeername())
         except OSError:
-            pass                                # a listener, or not connected
+            pass  # a listener, or not connected
         return None
 
 

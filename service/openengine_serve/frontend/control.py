@@ -17,8 +17,8 @@ from ..common.logging_setup import log_event
 from . import auth
 from .coordinator_client import AbortIncomplete, CoordinatorClient
 from .probe import InferenceProbe
-from .served_model import ServedModel
 from .refusal import InvalidRequest
+from .served_model import ServedModel
 from .validation import check_request_id, shown
 
 logger = logging.getLogger("openengine_serve.frontend")
@@ -28,17 +28,30 @@ SCHEMA_RELEASE = "openengine@4def7c50b05e0674a0c3b26917399155535966e4"
 ENGINE_NAME = "openengine-serve"
 
 # every guide kind of the protocol: common/guides.py compiles each to an llguidance grammar
-GUIDED_MODES = [model_pb2.GUIDED_DECODING_MODE_JSON_SCHEMA, model_pb2.GUIDED_DECODING_MODE_REGEX,
-                model_pb2.GUIDED_DECODING_MODE_EBNF_GRAMMAR, model_pb2.GUIDED_DECODING_MODE_STRUCTURAL_TAG,
-                model_pb2.GUIDED_DECODING_MODE_CHOICE, model_pb2.GUIDED_DECODING_MODE_JSON_OBJECT]
+GUIDED_MODES = [
+    model_pb2.GUIDED_DECODING_MODE_JSON_SCHEMA,
+    model_pb2.GUIDED_DECODING_MODE_REGEX,
+    model_pb2.GUIDED_DECODING_MODE_EBNF_GRAMMAR,
+    model_pb2.GUIDED_DECODING_MODE_STRUCTURAL_TAG,
+    model_pb2.GUIDED_DECODING_MODE_CHOICE,
+    model_pb2.GUIDED_DECODING_MODE_JSON_OBJECT,
+]
 READY = lifecycle_pb2.HEALTH_STATE_READY
 DEGRADED = lifecycle_pb2.HEALTH_STATE_DEGRADED
 NOT_READY = lifecycle_pb2.HEALTH_STATE_NOT_READY
 
 
 class Control(openengine_pb2_grpc.ControlServicer):
-    def __init__(self, config: FrontendConfig, frontend_id: str, implementation: ServerImplementation,
-                 coordinator: CoordinatorClient, health: Health, probe: InferenceProbe, model: ServedModel) -> None:
+    def __init__(
+        self,
+        config: FrontendConfig,
+        frontend_id: str,
+        implementation: ServerImplementation,
+        coordinator: CoordinatorClient,
+        health: Health,
+        probe: InferenceProbe,
+        model: ServedModel,
+    ) -> None:
         self.config = config
         self.model = model
         self.frontend_id = frontend_id
@@ -51,13 +64,19 @@ class Control(openengine_pb2_grpc.ControlServicer):
         nodes = self.coordinator.ready_nodes() or list(self.coordinator.nodes.values())
         loaded = self.model.loaded
         info = server_pb2.ServerInfo(
-            engine_name=ENGINE_NAME, engine_version=__version__,
-            engine_role=server_pb2.ENGINE_ROLE_AGGREGATED, instance_id=self.frontend_id,
+            engine_name=ENGINE_NAME,
+            engine_version=__version__,
+            engine_role=server_pb2.ENGINE_ROLE_AGGREGATED,
+            instance_id=self.frontend_id,
             supported_models=list(loaded.limits.served_names) if loaded else [],
-            schema_revision=SCHEMA_REVISION, minimum_client_revision=SCHEMA_REVISION, schema_release=SCHEMA_RELEASE,
-            parallelism=server_pb2.ParallelismInfo(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                                   data_parallel_size=len(nodes)),
-            kv_connector=kv_pb2.KvConnectorInfo(enabled=False))
+            schema_revision=SCHEMA_REVISION,
+            minimum_client_revision=SCHEMA_REVISION,
+            schema_release=SCHEMA_RELEASE,
+            parallelism=server_pb2.ParallelismInfo(
+                tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=len(nodes)
+            ),
+            kv_connector=kv_pb2.KvConnectorInfo(enabled=False),
+        )
         if nodes:
             info.capacity.max_running_requests = sum(n.load.max_running_requests for n in nodes)
         info.extra.update({**self.implementation.describe(), "frontend_id": self.frontend_id})
@@ -76,48 +95,77 @@ class Control(openengine_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model is required; served: {', '.join(names)}")
             return
         if request.model not in names:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model {shown(request.model)} is not served; served: {', '.join(names)}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"model {shown(request.model)} is not served; served: {', '.join(names)}"
+            )
             return
         logprobs = model_pb2.LogprobCapabilities(
-            supported=True, max_top_n=limits.max_top_n,
-            candidate_selection_modes=[model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N,
-                                       model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS])
+            supported=True,
+            max_top_n=limits.max_top_n,
+            candidate_selection_modes=[
+                model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N,
+                model_pb2.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS,
+            ],
+        )
         tokenizer = loaded.tokenizer
         info = model_pb2.ModelInfo(
-            model_id=loaded.card.name, served_model_name=limits.served_model_name,
+            model_id=loaded.card.name,
+            served_model_name=limits.served_model_name,
             served_model_aliases=list(limits.aliases),
-            max_context_length=limits.max_context_length, max_output_tokens=limits.max_output_tokens,
-            tokenizer_modes=[tokenizer.mode], supports_text_input=True, supports_token_ids_input=True,
+            max_context_length=limits.max_context_length,
+            max_output_tokens=limits.max_output_tokens,
+            tokenizer_modes=[tokenizer.mode],
+            supports_text_input=True,
+            supports_token_ids_input=True,
             generation=model_pb2.GenerationCapabilities(
-                prompt_logprobs=logprobs, output_logprobs=logprobs,
+                prompt_logprobs=logprobs,
+                output_logprobs=logprobs,
                 guided_decoding=model_pb2.GuidedDecodingCapabilities(
-                    supported=limits.guided_decoding, modes=GUIDED_MODES if limits.guided_decoding else []),
-                max_num_sequences=limits.max_num_sequences, supports_priority=True,
-                supports_stop_in_output=True, supports_cache_salt=limits.prefix_cache,
-                supports_prefix_cache_bypass=limits.prefix_cache),
-            supports_lora=False, supports_multimodal=False)
-        info.extra.update({"engine": loaded.card.engine, "vocab_size": tokenizer.n_vocab,
-                           "end_of_generation_token_ids": list(tokenizer.end_of_generation),
-                           "max_candidate_token_ids": limits.max_candidate_token_ids,
-                           "chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
-                           "eos_token": tokenizer.eos_token, "tokenizer_digest": loaded.card.tokenizer_digest})
+                    supported=limits.guided_decoding, modes=GUIDED_MODES if limits.guided_decoding else []
+                ),
+                max_num_sequences=limits.max_num_sequences,
+                supports_priority=True,
+                supports_stop_in_output=True,
+                supports_cache_salt=limits.prefix_cache,
+                supports_prefix_cache_bypass=limits.prefix_cache,
+            ),
+            supports_lora=False,
+            supports_multimodal=False,
+        )
+        info.extra.update(
+            {
+                "engine": loaded.card.engine,
+                "vocab_size": tokenizer.n_vocab,
+                "end_of_generation_token_ids": list(tokenizer.end_of_generation),
+                "max_candidate_token_ids": limits.max_candidate_token_ids,
+                "chat_template": tokenizer.chat_template,
+                "bos_token": tokenizer.bos_token,
+                "eos_token": tokenizer.eos_token,
+                "tokenizer_digest": loaded.card.tokenizer_digest,
+            }
+        )
         return info
 
     async def GetLoad(self, request, context) -> server_pb2.LoadInfo:
         load = await self.coordinator.cluster_load()
         live = [n for n in load.nodes if n.state in (cluster_pb2.NODE_STATE_READY, cluster_pb2.NODE_STATE_DRAINING)]
         info = server_pb2.LoadInfo(
-            instance_id=self.frontend_id, timestamp_unix_nanos=time.time_ns(),
+            instance_id=self.frontend_id,
+            timestamp_unix_nanos=time.time_ns(),
             running_requests=sum(n.load.running_requests for n in live),
             queued_requests=sum(n.load.queued_requests for n in live),
             running_tokens=sum(n.load.running_tokens for n in live),
             waiting_tokens=sum(n.load.waiting_tokens for n in live),
-            decode_batch_size=sum(n.load.decode_batch_size for n in live))
+            decode_batch_size=sum(n.load.decode_batch_size for n in live),
+        )
         if request.include_per_rank:
             for n in sorted(live, key=lambda n: n.rank):
-                info.ranks.add(data_parallel_rank=n.rank, running_requests=n.load.running_requests,
-                               queued_requests=n.load.queued_requests, decode_batch_size=n.load.decode_batch_size)
+                info.ranks.add(
+                    data_parallel_rank=n.rank,
+                    running_requests=n.load.running_requests,
+                    queued_requests=n.load.queued_requests,
+                    decode_batch_size=n.load.decode_batch_size,
+                )
         return info
 
     async def Health(self, request, context) -> lifecycle_pb2.HealthResponse:
@@ -130,36 +178,58 @@ class Control(openengine_pb2_grpc.ControlServicer):
     def health_checks(self) -> list[lifecycle_pb2.HealthCheck]:
         """grpc, coordinator, scheduler, model — in that order; the first non-READY one is the overall state."""
         draining = self.health.draining
-        checks = [lifecycle_pb2.HealthCheck(
-            name="grpc", state=lifecycle_pb2.HEALTH_STATE_DRAINING if draining else READY,
-            message="draining: new requests are refused" if draining else f"serving on {self.implementation.name}")]
+        checks = [
+            lifecycle_pb2.HealthCheck(
+                name="grpc",
+                state=lifecycle_pb2.HEALTH_STATE_DRAINING if draining else READY,
+                message="draining: new requests are refused" if draining else f"serving on {self.implementation.name}",
+            )
+        ]
         coordinator = self.coordinator
         ready_nodes = coordinator.ready_nodes()
         if coordinator.reachable:
             checks.append(lifecycle_pb2.HealthCheck(name="coordinator", state=READY, message=coordinator.address))
         else:
-            checks.append(lifecycle_pb2.HealthCheck(
-                name="coordinator", state=DEGRADED if ready_nodes else NOT_READY,
-                message=f"coordinator {', '.join(coordinator.unreachable_addresses())} unreachable; "
-                        f"serving from the last known node table ({len(ready_nodes)} ready nodes)"))
-        checks.append(lifecycle_pb2.HealthCheck(
-            name="scheduler", state=READY if ready_nodes else NOT_READY,
-            message=f"{len(ready_nodes)} ready nodes of {len(coordinator.nodes)} known"))
+            checks.append(
+                lifecycle_pb2.HealthCheck(
+                    name="coordinator",
+                    state=DEGRADED if ready_nodes else NOT_READY,
+                    message=f"coordinator {', '.join(coordinator.unreachable_addresses())} unreachable; "
+                    f"serving from the last known node table ({len(ready_nodes)} ready nodes)",
+                )
+            )
+        checks.append(
+            lifecycle_pb2.HealthCheck(
+                name="scheduler",
+                state=READY if ready_nodes else NOT_READY,
+                message=f"{len(ready_nodes)} ready nodes of {len(coordinator.nodes)} known",
+            )
+        )
         loaded = self.model.loaded
         if loaded is None:
-            checks.append(lifecycle_pb2.HealthCheck(name="model", state=lifecycle_pb2.HEALTH_STATE_STARTING,
-                                                    message="waiting for a ready node's model"))
+            checks.append(
+                lifecycle_pb2.HealthCheck(
+                    name="model", state=lifecycle_pb2.HEALTH_STATE_STARTING, message="waiting for a ready node's model"
+                )
+            )
         else:
-            checks.append(lifecycle_pb2.HealthCheck(
-                name="model", state=READY, message=f"{loaded.name} ({loaded.card.engine}): tokenizer "
-                                                   f"{loaded.tokenizer.mode} loaded from node {loaded.node_id}"))
+            checks.append(
+                lifecycle_pb2.HealthCheck(
+                    name="model",
+                    state=READY,
+                    message=f"{loaded.name} ({loaded.card.engine}): tokenizer "
+                    f"{loaded.tokenizer.mode} loaded from node {loaded.node_id}",
+                )
+            )
         return checks
 
     async def Abort(self, request: lifecycle_pb2.AbortRequest, context) -> lifecycle_pb2.AbortResponse:
         target = request.WhichOneof("target")
         if target is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "exactly one target is required: request_id, kv_session or all_requests")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "exactly one target is required: request_id, kv_session or all_requests",
+            )
             return
         if target == "kv_session":
             await context.abort(grpc.StatusCode.NOT_FOUND, "no KV sessions exist in an aggregated deployment")
@@ -174,29 +244,49 @@ class Control(openengine_pb2_grpc.ControlServicer):
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
             return
-        cluster_request = (cluster_pb2.ClusterAbortRequest(all_requests=True) if target == "all_requests"
-                           else cluster_pb2.ClusterAbortRequest(request_id=request.request_id, owner=owner))
+        cluster_request = (
+            cluster_pb2.ClusterAbortRequest(all_requests=True)
+            if target == "all_requests"
+            else cluster_pb2.ClusterAbortRequest(request_id=request.request_id, owner=owner)
+        )
         try:
             reply = await self.coordinator.abort(cluster_request)
         except grpc.aio.AioRpcError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"abort needs the coordinator, which is unreachable ({exc.code().name})")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"abort needs the coordinator, which is unreachable ({exc.code().name})"
+            )
             return
         except AbortIncomplete as exc:  # several coordinators, some unreachable: what the others aborted stays
-            log_event(logger, "abort incomplete", logging.WARNING, target=target, key=auth.caller_label(),
-                      aborted=exc.aborted, unreachable=[address for address, _ in exc.unreachable])
+            log_event(
+                logger,
+                "abort incomplete",
+                logging.WARNING,
+                target=target,
+                key=auth.caller_label(),
+                aborted=exc.aborted,
+                unreachable=[address for address, _ in exc.unreachable],
+            )
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; retry the Abort")
             return
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_NOT_FOUND:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {shown(request.request_id)} is not known")
             return
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED:
-            return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED,
-                                               message=f"request_id {shown(request.request_id)} already finished")
-        log_event(logger, "abort", target=target, request_id=request.request_id, key=auth.caller_label(),
-                  aborted=reply.aborted)
-        return lifecycle_pb2.AbortResponse(status=lifecycle_pb2.ABORT_STATUS_ABORTED,
-                                           message=f"aborted {reply.aborted} request(s)")
+            return lifecycle_pb2.AbortResponse(
+                status=lifecycle_pb2.ABORT_STATUS_ALREADY_FINISHED,
+                message=f"request_id {shown(request.request_id)} already finished",
+            )
+        log_event(
+            logger,
+            "abort",
+            target=target,
+            request_id=request.request_id,
+            key=auth.caller_label(),
+            aborted=reply.aborted,
+        )
+        return lifecycle_pb2.AbortResponse(
+            status=lifecycle_pb2.ABORT_STATUS_ABORTED, message=f"aborted {reply.aborted} request(s)"
+        )
 
     async def LoadLora(self, request, context) -> lora_pb2.LoadLoraResponse:
         await _lora_disabled(context)
@@ -211,8 +301,10 @@ class Control(openengine_pb2_grpc.ControlServicer):
         return kv_pb2.GetKvEventSourcesResponse()
 
     async def SubscribeKvEvents(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "KV events are not available: this engine has no KV connector (kv_connector.enabled=false)")
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "KV events are not available: this engine has no KV connector (kv_connector.enabled=false)",
+        )
         return
         yield  # pragma: no cover - makes this an async generator like the other streaming handler
 

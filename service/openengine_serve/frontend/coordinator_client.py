@@ -48,8 +48,10 @@ class AbortIncomplete(Exception):
     """Abort(all_requests) reached some of the coordinators only: `aborted` counts what those stopped."""
 
     def __init__(self, aborted: int, unreachable: list[tuple[str, grpc.StatusCode]]) -> None:
-        super().__init__(f"aborted {aborted} request(s) on the reachable coordinators; "
-                         + ", ".join(f"{address} unreachable ({code.name})" for address, code in unreachable))
+        super().__init__(
+            f"aborted {aborted} request(s) on the reachable coordinators; "
+            + ", ".join(f"{address} unreachable ({code.name})" for address, code in unreachable)
+        )
         self.aborted = aborted
         self.unreachable = unreachable
 
@@ -58,8 +60,9 @@ class CoordinatorShard:
     """One coordinator of the deployment as this frontend sees it: its channel, its reservation stream, whether
     it answers, and the node table it last sent."""
 
-    def __init__(self, frontend_id: str, address: str, open_channel: Callable[[str], grpc.aio.Channel],
-                 call_timeout_s: float) -> None:
+    def __init__(
+        self, frontend_id: str, address: str, open_channel: Callable[[str], grpc.aio.Channel], call_timeout_s: float
+    ) -> None:
         self.address = address
         self.reachable = False
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}
@@ -79,10 +82,17 @@ class CoordinatorClient:
     """The deployment's coordinators: usually one; with several, each request id belongs to one of them
     (`common/routing.py : owning_coordinator`), and this frontend registers and heartbeats with all of them."""
 
-    def __init__(self, frontend_id: str, addresses: Sequence[str], advertised_address: str, heartbeat_s: float,
-                 call_timeout_s: float, live_requests: Callable[[], int],
-                 on_node_table: Callable[[dict[str, cluster_pb2.NodeEntry]], None],
-                 open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:
+    def __init__(
+        self,
+        frontend_id: str,
+        addresses: Sequence[str],
+        advertised_address: str,
+        heartbeat_s: float,
+        call_timeout_s: float,
+        live_requests: Callable[[], int],
+        on_node_table: Callable[[dict[str, cluster_pb2.NodeEntry]], None],
+        open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+    ) -> None:
         if not addresses:
             raise ValueError("at least one coordinator address is needed")
         self.frontend_id = frontend_id
@@ -94,8 +104,9 @@ class CoordinatorClient:
         self.call_timeout_s = call_timeout_s
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}  # the last known table
         self.table_updated = asyncio.Event()  # set at each node table a coordinator sends (readiness follows it)
-        self.shards = [CoordinatorShard(frontend_id, address, open_channel, call_timeout_s)
-                       for address in self.addresses]
+        self.shards = [
+            CoordinatorShard(frontend_id, address, open_channel, call_timeout_s) for address in self.addresses
+        ]
         self._shard_by_address = {shard.address: shard for shard in self.shards}
         self._live_requests = live_requests
         self._on_node_table = on_node_table
@@ -121,19 +132,27 @@ class CoordinatorClient:
         """Registers with one coordinator, then heartbeats on its stream (`common/heartbeat_stream.py :
         PeerHeartbeats`); each reply brings its node table up to date, a failure marks it unreachable."""
         await PeerHeartbeats(
-            shard.heartbeats, self.heartbeat_s, register=lambda: self._register(shard),
+            shard.heartbeats,
+            self.heartbeat_s,
+            register=lambda: self._register(shard),
             # live_requests is this frontend's total on every coordinator (a gauge to read per coordinator).
-            heartbeat=lambda: cluster_pb2.FrontendHeartbeatRequest(frontend_id=self.frontend_id,
-                                                                   live_requests=self._live_requests()),
+            heartbeat=lambda: cluster_pb2.FrontendHeartbeatRequest(
+                frontend_id=self.frontend_id, live_requests=self._live_requests()
+            ),
             on_reply=lambda heartbeat, reply: self._heartbeat_answered(shard, reply),
             on_register_failed=lambda exc: self._set_reachable(shard, False, exc),
             on_heartbeat_failed=lambda exc: self._set_reachable(shard, False, detail=str(exc)),
-            register_at_once_when_forgotten=False, register_after_failed_heartbeat=True).run()
+            register_at_once_when_forgotten=False,
+            register_after_failed_heartbeat=True,
+        ).run()
 
     async def _register(self, shard: CoordinatorShard) -> None:
-        reply = await shard.stub.RegisterFrontend(cluster_pb2.RegisterFrontendRequest(
-            frontend_id=self.frontend_id, address=self.advertised_address, incarnation=self.incarnation),
-            timeout=self.call_timeout_s)
+        reply = await shard.stub.RegisterFrontend(
+            cluster_pb2.RegisterFrontendRequest(
+                frontend_id=self.frontend_id, address=self.advertised_address, incarnation=self.incarnation
+            ),
+            timeout=self.call_timeout_s,
+        )
         self._set_reachable(shard, True)
         self._set_nodes(shard, reply.nodes)
         log_event(logger, "registered with coordinator", frontend_id=self.frontend_id, coordinator=shard.address)
@@ -143,12 +162,17 @@ class CoordinatorClient:
         self._set_nodes(shard, reply.nodes, merge=not reply.full_table)
         shard.reservations.flush()  # releases kept since a broken stream, when no request came since
 
-    def _set_reachable(self, shard: CoordinatorShard, reachable: bool, exc: grpc.aio.AioRpcError | None = None,
-                       detail: str = "") -> None:
+    def _set_reachable(
+        self, shard: CoordinatorShard, reachable: bool, exc: grpc.aio.AioRpcError | None = None, detail: str = ""
+    ) -> None:
         if reachable != shard.reachable:
-            log_event(logger, "coordinator reachable" if reachable else "coordinator unreachable",
-                      logging.INFO if reachable else logging.WARNING, coordinator=shard.address,
-                      **({"code": exc.code().name} if exc else {"detail": detail} if detail else {}))
+            log_event(
+                logger,
+                "coordinator reachable" if reachable else "coordinator unreachable",
+                logging.INFO if reachable else logging.WARNING,
+                coordinator=shard.address,
+                **({"code": exc.code().name} if exc else {"detail": detail} if detail else {}),
+            )
         shard.reachable = reachable
 
     def _set_nodes(self, shard: CoordinatorShard, entries, merge: bool = False) -> None:
@@ -168,9 +192,17 @@ class CoordinatorClient:
         self._on_node_table(self.nodes)
         self.table_updated.set()
 
-    async def reserve(self, request_id: str, routing_key: str, target_rank: int | None, prompt_tokens: int,
-                      num_sequences: int, trace: tuple[tuple[str, str], ...] = (),
-                      owner: str = "", prefix_key: str = "") -> cluster_pb2.NodeEntry:
+    async def reserve(
+        self,
+        request_id: str,
+        routing_key: str,
+        target_rank: int | None,
+        prompt_tokens: int,
+        num_sequences: int,
+        trace: tuple[tuple[str, str], ...] = (),
+        owner: str = "",
+        prefix_key: str = "",
+    ) -> cluster_pb2.NodeEntry:
         """The node the id's coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API
         key name that starts the request, so that only it (or an admin) can abort it. `prefix_key`: its prompt's
         prefix (requests.prefix_key), which the coordinator prefers to send where that prefix went.
@@ -178,8 +210,14 @@ class CoordinatorClient:
         Batched with the other reservations of this event-loop tick; the deadline is per reservation. `trace`
         (traceparent/tracestate pairs) rides in the reservation, since a batch has no per-request metadata.
         """
-        request = cluster_pb2.ReserveRequest(request_id=request_id, routing_key=routing_key, prefix_key=prefix_key,
-                                             prompt_tokens=prompt_tokens, num_sequences=num_sequences, owner=owner)
+        request = cluster_pb2.ReserveRequest(
+            request_id=request_id,
+            routing_key=routing_key,
+            prefix_key=prefix_key,
+            prompt_tokens=prompt_tokens,
+            num_sequences=num_sequences,
+            owner=owner,
+        )
         for key, value in trace:
             if key in ("traceparent", "tracestate"):
                 setattr(request, key, value)
@@ -212,8 +250,14 @@ class CoordinatorClient:
             raise replies[0]
         aborted = sum(reply.aborted for reply in answered)
         if len(answered) < len(replies):
-            raise AbortIncomplete(aborted, [(shard.address, reply.code()) for shard, reply in zip(self.shards, replies)
-                                            if isinstance(reply, grpc.aio.AioRpcError)])
+            raise AbortIncomplete(
+                aborted,
+                [
+                    (shard.address, reply.code())
+                    for shard, reply in zip(self.shards, replies)
+                    if isinstance(reply, grpc.aio.AioRpcError)
+                ],
+            )
         return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ABORTED, aborted=aborted)
 
     async def cluster_load(self) -> cluster_pb2.ClusterLoad:
@@ -221,12 +265,14 @@ class CoordinatorClient:
         their load to every coordinator: the node entries are the first answering coordinator's; the live
         reservations are the sum over coordinators (each counts the ids it owns)."""
         replies = await self._each_shard(
-            lambda stub: stub.GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=self.call_timeout_s))
+            lambda stub: stub.GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=self.call_timeout_s)
+        )
         answered = [reply for reply in replies if not isinstance(reply, grpc.aio.AioRpcError)]
         if not answered:
             return cluster_pb2.ClusterLoad(nodes=list(self.nodes.values()))
-        return cluster_pb2.ClusterLoad(nodes=answered[0].nodes,
-                                       live_reservations=sum(reply.live_reservations for reply in answered))
+        return cluster_pb2.ClusterLoad(
+            nodes=answered[0].nodes, live_reservations=sum(reply.live_reservations for reply in answered)
+        )
 
     async def _each_shard(self, call) -> list:
         """`call(stub)` on every coordinator at once; a coordinator's gRPC error is its entry in the list."""

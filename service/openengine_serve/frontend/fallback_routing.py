@@ -16,8 +16,13 @@ class FallbackRouter:
     def __init__(self) -> None:
         self._round_robin = itertools.count()
 
-    def choose(self, ready: list[cluster_pb2.NodeEntry], routing_key: str, target_rank: int | None,
-               in_flight: Callable[[str], int]) -> cluster_pb2.NodeEntry:
+    def choose(
+        self,
+        ready: list[cluster_pb2.NodeEntry],
+        routing_key: str,
+        target_rank: int | None,
+        in_flight: Callable[[str], int],
+    ) -> cluster_pb2.NodeEntry:
         """The node for a request among the READY ones; `in_flight(node_id)` is this frontend's open requests
         on that node. Raises NotServed (no ready node has target_rank) or Unavailable (no ready node)."""
         if target_rank is not None:

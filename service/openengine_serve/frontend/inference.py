@@ -23,8 +23,16 @@ from ..common.health import Health
 from ..common.logging_setup import log_event
 from . import auth, metrics
 from .nodes import LaneFailure
-from .refusal import (DuplicateRequest, InvalidRequest, KeyAtLimit, NotServed, Overloaded, Refusal, Unavailable,
-                      Unsupported)
+from .refusal import (
+    DuplicateRequest,
+    InvalidRequest,
+    KeyAtLimit,
+    NotServed,
+    Overloaded,
+    Refusal,
+    Unavailable,
+    Unsupported,
+)
 from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests, prefix_key
 from .served_model import LoadedModel, ServedModel
@@ -53,8 +61,14 @@ Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
 
 
 class Inference(openengine_pb2_grpc.InferenceServicer):
-    def __init__(self, config: FrontendConfig, model: ServedModel, requests: Requests, health: Health,
-                 server_implementation: str = "") -> None:
+    def __init__(
+        self,
+        config: FrontendConfig,
+        model: ServedModel,
+        requests: Requests,
+        health: Health,
+        server_implementation: str = "",
+    ) -> None:
         self.model = model
         self.server_implementation = server_implementation  # for the request span
         self.requests = requests
@@ -87,17 +101,20 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         invocation_metadata = context.invocation_metadata() or ()
         trace = RequestTrace.start(invocation_metadata, self.server_implementation)
         if trace.span is not None:
-            trace.set_attributes(**{"openengine.request_id": request.request_id,
-                                    "gen_ai.request.model": request.model})
+            trace.set_attributes(**{"openengine.request_id": request.request_id, "gen_ai.request.model": request.model})
             trace.set_key_name(auth.owner())  # the caller's API key name; absent when keys are off
         try:
             if self.health.draining:
                 raise Unavailable("this frontend is draining; retry on another frontend")
             if self.requests.open_count >= self.max_in_flight:
                 metrics.IN_FLIGHT_REFUSALS.inc()
-                raise _retry_later(context, Overloaded(
-                    f"this frontend worker has its maximum of {self.max_in_flight} streams open "
-                    f"(OPENENGINE_MAX_IN_FLIGHT); retry in {RETRY_AFTER_MS} ms or on another frontend"))
+                raise _retry_later(
+                    context,
+                    Overloaded(
+                        f"this frontend worker has its maximum of {self.max_in_flight} streams open "
+                        f"(OPENENGINE_MAX_IN_FLIGHT); retry in {RETRY_AFTER_MS} ms or on another frontend"
+                    ),
+                )
             key_refusal = self._key_at_limit(auth.caller())
             if key_refusal is not None:
                 raise _retry_later(context, key_refusal)
@@ -130,8 +147,11 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         except BaseException as exc:
             # Before the stream took over (it ends the span itself): the client left during Reserve or Submit.
             cancelled = isinstance(exc, asyncio.CancelledError)
-            trace.end(status="cancelled" if cancelled else "error", code="CANCELLED" if cancelled else "INTERNAL",
-                      error=None if cancelled else exc)
+            trace.end(
+                status="cancelled" if cancelled else "error",
+                code="CANCELLED" if cancelled else "INTERNAL",
+                error=None if cancelled else exc,
+            )
             raise
 
     async def check_guide(self, plan: GenerationPlan) -> None:
@@ -142,8 +162,10 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             async with asyncio.timeout(self.guide_compile_timeout_s):
                 await asyncio.to_thread(guides.check, plan.guide_kind, plan.guide, tokenizer, guides.Limits())
         except TimeoutError:
-            raise InvalidRequest(f"guided.{plan.guide_kind} took longer than {self.guide_compile_timeout_s:g} s to "
-                                 f"compile (OPENENGINE_GUIDE_COMPILE_TIMEOUT_S); simplify it") from None
+            raise InvalidRequest(
+                f"guided.{plan.guide_kind} took longer than {self.guide_compile_timeout_s:g} s to "
+                f"compile (OPENENGINE_GUIDE_COMPILE_TIMEOUT_S); simplify it"
+            ) from None
         except guides.GuideError as exc:
             raise InvalidRequest(str(exc)) from None
 
@@ -151,12 +173,17 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         """The refusal of a caller whose API key has its maximum of streams open in this worker, else None."""
         if key is None:
             return None
-        limit, source = ((key.max_in_flight, "its max_in_flight in OPENENGINE_API_KEYS_FILE") if key.max_in_flight
-                         else (self.key_max_in_flight, "OPENENGINE_API_KEY_MAX_IN_FLIGHT"))
+        limit, source = (
+            (key.max_in_flight, "its max_in_flight in OPENENGINE_API_KEYS_FILE")
+            if key.max_in_flight
+            else (self.key_max_in_flight, "OPENENGINE_API_KEY_MAX_IN_FLIGHT")
+        )
         if not limit or self.requests.open_count_of(key.name) < limit:
             return None
-        return KeyAtLimit(f"API key {key.name!r} has its maximum of {limit} streams open on this frontend worker "
-                          f"({source}); retry in {RETRY_AFTER_MS} ms")
+        return KeyAtLimit(
+            f"API key {key.name!r} has its maximum of {limit} streams open on this frontend worker "
+            f"({source}); retry in {RETRY_AFTER_MS} ms"
+        )
 
     async def _end_stalled(self, plan: GenerationPlan, context, write: Write) -> None:
         """A client that accepted no output for the stall timeout; its engine slot is already freed. One
@@ -172,8 +199,14 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             # window): a client that reads again sees its end, one that left takes the call with it.
             await context.abort(grpc.StatusCode.CANCELLED, message)
 
-    async def stream(self, plan: GenerationPlan, accepted: OpenRequest, started: float, write: Write,
-                     send_now: Callable[[bytes], bool] | None = None) -> None:
+    async def stream(
+        self,
+        plan: GenerationPlan,
+        accepted: OpenRequest,
+        started: float,
+        write: Write,
+        send_now: Callable[[bytes], bool] | None = None,
+    ) -> None:
         """Streams the request's engine events to `write` until every output finished (or the stream failed).
 
         `send_now` (pygrpc-native, grpc_server.NativeStreamSender.try_send): once the first token is out, the
@@ -243,8 +276,14 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 if failure is not None:
                     status, code = "failed", "OK"
                     draining = isinstance(failure, LaneFailure) and failure.draining
-                    await write(engine_error(request_id, error_pb2.ERROR_CODE_DRAINING if draining
-                                             else error_pb2.ERROR_CODE_INTERNAL, failure.message, failure.retryable))
+                    await write(
+                        engine_error(
+                            request_id,
+                            error_pb2.ERROR_CODE_DRAINING if draining else error_pb2.ERROR_CODE_INTERNAL,
+                            failure.message,
+                            failure.retryable,
+                        )
+                    )
                     return
                 if not prompt_sent and items[0].prompt_tokens:
                     prompt_sent = True
@@ -266,8 +305,9 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                         open_outputs -= 1
                         finish_reasons.append(finished.finished.reason)
                         if not open_outputs:
-                            finished.usage.CopyFrom(_usage(plan, outputs, cached_prompt_tokens
-                                                           if loaded.limits.prefix_cache else None))
+                            finished.usage.CopyFrom(
+                                _usage(plan, outputs, cached_prompt_tokens if loaded.limits.prefix_cache else None)
+                            )
                         await emit(finished)
                 if new_tokens:
                     if first_token_at is None:
@@ -304,14 +344,30 @@ def _log_first_token(accepted: OpenRequest, ttft_s: float) -> None:
     inbox, taken by the stream, written."""
     opened_at, reserved_at, submitted_at = accepted.hops
     sink = accepted.sink
-    log_event(logger, "first token", logging.DEBUG, request_id=accepted.request_id, ttft_s=f"{ttft_s:.6f}",
-              opened_at=f"{opened_at:.6f}", reserved_at=f"{reserved_at:.6f}", submitted_at=f"{submitted_at:.6f}",
-              first_event_at=f"{sink.first_event_at:.6f}", taken_at=f"{sink.writing_since:.6f}",
-              written_at=f"{time.monotonic():.6f}")
+    log_event(
+        logger,
+        "first token",
+        logging.DEBUG,
+        request_id=accepted.request_id,
+        ttft_s=f"{ttft_s:.6f}",
+        opened_at=f"{opened_at:.6f}",
+        reserved_at=f"{reserved_at:.6f}",
+        submitted_at=f"{submitted_at:.6f}",
+        first_event_at=f"{sink.first_event_at:.6f}",
+        taken_at=f"{sink.writing_since:.6f}",
+        written_at=f"{time.monotonic():.6f}",
+    )
 
 
-def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[OutputStream], status: str, code: str,
-                started: float, finish_reasons: Sequence[int]) -> None:
+def _record_end(
+    plan: GenerationPlan,
+    accepted: OpenRequest,
+    outputs: list[OutputStream],
+    status: str,
+    code: str,
+    started: float,
+    finish_reasons: Sequence[int],
+) -> None:
     duration = time.perf_counter() - started
     completion_tokens = sum(o.generated for o in outputs)
     metrics.IN_FLIGHT.dec()
@@ -320,9 +376,17 @@ def _record_end(plan: GenerationPlan, accepted: OpenRequest, outputs: list[Outpu
     metrics.E2E.observe(duration)
     accepted.trace.event("finished", status=status)
     accepted.trace.end(status=status, code=code, completion_tokens=completion_tokens, finish_reasons=finish_reasons)
-    log_event(logger, "request ended", request_id=plan.request_id, key=key, trace_id=trace_id(plan.metadata),
-              node_id=accepted.node.node_id, status=status, completion_tokens=completion_tokens,
-              duration_s=f"{duration:.3f}")
+    log_event(
+        logger,
+        "request ended",
+        request_id=plan.request_id,
+        key=key,
+        trace_id=trace_id(plan.metadata),
+        node_id=accepted.node.node_id,
+        status=status,
+        completion_tokens=completion_tokens,
+        duration_s=f"{duration:.3f}",
+    )
 
 
 def _retry_later(context, refusal: Refusal) -> Refusal:

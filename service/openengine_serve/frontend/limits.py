@@ -35,15 +35,18 @@ def metadata_size(metadata) -> int:
 
 
 def transport_options(config) -> tuple[tuple[str, int], ...]:
-    return (("grpc.max_receive_message_length", config.max_request_bytes),
-            ("grpc.max_metadata_size", TRANSPORT_MAX_METADATA_BYTES),
-            ("grpc.absolute_max_metadata_size", TRANSPORT_MAX_METADATA_BYTES),
-            ("grpc.max_concurrent_streams", 2 * config.max_concurrent_streams))
+    return (
+        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.max_metadata_size", TRANSPORT_MAX_METADATA_BYTES),
+        ("grpc.absolute_max_metadata_size", TRANSPORT_MAX_METADATA_BYTES),
+        ("grpc.max_concurrent_streams", 2 * config.max_concurrent_streams),
+    )
 
 
 class LimitsInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, max_metadata_bytes: int, max_concurrent_streams: int,
-                 ages: ConnectionAges | None = None) -> None:
+    def __init__(
+        self, max_metadata_bytes: int, max_concurrent_streams: int, ages: ConnectionAges | None = None
+    ) -> None:
         self.max_metadata_bytes = max_metadata_bytes
         self.max_concurrent_streams = max_concurrent_streams
         self.ages = ages  # pygrpc-native with OPENENGINE_MAX_CONNECTION_AGE_S (connection_age.py)
@@ -58,9 +61,12 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             return handler
         size = metadata_size(handler_call_details.invocation_metadata)
         if size > self.max_metadata_bytes:
-            return refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"request metadata is {size} bytes, over the limit of {self.max_metadata_bytes} "
-                           "(OPENENGINE_MAX_METADATA_BYTES)")
+            return refusal(
+                handler,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request metadata is {size} bytes, over the limit of {self.max_metadata_bytes} "
+                "(OPENENGINE_MAX_METADATA_BYTES)",
+            )
         return cached_wrapper(self._counted_by_handler, handler, self._counted, handler)
 
     def _counted(self, handler):
@@ -69,8 +75,10 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         limit = self.max_concurrent_streams
         open_calls = self.open_calls
         ages = self.ages
-        over = (f"more than {limit} concurrent calls on one connection (OPENENGINE_MAX_CONCURRENT_STREAMS); "
-                "open another connection or wait for a call to end")
+        over = (
+            f"more than {limit} concurrent calls on one connection (OPENENGINE_MAX_CONCURRENT_STREAMS); "
+            "open another connection or wait for a call to end"
+        )
 
         async def counted(request, context):
             peer = context.peer()

@@ -16,42 +16,65 @@ from prometheus_client import Counter, Gauge, Histogram
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _DURATION = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-REQUESTS = Counter("openengine_frontend_requests", "Generate calls by final status, gRPC code and API key name "
-                   "(`-` when keys are off)", ["status", "code", "key"])
+REQUESTS = Counter(
+    "openengine_frontend_requests",
+    "Generate calls by final status, gRPC code and API key name (`-` when keys are off)",
+    ["status", "code", "key"],
+)
 TTFT = Histogram("openengine_frontend_time_to_first_token_seconds", "time to first token", buckets=_LATENCY)
-ITL = Histogram("openengine_frontend_inter_token_latency_seconds", "time between token deltas of a stream",
-                buckets=_LATENCY)
+ITL = Histogram(
+    "openengine_frontend_inter_token_latency_seconds", "time between token deltas of a stream", buckets=_LATENCY
+)
 E2E = Histogram("openengine_frontend_request_duration_seconds", "Generate call duration", buckets=_DURATION)
 PROMPT_TOKENS = Counter("openengine_frontend_prompt_tokens", "prompt tokens of accepted requests")
 GENERATED_TOKENS = Counter("openengine_frontend_generated_tokens", "tokens streamed to clients")
 IN_FLIGHT = Gauge("openengine_frontend_in_flight_requests", "Generate streams open", multiprocess_mode="livesum")
 # Per worker process (label: its frontend id, <frontend>-w<i> with --workers), to see one worker saturated;
 # counts from the reservation on, so a request stuck reserving or submitting shows too.
-WORKER_IN_FLIGHT = Gauge("openengine_frontend_worker_in_flight_requests",
-                         "Generate requests open in this worker (reserving, submitting or streaming)",
-                         ["worker"], multiprocess_mode="livesum")
-REFUSALS = Counter("openengine_frontend_refusals", "Generate calls refused before acceptance, by reason",
-                   ["reason"])
-SERVER_INFO = Gauge("openengine_frontend_grpc_server_info", "the public gRPC server implementation",
-                    ["implementation", "version"], multiprocess_mode="max")
-CLIENT_STALLS = Counter("openengine_frontend_client_stalls",
-                        "streams ended because their client accepted no output for the client stall timeout")
-CLIENT_PAUSES = Counter("openengine_frontend_client_pauses",
-                        "requests paused on their node because their client took no output for "
-                        "OPENENGINE_CLIENT_PAUSE_AFTER_S (resumed once it takes output again)")
-PAUSED_STREAMS = Gauge("openengine_frontend_paused_streams", "streams whose request is paused on its node now",
-                       multiprocess_mode="livesum")
-IN_FLIGHT_REFUSALS = Counter("openengine_frontend_in_flight_refusals",
-                             "Generate calls refused because the worker had its maximum of streams open")
-CONNECTIONS_MOVED = Counter("openengine_frontend_connections_moved",
-                            "client connections closed at OPENENGINE_MAX_CONNECTION_AGE_S so that their client "
-                            "reconnects (pygrpc-native; grpcio's GOAWAYs are not counted here)")
-CONNECTION_AGE_REFUSALS = Counter("openengine_frontend_connection_age_refusals",
-                                  "calls refused (UNAVAILABLE, not started) on a connection past "
-                                  "OPENENGINE_MAX_CONNECTION_AGE_S while it waits to be closed (pygrpc-native)")
-EVENT_LOOP_LAG = Gauge("openengine_frontend_event_loop_lag_seconds",
-                       "how late the event loop woke a periodic timer, last measurement (the worst worker)",
-                       multiprocess_mode="livemax")
+WORKER_IN_FLIGHT = Gauge(
+    "openengine_frontend_worker_in_flight_requests",
+    "Generate requests open in this worker (reserving, submitting or streaming)",
+    ["worker"],
+    multiprocess_mode="livesum",
+)
+REFUSALS = Counter("openengine_frontend_refusals", "Generate calls refused before acceptance, by reason", ["reason"])
+SERVER_INFO = Gauge(
+    "openengine_frontend_grpc_server_info",
+    "the public gRPC server implementation",
+    ["implementation", "version"],
+    multiprocess_mode="max",
+)
+CLIENT_STALLS = Counter(
+    "openengine_frontend_client_stalls",
+    "streams ended because their client accepted no output for the client stall timeout",
+)
+CLIENT_PAUSES = Counter(
+    "openengine_frontend_client_pauses",
+    "requests paused on their node because their client took no output for "
+    "OPENENGINE_CLIENT_PAUSE_AFTER_S (resumed once it takes output again)",
+)
+PAUSED_STREAMS = Gauge(
+    "openengine_frontend_paused_streams", "streams whose request is paused on its node now", multiprocess_mode="livesum"
+)
+IN_FLIGHT_REFUSALS = Counter(
+    "openengine_frontend_in_flight_refusals",
+    "Generate calls refused because the worker had its maximum of streams open",
+)
+CONNECTIONS_MOVED = Counter(
+    "openengine_frontend_connections_moved",
+    "client connections closed at OPENENGINE_MAX_CONNECTION_AGE_S so that their client "
+    "reconnects (pygrpc-native; grpcio's GOAWAYs are not counted here)",
+)
+CONNECTION_AGE_REFUSALS = Counter(
+    "openengine_frontend_connection_age_refusals",
+    "calls refused (UNAVAILABLE, not started) on a connection past "
+    "OPENENGINE_MAX_CONNECTION_AGE_S while it waits to be closed (pygrpc-native)",
+)
+EVENT_LOOP_LAG = Gauge(
+    "openengine_frontend_event_loop_lag_seconds",
+    "how late the event loop woke a periodic timer, last measurement (the worst worker)",
+    multiprocess_mode="livemax",
+)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -72,8 +95,11 @@ class DeltaMetrics:
         self._tokens_counter = tokens
         self._histogram = gaps
         self._bounds = list(getattr(gaps, "_upper_bounds", ()))
-        self._by_bucket = (len(self._bounds) > 0 and len(getattr(gaps, "_buckets", ())) == len(self._bounds)
-                           and hasattr(getattr(gaps, "_sum", None), "inc"))
+        self._by_bucket = (
+            len(self._bounds) > 0
+            and len(getattr(gaps, "_buckets", ())) == len(self._bounds)
+            and hasattr(getattr(gaps, "_sum", None), "inc")
+        )
         self._counts = [0] * len(self._bounds)
         self._gaps: list[float] = []  # only without bucket access
         self._gap_sum = 0.0

@@ -32,6 +32,7 @@ from .tasks import BackgroundTasks
 @dataclass(frozen=True)
 class LaneFailure:
     """Ends a request's stream with one terminal EngineError (node lost, stall, drain deadline)."""
+
     message: str
     retryable: bool
     draining: bool = False
@@ -58,8 +59,22 @@ class RequestSink:
     gives it no tokens, so what waits here stops growing and its tokens cost no engine, node or lane work
     until the stream resumes it (`resume`, once its client took the output)."""
 
-    __slots__ = ("items", "waiter", "last_event_at", "first_event_at", "failed", "writing_since", "owner",
-                 "client_stalled", "direct", "pause_after_s", "set_paused", "paused", "_compact_at", "_merged")
+    __slots__ = (
+        "items",
+        "waiter",
+        "last_event_at",
+        "first_event_at",
+        "failed",
+        "writing_since",
+        "owner",
+        "client_stalled",
+        "direct",
+        "pause_after_s",
+        "set_paused",
+        "paused",
+        "_compact_at",
+        "_merged",
+    )
 
     def __init__(self, pause_after_s: float = 0.0) -> None:
         self.items: deque = deque()
@@ -98,8 +113,13 @@ class RequestSink:
         if len(self.items) >= self._compact_at:
             self._compact()
         writing_since = self.writing_since
-        if (writing_since and self.pause_after_s and not self.paused and now - writing_since > self.pause_after_s
-                and self.set_paused is not None):
+        if (
+            writing_since
+            and self.pause_after_s
+            and not self.paused
+            and now - writing_since > self.pause_after_s
+            and self.set_paused is not None
+        ):
             self.paused = self.set_paused(True)
         waiter = self.waiter
         if waiter is not None and not waiter.done():
@@ -129,15 +149,19 @@ class RequestSink:
         merged = self._merged
         kept: deque = deque()
         for item in self.items:
-            if (type(item) is cluster_pb2.OutputEvent and item.finish == cluster_pb2.ENGINE_FINISH_NONE
-                    and not item.prompt_tokens):
+            if (
+                type(item) is cluster_pb2.OutputEvent
+                and item.finish == cluster_pb2.ENGINE_FINISH_NONE
+                and not item.prompt_tokens
+            ):
                 target = merged.get(item.output_index)
                 if item is target:  # merged by an earlier compaction
                     kept.append(item)
                     continue
                 if target is None:
                     target = merged[item.output_index] = cluster_pb2.OutputEvent(
-                        request_id=item.request_id, output_index=item.output_index, lane=item.lane)
+                        request_id=item.request_id, output_index=item.output_index, lane=item.lane
+                    )
                     kept.append(target)
                 target.tokens.extend(item.tokens)
                 continue
@@ -207,9 +231,15 @@ class LaneAcknowledgements:
                     await self._call.write(cluster_pb2.LaneCredit(handled=handled))
                     continue
                 pauses, self._pauses = self._pauses, {}
-                await self._call.write(cluster_pb2.LaneCredit(handled=handled, pauses=[
-                    cluster_pb2.PauseRequest(request_id=request_id, resume=resume)
-                    for request_id, resume in pauses.items()]))
+                await self._call.write(
+                    cluster_pb2.LaneCredit(
+                        handled=handled,
+                        pauses=[
+                            cluster_pb2.PauseRequest(request_id=request_id, resume=resume)
+                            for request_id, resume in pauses.items()
+                        ],
+                    )
+                )
 
     async def _pace(self) -> None:
         """This frontend is behind: if its loop is busy, waits until min_interval_s after it was called. sleep(0)
@@ -267,10 +297,17 @@ class NodeConnection:
 
 
 class NodeConnections:
-    def __init__(self, frontend_id: str, tasks: BackgroundTasks, connect_timeout_s: float,
-                 call_timeout_s: float,
-                 open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
-                 lane_window: int = 2, lane_busy_ack_interval_s: float = 0.0, pause_after_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        frontend_id: str,
+        tasks: BackgroundTasks,
+        connect_timeout_s: float,
+        call_timeout_s: float,
+        open_channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+        lane_window: int = 2,
+        lane_busy_ack_interval_s: float = 0.0,
+        pause_after_s: float = 0.0,
+    ) -> None:
         self.frontend_id = frontend_id
         self.lane_window = lane_window  # lane messages a node may have sent and this frontend not handled; 0: any
         self.lane_busy_ack_interval_s = lane_busy_ack_interval_s  # LaneAcknowledgements: credit pacing when busy
@@ -404,8 +441,9 @@ class NodeConnections:
         if conn is not None:
             conn.requests.discard(request_id)
 
-    async def submit(self, conn: NodeConnection, engine_request: cluster_pb2.EngineRequest,
-                     trace: tuple[tuple[str, str], ...] = ()) -> None:
+    async def submit(
+        self, conn: NodeConnection, engine_request: cluster_pb2.EngineRequest, trace: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         """Returns once the node took the request; raises SubmitRefused, StreamBroken, TimeoutError or the unary
         call's AioRpcError. `trace`: traceparent/tracestate pairs (metadata of the unary call, fields of the
         batched submission)."""

@@ -32,10 +32,15 @@ class InferenceProbe:
         self._count += 1
         try:
             loaded = self.inference.loaded()
-            plan = self.inference.plan(generation_pb2.GenerateRequest(
-                request_id=f"{PROBE_REQUEST_PREFIX}{self.frontend_id}-{self._count}", model=loaded.name,
-                token_ids=generation_pb2.TokenIds(ids=loaded.tokenizer.encode(PROBE_TEXT)[-1:]),
-                stopping=generation_pb2.StoppingOptions(max_tokens=1, ignore_eos=True)), RequestMetadata())
+            plan = self.inference.plan(
+                generation_pb2.GenerateRequest(
+                    request_id=f"{PROBE_REQUEST_PREFIX}{self.frontend_id}-{self._count}",
+                    model=loaded.name,
+                    token_ids=generation_pb2.TokenIds(ids=loaded.tokenizer.encode(PROBE_TEXT)[-1:]),
+                    stopping=generation_pb2.StoppingOptions(max_tokens=1, ignore_eos=True),
+                ),
+                RequestMetadata(),
+            )
             errors: list[str] = []
 
             async def keep_errors(response) -> None:
@@ -47,9 +52,13 @@ class InferenceProbe:
                     await self.inference.stream(plan, accepted, time.perf_counter(), keep_errors)
             if errors:
                 raise RuntimeError(errors[0])
-            return lifecycle_pb2.HealthCheck(name="inference_probe", state=lifecycle_pb2.HEALTH_STATE_READY,
-                                             message=f"one token generated on node {accepted.node.node_id}")
+            return lifecycle_pb2.HealthCheck(
+                name="inference_probe",
+                state=lifecycle_pb2.HEALTH_STATE_READY,
+                message=f"one token generated on node {accepted.node.node_id}",
+            )
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - any failure is the probe's answer
             detail = exc.message if isinstance(exc, Refusal) else repr(exc)
-            return lifecycle_pb2.HealthCheck(name="inference_probe", state=lifecycle_pb2.HEALTH_STATE_DEGRADED,
-                                             message=f"probe failed: {detail}")
+            return lifecycle_pb2.HealthCheck(
+                name="inference_probe", state=lifecycle_pb2.HEALTH_STATE_DEGRADED, message=f"probe failed: {detail}"
+            )

@@ -41,27 +41,30 @@ def _parsing(method, behaviour: Callable) -> Callable:
     keeps its kind (coroutine or async generator), which the servers dispatch on."""
     parse = _parser(method.input_type)
     if inspect.isasyncgenfunction(behaviour):
+
         async def stream(raw: bytes, context):
             request = await parse(raw, context)
             async for response in behaviour(request, context):
                 yield response
+
         return stream
 
     async def call(raw: bytes, context):
         return await behaviour(await parse(raw, context), context)
+
     return call
 
 
-def add_public_service(server, service: ServiceDescriptor, servicer,
-                       response_serializers: Mapping[str, Callable] = {}) -> None:
+def add_public_service(
+    server, service: ServiceDescriptor, servicer, response_serializers: Mapping[str, Callable] = {}
+) -> None:
     """Registers every method of `service` from `servicer` (the generated servicer's method names);
     `response_serializers` replaces a method's default SerializeToString."""
     handlers = {}
     for method in service.methods:
         serializer = response_serializers.get(method.name) or GetMessageClass(method.output_type).SerializeToString
         handler = _parsing(method, getattr(servicer, method.name))
-        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
-                else grpc.unary_unary_rpc_method_handler)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(handler, request_deserializer=_pass_through, response_serializer=serializer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

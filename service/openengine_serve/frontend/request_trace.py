@@ -33,9 +33,16 @@ class RequestTrace:
 
     @classmethod
     def start(cls, metadata: Sequence[tuple[str, str | bytes]], server_implementation: str) -> RequestTrace:
-        span = tracing.start_server_span(GENERATE_SPAN, metadata, {
-            "rpc.system": "grpc", "rpc.service": "openengine.v1.Inference", "rpc.method": "Generate",
-            "openengine.grpc_server": server_implementation})
+        span = tracing.start_server_span(
+            GENERATE_SPAN,
+            metadata,
+            {
+                "rpc.system": "grpc",
+                "rpc.service": "openengine.v1.Inference",
+                "rpc.method": "Generate",
+                "openengine.grpc_server": server_implementation,
+            },
+        )
         if span is None:
             return NO_TRACE
         if not span.is_recording():  # not sampled: no span work at all, only its context goes on
@@ -73,8 +80,15 @@ class RequestTrace:
             raise
         tracing.end_span(child)
 
-    def end(self, *, status: str, code: str, completion_tokens: int | None = None,
-            finish_reasons: Sequence[int] = (), error: BaseException | str | None = None) -> None:
+    def end(
+        self,
+        *,
+        status: str,
+        code: str,
+        completion_tokens: int | None = None,
+        finish_reasons: Sequence[int] = (),
+        error: BaseException | str | None = None,
+    ) -> None:
         """Ends the span once (later calls do nothing)."""
         span = self.span
         if span is None:
@@ -85,9 +99,10 @@ class RequestTrace:
         if completion_tokens is not None:
             span.set_attribute("gen_ai.usage.output_tokens", completion_tokens)
         if finish_reasons:
-            span.set_attribute("gen_ai.response.finish_reasons",
-                               [generation_pb2.FinishReason.Name(r).removeprefix("FINISH_REASON_").lower()
-                                for r in finish_reasons])
+            span.set_attribute(
+                "gen_ai.response.finish_reasons",
+                [generation_pb2.FinishReason.Name(r).removeprefix("FINISH_REASON_").lower() for r in finish_reasons],
+            )
         if error is None and status in FAILED_STATUSES:
             error = f"{status} ({code})"
         tracing.end_span(span, error)

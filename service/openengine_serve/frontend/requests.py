@@ -21,14 +21,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2
-from .coordinator_client import CoordinatorClient, CoordinatorUnreachable
-from .fallback_routing import FallbackRouter
-from .batched_stream import StreamBroken
-from .nodes import LaneFailure, NodeConnection, NodeConnections, RequestSink, SubmitRefused
 from ..common.tracing import RESERVE_SPAN, SUBMIT_SPAN
 from . import metrics
-from .request_trace import NO_TRACE, RequestTrace
+from .batched_stream import StreamBroken
+from .coordinator_client import CoordinatorClient, CoordinatorUnreachable
+from .fallback_routing import FallbackRouter
+from .nodes import LaneFailure, NodeConnection, NodeConnections, RequestSink, SubmitRefused
 from .refusal import DuplicateRequest, Overloaded, Refusal, Unavailable
+from .request_trace import NO_TRACE, RequestTrace
 from .validation import GenerationPlan, RequestMetadata
 
 
@@ -38,8 +38,16 @@ class OpenRequest:
 
     __slots__ = ("request_id", "owner", "node", "sink", "ended", "trace", "hops", "_conn", "_nodes")
 
-    def __init__(self, request_id: str, conn: NodeConnection, sink: RequestSink, nodes: NodeConnections,
-                 owner: str = "", trace: RequestTrace = NO_TRACE, hops: tuple[float, float, float] = ()) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        conn: NodeConnection,
+        sink: RequestSink,
+        nodes: NodeConnections,
+        owner: str = "",
+        trace: RequestTrace = NO_TRACE,
+        hops: tuple[float, float, float] = (),
+    ) -> None:
         self.request_id = request_id
         self.owner = owner  # the API key name that started it ("" when keys are off)
         self.trace = trace
@@ -55,8 +63,9 @@ class OpenRequest:
 
 
 class Requests:
-    def __init__(self, frontend_id: str, coordinator: CoordinatorClient, nodes: NodeConnections,
-                 router: FallbackRouter) -> None:
+    def __init__(
+        self, frontend_id: str, coordinator: CoordinatorClient, nodes: NodeConnections, router: FallbackRouter
+    ) -> None:
         self.frontend_id = frontend_id
         self.coordinator = coordinator
         self.nodes = nodes
@@ -89,8 +98,9 @@ class Requests:
         self.nodes.fail_all(failure)
 
     @contextlib.asynccontextmanager
-    async def open(self, plan: GenerationPlan, owner: str = "",
-                   trace: RequestTrace = NO_TRACE) -> AsyncIterator[OpenRequest]:
+    async def open(
+        self, plan: GenerationPlan, owner: str = "", trace: RequestTrace = NO_TRACE
+    ) -> AsyncIterator[OpenRequest]:
         """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
         a user aborts only its own requests. `trace`: the call's span (request_trace.py)."""
         request_id = plan.request_id
@@ -118,8 +128,15 @@ class Requests:
                     conn = None  # the node did not take the request: nothing to cancel
                     raise submit_refusal(exc, node) from None
                 trace.event("queued", **{"openengine.node_id": node.node_id})
-                request = OpenRequest(request_id, conn, self.nodes.sinks[request_id], self.nodes, owner, trace,
-                                      (opened_at, reserved_at, time.monotonic()))
+                request = OpenRequest(
+                    request_id,
+                    conn,
+                    self.nodes.sinks[request_id],
+                    self.nodes,
+                    owner,
+                    trace,
+                    (opened_at, reserved_at, time.monotonic()),
+                )
                 yield request
             finally:
                 if conn is not None and not (request is not None and request.ended):
@@ -136,22 +153,34 @@ class Requests:
             if not self._open:
                 self._idle.set()
 
-    async def _reserve(self, plan: GenerationPlan, trace: RequestTrace, forwarded: tuple[tuple[str, str], ...],
-                       owner: str) -> cluster_pb2.NodeEntry:
+    async def _reserve(
+        self, plan: GenerationPlan, trace: RequestTrace, forwarded: tuple[tuple[str, str], ...], owner: str
+    ) -> cluster_pb2.NodeEntry:
         """The node for the request: the coordinator's reservation (one span), else the fallback routing's."""
         metadata = plan.metadata
         try:
             with trace.call(RESERVE_SPAN, forwarded) as call_metadata:
-                return await self.coordinator.reserve(plan.request_id, metadata.routing_key, metadata.target_rank,
-                                                      len(plan.prompt_token_ids), plan.num_sequences, call_metadata,
-                                                      owner, plan.prefix_key)
+                return await self.coordinator.reserve(
+                    plan.request_id,
+                    metadata.routing_key,
+                    metadata.target_rank,
+                    len(plan.prompt_token_ids),
+                    plan.num_sequences,
+                    call_metadata,
+                    owner,
+                    plan.prefix_key,
+                )
         except CoordinatorUnreachable:
             trace.event("fallback_routing")
             # Duplicates are caught on this frontend only until the coordinator is back.
             if plan.request_id in self.nodes.sinks:
                 raise DuplicateRequest(f"request_id {plan.request_id!r} is already in flight") from None
-            return self.router.choose(self.coordinator.ready_nodes(), metadata.routing_key or plan.prefix_key,
-                                      metadata.target_rank, self.nodes.in_flight)
+            return self.router.choose(
+                self.coordinator.ready_nodes(),
+                metadata.routing_key or plan.prefix_key,
+                metadata.target_rank,
+                self.nodes.in_flight,
+            )
 
 
 def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry) -> Refusal:
@@ -170,17 +199,35 @@ def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry) -> Refusal:
 def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.EngineRequest:
     """The internal request a node runs, from the validated public one."""
     req = cluster_pb2.EngineRequest(
-        request_id=plan.request_id, frontend_id=frontend_id, prompt_token_ids=plan.prompt_token_ids,
-        num_sequences=plan.num_sequences, max_tokens=plan.max_tokens, min_tokens=plan.min_tokens,
-        stop_token_ids=plan.stop_token_ids, ignore_eos=plan.ignore_eos, priority=plan.metadata.priority,
-        temperature=plan.temperature, top_p=plan.top_p, top_k=plan.top_k, min_p=plan.min_p,
-        frequency_penalty=plan.frequency_penalty, presence_penalty=plan.presence_penalty,
-        repetition_penalty=plan.repetition_penalty, seed=plan.seed or 0, has_seed=plan.seed is not None,
-        output_logprobs=plan.output_logprobs, prompt_logprobs=plan.prompt_logprobs,
-        prompt_logprob_start=plan.prompt_logprob_start, guide=plan.guide,
-        bypass_prefix_cache=plan.bypass_prefix_cache, cache_salt=plan.cache_salt)
-    for target, selection in ((req.output_candidates, plan.output_candidates),
-                              (req.prompt_candidates, plan.prompt_candidates)):
+        request_id=plan.request_id,
+        frontend_id=frontend_id,
+        prompt_token_ids=plan.prompt_token_ids,
+        num_sequences=plan.num_sequences,
+        max_tokens=plan.max_tokens,
+        min_tokens=plan.min_tokens,
+        stop_token_ids=plan.stop_token_ids,
+        ignore_eos=plan.ignore_eos,
+        priority=plan.metadata.priority,
+        temperature=plan.temperature,
+        top_p=plan.top_p,
+        top_k=plan.top_k,
+        min_p=plan.min_p,
+        frequency_penalty=plan.frequency_penalty,
+        presence_penalty=plan.presence_penalty,
+        repetition_penalty=plan.repetition_penalty,
+        seed=plan.seed or 0,
+        has_seed=plan.seed is not None,
+        output_logprobs=plan.output_logprobs,
+        prompt_logprobs=plan.prompt_logprobs,
+        prompt_logprob_start=plan.prompt_logprob_start,
+        guide=plan.guide,
+        bypass_prefix_cache=plan.bypass_prefix_cache,
+        cache_salt=plan.cache_salt,
+    )
+    for target, selection in (
+        (req.output_candidates, plan.output_candidates),
+        (req.prompt_candidates, plan.prompt_candidates),
+    ):
         if selection is not None:
             kind, value = selection
             if kind == "top_n":

@@ -48,13 +48,19 @@ class ReservationBatcher(BatchedStream):
     # until this frontend expires.
     max_kept_riders = MAX_KEPT_RELEASES
 
-    def __init__(self, frontend_id: str, open_call: Callable[[], ReservationCall], max_batch: int = MAX_BATCH,
-                 max_unanswered: int = MAX_UNANSWERED) -> None:
+    def __init__(
+        self,
+        frontend_id: str,
+        open_call: Callable[[], ReservationCall],
+        max_batch: int = MAX_BATCH,
+        max_unanswered: int = MAX_UNANSWERED,
+    ) -> None:
         super().__init__(open_call, max_batch, max_unanswered)
         self.frontend_id = frontend_id
 
-    async def reserve(self, request: cluster_pb2.ReserveRequest,
-                      timeout_s: float | None = None) -> cluster_pb2.NodeEntry:
+    async def reserve(
+        self, request: cluster_pb2.ReserveRequest, timeout_s: float | None = None
+    ) -> cluster_pb2.NodeEntry:
         """The node the coordinator picked; raises ReservationRefused, StreamBroken, or TimeoutError after
         `timeout_s`.
 

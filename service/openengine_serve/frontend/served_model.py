@@ -86,8 +86,9 @@ class ServedModel:
     async def _load(self, node: cluster_pb2.NodeEntry) -> None:
         try:
             async with self._open_channel(node.address) as channel:
-                card = await cluster_pb2_grpc.NodeStub(channel).GetModel(cluster_pb2.GetModelRequest(),
-                                                                         timeout=GET_MODEL_TIMEOUT_S)
+                card = await cluster_pb2_grpc.NodeStub(channel).GetModel(
+                    cluster_pb2.GetModelRequest(), timeout=GET_MODEL_TIMEOUT_S
+                )
             tokenizer = await asyncio.to_thread(tokenizer_for, card)
             guide_tokenizer = await asyncio.to_thread(tokenizer.guide_tokenizer) if card.guided_decoding else None
         except (grpc.aio.AioRpcError, ValueError, OSError) as exc:
@@ -96,12 +97,20 @@ class ServedModel:
             log_event(logger, "model load failed", logging.WARNING, node_id=node.node_id, detail=detail)
             return
         card.ClearField("tokenizer_data")
-        self.loaded = LoadedModel(card, tokenizer, self._limits(card, tokenizer), TokenStrings(tokenizer),
-                                  node.node_id, guide_tokenizer)
+        self.loaded = LoadedModel(
+            card, tokenizer, self._limits(card, tokenizer), TokenStrings(tokenizer), node.node_id, guide_tokenizer
+        )
         self.changed.set()
-        log_event(logger, "model loaded", model=self.loaded.name, engine=card.engine, tokenizer=tokenizer.mode,
-                  vocab_size=tokenizer.n_vocab, context_length=self.loaded.limits.max_context_length,
-                  from_node=node.node_id)
+        log_event(
+            logger,
+            "model loaded",
+            model=self.loaded.name,
+            engine=card.engine,
+            tokenizer=tokenizer.mode,
+            vocab_size=tokenizer.n_vocab,
+            context_length=self.loaded.limits.max_context_length,
+            from_node=node.node_id,
+        )
 
     def _limits(self, card: cluster_pb2.ModelCard, tokenizer: Tokenizer) -> ModelLimits:
         config = self._config
@@ -111,8 +120,14 @@ class ServedModel:
             aliases=config.aliases() if config.model_aliases else tuple(card.aliases),
             max_context_length=context,
             max_output_tokens=min(config.max_output_tokens or card.max_output_tokens, context),
-            max_num_sequences=config.max_num_sequences, max_top_n=MAX_TOP_N,
-            max_candidate_token_ids=MAX_CANDIDATE_TOKEN_IDS, max_stop_conditions=MAX_STOP_CONDITIONS,
-            vocab_size=tokenizer.n_vocab, engine=card.engine, guided_decoding=card.guided_decoding,
-            prefix_cache=card.prefix_cache, max_guide_bytes=config.max_guide_bytes,
-            max_prompt_bytes=config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context)
+            max_num_sequences=config.max_num_sequences,
+            max_top_n=MAX_TOP_N,
+            max_candidate_token_ids=MAX_CANDIDATE_TOKEN_IDS,
+            max_stop_conditions=MAX_STOP_CONDITIONS,
+            vocab_size=tokenizer.n_vocab,
+            engine=card.engine,
+            guided_decoding=card.guided_decoding,
+            prefix_cache=card.prefix_cache,
+            max_guide_bytes=config.max_guide_bytes,
+            max_prompt_bytes=config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context,
+        )

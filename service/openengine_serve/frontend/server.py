@@ -48,34 +48,50 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     tasks = BackgroundTasks()
     open_internal_channel = functools.partial(internal_channel, config=config)  # security hook: internal TLS
     model = ServedModel(config, functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS))
-    nodes = NodeConnections(frontend_id, tasks, config.node_connect_timeout_s, config.node_call_timeout_s,
-                            open_channel=functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS),
-                            lane_window=config.lane_window,
-                            lane_busy_ack_interval_s=config.lane_busy_ack_interval_ms / 1000,
-                            pause_after_s=config.client_pause_after_s)
+    nodes = NodeConnections(
+        frontend_id,
+        tasks,
+        config.node_connect_timeout_s,
+        config.node_call_timeout_s,
+        open_channel=functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS),
+        lane_window=config.lane_window,
+        lane_busy_ack_interval_s=config.lane_busy_ack_interval_ms / 1000,
+        pause_after_s=config.client_pause_after_s,
+    )
     coordinator = CoordinatorClient(
-        frontend_id, config.coordinators(), f"{socket.gethostname()}:{config.port}", config.heartbeat_s,
-        config.coordinator_timeout_s, live_requests=lambda: requests.open_count,
+        frontend_id,
+        config.coordinators(),
+        f"{socket.gethostname()}:{config.port}",
+        config.heartbeat_s,
+        config.coordinator_timeout_s,
+        live_requests=lambda: requests.open_count,
         on_node_table=lambda table: (nodes.keep_only(table), model.on_node_table(table)),
-        open_channel=open_internal_channel)
+        open_channel=open_internal_channel,
+    )
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
     health = Health(readiness_aliases=PUBLIC_SERVICES)
     inference = Inference(config, model, requests, health, implementation.name)
     probe = InferenceProbe(frontend_id, inference, config.probe_timeout_s)
 
     # grpcio sends GOAWAY at the maximum connection age itself; pygrpc-native cannot (connection_age.py)
-    ages = (ConnectionAges(config.max_connection_age_s, config.port)
-            if config.max_connection_age_s and implementation.name != GRPCIO else None)
+    ages = (
+        ConnectionAges(config.max_connection_age_s, config.port)
+        if config.max_connection_age_s and implementation.name != GRPCIO
+        else None
+    )
     # security hook: API keys, then the stated limits
-    server = create_server(implementation,
-                           interceptors=auth.interceptors(config) + limits.interceptors(config, ages),
-                           options=limits.transport_options(config),
-                           max_connection_age_s=0.0 if ages else config.max_connection_age_s,
-                           max_connection_age_grace_s=config.drain_timeout_s)
+    server = create_server(
+        implementation,
+        interceptors=auth.interceptors(config) + limits.interceptors(config, ages),
+        options=limits.transport_options(config),
+        max_connection_age_s=0.0 if ages else config.max_connection_age_s,
+        max_connection_age_grace_s=config.drain_timeout_s,
+    )
     if implementation.name == GRPCIO:
         serve_through_generic_handlers(server)
-    add_public_services(server, inference,
-                        Control(config, frontend_id, implementation, coordinator, health, probe, model))
+    add_public_services(
+        server, inference, Control(config, frontend_id, implementation, coordinator, health, probe, model)
+    )
     health.register(server)
     reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
     add_public_port(server, bind_address(config.host, config.port), config)  # security hook: TLS
@@ -84,14 +100,14 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     freeze_startup_objects()  # modules, protobuf descriptors
     mark_worker_ready()
     metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
-    log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port,
-              **implementation.describe())
+    log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port, **implementation.describe())
 
-    background = [asyncio.create_task(coordinator.heartbeat_loop()),
-                  asyncio.create_task(_follow_readiness(coordinator, model, health)),
-                  asyncio.create_task(stall_watchdog(nodes.sinks, config.stall_timeout_s,
-                                                     config.client_stall_timeout_s)),
-                  asyncio.create_task(measure_loop_lag())]
+    background = [
+        asyncio.create_task(coordinator.heartbeat_loop()),
+        asyncio.create_task(_follow_readiness(coordinator, model, health)),
+        asyncio.create_task(stall_watchdog(nodes.sinks, config.stall_timeout_s, config.client_stall_timeout_s)),
+        asyncio.create_task(measure_loop_lag()),
+    ]
     if ages is not None:
         background.append(asyncio.create_task(ages.sweep_loop()))
     await stop.wait()
@@ -104,8 +120,9 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     return 0
 
 
-async def _drain(config: FrontendConfig, implementation: ServerImplementation, server, health: Health,
-                 requests: Requests) -> None:
+async def _drain(
+    config: FrontendConfig, implementation: ServerImplementation, server, health: Health, requests: Requests
+) -> None:
     """Readiness drops first and new Generate calls get UNAVAILABLE (retry-safe). grpc.aio closes its
     listener and sends GOAWAY as soon as stop() begins, so it is stopped at once with the whole drain as
     grace: clients move to another process. pygrpc-native keeps its listener until stop() returns and does
@@ -118,8 +135,11 @@ async def _drain(config: FrontendConfig, implementation: ServerImplementation, s
         early_stop = asyncio.create_task(server.stop(grace=config.drain_timeout_s + DRAIN_ERROR_GRACE_S))
     if not await requests.wait_idle(config.drain_timeout_s):
         log_event(logger, "drain deadline reached", logging.WARNING, open_streams=requests.open_count)
-        requests.fail_all(LaneFailure("frontend is shutting down: drain deadline reached; retry the request",
-                                      retryable=True, draining=True))
+        requests.fail_all(
+            LaneFailure(
+                "frontend is shutting down: drain deadline reached; retry the request", retryable=True, draining=True
+            )
+        )
         if early_stop is None and await requests.wait_idle(DRAIN_ERROR_GRACE_S):
             # pygrpc-native's stop() closes its connections as soon as no handler runs, without waiting for
             # what the handlers queued to be written: the DRAINING errors were cut off (the client saw the

@@ -126,8 +126,18 @@ def token_info(record: cluster_pb2.TokenRecord, strings: TokenStrings, with_logp
 
 
 class OutputStream:
-    __slots__ = ("index", "plan", "strings", "detokenizer", "stops", "finished", "generated", "request_id_prefix",
-                 "index_field", "plain")
+    __slots__ = (
+        "index",
+        "plan",
+        "strings",
+        "detokenizer",
+        "stops",
+        "finished",
+        "generated",
+        "request_id_prefix",
+        "index_field",
+        "plain",
+    )
 
     def __init__(self, index: int, plan: GenerationPlan, encoding, strings: TokenStrings) -> None:
         self.index = index
@@ -207,28 +217,35 @@ class OutputStream:
         delta = None
         if records or text:
             if plan.output_logprobs:
-                delta = generation_pb2.GenerateResponse(request_id=plan.request_id, token=generation_pb2.TokenOutput(
-                    output_index=self.index, text=text, tokens=[token_info(r, self.strings, True) for r in records]))
+                delta = generation_pb2.GenerateResponse(
+                    request_id=plan.request_id,
+                    token=generation_pb2.TokenOutput(
+                        output_index=self.index, text=text, tokens=[token_info(r, self.strings, True) for r in records]
+                    ),
+                )
             else:
                 info_field = self.strings.info_field
-                delta = token_delta_bytes(self.request_id_prefix, self.index_field,
-                                          [info_field(r.token_id) for r in records], text)
+                delta = token_delta_bytes(
+                    self.request_id_prefix, self.index_field, [info_field(r.token_id) for r in records], text
+                )
         finished = None
         if matched is not None:
             finished = self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_text=matched))
         elif finish == ENGINE_EOS:
             finished = self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(eos_token_id=event.finish_token_id))
         elif finish == ENGINE_STOP_TOKEN:
-            finished = self.finish(FINISH_STOP,
-                                   stop_match=generation_pb2.StopMatch(stop_token_id=event.finish_token_id))
+            finished = self.finish(
+                FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_token_id=event.finish_token_id)
+            )
         elif finish == ENGINE_LENGTH:
             finished = self.finish(FINISH_LENGTH)
         elif finish == ENGINE_CANCELLED:
             finished = self.finish(FINISH_CANCELLED, message=event.message or "request was aborted")
         return delta, len(records), finished, matched is not None
 
-    def finish(self, reason: int, *, stop_match: generation_pb2.StopMatch | None = None,
-               message: str = "") -> generation_pb2.GenerateResponse:
+    def finish(
+        self, reason: int, *, stop_match: generation_pb2.StopMatch | None = None, message: str = ""
+    ) -> generation_pb2.GenerateResponse:
         self.finished = True
         finished = generation_pb2.GenerationFinished(output_index=self.index, reason=reason, message=message)
         if stop_match is not None:
@@ -236,12 +253,16 @@ class OutputStream:
         return generation_pb2.GenerateResponse(request_id=self.plan.request_id, finished=finished)
 
 
-def prompt_output(plan: GenerationPlan, event: cluster_pb2.OutputEvent,
-                  strings: TokenStrings) -> generation_pb2.GenerateResponse:
-    return generation_pb2.GenerateResponse(request_id=plan.request_id, prompt=generation_pb2.PromptOutput(
-        tokens=[token_info(r, strings, True) for r in event.prompt_tokens]))
+def prompt_output(
+    plan: GenerationPlan, event: cluster_pb2.OutputEvent, strings: TokenStrings
+) -> generation_pb2.GenerateResponse:
+    return generation_pb2.GenerateResponse(
+        request_id=plan.request_id,
+        prompt=generation_pb2.PromptOutput(tokens=[token_info(r, strings, True) for r in event.prompt_tokens]),
+    )
 
 
 def engine_error(request_id: str, code: int, message: str, retryable: bool) -> generation_pb2.GenerateResponse:
-    return generation_pb2.GenerateResponse(request_id=request_id, error=error_pb2.EngineError(
-        code=code, message=message, retryable=retryable))
+    return generation_pb2.GenerateResponse(
+        request_id=request_id, error=error_pb2.EngineError(code=code, message=message, retryable=retryable)
+    )

@@ -34,8 +34,9 @@ WORKERS_SHARING_VARIABLE = "OPENENGINE_WORKERS_SHARING_CPUS"
 
 def run_frontend(config: FrontendConfig) -> int:
     # Before anything heavy (tokenizer, coordinator, binding): fails with the install command.
-    implementation = resolve_implementation(config.grpc_server, config.native_io_threads,
-                                            sharing=int(os.environ.get(WORKERS_SHARING_VARIABLE, "1")))
+    implementation = resolve_implementation(
+        config.grpc_server, config.native_io_threads, sharing=int(os.environ.get(WORKERS_SHARING_VARIABLE, "1"))
+    )
     check_security(config)  # security hook: TLS files, the native+TLS conflict, the API key file
     if config.workers == 1:
         from .server import serve
@@ -64,8 +65,18 @@ class Supervisor:
         self.state_dir = ""
 
     def worker_command(self, index: int) -> list[str]:
-        return [sys.executable, "-m", "openengine_serve", "frontend", "--workers", "1", "--metrics-port", "0",
-                "--frontend-id", f"{self.base_id}-w{index}"]
+        return [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "frontend",
+            "--workers",
+            "1",
+            "--metrics-port",
+            "0",
+            "--frontend-id",
+            f"{self.base_id}-w{index}",
+        ]
 
     def ready_file(self, index: int) -> str:
         return os.path.join(self.state_dir, f"worker-{index}.ready")
@@ -73,8 +84,9 @@ class Supervisor:
     def start_worker(self, index: int, env: dict[str, str]) -> None:
         if os.path.exists(self.ready_file(index)):
             os.remove(self.ready_file(index))
-        self.procs[index] = subprocess.Popen(self.worker_command(index),
-                                             env={**env, READY_FILE_VARIABLE: self.ready_file(index)})
+        self.procs[index] = subprocess.Popen(
+            self.worker_command(index), env={**env, READY_FILE_VARIABLE: self.ready_file(index)}
+        )
         log_event(logger, "frontend worker started", worker=index, pid=self.procs[index].pid)
 
     def run(self) -> int:
@@ -82,8 +94,9 @@ class Supervisor:
         self.state_dir = tempfile.mkdtemp(prefix="openengine-frontend-")
         metrics_dir = os.path.join(self.state_dir, "metrics")
         os.mkdir(metrics_dir)
-        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir,
-                   **{WORKERS_SHARING_VARIABLE: str(self.config.workers)})
+        env = dict(
+            os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir, **{WORKERS_SHARING_VARIABLE: str(self.config.workers)}
+        )
         # Workers take every other setting from the same flags and environment as the supervisor.
         for f in dataclasses.fields(self.config):
             if f.name not in ("workers", "metrics_port", "frontend_id"):

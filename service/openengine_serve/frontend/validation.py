@@ -198,9 +198,7 @@ def _parse_int32(key: str, value: str | bytes) -> int:
     match = _INT32_TEXT.fullmatch(_ascii_or_empty(value))
     number = None if match is None else int(match[1] + match[2])
     if number is None or not _INT32_MIN <= number <= _INT32_MAX:
-        raise InvalidRequest(
-            f"metadata {key} must be a base-10 int32 ({_INT32_MIN}..{_INT32_MAX}), got {shown(value)}"
-        )
+        raise InvalidRequest(f"metadata {key} must be a base-10 int32 ({_INT32_MIN}..{_INT32_MAX}), got {shown(value)}")
     return number
 
 
@@ -209,12 +207,7 @@ def _is_valid_traceparent(value: str) -> bool:
     if match is None:
         return False
     version, trace_id, parent_id, tail = match.groups()
-    return (
-        version != "ff"
-        and not (version == "00" and tail)
-        and trace_id != "0" * 32
-        and parent_id != "0" * 16
-    )
+    return version != "ff" and not (version == "00" and tail) and trace_id != "0" * 32 and parent_id != "0" * 16
 
 
 # --- Generate ----------------------------------------------------------------
@@ -315,16 +308,32 @@ def _check_sampling(sampling: generation_pb2.SamplingParams, limits: ModelLimits
         raise InvalidRequest(f"sampling.repetition_penalty must be a finite number > 0, got {repetition_penalty!r}")
     num_sequences = sampling.num_sequences if sampling.HasField("num_sequences") else 1
     if not 1 <= num_sequences <= limits.max_num_sequences:
-        raise InvalidRequest(
-            f"sampling.num_sequences must be in [1, {limits.max_num_sequences}], got {num_sequences}"
-        )
-    return _Sampling(temperature, top_p, top_k, min_p, sampling.frequency_penalty, sampling.presence_penalty,
-                     repetition_penalty, num_sequences, sampling.seed if sampling.HasField("seed") else None)
+        raise InvalidRequest(f"sampling.num_sequences must be in [1, {limits.max_num_sequences}], got {num_sequences}")
+    return _Sampling(
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        sampling.frequency_penalty,
+        sampling.presence_penalty,
+        repetition_penalty,
+        num_sequences,
+        sampling.seed if sampling.HasField("seed") else None,
+    )
 
 
 # What _check_sampling makes of an unset SamplingParams (tests/unit/test_validation.py checks they agree).
-_DEFAULT_SAMPLING = _Sampling(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, frequency_penalty=0.0,
-                              presence_penalty=0.0, repetition_penalty=1.0, num_sequences=1, seed=None)
+_DEFAULT_SAMPLING = _Sampling(
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    min_p=0.0,
+    frequency_penalty=0.0,
+    presence_penalty=0.0,
+    repetition_penalty=1.0,
+    num_sequences=1,
+    seed=None,
+)
 
 
 def _check_output_length(stopping: generation_pb2.StoppingOptions, limits: ModelLimits) -> tuple[int | None, int]:
@@ -347,8 +356,9 @@ def _check_output_length(stopping: generation_pb2.StoppingOptions, limits: Model
     return requested_max_tokens, min_tokens
 
 
-def _check_room_after_prompt(prompt_tokens: int, max_tokens: int, min_tokens: int, prompt_logprob_start: int,
-                             limits: ModelLimits) -> None:
+def _check_room_after_prompt(
+    prompt_tokens: int, max_tokens: int, min_tokens: int, prompt_logprob_start: int, limits: ModelLimits
+) -> None:
     """The end of step 8: min_tokens still fits after the prompt, prompt_logprob_start is inside it."""
     if min_tokens > max_tokens:  # only reachable when max_tokens was clamped to the context
         raise InvalidRequest(
@@ -370,8 +380,7 @@ def check_request_id(request_id: str) -> None:
         raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {size} bytes")
 
 
-def _check_input_shape(request: generation_pb2.GenerateRequest,
-                       limits: ModelLimits) -> Literal["prompt", "token_ids"]:
+def _check_input_shape(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> Literal["prompt", "token_ids"]:
     input_kind = request.WhichOneof("input")
     if input_kind is None:
         raise InvalidRequest("exactly one of prompt or token_ids must be set, got neither")
@@ -382,11 +391,14 @@ def _check_input_shape(request: generation_pb2.GenerateRequest,
         limit = limits.max_prompt_bytes
         # A character is 1 to 4 bytes: the bytes are counted only when the characters leave it open.
         if len(prompt) > limit:
-            raise InvalidRequest(f"prompt must be at most {limit} bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES), "
-                                 f"got {len(prompt)} characters")
+            raise InvalidRequest(
+                f"prompt must be at most {limit} bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES), "
+                f"got {len(prompt)} characters"
+            )
         if len(prompt) * 4 > limit and (size := len(prompt.encode("utf-8", "surrogatepass"))) > limit:
-            raise InvalidRequest(f"prompt must be at most {limit} bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES), "
-                                 f"got {size} bytes")
+            raise InvalidRequest(
+                f"prompt must be at most {limit} bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES), got {size} bytes"
+            )
     if input_kind == "token_ids" and not request.token_ids.ids:
         raise InvalidRequest("token_ids.ids must not be empty")
     return input_kind
@@ -418,8 +430,10 @@ def _check_supported_features(request: generation_pb2.GenerateRequest, limits: M
             raise Unsupported("KV sessions are not supported (kv.session is set)")
         if (kv.bypass_prefix_cache or kv.HasField("cache_salt")) and not limits.prefix_cache:
             field_set = "kv.bypass_prefix_cache" if kv.bypass_prefix_cache else "kv.cache_salt"
-            raise Unsupported(f"the prefix cache is not served by this deployment's engine ({limits.engine}; "
-                              f"the llama.cpp engine serves it); leave {field_set} unset")
+            raise Unsupported(
+                f"the prefix cache is not served by this deployment's engine ({limits.engine}; "
+                f"the llama.cpp engine serves it); leave {field_set} unset"
+            )
         size = len(kv.cache_salt.encode())
         if size > MAX_CACHE_SALT_BYTES:
             raise InvalidRequest(f"kv.cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, got {size}")
@@ -428,9 +442,7 @@ def _check_supported_features(request: generation_pb2.GenerateRequest, limits: M
     if request.HasField("response"):
         for candidates_field in ("prompt_candidates", "output_candidates"):
             if getattr(request.response, candidates_field).WhichOneof("selection") == "all":
-                raise Unsupported(
-                    f"response.{candidates_field}.all is not supported; only top_n and token_ids are"
-                )
+                raise Unsupported(f"response.{candidates_field}.all is not supported; only top_n and token_ids are")
     return guide_kind, guide
 
 
@@ -439,16 +451,24 @@ def _guide(guided: generation_pb2.GuidedDecoding, limits: ModelLimits) -> tuple[
     if kind is None:
         return "", ""
     if not limits.guided_decoding:
-        raise Unsupported(f"guided decoding is not served by this deployment's engine ({limits.engine}; the "
-                          f"llama.cpp engine serves it) (guided.{kind} is set)")
+        raise Unsupported(
+            f"guided decoding is not served by this deployment's engine ({limits.engine}; the "
+            f"llama.cpp engine serves it) (guided.{kind} is set)"
+        )
     if guided.backend not in ("", "llguidance"):
         raise InvalidRequest(f"guided.backend must be empty or 'llguidance', got {shown(guided.backend)}")
     value = getattr(guided, kind)
-    size = (sum(len(c.encode()) for c in value.choices) if kind == "choice"
-            else 0 if kind == "json_object" else len(value.encode()))
+    size = (
+        sum(len(c.encode()) for c in value.choices)
+        if kind == "choice"
+        else 0
+        if kind == "json_object"
+        else len(value.encode())
+    )
     if size > limits.max_guide_bytes:
-        raise InvalidRequest(f"guided.{kind} must be at most {limits.max_guide_bytes} bytes "
-                             f"(OPENENGINE_MAX_GUIDE_BYTES), got {size}")
+        raise InvalidRequest(
+            f"guided.{kind} must be at most {limits.max_guide_bytes} bytes (OPENENGINE_MAX_GUIDE_BYTES), got {size}"
+        )
     try:
         return kind, guides.grammar_of(kind, value.choices if kind == "choice" else value)
     except guides.GuideError as exc:
@@ -462,8 +482,7 @@ def _stop_conditions(
         return [], []
     if len(conditions) > limits.max_stop_conditions:
         raise InvalidRequest(
-            f"stopping.conditions must have at most {limits.max_stop_conditions} entries, "
-            f"got {len(conditions)}"
+            f"stopping.conditions must have at most {limits.max_stop_conditions} entries, got {len(conditions)}"
         )
     stop_strings: list[str] = []
     stop_token_ids: list[int] = []
@@ -477,8 +496,10 @@ def _stop_conditions(
                 raise InvalidRequest(f"stopping.conditions[{index}].stop_text must not be empty")
             stop_text_bytes += len(condition.stop_text.encode("utf-8", "surrogatepass"))
             if stop_text_bytes > MAX_STOP_TEXT_BYTES:
-                raise InvalidRequest(f"stopping.conditions' stop_text must total at most {MAX_STOP_TEXT_BYTES} "
-                                     f"bytes of UTF-8, got more by conditions[{index}]")
+                raise InvalidRequest(
+                    f"stopping.conditions' stop_text must total at most {MAX_STOP_TEXT_BYTES} "
+                    f"bytes of UTF-8, got more by conditions[{index}]"
+                )
             stop_strings.append(condition.stop_text)
         else:
             if condition.stop_token_id >= limits.vocab_size:
@@ -512,8 +533,7 @@ def _candidates(
         for index, token_id in enumerate(ids):
             if token_id >= limits.vocab_size:
                 raise InvalidRequest(
-                    f"response.{candidates_field}.token_ids.ids[{index}] must be < {limits.vocab_size}, "
-                    f"got {token_id}"
+                    f"response.{candidates_field}.token_ids.ids[{index}] must be < {limits.vocab_size}, got {token_id}"
                 )
         return ("token_ids", ids) if ids else None
     return None  # unset; `all` was rejected earlier
@@ -532,13 +552,11 @@ def _prompt_token_ids(
         if max(token_ids) >= limits.vocab_size:  # max() in C; find the position only on failure
             index = next(i for i, token_id in enumerate(token_ids) if token_id >= limits.vocab_size)
             raise InvalidRequest(
-                f"token_ids.ids[{index}] must be < {limits.vocab_size} (the vocabulary size), "
-                f"got {token_ids[index]}"
+                f"token_ids.ids[{index}] must be < {limits.vocab_size} (the vocabulary size), got {token_ids[index]}"
             )
     if len(token_ids) > limits.max_context_length:
         raise InvalidRequest(
-            f"{input_kind} must fit max_context_length {limits.max_context_length}, "
-            f"got {len(token_ids)} tokens"
+            f"{input_kind} must fit max_context_length {limits.max_context_length}, got {len(token_ids)} tokens"
         )
     return token_ids
 

@@ -15,8 +15,7 @@ from .nodes import LaneFailure, RequestSink
 logger = logging.getLogger("openengine_serve.frontend")
 
 
-async def stall_watchdog(sinks: dict[str, RequestSink], stall_timeout_s: float,
-                         client_stall_timeout_s: float) -> None:
+async def stall_watchdog(sinks: dict[str, RequestSink], stall_timeout_s: float, client_stall_timeout_s: float) -> None:
     """Runs until cancelled, checking `sinks` (request id -> inbox, read live) a few times per timeout."""
     while True:
         await asyncio.sleep(min(1.0, stall_timeout_s / 4, client_stall_timeout_s / 4))
@@ -25,14 +24,18 @@ async def stall_watchdog(sinks: dict[str, RequestSink], stall_timeout_s: float,
         client_silent_since = now - client_stall_timeout_s
         for request_id, sink in list(sinks.items()):
             if 0.0 < sink.writing_since < client_silent_since and not sink.client_stalled:
-                log_event(logger, "client stalled", logging.WARNING, request_id=request_id,
-                          silent_s=client_stall_timeout_s)
+                log_event(
+                    logger, "client stalled", logging.WARNING, request_id=request_id, silent_s=client_stall_timeout_s
+                )
                 sink.stall_client()
                 continue
             if sink.last_event_at < silent_since and not sink.paused:  # a paused one waits for its client
                 log_event(logger, "request stalled", logging.WARNING, request_id=request_id, silent_s=stall_timeout_s)
-                sink.fail(LaneFailure(f"no progress from the engine for {stall_timeout_s:g} s; retry the request",
-                                      retryable=True))
+                sink.fail(
+                    LaneFailure(
+                        f"no progress from the engine for {stall_timeout_s:g} s; retry the request", retryable=True
+                    )
+                )
 
 
 LOOP_LAG_INTERVAL_S = 0.25

@@ -99,8 +99,9 @@ class _Outstanding:
 class _Incarnation:
     """One launcher process and the sockets its workers talk to."""
 
-    def __init__(self, launcher: asyncio.subprocess.Process, commands: zmq.asyncio.Socket,
-                 steps: zmq.asyncio.Socket) -> None:
+    def __init__(
+        self, launcher: asyncio.subprocess.Process, commands: zmq.asyncio.Socket, steps: zmq.asyncio.Socket
+    ) -> None:
         self.launcher = launcher
         self.commands = commands
         self.steps = steps
@@ -117,12 +118,20 @@ class EngineLink:
     whenever `ready` flips (worker stepping, lost, restarted). Neither may block.
     """
 
-    def __init__(self, *, step_ms: float, max_batch: int, max_queue: int, ranks: int,
-                 on_step: Callable[[cluster_pb2.EngineStep], None],
-                 on_ready_change: Callable[[], None] = lambda: None,
-                 on_queue_time: Callable[[float], None] = lambda seconds: None,
-                 stall_timeout_s: float = 3.0, start_timeout_s: float = 60.0,
-                 engine_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        step_ms: float,
+        max_batch: int,
+        max_queue: int,
+        ranks: int,
+        on_step: Callable[[cluster_pb2.EngineStep], None],
+        on_ready_change: Callable[[], None] = lambda: None,
+        on_queue_time: Callable[[float], None] = lambda seconds: None,
+        stall_timeout_s: float = 3.0,
+        start_timeout_s: float = 60.0,
+        engine_options: dict | None = None,
+    ) -> None:
         """`engine_options`: the WorkerConfig's engine fields (engine, model_path, context_size, ...); without
         them the worker runs the simulated engine."""
         if max_batch < 1 or max_queue < 0 or ranks < 1 or step_ms <= 0:
@@ -275,7 +284,8 @@ class EngineLink:
         if self._open_sequences + sequences > self._capacity:
             raise EngineFull(
                 f"engine holds {self._open_sequences} sequences; {sequences} more would exceed "
-                f"max_batch + max_queue = {self._capacity}")
+                f"max_batch + max_queue = {self._capacity}"
+            )
         try:
             self._send(cluster_pb2.EngineCommand(add=request))
         except zmq.Again as error:
@@ -310,8 +320,7 @@ class EngineLink:
         if entry is None or entry.lane != lane:
             return False
         with contextlib.suppress(zmq.Again):  # not connected: the worker is lost, its error events are on their way
-            self._send(cluster_pb2.EngineCommand(pause=cluster_pb2.PauseRequest(request_id=request_id,
-                                                                                resume=resume)))
+            self._send(cluster_pb2.EngineCommand(pause=cluster_pb2.PauseRequest(request_id=request_id, resume=resume)))
         return True
 
     def abort(self, request_id: str) -> cluster_pb2.CancelReply:
@@ -363,8 +372,9 @@ class EngineLink:
                 incarnation.worker_pids = tuple(step.worker_pids)
                 self._set_ready(True)
             self._last_step = step.step
-            self._load = EngineLoad(step.running, step.queued, step.running_tokens,
-                                    step.waiting_tokens, step.step_seconds)
+            self._load = EngineLoad(
+                step.running, step.queued, step.running_tokens, step.waiting_tokens, step.step_seconds
+            )
             if self._waiting_since:
                 self._note_first_tokens(step)
             for event in step.events:
@@ -425,9 +435,14 @@ class EngineLink:
         for request_id, entry in self._requests.items():
             self._ended.add(request_id)
             for output_index in sorted(entry.open_outputs):
-                step.events.add(request_id=request_id, output_index=output_index, lane=entry.lane,
-                                finish=cluster_pb2.ENGINE_FINISH_ERROR, message=message,
-                                retryable=retryable)
+                step.events.add(
+                    request_id=request_id,
+                    output_index=output_index,
+                    lane=entry.lane,
+                    finish=cluster_pb2.ENGINE_FINISH_ERROR,
+                    message=message,
+                    retryable=retryable,
+                )
         self._requests.clear()
         self._waiting_since.clear()
         self._open_sequences = 0
@@ -445,15 +460,20 @@ class EngineLink:
         incarnation = _Incarnation(launcher, commands, steps)
         self._incarnation = incarnation
         self._last_step_at = time.monotonic()
-        incarnation.receiver = asyncio.create_task(self._receive_steps(incarnation),
-                                                   name="engine-link-steps")
+        incarnation.receiver = asyncio.create_task(self._receive_steps(incarnation), name="engine-link-steps")
         ready = asyncio.ensure_future(self._ready.wait())
-        done, _ = await asyncio.wait({ready, incarnation.exited, incarnation.receiver},
-                                     timeout=self._start_timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {ready, incarnation.exited, incarnation.receiver},
+            timeout=self._start_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
         if ready in done:
-            log_event(log, "engine spawned", launcher_pid=launcher.pid,
-                      worker_pids=",".join(map(str, incarnation.worker_pids)))
+            log_event(
+                log,
+                "engine spawned",
+                launcher_pid=launcher.pid,
+                worker_pids=",".join(map(str, incarnation.worker_pids)),
+            )
             return None
         ready.cancel()
         if incarnation.exited in done:
@@ -462,8 +482,7 @@ class EngineLink:
             return f"reading its steps failed: {incarnation.receiver.exception()!r}"
         return f"no step within {self._start_timeout_s:g}s"
 
-    async def _start_launcher(self) -> tuple[asyncio.subprocess.Process, zmq.asyncio.Socket,
-                                             zmq.asyncio.Socket]:
+    async def _start_launcher(self) -> tuple[asyncio.subprocess.Process, zmq.asyncio.Socket, zmq.asyncio.Socket]:
         assert self._zmq is not None
         commands = self._zmq.socket(zmq.PUSH)
         commands.setsockopt(zmq.SNDHWM, 0)  # admission already bounds what is queued
@@ -473,19 +492,29 @@ class EngineLink:
         # Fresh ports per worker: nothing a lost worker sent can reach its successor.
         command_port = commands.bind_to_random_port("tcp://127.0.0.1")
         step_port = steps.bind_to_random_port("tcp://127.0.0.1")
-        config = WorkerConfig(command_address=f"tcp://127.0.0.1:{command_port}",
-                              step_address=f"tcp://127.0.0.1:{step_port}",
-                              max_batch=self._max_batch, step_ms=self._step_ms, ranks=self._ranks,
-                              **self._engine_options)
+        config = WorkerConfig(
+            command_address=f"tcp://127.0.0.1:{command_port}",
+            step_address=f"tcp://127.0.0.1:{step_port}",
+            max_batch=self._max_batch,
+            step_ms=self._step_ms,
+            ranks=self._ranks,
+            **self._engine_options,
+        )
         env = dict(os.environ)
         # MPI Spawn runs `mpiexec`, which lives next to the interpreter in a venv.
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-        starting = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            sys.executable, "-m", LAUNCHER_MODULE, "--config", config.to_json(),
-            env=env,
-            # Own session: hydra answers a lost rank by SIGKILLing the launcher's process group.
-            start_new_session=True,
-        ))
+        starting = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                LAUNCHER_MODULE,
+                "--config",
+                config.to_json(),
+                env=env,
+                # Own session: hydra answers a lost rank by SIGKILLing the launcher's process group.
+                start_new_session=True,
+            )
+        )
         try:
             launcher = await asyncio.shield(starting)
         except BaseException:
@@ -506,7 +535,7 @@ class EngineLink:
             attempt = 0
             while True:
                 if attempt:
-                    await asyncio.sleep(min(_MAX_RESTART_DELAY_S, 0.25 * 2 ** attempt))
+                    await asyncio.sleep(min(_MAX_RESTART_DELAY_S, 0.25 * 2**attempt))
                 attempt += 1
                 self._restarts += 1
                 failure = await self._spawn()
@@ -520,8 +549,9 @@ class EngineLink:
         assert incarnation is not None and incarnation.receiver is not None
         check_every = min(0.5, self._stall_timeout_s / 4)
         while True:
-            done, _ = await asyncio.wait({incarnation.exited, incarnation.receiver},
-                                         timeout=check_every, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {incarnation.exited, incarnation.receiver}, timeout=check_every, return_when=asyncio.FIRST_COMPLETED
+            )
             if incarnation.exited in done:
                 return f"launcher exited with status {incarnation.launcher.returncode}"
             if incarnation.receiver in done:

@@ -9,20 +9,33 @@ from ..api.openengine_internal.v1 import cluster_pb2
 RUNNING = Gauge("openengine_node_running_requests", "requests in the engine batch")
 QUEUED = Gauge("openengine_node_queued_requests", "requests waiting for a batch slot")
 BATCH_SIZE = Gauge("openengine_node_batch_size", "sequences stepped in the last engine step")
-STEP_SECONDS = Histogram("openengine_node_step_duration_seconds", "engine step duration",
-                         buckets=(0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-PREFILL_TOKENS = Counter("openengine_node_prefill_tokens",
-                         "prompt tokens the engine read (computed their KV cache), preempted requests' again")
-PREFIX_CACHE_HIT_TOKENS = Counter("openengine_node_prefix_cache_hit_tokens",
-                                  "prompt tokens whose KV cache came from the prefix cache instead of being read")
-LANE_BACKLOG = Gauge("openengine_node_lane_backlog_steps",
-                     "engine steps waiting on a result lane, merged into one message (the largest of the lanes)")
-LANE_SHED_REQUESTS = Counter("openengine_node_lane_shed_requests",
-                             "requests ended with a retryable error because their frontend fell behind on its lane")
+STEP_SECONDS = Histogram(
+    "openengine_node_step_duration_seconds",
+    "engine step duration",
+    buckets=(0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+PREFILL_TOKENS = Counter(
+    "openengine_node_prefill_tokens",
+    "prompt tokens the engine read (computed their KV cache), preempted requests' again",
+)
+PREFIX_CACHE_HIT_TOKENS = Counter(
+    "openengine_node_prefix_cache_hit_tokens",
+    "prompt tokens whose KV cache came from the prefix cache instead of being read",
+)
+LANE_BACKLOG = Gauge(
+    "openengine_node_lane_backlog_steps",
+    "engine steps waiting on a result lane, merged into one message (the largest of the lanes)",
+)
+LANE_SHED_REQUESTS = Counter(
+    "openengine_node_lane_shed_requests",
+    "requests ended with a retryable error because their frontend fell behind on its lane",
+)
 WORKER_RESTARTS = Gauge("openengine_node_worker_restarts", "times the engine worker was respawned")
-QUEUE_SECONDS = Histogram("openengine_node_request_queue_time_seconds",
-                          "from the node accepting a request to its first token (waiting for a batch slot)",
-                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+QUEUE_SECONDS = Histogram(
+    "openengine_node_request_queue_time_seconds",
+    "from the node accepting a request to its first token (waiting for a batch slot)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
 SLOT_USAGE = Gauge("openengine_node_batch_slot_usage", "running sequences / max batch (0..1) of the last step")
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib.util
 
 from ..api.openengine_internal.v1 import cluster_pb2
+from ..common import gguf
 from ..common.config import ConfigError, NodeConfig
 from ..common.cpu_budget import cpu_budget
 from ..common.grpc_server import DependencyError
-from ..common import gguf
-from ..engine.model_card import (LLAMA_CPP, ModelNotFound, default_model_path, gguf_card, simulated_card)
+from ..engine.model_card import LLAMA_CPP, ModelNotFound, default_model_path, gguf_card, simulated_card
 
 
 def model_path(config: NodeConfig) -> str:
@@ -34,9 +34,11 @@ def load_card(config: NodeConfig) -> cluster_pb2.ModelCard:
     if config.engine != LLAMA_CPP:
         return simulated_card()
     if importlib.util.find_spec("llama_cpp") is None:
-        raise DependencyError("the llama.cpp engine needs llama-cpp-python, which is not installed: "
-                              "pip install 'openengine-serve[node]' (it compiles llama.cpp), or run this node with "
-                              "OPENENGINE_ENGINE=simulated")
+        raise DependencyError(
+            "the llama.cpp engine needs llama-cpp-python, which is not installed: "
+            "pip install 'openengine-serve[node]' (it compiles llama.cpp), or run this node with "
+            "OPENENGINE_ENGINE=simulated"
+        )
     path = model_path(config)
     try:
         card = gguf_card(path, config.context_size)
@@ -52,6 +54,12 @@ def engine_options(config: NodeConfig, card: cluster_pb2.ModelCard) -> dict:
     if card.engine != LLAMA_CPP:
         return {"engine": card.engine}
     threads = config.threads or max(1, int(cpu_budget().cpus))
-    return {"engine": LLAMA_CPP, "model_path": model_path(config), "context_size": config.context_size,
-            "prefill_chunk": config.prefill_chunk, "threads": threads,
-            "prefix_cache_tokens": config.prefix_cache_tokens, "max_guided_sequences": config.max_guided_sequences}
+    return {
+        "engine": LLAMA_CPP,
+        "model_path": model_path(config),
+        "context_size": config.context_size,
+        "prefill_chunk": config.prefill_chunk,
+        "threads": threads,
+        "prefix_cache_tokens": config.prefix_cache_tokens,
+        "max_guided_sequences": config.max_guided_sequences,
+    }

@@ -21,14 +21,14 @@ import uuid
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from ..common import tracing
 from ..common.config import NodeConfig
 from ..common.grpc_server import create_internal_server
 from ..common.health import Health
 from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream, PeerHeartbeats
 from ..common.lifecycle import bind_address, start_metrics
-from ..common.tls import add_internal_port, internal_channel
 from ..common.logging_setup import log_event
-from ..common import tracing
+from ..common.tls import add_internal_port, internal_channel
 from ..common.tracing import SUBMIT_SPAN
 from ..engine.model_card import without_tokenizer
 from . import metrics
@@ -60,8 +60,20 @@ class ResultLane:
     window (one such message at a time), while the running streams' tokens keep folding: a frontend that is
     behind still gets them in few messages."""
 
-    __slots__ = ("max_backlog_steps", "step", "events", "backlog_steps", "ready", "idle", "_folding", "first_events",
-                 "window", "unacknowledged", "credit", "first_tokens")
+    __slots__ = (
+        "max_backlog_steps",
+        "step",
+        "events",
+        "backlog_steps",
+        "ready",
+        "idle",
+        "_folding",
+        "first_events",
+        "window",
+        "unacknowledged",
+        "credit",
+        "first_tokens",
+    )
 
     def __init__(self, max_backlog_steps: int, window: int = 0) -> None:
         self.max_backlog_steps = max_backlog_steps
@@ -107,10 +119,17 @@ class ResultLane:
             return []
         ended = {e.request_id for e in self.events if e.finish != cluster_pb2.ENGINE_FINISH_NONE}
         waiting = list(dict.fromkeys(e.request_id for e in self.events if e.request_id not in ended))
-        self.events = [e for e in self.events if e.request_id in ended] + [cluster_pb2.OutputEvent(
-            request_id=request_id, finish=cluster_pb2.ENGINE_FINISH_ERROR, retryable=True, lane=events[0].lane,
-            message=f"the frontend fell {self.max_backlog_steps} engine steps behind on its result lane; "
-                    "retry the request") for request_id in waiting]
+        self.events = [e for e in self.events if e.request_id in ended] + [
+            cluster_pb2.OutputEvent(
+                request_id=request_id,
+                finish=cluster_pb2.ENGINE_FINISH_ERROR,
+                retryable=True,
+                lane=events[0].lane,
+                message=f"the frontend fell {self.max_backlog_steps} engine steps behind on its result lane; "
+                "retry the request",
+            )
+            for request_id in waiting
+        ]
         self._folding.clear()
         return waiting
 
@@ -159,8 +178,11 @@ class ResultLane:
         self._update_credit()
 
     def _update_credit(self) -> None:
-        if (not self.window or self.unacknowledged < self.window
-                or (self.first_tokens and self.unacknowledged == self.window)):
+        if (
+            not self.window
+            or self.unacknowledged < self.window
+            or (self.first_tokens and self.unacknowledged == self.window)
+        ):
             self.credit.set()
         else:
             self.credit.clear()
@@ -171,9 +193,17 @@ def _log_first_events(first_events: list[tuple[str, float, float]], built_at: fl
     one machine): submitted, its engine step arrived, the lane message holding it built, gRPC took it."""
     taken_at = time.monotonic()
     for request_id, submitted_at, arrived_at in first_events:
-        log_event(logger, "first event on lane", logging.DEBUG, request_id=request_id,
-                  submitted_at=f"{submitted_at:.6f}", step_at=f"{arrived_at:.6f}", built_at=f"{built_at:.6f}",
-                  taken_at=f"{taken_at:.6f}", message_events=events)
+        log_event(
+            logger,
+            "first event on lane",
+            logging.DEBUG,
+            request_id=request_id,
+            submitted_at=f"{submitted_at:.6f}",
+            step_at=f"{arrived_at:.6f}",
+            built_at=f"{built_at:.6f}",
+            taken_at=f"{taken_at:.6f}",
+            message_events=events,
+        )
 
 
 class NodeService(cluster_pb2_grpc.NodeServicer):
@@ -187,13 +217,18 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         # With debug logging only: request id -> when it was submitted, until its first event reaches its lane.
         self._awaiting_first_event: dict[str, float] = {}
         self.readiness_changed = asyncio.Event()  # set: the engine worker's readiness or the drain changed
-        self.link = EngineLink(step_ms=config.step_ms, max_batch=config.max_batch, max_queue=config.max_queue,
-                               ranks=config.engine_ranks, on_step=self._on_step,
-                               on_ready_change=self.readiness_changed.set,
-                               on_queue_time=metrics.QUEUE_SECONDS.observe,
-                               stall_timeout_s=config.engine_stall_timeout_s,
-                               start_timeout_s=config.engine_start_timeout_s,
-                               engine_options=engine_options(config, card))
+        self.link = EngineLink(
+            step_ms=config.step_ms,
+            max_batch=config.max_batch,
+            max_queue=config.max_queue,
+            ranks=config.engine_ranks,
+            on_step=self._on_step,
+            on_ready_change=self.readiness_changed.set,
+            on_queue_time=metrics.QUEUE_SECONDS.observe,
+            stall_timeout_s=config.engine_stall_timeout_s,
+            start_timeout_s=config.engine_start_timeout_s,
+            engine_options=engine_options(config, card),
+        )
         self.health = Health()
         self.draining = False
         self.wakes: dict[str, asyncio.Event] = {}  # per coordinator address; set: heartbeat it now
@@ -229,14 +264,20 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                 self._shed(lane_id, lane, shed)
         metrics.LANE_BACKLOG.set(max((lane.backlog_steps for lane in self.lanes.values()), default=0))
 
-    def _shed(self, frontend_id: str, lane: "ResultLane", request_ids: list[str]) -> None:
+    def _shed(self, frontend_id: str, lane: ResultLane, request_ids: list[str]) -> None:
         """The frontend took nothing from its lane for the backlog bound: end the requests waiting on it
         (retryable, their slots freed) rather than queue without bound."""
         for request_id in request_ids:
             self.link.cancel(request_id)
         metrics.LANE_SHED_REQUESTS.inc(len(request_ids))
-        log_event(logger, "result lane shed", logging.WARNING, frontend_id=frontend_id, requests=len(request_ids),
-                  backlog_steps=self.config.lane_max_backlog_steps)
+        log_event(
+            logger,
+            "result lane shed",
+            logging.WARNING,
+            frontend_id=frontend_id,
+            requests=len(request_ids),
+            backlog_steps=self.config.lane_max_backlog_steps,
+        )
 
     # ---------------------------------------------------------------- RPCs
 
@@ -247,10 +288,18 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             await context.abort(*refusal)
         if logger.isEnabledFor(logging.DEBUG):
             self._awaiting_first_event[engine_request.request_id] = time.monotonic()
-            log_event(logger, "request submitted", logging.DEBUG, request_id=engine_request.request_id,
-                      traceparent=dict(context.invocation_metadata() or ()).get("traceparent", "-"))
-        with tracing.server_span(SUBMIT_SPAN, context, **{"openengine.request_id": engine_request.request_id,
-                                                          "openengine.node_id": self.node_id}) as span:
+            log_event(
+                logger,
+                "request submitted",
+                logging.DEBUG,
+                request_id=engine_request.request_id,
+                traceparent=dict(context.invocation_metadata() or ()).get("traceparent", "-"),
+            )
+        with tracing.server_span(
+            SUBMIT_SPAN,
+            context,
+            **{"openengine.request_id": engine_request.request_id, "openengine.node_id": self.node_id},
+        ) as span:
             refusal = self._submit(engine_request, span)
             if refusal is not None:
                 self._awaiting_first_event.pop(engine_request.request_id, None)
@@ -269,13 +318,25 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         if refusal is None:
             if logger.isEnabledFor(logging.DEBUG):
                 self._awaiting_first_event[engine_request.request_id] = time.monotonic()
-                log_event(logger, "request submitted", logging.DEBUG, request_id=engine_request.request_id,
-                          traceparent=submit.traceparent or "-")
-            carried = (("traceparent", submit.traceparent), ("tracestate", submit.tracestate)) \
-                if submit.traceparent else ()
-            span = tracing.start_server_span(SUBMIT_SPAN, carried, {
-                "rpc.system": "grpc", "openengine.request_id": engine_request.request_id,
-                "openengine.node_id": self.node_id})
+                log_event(
+                    logger,
+                    "request submitted",
+                    logging.DEBUG,
+                    request_id=engine_request.request_id,
+                    traceparent=submit.traceparent or "-",
+                )
+            carried = (
+                (("traceparent", submit.traceparent), ("tracestate", submit.tracestate)) if submit.traceparent else ()
+            )
+            span = tracing.start_server_span(
+                SUBMIT_SPAN,
+                carried,
+                {
+                    "rpc.system": "grpc",
+                    "openengine.request_id": engine_request.request_id,
+                    "openengine.node_id": self.node_id,
+                },
+            )
             refusal = self._submit(engine_request, span)
             tracing.end_span(span, None if refusal is None else f"{refusal[0].name}: {refusal[1]}")
             if refusal is not None:
@@ -289,8 +350,10 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         if self.draining:
             return grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is draining"
         if engine_request.frontend_id not in self.lanes:
-            return (grpc.StatusCode.FAILED_PRECONDITION,
-                    f"frontend {engine_request.frontend_id!r} has no open result lane on this node")
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"frontend {engine_request.frontend_id!r} has no open result lane on this node",
+            )
         return None
 
     def _submit(self, engine_request: cluster_pb2.EngineRequest, span) -> tuple[grpc.StatusCode, str] | None:
@@ -305,8 +368,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         if span is not None:
             load = self.link.load
-            span.set_attributes({"openengine.engine.running": load.running,
-                                 "openengine.engine.queued": load.queued})
+            span.set_attributes({"openengine.engine.running": load.running, "openengine.engine.queued": load.queued})
         return None
 
     async def Cancel(self, request: cluster_pb2.CancelRequest, context) -> cluster_pb2.CancelReply:
@@ -385,14 +447,24 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         """The engine's last reported load; running and queued count sequences, the unit max_batch limits."""
         load = self.link.load
         return cluster_pb2.NodeLoad(
-            running_requests=load.running, queued_requests=load.queued, running_tokens=load.running_tokens,
-            waiting_tokens=load.waiting_tokens, decode_batch_size=load.running,
-            max_running_requests=self.config.max_batch, max_queued_requests=self.config.max_queue)
+            running_requests=load.running,
+            queued_requests=load.queued,
+            running_tokens=load.running_tokens,
+            waiting_tokens=load.waiting_tokens,
+            decode_batch_size=load.running,
+            max_running_requests=self.config.max_batch,
+            max_queued_requests=self.config.max_queue,
+        )
 
     def entry(self) -> cluster_pb2.NodeEntry:
-        return cluster_pb2.NodeEntry(node_id=self.node_id, address=self.config.resolved_advertise_address(),
-                                     rank=max(self.rank, 0), state=self.state(), load=self.load(),
-                                     model=self.card_summary)
+        return cluster_pb2.NodeEntry(
+            node_id=self.node_id,
+            address=self.config.resolved_advertise_address(),
+            rank=max(self.rank, 0),
+            state=self.state(),
+            load=self.load(),
+            model=self.card_summary,
+        )
 
     # ---------------------------------------------------------------- coordinator
 
@@ -416,25 +488,43 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                 drain_told.set()
 
         def registration_failed(exc: grpc.aio.AioRpcError) -> None:
-            log_event(logger, "coordinator call failed", logging.WARNING, code=exc.code().name, detail=exc.details(),
-                      coordinator=address)
+            log_event(
+                logger,
+                "coordinator call failed",
+                logging.WARNING,
+                code=exc.code().name,
+                detail=exc.details(),
+                coordinator=address,
+            )
 
         def heartbeat_failed(exc: HeartbeatFailed) -> None:
-            log_event(logger, "coordinator heartbeat failed", logging.WARNING, code=exc.code.name,
-                      detail=exc.detail, coordinator=address, failures=heartbeats.failures)
+            log_event(
+                logger,
+                "coordinator heartbeat failed",
+                logging.WARNING,
+                code=exc.code.name,
+                detail=exc.detail,
+                coordinator=address,
+                failures=heartbeats.failures,
+            )
 
         async with internal_channel(address, self.config) as channel:
             stub = cluster_pb2_grpc.CoordinatorStub(channel)
             heartbeats = HeartbeatStream(stub.NodeHeartbeats, self.config.rpc_timeout_s)
             await PeerHeartbeats(
-                heartbeats, interval_s=1.0, register=lambda: self._register(stub, address),
-                heartbeat=lambda: cluster_pb2.NodeHeartbeatRequest(node_id=self.node_id, state=self.state(),
-                                                                   load=self.load()),
+                heartbeats,
+                interval_s=1.0,
+                register=lambda: self._register(stub, address),
+                heartbeat=lambda: cluster_pb2.NodeHeartbeatRequest(
+                    node_id=self.node_id, state=self.state(), load=self.load()
+                ),
                 # Quiet: no reply awaited, except the drain's (its acknowledgement) and the stream's checks.
                 quiet=lambda heartbeat: heartbeat.state != cluster_pb2.NODE_STATE_DRAINING,
                 on_reply=drain_acknowledged,
-                on_register_failed=registration_failed, on_heartbeat_failed=heartbeat_failed,
-                wake=wake).run()
+                on_register_failed=registration_failed,
+                on_heartbeat_failed=heartbeat_failed,
+                wake=wake,
+            ).run()
 
     async def _register(self, stub: cluster_pb2_grpc.CoordinatorStub, address: str) -> float:
         """Registers; returns the heartbeat interval asked for. Without a rank yet, the first coordinator that
@@ -468,8 +558,13 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         await self.health.start_drain()
         self.wake_coordinators()  # tell the coordinators now, not at the next heartbeat
         if not await self.link.wait_idle(timeout):
-            log_event(logger, "drain deadline reached", logging.WARNING, open_requests=len(self.link.outstanding),
-                      open_sequences=self.link.open_sequences)
+            log_event(
+                logger,
+                "drain deadline reached",
+                logging.WARNING,
+                open_requests=len(self.link.outstanding),
+                open_sequences=self.link.open_sequences,
+            )
             self.link.fail_all("node is shutting down (drain deadline reached)", retryable=True)
         # An idle node gets here at once: wait (bounded) until every coordinator heard of the drain, so that
         # none keeps routing new requests to this node after it stopped.
@@ -489,14 +584,26 @@ async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
     await server.start()
     await service.health.start()
     start_metrics(config.metrics_port)
-    log_event(logger, "node listening", node_id=node_id, port=config.port,
-              advertise=config.resolved_advertise_address(), grpc_server="grpcio")
+    log_event(
+        logger,
+        "node listening",
+        node_id=node_id,
+        port=config.port,
+        advertise=config.resolved_advertise_address(),
+        grpc_server="grpcio",
+    )
     await service.link.start()
-    log_event(logger, "engine worker ready", launcher_pid=service.link.launcher_pid,
-              pids=list(service.link.worker_pids), engine=card.engine, model=card.name,
-              context_length=card.context_length, max_batch=config.max_batch)
-    tasks = [asyncio.create_task(service.health_loop()),
-             asyncio.create_task(service.coordinator_loop())]
+    log_event(
+        logger,
+        "engine worker ready",
+        launcher_pid=service.link.launcher_pid,
+        pids=list(service.link.worker_pids),
+        engine=card.engine,
+        model=card.name,
+        context_length=card.context_length,
+        max_batch=config.max_batch,
+    )
+    tasks = [asyncio.create_task(service.health_loop()), asyncio.create_task(service.coordinator_loop())]
     await stop.wait()
     log_event(logger, "draining", timeout_s=config.drain_timeout_s)
     await service.drain(config.drain_timeout_s)

@@ -79,19 +79,35 @@ class _Output:
 class _Request:
     """A request in the engine, queued or admitted."""
 
-    __slots__ = ("request", "request_id", "lane", "prompt", "outputs", "order", "paused", "forked",
-                 "prompt_cells", "prompt_records", "prompt_records_sent", "guide", "cached_prompt_tokens",
-                 "cache_reported", "cache_entry")
+    __slots__ = (
+        "request",
+        "request_id",
+        "lane",
+        "prompt",
+        "outputs",
+        "order",
+        "paused",
+        "forked",
+        "prompt_cells",
+        "prompt_records",
+        "prompt_records_sent",
+        "guide",
+        "cached_prompt_tokens",
+        "cache_reported",
+        "cache_entry",
+    )
 
-    def __init__(self, request: cluster_pb2.EngineRequest, order: tuple[int, int], vocab_size: int,
-                 end_of_generation: np.ndarray) -> None:
+    def __init__(
+        self, request: cluster_pb2.EngineRequest, order: tuple[int, int], vocab_size: int, end_of_generation: np.ndarray
+    ) -> None:
         self.request = request
         self.request_id = request.request_id
         self.lane = request.frontend_id
         self.prompt = list(request.prompt_token_ids)
-        self.outputs = {index: _Output(index, self.prompt, OutputSampler(request, index, vocab_size,
-                                                                         end_of_generation))
-                        for index in range(max(1, request.num_sequences))}
+        self.outputs = {
+            index: _Output(index, self.prompt, OutputSampler(request, index, vocab_size, end_of_generation))
+            for index in range(max(1, request.num_sequences))
+        }
         self.order = order  # (-priority, arrival): the queue's order, kept when preempted
         self.paused = False
         self.forked = False  # the outputs beyond the first have taken the prompt's KV cells
@@ -126,8 +142,9 @@ class _Request:
 
     def cells(self) -> int:
         """KV cells it holds: the shared prompt once, then each output's own."""
-        return self.prompt_cells + sum(o.cached - (self.prompt_cells if o.shares_prompt else 0)
-                                       for o in self.outputs.values())
+        return self.prompt_cells + sum(
+            o.cached - (self.prompt_cells if o.shares_prompt else 0) for o in self.outputs.values()
+        )
 
     def close(self) -> None:
         for output in self.outputs.values():
@@ -139,8 +156,9 @@ class _Run:
 
     __slots__ = ("request", "output", "first_index", "start", "count", "samples")
 
-    def __init__(self, request: _Request, output: _Output, first_index: int, start: int, count: int,
-                 samples: bool) -> None:
+    def __init__(
+        self, request: _Request, output: _Output, first_index: int, start: int, count: int, samples: bool
+    ) -> None:
         self.request = request
         self.output = output
         self.first_index = first_index  # batch index of the run's first token
@@ -152,15 +170,23 @@ class _Run:
 class LlamaEngine(Engine):
     def __init__(self, config: WorkerConfig) -> None:
         if config.max_batch > MAX_SEQUENCES:
-            raise ValueError(f"the llama.cpp engine runs at most {MAX_SEQUENCES} sequences (OPENENGINE_MAX_BATCH), "
-                             f"got {config.max_batch}")
+            raise ValueError(
+                f"the llama.cpp engine runs at most {MAX_SEQUENCES} sequences (OPENENGINE_MAX_BATCH), "
+                f"got {config.max_batch}"
+            )
         self.max_batch = config.max_batch
         self.prefill_chunk = config.prefill_chunk
-        cached_prefixes = min(MAX_CACHED_PREFIXES, MAX_SEQUENCES - config.max_batch) if config.prefix_cache_tokens else 0
+        cached_prefixes = (
+            min(MAX_CACHED_PREFIXES, MAX_SEQUENCES - config.max_batch) if config.prefix_cache_tokens else 0
+        )
         sequences = config.max_batch + cached_prefixes
-        self.model = LlamaModel(config.model_path, context_size=config.context_size,
-                                batch_tokens=config.max_batch + config.prefill_chunk, sequences=sequences,
-                                threads=config.threads)
+        self.model = LlamaModel(
+            config.model_path,
+            context_size=config.context_size,
+            batch_tokens=config.max_batch + config.prefill_chunk,
+            sequences=sequences,
+            threads=config.threads,
+        )
         self.context_size = self.model.context_size
         self._eog = frozenset(self.model.end_of_generation.tolist())
         self._batch = TokenBatch(config.max_batch + config.prefill_chunk)
@@ -190,8 +216,9 @@ class LlamaEngine(Engine):
         return not self._queued and not self._compiling and all(r.paused for r in self._running.values())
 
     def enqueue(self, request: cluster_pb2.EngineRequest) -> None:
-        state = _Request(request, (-request.priority, next(self._arrivals)), self.model.vocab_size,
-                         self.model.end_of_generation)
+        state = _Request(
+            request, (-request.priority, next(self._arrivals)), self.model.vocab_size, self.model.end_of_generation
+        )
         if state.guided:  # compiled off the step loop: a slow grammar delays only its own request
             state.guide = self._compiler.submit(guides.matcher, request.guide, self._guide_tokenizer, guides.Limits())
             self._compiling.append(state)
@@ -248,8 +275,14 @@ class LlamaEngine(Engine):
         return True
 
     def load(self) -> EngineLoad:
-        return EngineLoad(self.running_sequences, self.queued_sequences, self.cells, self.waiting_tokens,
-                          self.prefilled_tokens, self.cached_prompt_tokens)
+        return EngineLoad(
+            self.running_sequences,
+            self.queued_sequences,
+            self.cells,
+            self.waiting_tokens,
+            self.prefilled_tokens,
+            self.cached_prompt_tokens,
+        )
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
@@ -285,8 +318,11 @@ class LlamaEngine(Engine):
             # its least recently used entries first (not the one this request shares).
             needed = max(len(o.tokens) for o in state.outputs.values()) - reused
             keep = entry.seq_id if entry else -1
-            while (self._running and held + self.running_sequences + needed > self.context_size
-                   and self.prefix_cache.evictable(keep)):
+            while (
+                self._running
+                and held + self.running_sequences + needed > self.context_size
+                and self.prefix_cache.evictable(keep)
+            ):
                 held -= self._evict(keep)
             if self._running and held + self.running_sequences + needed > self.context_size:
                 return
@@ -315,8 +351,11 @@ class LlamaEngine(Engine):
 
     def _held_cells(self) -> int:
         """KV cells in use: the admitted requests' and the prefix cache's, the cells they share counted once."""
-        shared = sum(state.cached_prompt_tokens for state in self._running.values()
-                     if state.cache_entry >= 0 and self.prefix_cache.holds(state.cache_entry))
+        shared = sum(
+            state.cached_prompt_tokens
+            for state in self._running.values()
+            if state.cache_entry >= 0 and self.prefix_cache.holds(state.cache_entry)
+        )
         return sum(state.cells() for state in self._running.values()) + self.prefix_cache.tokens - shared
 
     def _evict(self, keep: int = -1) -> int:
@@ -361,9 +400,14 @@ class LlamaEngine(Engine):
         if len(self._running) < 2:
             state = next(iter(self._running.values()), None)
             if state is not None:
-                self._fail(state, f"the request's outputs need more KV cache than this node has "
-                                  f"({self.context_size} cells, OPENENGINE_CONTEXT_SIZE); ask fewer num_sequences or "
-                                  f"max_tokens", events, retryable=False)
+                self._fail(
+                    state,
+                    f"the request's outputs need more KV cache than this node has "
+                    f"({self.context_size} cells, OPENENGINE_CONTEXT_SIZE); ask fewer num_sequences or "
+                    f"max_tokens",
+                    events,
+                    retryable=False,
+                )
             return False
         request_id = next(reversed(self._running))
         state = self._running.pop(request_id)
@@ -387,7 +431,7 @@ class LlamaEngine(Engine):
         if not self.prefix_cache.enabled:
             return
         seq_id, output.seq_id = output.seq_id, -1
-        self._free_seq_ids.extend(self.prefix_cache.keep(seq_id, state.salt, output.tokens[:output.cached]))
+        self._free_seq_ids.extend(self.prefix_cache.keep(seq_id, state.salt, output.tokens[: output.cached]))
 
     def _release_sequence(self, output: _Output) -> None:
         if output.seq_id >= 0:
@@ -406,11 +450,19 @@ class LlamaEngine(Engine):
         for state in self._running.values():
             if state.paused:
                 continue
-            for output in (state.outputs.values() if state.forked else (state.leader,)):
+            for output in state.outputs.values() if state.forked else (state.leader,):
                 pending = len(output.tokens) - output.cached
                 if pending == 1:
-                    runs.append(_Run(state, output, batch.add(output.tokens[-1:], output.cached, output.seq_id, 0),
-                                     output.cached, 1, True))
+                    runs.append(
+                        _Run(
+                            state,
+                            output,
+                            batch.add(output.tokens[-1:], output.cached, output.seq_id, 0),
+                            output.cached,
+                            1,
+                            True,
+                        )
+                    )
                 else:
                     reading.append((state, output))
         budget = self.prefill_chunk
@@ -423,8 +475,9 @@ class LlamaEngine(Engine):
             logits_from = self._prompt_logits_from(state, output.cached, count)
             if logits_from is None and samples:
                 logits_from = count - 1
-            first = batch.add(output.tokens[output.cached:output.cached + count], output.cached, output.seq_id,
-                              logits_from)
+            first = batch.add(
+                output.tokens[output.cached : output.cached + count], output.cached, output.seq_id, logits_from
+            )
             runs.append(_Run(state, output, first, output.cached, count, samples))
             budget -= count
         return runs
@@ -503,8 +556,13 @@ class LlamaEngine(Engine):
             finish = FINISH_LENGTH
         else:
             finish = FINISH_NONE
-        event = cluster_pb2.OutputEvent(request_id=state.request_id, output_index=output.index, lane=state.lane,
-                                        tokens=[record], first=generated == 1)
+        event = cluster_pb2.OutputEvent(
+            request_id=state.request_id,
+            output_index=output.index,
+            lane=state.lane,
+            tokens=[record],
+            first=generated == 1,
+        )
         if output.index == min(state.outputs):
             if not state.prompt_records_sent and state.prompt_records is not None:
                 event.prompt_tokens.extend(state.prompt_records)
@@ -522,18 +580,32 @@ class LlamaEngine(Engine):
 
     # ------------------------------------------------------------ ends
 
-    def _finish(self, state: _Request, output: _Output, finish: int, events: list[bytes], message: str = "",
-                retryable: bool = False) -> None:
-        event = cluster_pb2.OutputEvent(request_id=state.request_id, output_index=output.index, lane=state.lane,
-                                        finish=finish, message=message, retryable=retryable)
+    def _finish(
+        self,
+        state: _Request,
+        output: _Output,
+        finish: int,
+        events: list[bytes],
+        message: str = "",
+        retryable: bool = False,
+    ) -> None:
+        event = cluster_pb2.OutputEvent(
+            request_id=state.request_id,
+            output_index=output.index,
+            lane=state.lane,
+            finish=finish,
+            message=message,
+            retryable=retryable,
+        )
         self._end_output(state, output, event, events)
 
     def _fail(self, state: _Request, message: str, events: list[bytes], retryable: bool = True) -> None:
         for output in list(state.outputs.values()):
             self._finish(state, output, FINISH_ERROR, events, message, retryable)
 
-    def _end_output(self, state: _Request, output: _Output, event: cluster_pb2.OutputEvent,
-                    events: list[bytes]) -> None:
+    def _end_output(
+        self, state: _Request, output: _Output, event: cluster_pb2.OutputEvent, events: list[bytes]
+    ) -> None:
         """Closes the output: its event, its sequence's KV cells, its sampler; the request when it was its last."""
         events.append(event_field(event.SerializeToString()))
         del state.outputs[output.index]

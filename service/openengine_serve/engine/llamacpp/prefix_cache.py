@@ -63,9 +63,11 @@ class PrefixCache:
         if not self.enabled or len(entry.tokens) > self.max_tokens:
             self._model.forget(seq_id)
             return [seq_id]
-        freed = [other.seq_id for other in self._entries.values()
-                 if other.salt == salt and _common_prefix(other.tokens, entry.tokens, len(entry.tokens))
-                 == len(other.tokens)]
+        freed = [
+            other.seq_id
+            for other in self._entries.values()
+            if other.salt == salt and _common_prefix(other.tokens, entry.tokens, len(entry.tokens)) == len(other.tokens)
+        ]
         for other_id in freed:  # everything it holds is a prefix of the new entry
             self._drop(other_id)
         self._entries[seq_id] = entry

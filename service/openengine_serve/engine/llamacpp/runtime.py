@@ -38,7 +38,8 @@ class TokenBatch:
         int_p = ctypes.POINTER(ctypes.c_int32)
         # token i's sequence list is the one-element array at seq_ids[i]
         self._seq_id_pointers = (int_p * capacity)(
-            *(ctypes.cast(self.seq_ids.ctypes.data + 4 * i, int_p) for i in range(capacity)))
+            *(ctypes.cast(self.seq_ids.ctypes.data + 4 * i, int_p) for i in range(capacity))
+        )
         batch = lib.llama_batch()
         batch.token = self.tokens.ctypes.data_as(int_p)
         batch.embd = None
@@ -66,7 +67,7 @@ class TokenBatch:
         self.seq_ids[first:end] = seq_id
         self.logits[first:end] = 0
         if logits_from is not None:
-            self.logits[first + logits_from:end] = 1
+            self.logits[first + logits_from : end] = 1
         self.size = end
         return first
 
@@ -84,7 +85,8 @@ class LlamaModel:
         self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
         self.trained_context = lib.llama_model_n_ctx_train(self._model)
         self.end_of_generation = np.array(
-            [t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, t)], np.int32)
+            [t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, t)], np.int32
+        )
         params = lib.llama_context_default_params()
         params.n_ctx = context_size
         params.n_batch = params.n_ubatch = batch_tokens
@@ -97,8 +99,10 @@ class LlamaModel:
         self._context = lib.llama_init_from_model(self._model, params)
         if not self._context:
             lib.llama_model_free(self._model)
-            raise LlamaError(f"llama.cpp could not create a context of {context_size} KV cells for {sequences} "
-                             f"sequences (see its log above)")
+            raise LlamaError(
+                f"llama.cpp could not create a context of {context_size} KV cells for {sequences} "
+                f"sequences (see its log above)"
+            )
         self.context_size = lib.llama_n_ctx(self._context)
         self._memory = lib.llama_get_memory(self._context)
         self._logits_ith = lib.llama_get_logits_ith

@@ -39,8 +39,9 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
     return values
 
 
-def token_record(token_id: int, logprobs: np.ndarray | None,
-                 candidates: cluster_pb2.Candidates) -> cluster_pb2.TokenRecord:
+def token_record(
+    token_id: int, logprobs: np.ndarray | None, candidates: cluster_pb2.Candidates
+) -> cluster_pb2.TokenRecord:
     """The record of a token: its logprob and rank (1: the most likely) and the asked candidates."""
     record = cluster_pb2.TokenRecord(token_id=token_id)
     if logprobs is None:
@@ -50,7 +51,7 @@ def token_record(token_id: int, logprobs: np.ndarray | None,
     record.logprob = float(logprob)
     record.rank = int(np.count_nonzero(logprobs > logprob)) + 1
     if candidates.top_n:
-        top = np.argpartition(-logprobs, candidates.top_n - 1)[:candidates.top_n]
+        top = np.argpartition(-logprobs, candidates.top_n - 1)[: candidates.top_n]
         top = top[np.lexsort((top, -logprobs[top]))]  # most likely first; ties by id
         for rank, candidate in enumerate(top.tolist(), start=1):
             record.candidates.add(token_id=candidate, logprob=float(logprobs[candidate]), rank=rank)
@@ -66,8 +67,9 @@ def token_record(token_id: int, logprobs: np.ndarray | None,
 class OutputSampler:
     """The sampling state of one output of a request (see the module docstring)."""
 
-    def __init__(self, request: cluster_pb2.EngineRequest, output_index: int, vocab_size: int,
-                 end_of_generation: np.ndarray) -> None:
+    def __init__(
+        self, request: cluster_pb2.EngineRequest, output_index: int, vocab_size: int, end_of_generation: np.ndarray
+    ) -> None:
         lib = self._lib = llama_cpp()
         self.guide = None  # the output's llguidance matcher (set once the guide compiled)
         self._vocab_size = vocab_size

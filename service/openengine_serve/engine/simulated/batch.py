@@ -179,8 +179,11 @@ class Batch:
                 token_id, finish, record = next_token(sequence)
                 if finish or record is not None or sequence.position == 1:
                     # Rare shapes (finish, logprobs, a first event) take the protobuf path.
-                    append(self._event(state, sequence.output_index, finish, token_id, record,
-                                       first=sequence.position == 1))
+                    append(
+                        self._event(
+                            state, sequence.output_index, finish, token_id, record, first=sequence.position == 1
+                        )
+                    )
                     if finish:
                         self.running_sequences -= 1
                         continue
@@ -199,11 +202,17 @@ class Batch:
         return EngineLoad(self.running_sequences, self.queued_sequences, running_tokens, self.waiting_tokens)
 
     @staticmethod
-    def _event(state: model.RequestState, output_index: int, finish: int,
-               token_id: int | None = None, record: cluster_pb2.TokenRecord | None = None,
-               first: bool = False) -> bytes:
-        event = cluster_pb2.OutputEvent(request_id=state.request_id, output_index=output_index,
-                                        lane=state.lane, finish=finish, first=first)
+    def _event(
+        state: model.RequestState,
+        output_index: int,
+        finish: int,
+        token_id: int | None = None,
+        record: cluster_pb2.TokenRecord | None = None,
+        first: bool = False,
+    ) -> bytes:
+        event = cluster_pb2.OutputEvent(
+            request_id=state.request_id, output_index=output_index, lane=state.lane, finish=finish, first=first
+        )
         if token_id is not None:
             event.tokens.append(record if record is not None else cluster_pb2.TokenRecord(token_id=token_id))
             if finish in _FINISH_WITH_TOKEN:

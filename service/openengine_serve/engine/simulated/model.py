@@ -62,9 +62,7 @@ class _Pools:
     def __init__(self) -> None:
         encoding = load_encoding()
         self.words = tuple(
-            token_id
-            for token_id in range(BPE_RANKS)
-            if _READABLE_WORD.fullmatch(token_bytes(encoding, token_id))
+            token_id for token_id in range(BPE_RANKS) if _READABLE_WORD.fullmatch(token_bytes(encoding, token_id))
         )
         self.punctuation = tuple(encoding.encode_single_token(text) for text in _PUNCTUATION)
 
@@ -110,8 +108,9 @@ def _prompt_bytes(prompt_token_ids) -> bytes:
 def output_key(request: cluster_pb2.EngineRequest, output_index: int) -> int:
     """The 64-bit key every token of one output derives from."""
     seed = request.seed if request.has_seed else 0
-    sampling = struct.pack("<QddiI", seed, request.temperature, request.top_p, request.top_k,
-                           len(request.prompt_token_ids))
+    sampling = struct.pack(
+        "<QddiI", seed, request.temperature, request.top_p, request.top_k, len(request.prompt_token_ids)
+    )
     key = _digest64(b"output", sampling, _prompt_bytes(request.prompt_token_ids))
     if request.temperature == 0:
         return key  # greedy: every output is the same
@@ -134,8 +133,9 @@ def logprob_for_rank(rank: int, fraction: float) -> float:
     return -6.0 - math.log(rank - _TOP_RANKS + 1)
 
 
-def _fill_logprobs(record: cluster_pb2.TokenRecord, token_id: int, bits: int, greedy: bool,
-                   candidates: cluster_pb2.Candidates) -> None:
+def _fill_logprobs(
+    record: cluster_pb2.TokenRecord, token_id: int, bits: int, greedy: bool, candidates: cluster_pb2.Candidates
+) -> None:
     """Sets logprob, rank and candidates of a record, all derived from `bits`."""
     rank = 1 if greedy else _RANK_BY_BYTE[(bits >> 56) & 0xFF]
     fraction = ((bits >> 48) & 0xFF) / 256.0
@@ -151,12 +151,12 @@ def _fill_logprobs(record: cluster_pb2.TokenRecord, token_id: int, bits: int, gr
         else:
             # Any other asked token ranks below the top five, at a spot fixed by (draw, token).
             asked_rank = _TOP_RANKS + 1 + _mix64(bits ^ asked_id) % 4096
-            record.candidates.add(token_id=asked_id, logprob=logprob_for_rank(asked_rank, 0.0),
-                                  rank=asked_rank)
+            record.candidates.add(token_id=asked_id, logprob=logprob_for_rank(asked_rank, 0.0), rank=asked_rank)
 
 
-def _add_top_candidates(record: cluster_pb2.TokenRecord, token_id: int, rank: int, logprob: float,
-                        fraction: float, bits: int, top_n: int) -> None:
+def _add_top_candidates(
+    record: cluster_pb2.TokenRecord, token_id: int, rank: int, logprob: float, fraction: float, bits: int, top_n: int
+) -> None:
     words = _pools().words
     # A prime stride larger than the pool walks it without repeating: distinct alternatives.
     start = _mix64(bits) % len(words)
@@ -168,8 +168,9 @@ def _add_top_candidates(record: cluster_pb2.TokenRecord, token_id: int, rank: in
         alternative = next(alternatives)
         if alternative == token_id:
             alternative = next(alternatives)
-        record.candidates.add(token_id=alternative,
-                              logprob=logprob_for_rank(candidate_rank, fraction), rank=candidate_rank)
+        record.candidates.add(
+            token_id=alternative, logprob=logprob_for_rank(candidate_rank, fraction), rank=candidate_rank
+        )
 
 
 class SequenceState:
@@ -192,9 +193,22 @@ class RequestState:
     events. `outputs` holds only the outputs that are still open.
     """
 
-    __slots__ = ("request", "request_id", "lane", "prompt_length", "outputs", "_prompt_pending",
-                 "_min_tokens", "_max_tokens", "_stop_token_ids", "_eos_enabled", "_greedy",
-                 "_logprobs", "_candidates", "_pick")
+    __slots__ = (
+        "request",
+        "request_id",
+        "lane",
+        "prompt_length",
+        "outputs",
+        "_prompt_pending",
+        "_min_tokens",
+        "_max_tokens",
+        "_stop_token_ids",
+        "_eos_enabled",
+        "_greedy",
+        "_logprobs",
+        "_candidates",
+        "_pick",
+    )
 
     def __init__(self, request: cluster_pb2.EngineRequest) -> None:
         self.request = request
@@ -202,8 +216,7 @@ class RequestState:
         self.lane = request.frontend_id
         self.prompt_length = len(request.prompt_token_ids)
         self.outputs: dict[int, SequenceState] = {
-            index: SequenceState(index, output_key(request, index))
-            for index in range(max(1, request.num_sequences))
+            index: SequenceState(index, output_key(request, index)) for index in range(max(1, request.num_sequences))
         }
         self._prompt_pending = request.prompt_logprobs
         self._min_tokens = request.min_tokens

@@ -118,7 +118,8 @@ def test_oversized_metadata_is_refused_naming_the_limit(limited):
 
 
 def test_metadata_beyond_the_transport_cap_is_refused_and_the_server_keeps_serving(limited):
-    """Above TRANSPORT_MAX_METADATA_BYTES the transports answer themselves, differently (docs/robustness.md)."""
+    """Above TRANSPORT_MAX_METADATA_BYTES the transports answer themselves, differently (docs/robustness.md):
+    grpcio names its hard limit; pygrpc-native's HTTP/2 layer answers HTTP 431 on a fresh connection."""
     with Client(limited.target, retries=False) as client:
         err = refusal(
             lambda: client.control.GetServerInfo(
@@ -127,9 +128,14 @@ def test_metadata_beyond_the_transport_cap_is_refused_and_the_server_keeps_servi
                 metadata=(("x-padding", "p" * (limits.TRANSPORT_MAX_METADATA_BYTES + 4096)),),
             )
         )
-        assert err.code() != grpc.StatusCode.OK
         if limited.name.endswith("grpcio"):
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
+            assert (
+                "exceeds hard limit" in err.details() and f"vs. {limits.TRANSPORT_MAX_METADATA_BYTES})" in err.details()
+            )
+        else:
+            assert err.code() == grpc.StatusCode.UNKNOWN, (err.code(), err.details())
+            assert "431" in err.details(), err.details()
     with Client(limited.target, retries=False) as client:
         assert client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10).instance_id
 

@@ -35,16 +35,62 @@ def test_either_endpoint_variable_turns_it_on(variable):
     assert not tracing.tracing_configured({})
 
 
-def test_no_trace_forwards_the_clients_context_and_records_nothing():
-    assert not tracing.enabled()
+@pytest.fixture(scope="module")
+def exported():
+    """Spans exported through OpenTelemetry's global provider, as setup_tracing installs it (with an in-memory
+    exporter instead of OTLP): whatever the code would record while tracing is off would show here too."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # the first test module to ask sets the process's provider
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+def one_call(forwarded: tuple[tuple[str, str], ...]) -> tuple[RequestTrace, tuple[tuple[str, str], ...]]:
+    """What the frontend does with the trace of one Generate call; returns it and the Reserve call's metadata."""
     trace = RequestTrace.start((("traceparent", TRACEPARENT),), "grpcio")
-    assert trace is NO_TRACE
-    forwarded = (("traceparent", TRACEPARENT),)
     with trace.call(tracing.RESERVE_SPAN, forwarded) as metadata:
-        assert metadata is forwarded
+        pass
     trace.event("queued")
     trace.set_key_name("team-a")
-    trace.end(status="finished", code="OK")
+    trace.end(status="finished", code="OK", completion_tokens=3)
+    return trace, metadata
+
+
+def test_no_trace_forwards_the_clients_context_and_records_nothing(exported):
+    assert not tracing.enabled()
+    exported.clear()
+    forwarded = (("traceparent", TRACEPARENT),)
+    trace, metadata = one_call(forwarded)
+    assert trace is NO_TRACE
+    assert metadata is forwarded
+    assert exported.get_finished_spans() == ()
+    assert NO_TRACE.span is None and NO_TRACE.forward == ()  # shared by every call: nothing stuck to it
+
+
+def test_tracing_on_records_the_call_and_its_internal_call(exported, monkeypatch):
+    """The counterpart of the test above: the same calls with a tracer record both spans."""
+    from opentelemetry import trace
+
+    monkeypatch.setattr(tracing, "_tracer", trace.get_tracer("openengine_serve"))
+    exported.clear()
+    _, metadata = one_call((("traceparent", TRACEPARENT),))
+    reserve, generate = exported.get_finished_spans()
+    assert (generate.name, reserve.name) == ("openengine.v1.Inference/Generate", tracing.RESERVE_SPAN)
+    assert f"{generate.context.trace_id:032x}" == TRACEPARENT.split("-")[1]  # the client's trace continues
+    assert reserve.parent.span_id == generate.context.span_id
+    assert dict(metadata)["traceparent"].split("-")[2] == f"{reserve.context.span_id:016x}"
+    assert [event.name for event in generate.events] == ["queued"]
+    assert generate.attributes["openengine.key_name"] == "team-a"
+    assert generate.attributes["openengine.status"] == "finished"
+    assert generate.attributes["gen_ai.usage.output_tokens"] == 3
 
 
 def test_parent_is_the_single_traceparent_with_its_tracestates():

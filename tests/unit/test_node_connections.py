@@ -107,8 +107,7 @@ async def test_the_lane_gives_the_node_a_window_and_acknowledges_each_message_ha
     entry = node_entry("n0")
     _, stub = add_fake_node(nodes, entry)
     sink = nodes.open_sink("r1")
-    conn = await nodes.connect(entry)
-    assert conn.lane_credits
+    await nodes.connect(entry)
     assert [(c.frontend_id, c.window) for c in stub.credits] == [("fe-test", nodes.lane_window)]
     for token in range(3):
         stub.lane.put_nowait(
@@ -119,6 +118,22 @@ async def test_the_lane_gives_the_node_a_window_and_acknowledges_each_message_ha
     await settle()
     assert [e.tokens[0].token_id for e in await sink.take()] == [0, 1, 2]
     assert sum(c.handled for c in stub.credits[1:]) == 3, stub.credits  # the opening message is not counted
+
+
+async def test_without_a_window_the_lane_is_opened_with_window_0_and_read_as_usual():
+    nodes = NodeConnections("fe-test", BackgroundTasks(), 1.0, 1.0, lane_window=0)
+    entry = node_entry("n0")
+    _, stub = add_fake_node(nodes, entry)
+    sink = nodes.open_sink("r1")
+    try:
+        await nodes.connect(entry)
+        assert [(c.frontend_id, c.window) for c in stub.credits] == [("fe-test", 0)], "0: no limit"
+        stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(request_id="r1")]))
+        await settle()
+        assert [e.request_id for e in await sink.take()] == ["r1"]
+    finally:
+        await nodes.close()
+        await settle()
 
 
 async def test_a_sink_whose_client_takes_nothing_pauses_its_request_on_the_lane_and_resumes_it():
@@ -168,17 +183,10 @@ async def test_a_sink_whose_client_takes_nothing_pauses_its_request_on_the_lane_
         await settle()
 
 
-async def test_without_a_lane_call_or_with_pausing_off_nothing_is_paused(nodes: NodeConnections):
+async def test_with_pausing_off_nothing_is_paused(nodes: NodeConnections):
     entry = node_entry("n0")
-    _, stub = add_fake_node(nodes, entry)
-    stub.lane_unimplemented = True  # a node of an older release: Results, no call to say it on
-    conn = await nodes.connect(entry)
-    sink = nodes.open_sink("r1")
-    sink.pause_after_s = 0.01
-    await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r1"))
-    sink.writing_since = time.monotonic() - 1
-    sink.put(cluster_pb2.OutputEvent(request_id="r1"))
-    assert not sink.paused
+    add_fake_node(nodes, entry)
+    await nodes.connect(entry)
     off = nodes.open_sink("r2")  # the fixture's NodeConnections: pause_after_s 0
     off.set_paused = lambda paused: pytest.fail("paused with pausing off")
     off.writing_since = time.monotonic() - 100
@@ -239,19 +247,10 @@ async def test_a_frontend_that_keeps_up_acknowledges_at_once_however_busy_its_lo
         while not call.written:
             await asyncio.sleep(0.001)
     await busy
-    acknowledgements.close()
-
-
-async def test_a_node_without_the_credited_lane_is_read_over_results(nodes: NodeConnections):
-    entry = node_entry("n0")
-    _, stub = add_fake_node(nodes, entry)
-    stub.lane_unimplemented = True
-    sink = nodes.open_sink("r1")
-    conn = await nodes.connect(entry)
-    assert not conn.lane_credits
-    stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(request_id="r1")]))
+    acknowledgements.handled(2)
     await settle()
-    assert [e.request_id for e in await sink.take()] == ["r1"]
+    assert [handled for _, handled in call.written] == [1, 1]  # one credit per message, none counted twice
+    acknowledgements.close()
 
 
 async def test_a_lost_lane_fails_the_requests_on_that_node_only(nodes: NodeConnections):
@@ -326,46 +325,18 @@ async def test_submissions_of_one_tick_go_to_the_node_in_one_batch_and_refusals_
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refused.value.message == "queue full"
 
 
-async def test_a_node_without_the_submissions_call_gets_unary_submits(nodes: NodeConnections):
-    conn, stub = add_fake_node(nodes, node_entry("n0"))
-    unary_metadata = []
-    submit = stub.Submit
-
-    async def unary(request, timeout, metadata=()):
-        unary_metadata.append(metadata)
-        return await submit(request, timeout, metadata)
-
-    stub.Submit = unary
-
-    def unimplemented():
-        call = FakeSubmissionCall(stub)
-
-        async def refuse(batch):
-            call.replies.put_nowait(rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"))
-
-        call.write = refuse
-        return call
-
-    stub.Submissions = unimplemented
-    trace = (("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),)
-    await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r0"), trace)
-    await nodes.submit(conn, cluster_pb2.EngineRequest(request_id="r1"))
-    assert conn.submissions is None
-    assert [r.request_id for r in stub.submitted] == ["r0", "r1"] and unary_metadata == [trace, ()]
-
-
 async def test_a_node_whose_lane_does_not_open_is_a_connection_error(nodes: NodeConnections):
     entry = node_entry("n0")
     _, stub = add_fake_node(nodes, entry)
 
-    def refused(request):
+    def refused(frontend_id):
         async def stream():
             raise rpc_error(grpc.StatusCode.UNAVAILABLE)
             yield  # pragma: no cover
 
         return stream()
 
-    stub.Results = refused
+    stub.lane_messages = refused
     with pytest.raises(ConnectionError, match="node n0 at n0.test:1 was lost"):
         await nodes.connect(entry)
 

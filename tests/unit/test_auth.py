@@ -1,4 +1,4 @@
-"""The API key file: parsing, hashing, reload (the interceptor itself runs in tests/integration/test_security.py)."""
+"""The API key file: parsing, hashing, reload (the interceptor itself runs in tests/integration/test_api_keys.py)."""
 
 from __future__ import annotations
 

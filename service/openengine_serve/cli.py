@@ -21,17 +21,23 @@ def _component(name: str):
         from .common.tls import check_internal_tls
 
         check_internal_tls(config)  # security hook: exit 2 at start on incomplete or unreadable internal TLS files
+        # COMPONENT_CONFIGS[name] is the component's own config class: the isinstance checks only narrow the type.
         if name == "frontend":
             from .frontend.supervisor import run_frontend
 
+            assert isinstance(config, cfg.FrontendConfig)
             return run_frontend(config)
         from .common.lifecycle import run_component
 
         if name == "coordinator":
-            from .coordinator.server import serve
-        else:
-            from .node.server import serve
-        return run_component(config, lambda stop: serve(config, stop))
+            from .coordinator.server import serve as serve_coordinator
+
+            assert isinstance(config, cfg.CoordinatorConfig)
+            return run_component(config, lambda stop: serve_coordinator(config, stop))
+        from .node.server import serve as serve_node
+
+        assert isinstance(config, cfg.NodeConfig)
+        return run_component(config, lambda stop: serve_node(config, stop))
 
     return run
 

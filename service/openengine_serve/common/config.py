@@ -16,7 +16,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 ENV_PREFIX = "OPENENGINE_"
 GRPC_SERVERS = ("grpcio", "pygrpc-native")
@@ -489,9 +489,12 @@ def _convert(f: dataclasses.Field, raw: str, source: str) -> Any:
     return value
 
 
+ConfigT = TypeVar("ConfigT", bound=CommonConfig)
+
+
 def load(
-    config_cls: type[CommonConfig], args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
-) -> CommonConfig:
+    config_cls: type[ConfigT], args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> ConfigT:
     environ = os.environ if environ is None else environ
     values = {}
     for f in dataclasses.fields(config_cls):
@@ -506,7 +509,7 @@ def load(
 def markdown_table() -> str:
     """The README's configuration table, one row per knob and component."""
     rows = ["| variable | flag | component | default | meaning |", "|---|---|---|---|---|"]
-    seen: dict[str, list[str]] = {}
+    seen: dict[tuple[str, str], list[str]] = {}
     for component, cls in COMPONENT_CONFIGS.items():
         for f in dataclasses.fields(cls):
             key = (env_name(f), repr(f.default))

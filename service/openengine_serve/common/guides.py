@@ -20,10 +20,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # llguidance itself is imported where a guide is compiled
+    from llguidance._lib import JsonCompileOptions
 
 GUIDE_KINDS = ("json_schema", "regex", "ebnf_grammar", "structural_tag", "choice", "json_object")
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z][\w-]*\s*::=", re.MULTILINE)
-_COMPACT_JSON = {"whitespace_flexible": False}
+_COMPACT_JSON: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class GuideError(ValueError):

@@ -46,7 +46,7 @@ import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
@@ -103,7 +103,7 @@ class HeartbeatStream:
         `quiet` (a NodeHeartbeatRequest): the reply may be skipped (see the module docstring); returns None when
         it was."""
         if self._call is not None and self._call.done():
-            await self._ended_by_coordinator()
+            await self._ended_by_coordinator(self._call)
         try:
             if self._call is None:
                 self._call = self._open_call()
@@ -134,12 +134,12 @@ class HeartbeatStream:
         self._replies_optional = getattr(reply, "replies_optional", False)
         return reply
 
-    async def _ended_by_coordinator(self) -> None:
+    async def _ended_by_coordinator(self, call: HeartbeatCall) -> None:
         """The call ended before this heartbeat: with OK, the coordinator no longer knows this peer (it ends a
         quiet peer's stream to say so): a new stream is opened and its first heartbeat asks. Else it broke."""
-        code = await self._call.code()
+        code = await call.code()
         if code != grpc.StatusCode.OK:
-            self._fail(code, await self._call.details() or "")
+            self._fail(code, await call.details() or "")
         self._call = None
 
     def record_failure(self) -> None:
@@ -159,7 +159,7 @@ class HeartbeatStream:
             self._call.cancel()
             self._call = None
 
-    def _fail(self, code: grpc.StatusCode, detail: str) -> None:
+    def _fail(self, code: grpc.StatusCode, detail: str) -> NoReturn:
         self.close()
         self.record_failure()
         raise HeartbeatFailed(code, detail) from None

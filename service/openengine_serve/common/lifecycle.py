@@ -6,14 +6,17 @@ import asyncio
 import gc
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from prometheus_client import start_http_server
 
 try:
     import uvloop
+
+    _new_uvloop: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
 except ImportError:  # not built for this platform (Windows)
-    uvloop = None
+    _new_uvloop = None
 
 from .config import CommonConfig
 from .logging_setup import log_event, setup_logging
@@ -23,16 +26,16 @@ logger = logging.getLogger("openengine_serve")
 
 
 def event_loop_name() -> str:
-    return "uvloop" if uvloop is not None else "asyncio"
+    return "uvloop" if _new_uvloop is not None else "asyncio"
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop where it exists (every component, the benchmark's bare server and its load generator): measured
     ≈12 % less frontend CPU per token on both gRPC servers (docs/benchmarks.md); asyncio's own loop otherwise."""
-    return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+    return _new_uvloop() if _new_uvloop is not None else asyncio.new_event_loop()
 
 
-def run(main: Awaitable[int | None]) -> int:
+def run(main: Coroutine[Any, Any, int | None]) -> int:
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(main) or 0
 

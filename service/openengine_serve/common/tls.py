@@ -39,7 +39,7 @@ def read_file(path: str, what: str) -> bytes:
 
 def _file_state(paths: tuple[str, ...]) -> tuple:
     """What changes when a file is replaced, also through a symlink swap (how Kubernetes updates Secrets)."""
-    state = []
+    state: list[tuple[int, int, int] | None] = []
     for path in paths:
         try:
             st = os.stat(path)

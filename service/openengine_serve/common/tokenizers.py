@@ -53,7 +53,7 @@ class Qwen3Tokenizer:
 
         self._encoding = load_encoding()
         self.n_vocab = self._encoding.n_vocab
-        self.end_of_generation = (EOS_TOKEN_ID,)
+        self.end_of_generation: tuple[int, ...] = (EOS_TOKEN_ID,)
         self.decode_bytes = self._encoding.decode_bytes
         self.decode_single_token_bytes = self._encoding.decode_single_token_bytes
 

@@ -17,8 +17,12 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from .logging_setup import log_event
+
+if TYPE_CHECKING:  # OpenTelemetry itself is imported only when tracing is on
+    from opentelemetry.trace import Span
 
 logger = logging.getLogger("openengine_serve.tracing")
 
@@ -72,8 +76,11 @@ def shutdown_tracing() -> None:
     """Exports what is still buffered (the SDK also does this at exit)."""
     if _tracer is not None:
         from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
 
-        trace.get_tracer_provider().shutdown()
+        provider = trace.get_tracer_provider()
+        assert isinstance(provider, TracerProvider)  # the SDK's, as setup_tracing installed it
+        provider.shutdown()
 
 
 def enabled() -> bool:
@@ -118,6 +125,7 @@ def start_child_span(parent, name: str, attributes: dict | None = None):
     """A CLIENT span under `parent` for an outgoing call; None when `parent` is None (tracing off)."""
     if parent is None:
         return None
+    assert _tracer is not None  # a parent span exists only while tracing is on
     from opentelemetry import trace
     from opentelemetry.trace import SpanKind
 
@@ -140,7 +148,7 @@ def end_span(span, error: BaseException | str | None = None) -> None:
 
 
 @contextlib.contextmanager
-def server_span(name: str, context, **attributes) -> Iterator[object]:
+def server_span(name: str, context, **attributes) -> Iterator[Span | None]:
     """A SERVER span around an internal gRPC handler (coordinator, node), parented by the caller's
     traceparent; yields the span or None while tracing is off."""
     if _tracer is None:

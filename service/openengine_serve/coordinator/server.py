@@ -147,6 +147,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                 return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED)
             if where == "unknown":
                 return cluster_pb2.ClusterAbortReply(outcome=cluster_pb2.ABORT_OUTCOME_NOT_FOUND)
+            assert node is not None  # a live request's entry
             targets = [(request.request_id, node)]
         replies = await asyncio.gather(*(self._cancel_on_node(rid, node) for rid, node in targets))
         aborted = sum(reply.found or reply.held for reply in replies)

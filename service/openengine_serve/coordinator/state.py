@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.routing import rendezvous_pick
@@ -284,7 +284,7 @@ class ClusterState:
                     f"of a deployment serves the same model"
                 )
 
-    def node_heartbeat(self, node_id: str, state: int, load: cluster_pb2.NodeLoad | None) -> bool:
+    def node_heartbeat(self, node_id: str, state: NodeState, load: cluster_pb2.NodeLoad | None) -> bool:
         """Records a node's state and load; False for an unknown node (it must register).
 
         `state` UNSPECIFIED keeps the current state; `load=None` keeps the last load. The usual heartbeat
@@ -420,6 +420,7 @@ class ClusterState:
             self._refusals["no_node"] += 1
             raise NoNodeAvailable(f"no node is ready to take requests: {self._describe_nodes()}")
 
+        node: _Node | None
         if request.HasField("target_rank"):
             node = self._pick_target_rank(ready, request.target_rank)
             reason = ROUTE_TARGET_RANK
@@ -512,7 +513,7 @@ class ClusterState:
             live_reservations=len(self._live),
         )
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         """Plain counters and gauges for metrics."""
         nodes_by_state = {state_label(s): 0 for s in NodeState.values() if s != cluster_pb2.NODE_STATE_UNSPECIFIED}
         for node in self._nodes.values():
@@ -602,7 +603,7 @@ class ClusterState:
 
     # -------------------------------------------------------------- internals
 
-    def _set_node_state(self, node: _Node, state: int) -> None:
+    def _set_node_state(self, node: _Node, state: NodeState) -> None:
         if state == node.entry.state:
             return
         if state == DOWN:

@@ -24,7 +24,7 @@ import grpc
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.config import FrontendConfig
 from ..common.logging_setup import log_event
-from ..common.tokenizers import Tokenizer, tokenizer_for
+from ..common.tokenizers import GgufTokenizer, Tokenizer, tokenizer_for
 from .stream import TokenStrings
 from .validation import ModelLimits
 
@@ -90,7 +90,11 @@ class ServedModel:
                     cluster_pb2.GetModelRequest(), timeout=GET_MODEL_TIMEOUT_S
                 )
             tokenizer = await asyncio.to_thread(tokenizer_for, card)
-            guide_tokenizer = await asyncio.to_thread(tokenizer.guide_tokenizer) if card.guided_decoding else None
+            guide_tokenizer = None
+            if card.guided_decoding:
+                # A node offers guided decoding with a llama.cpp (GGUF) vocabulary only (node/model.py).
+                assert isinstance(tokenizer, GgufTokenizer)
+                guide_tokenizer = await asyncio.to_thread(tokenizer.guide_tokenizer)
         except (grpc.aio.AioRpcError, ValueError, OSError) as exc:
             # The next node table (within a heartbeat) tries again.
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)

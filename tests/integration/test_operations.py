@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from openengine_serve.frontend.supervisor import READY_FILE_VARIABLE
 from . import processes
 from .conftest import SERVERS, by_output, request
 from .processes import Deployment, wait_for
+from .reference import Case, mismatch
 from .test_generate import served_by
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -119,58 +121,58 @@ ROLLING_LOG = processes.LOG_DIR / "rolling-restart.jsonl"  # one line per run: w
 
 
 class LoadLedger:
-    """Every request of the rolling-restart load, accounted for under one lock."""
+    """Every request of the rolling-restart load, accounted for under one lock. Each request is a case of its
+    own (prompt, sampling), and what it streamed is compared with the model's reference token for token."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self._cases = random.Random("rolling-restart")
         self.finished = 0
-        self.failed: list[str] = []  # a stream that ended without a complete `finished` (a loss)
+        self.failed: list[str] = []  # a stream that did not match its reference to the end (a loss)
         self.raised: list[str] = []  # anything a load thread did not expect, with its traceback
-        # what a client without retries sees: final gRPC code per connection kind
+        # what a client without retries sees: "OK" (every token right) or the gRPC code of a refusal
         self.no_retry: dict[str, collections.Counter] = {
             "persistent": collections.Counter(),
             "fresh": collections.Counter(),
         }
-        self.cut_mid_stream: list[str] = []  # a no-retry stream that failed after its first message
+        self.no_retry_wrong: list[str] = []  # a no-retry call that was neither right nor refused before any message
 
-    @staticmethod
-    def complete(responses) -> bool:
-        last = responses[-1] if responses else None
-        return (
-            last is not None
-            and last.WhichOneof("event") == "finished"
-            and last.HasField("usage")
-            and last.usage.completion_tokens == ROLLING_MAX_TOKENS
-        )
+    def next_case(self) -> Case:
+        with self.lock:
+            return Case.random(self._cases, ROLLING_MAX_TOKENS)
 
     def retrying_call(self, client: Client) -> None:
         """The project's client: nothing may be lost."""
+        case = self.next_case()
         try:
-            responses = list(client.generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30))
+            responses = list(client.generate(case.request(), timeout=30))
         except grpc.RpcError as exc:
             with self.lock:
                 self.failed.append(f"{exc.code().name}: {exc.details()}")
             return
+        difference = mismatch(case, responses)
         with self.lock:
-            if self.complete(responses):
+            if difference is None:
                 self.finished += 1
             else:
-                self.failed.append(repr(responses[-1:]))
+                self.failed.append(f"{case}: {difference}")
 
     def no_retry_call(self, client: Client, kind: str) -> None:
-        """A plain gRPC call without retries: a refusal is recorded by code; a stream cut after its first
-        message is a loss."""
+        """A plain gRPC call without retries: it streams every token right, or it is refused UNAVAILABLE (the
+        frontend stopping or gone) before its first message; anything else is a loss."""
+        case = self.next_case()
         responses = []
         try:
-            for response in client.inference.Generate(request(max_tokens=ROLLING_MAX_TOKENS), timeout=30):
+            for response in client.inference.Generate(case.request(), timeout=30):
                 responses.append(response)
-            code = "OK" if self.complete(responses) else "OK but incomplete"
+            difference = mismatch(case, responses)
+            code = "OK" if difference is None else "OK but wrong"
         except grpc.RpcError as exc:
-            code = exc.code().name
+            code, difference = exc.code().name, f"{exc.code().name} after {len(responses)} messages: {exc.details()}"
         with self.lock:
             self.no_retry[kind][code] += 1
-            if responses and code != "OK":
-                self.cut_mid_stream.append(f"{code} after {len(responses)} messages")
+            if not (code == "OK" or (code == "UNAVAILABLE" and not responses)):
+                self.no_retry_wrong.append(f"{kind} {case}: {difference}")
         if code != "OK":
             time.sleep(0.05)  # a refused client backs off a little, as any would
 
@@ -285,6 +287,7 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
             "finished_per_process": served,
             "no_retry_client": no_retry,
             "failed": len(ledger.failed),
+            "no_retry_wrong": len(ledger.no_retry_wrong),
             "raised": len(ledger.raised),
         }
     with ROLLING_LOG.open("a") as log:
@@ -292,10 +295,10 @@ def test_rolling_restart_under_load_loses_nothing(cluster, server, deployment):
     print(f"\nrolling restart: {figures}")
     with ledger.lock:
         assert ledger.raised == [], "a load thread raised:\n" + "\n".join(ledger.raised)
-        assert ledger.failed == []
-        assert ledger.cut_mid_stream == [], "a stream already accepted was cut"
+        assert ledger.failed == [], "a retrying client's stream differs from its reference"
+        assert ledger.no_retry_wrong == [], "a no-retry call neither matched its reference nor was refused"
         assert ledger.finished > 20
-        assert all(sum(codes.values()) > 0 for codes in ledger.no_retry.values())
+        assert all(codes["OK"] > 0 for codes in ledger.no_retry.values()), no_retry
 
 
 def test_node_killed_mid_stream(deployment):

@@ -247,14 +247,10 @@ def test_internal_mutual_tls_admits_the_deployment_and_refuses_a_stranger(tmp_pa
             ),
             (
                 node.target,
-                lambda ch: cluster_pb2_grpc.NodeStub(ch).Submit(
-                    cluster_pb2.SubmitRequest(request=cluster_pb2.EngineRequest(request_id="x")), timeout=3
-                ),
-            ),
-            (
-                node.target,
                 lambda ch: next(
-                    cluster_pb2_grpc.NodeStub(ch).Results(cluster_pb2.ResultsRequest(frontend_id="intruder"), timeout=3)
+                    cluster_pb2_grpc.NodeStub(ch).Submissions(
+                        iter([cluster_pb2.SubmitBatch(submit=[cluster_pb2.SubmitRequest()])]), timeout=3
+                    )
                 ),
             ),
             (

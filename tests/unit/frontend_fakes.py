@@ -153,9 +153,9 @@ class FakeReservationCall(FakeStubCall):
 
 
 class FakeNodeStub:
-    """Submit records the EngineRequest (or raises `submit_error`); Cancel calls are recorded; Results plays
-    `lane` (StepResults after the opening message) and then raises `lane_error` or waits; Lane plays what
-    Results does and records the LaneCredits written (or is UNIMPLEMENTED, a node of an older release)."""
+    """Submissions records each EngineRequest (or refuses it with `submit_error`); Cancel calls are recorded; Lane
+    plays `lane_messages` (StepResults from `lane` after the opening message; an exception put there is raised)
+    and records the LaneCredits written."""
 
     def __init__(self) -> None:
         self.submit_error: grpc.aio.AioRpcError | None = None
@@ -163,26 +163,27 @@ class FakeNodeStub:
         self.cancelled: list[tuple[str, int | None]] = []
         self.lane: asyncio.Queue = asyncio.Queue()
         self.credits: list[cluster_pb2.LaneCredit] = []
-        self.lane_unimplemented = False
 
     def Lane(self) -> FakeLaneCall:
         return FakeLaneCall(self)
 
-    async def Submit(self, request, timeout, metadata=()):
+    def take(self, request: cluster_pb2.SubmitRequest) -> None:
+        """One submission: recorded, or refused with `submit_error`."""
         if self.submit_error is not None:
             raise self.submit_error
         self.submitted.append(request.request)
-        return cluster_pb2.SubmitReply()
 
     def Submissions(self) -> FakeSubmissionCall:
-        """The batched path: each submission answered as Submit would, `submit_error` as a refusal outcome."""
+        """Each submission taken (`take`), `submit_error` as a refusal outcome."""
         return FakeSubmissionCall(self)
 
     async def Cancel(self, request, timeout):
         self.cancelled.append((request.request_id, request.output_index if request.HasField("output_index") else None))
         return cluster_pb2.CancelReply(found=True)
 
-    def Results(self, request):
+    def lane_messages(self, frontend_id: str):
+        """What the Lane call of `frontend_id` sends."""
+
         async def stream():
             yield cluster_pb2.StepResults()  # the lane is open
             while True:
@@ -195,7 +196,7 @@ class FakeNodeStub:
 
 
 class FakeLaneCall:
-    """A Lane stream-stream call over a FakeNodeStub: the first LaneCredit opens its Results."""
+    """A Lane stream-stream call over a FakeNodeStub: the first LaneCredit opens its lane_messages."""
 
     def __init__(self, stub: FakeNodeStub) -> None:
         self.stub = stub
@@ -204,12 +205,10 @@ class FakeLaneCall:
 
     async def write(self, credit: cluster_pb2.LaneCredit) -> None:
         self.stub.credits.append(credit)
-        if self.messages is None and not self.stub.lane_unimplemented:
-            self.messages = self.stub.Results(cluster_pb2.ResultsRequest(frontend_id=credit.frontend_id))
+        if self.messages is None:
+            self.messages = self.stub.lane_messages(credit.frontend_id)
 
     async def read(self):
-        if self.stub.lane_unimplemented:
-            raise rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         try:
             return await anext(self.messages)
         except StopAsyncIteration:
@@ -228,7 +227,7 @@ class FakeSubmissionCall(FakeStubCall):
         reply = cluster_pb2.SubmitOutcomes()
         for request in batch.submit:
             try:
-                await self.stub.Submit(request, timeout=None)
+                self.stub.take(request)
                 reply.outcome.add()
             except grpc.aio.AioRpcError as exc:
                 reply.outcome.add(refusal_code=exc.code().value[0], refusal=exc.details())

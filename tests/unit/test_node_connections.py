@@ -23,7 +23,7 @@ from openengine_serve.frontend.nodes import (
 from openengine_serve.frontend.refusal import NotServed, Unavailable
 from openengine_serve.frontend.tasks import BackgroundTasks
 
-from .frontend_fakes import FakeSubmissionCall, add_fake_node, node_entry, rpc_error, settle
+from .frontend_fakes import add_fake_node, node_entry, rpc_error, settle
 
 # ------------------------------------------------------------------ fallback routing
 

@@ -7,8 +7,7 @@ ends every request on that node with a retryable failure.
 
 Requests reach a node over its `Submissions` stream, every submission of one
 event-loop tick in one message (`SubmissionBatcher`), answered per submission
-with the code the unary Submit would end with. A node without that call (an
-older release) is sent unary Submit calls instead.
+(taken, or refused with a status code).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from . import metrics
-from .batched_stream import BatchedStream, Refused, StreamBroken
+from .batched_stream import BatchedStream, Refused
 from .tasks import BackgroundTasks
 
 
@@ -257,11 +256,11 @@ class LaneAcknowledgements:
 
 
 class SubmitRefused(Refused):
-    """The node did not take the request; `code` is the status the unary Submit would end with."""
+    """The node did not take the request; `code` is the status of its refusal."""
 
 
 class SubmissionBatcher(BatchedStream):
-    """One node's Submit calls of a tick in one SubmitBatch on its Submissions stream (batched_stream.py)."""
+    """One node's submissions of a tick in one SubmitBatch on its Submissions stream (batched_stream.py)."""
 
     kind = "submission"
     calls_name = "submissions"
@@ -287,8 +286,7 @@ class NodeConnection:
     lane_ready: asyncio.Future | None = None
     lane_task: asyncio.Task | None = None
     requests: set[str] = field(default_factory=set)
-    submissions: SubmissionBatcher | None = None  # None: the node has no Submissions call, Submit is unary
-    lane_credits: bool = True  # False: the node has no Lane call, its lane is Results
+    submissions: SubmissionBatcher = field(init=False)
     acknowledgements: LaneAcknowledgements | None = None  # while the Lane call is open: pauses go on it
 
     def __post_init__(self) -> None:
@@ -375,37 +373,26 @@ class NodeConnections:
             sink.put(event, now)
 
     async def _lane_messages(self, conn: NodeConnection):
-        """The node's lane messages, the first being the "subscribed" one. With a window, over `Lane`: each message
-        is acknowledged as it is read, so the node has at most `lane_window` of them in the transport or unread
-        and folds the rest into its waiting message; over `Results` without one, or for a node of an older
-        release (UNIMPLEMENTED)."""
-        if self.lane_window and conn.lane_credits:
-            call = conn.stub.Lane()
-            try:
-                await call.write(cluster_pb2.LaneCredit(frontend_id=self.frontend_id, window=self.lane_window))
-                opened = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                conn.lane_credits = False
-            else:
-                if opened is grpc.aio.EOF:
-                    return
-                yield opened
-                acknowledgements = conn.acknowledgements = LaneAcknowledgements(call, self.lane_busy_ack_interval_s)
-                try:
-                    while (results := await call.read()) is not grpc.aio.EOF:
-                        # Scheduled before its events wake their streams, so the node's next message is under way
-                        # while they work (or, paced, after the busy interval); it folds everything meanwhile.
-                        acknowledgements.handled(results.step)
-                        yield results
-                finally:
-                    conn.acknowledgements = None
-                    acknowledgements.close()
-                    call.cancel()
-                return
-        async for results in conn.stub.Results(cluster_pb2.ResultsRequest(frontend_id=self.frontend_id)):
-            yield results
+        """The node's lane messages (its `Lane` call), the first being the "subscribed" one. Each message is
+        acknowledged as it is read, so the node has at most `lane_window` of them (0: any number) in the transport
+        or unread and folds the rest into its waiting message."""
+        call = conn.stub.Lane()
+        await call.write(cluster_pb2.LaneCredit(frontend_id=self.frontend_id, window=self.lane_window))
+        opened = await call.read()
+        if opened is grpc.aio.EOF:
+            return
+        yield opened
+        acknowledgements = conn.acknowledgements = LaneAcknowledgements(call, self.lane_busy_ack_interval_s)
+        try:
+            while (results := await call.read()) is not grpc.aio.EOF:
+                # Scheduled before its events wake their streams, so the node's next message is under way
+                # while they work (or, paced, after the busy interval); it folds everything meanwhile.
+                acknowledgements.handled(results.step)
+                yield results
+        finally:
+            conn.acknowledgements = None
+            acknowledgements.close()
+            call.cancel()
 
     def _fail_requests(self, conn: NodeConnection, reason: str) -> None:
         for request_id in list(conn.requests):
@@ -424,8 +411,7 @@ class NodeConnections:
         conn = self.connections.pop(node_id)
         if conn.lane_task is not None:
             conn.lane_task.cancel()
-        if conn.submissions is not None:
-            self._tasks.spawn(conn.submissions.close())
+        self._tasks.spawn(conn.submissions.close())
         self._fail_requests(conn, reason)
         self._tasks.spawn(conn.channel.close())
 
@@ -444,36 +430,21 @@ class NodeConnections:
     async def submit(
         self, conn: NodeConnection, engine_request: cluster_pb2.EngineRequest, trace: tuple[tuple[str, str], ...] = ()
     ) -> None:
-        """Returns once the node took the request; raises SubmitRefused, StreamBroken, TimeoutError or the unary
-        call's AioRpcError. `trace`: traceparent/tracestate pairs (metadata of the unary call, fields of the
-        batched submission)."""
+        """Returns once the node took the request; raises SubmitRefused, StreamBroken or TimeoutError. `trace`:
+        traceparent/tracestate pairs, carried in the submission's fields."""
         conn.requests.add(engine_request.request_id)
         sink = self.sinks.get(engine_request.request_id)
         if sink is not None:
             sink.set_paused = functools.partial(self.pause, conn, engine_request.request_id)
         request = cluster_pb2.SubmitRequest(request=engine_request)
-        if conn.submissions is None:
-            await conn.stub.Submit(request, timeout=self.call_timeout_s, metadata=trace)
-            return
         for key, value in trace:
             if key in ("traceparent", "tracestate"):
                 setattr(request, key, value)
-        try:
-            await conn.submissions.submit(request, self.call_timeout_s)
-        except StreamBroken as exc:
-            if "UNIMPLEMENTED" not in str(exc):
-                raise
-            # A node of an older release: unary calls from now on (this one too).
-            submissions, conn.submissions = conn.submissions, None
-            if submissions is not None:
-                await submissions.close()
-            request.ClearField("traceparent")
-            request.ClearField("tracestate")
-            await conn.stub.Submit(request, timeout=self.call_timeout_s, metadata=trace)
+        await conn.submissions.submit(request, self.call_timeout_s)
 
     def pause(self, conn: NodeConnection, request_id: str, paused: bool) -> bool:
         """Pauses (or resumes) a request on its node, on the lane's call; False when the lane has no call to say
-        it on (a node's `Results` lane, or the lane is reopening)."""
+        it on (the lane is reopening)."""
         acknowledgements = conn.acknowledgements
         if paused:
             if acknowledgements is None:
@@ -501,6 +472,5 @@ class NodeConnections:
         for conn in self.connections.values():
             if conn.lane_task is not None:
                 conn.lane_task.cancel()
-            if conn.submissions is not None:
-                await conn.submissions.close()
+            await conn.submissions.close()
             await conn.channel.close()

@@ -1,7 +1,7 @@
 """The node: hosts the engine worker and serves the internal Node service (grpc.aio only).
 
 Frontends submit requests here and hold one result lane each (`Lane`, with the
-frontend's credits; `Results` without): what the engine steps produced for a
+frontend's credits): what the engine steps produced for a
 frontend goes out as StepResults messages, the steps it cannot send yet folded
 into one waiting message (`ResultLane`). On `Lane` the frontend also pauses the
 requests whose client takes no output, and resumes them. The node registers with the coordinator and
@@ -28,6 +28,7 @@ from ..common.health import Health
 from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream, PeerHeartbeats
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.logging_setup import log_event
+from ..common.peer_identity import role_checks
 from ..common.tls import add_internal_port, internal_channel
 from ..common.tracing import SUBMIT_SPAN
 from ..engine.model_card import without_tokenizer
@@ -77,7 +78,7 @@ class ResultLane:
 
     def __init__(self, max_backlog_steps: int, window: int = 0) -> None:
         self.max_backlog_steps = max_backlog_steps
-        self.window = window  # 0: no credits (Results), gRPC's flow control alone
+        self.window = window  # 0: no credits, gRPC's flow control alone
         self.unacknowledged = 0  # messages handed to gRPC the frontend has not acknowledged
         # set: take() may send: unacknowledged < window (or no window), or first tokens wait and no message is
         # out past the window
@@ -106,8 +107,8 @@ class ResultLane:
             if not events:
                 return []
         if self.backlog_steps == 1:  # the first step behind: index the waiting message's own events
-            waiting, self.events = self.events, []
-            self._fold(waiting)
+            unfolded, self.events = self.events, []
+            self._fold(unfolded)
         if self.backlog_steps:
             self._fold(events)
         else:
@@ -281,34 +282,9 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
 
     # ---------------------------------------------------------------- RPCs
 
-    async def Submit(self, request: cluster_pb2.SubmitRequest, context) -> cluster_pb2.SubmitReply:
-        engine_request = request.request
-        refusal = self._not_taken(engine_request)
-        if refusal is not None:
-            await context.abort(*refusal)
-        if logger.isEnabledFor(logging.DEBUG):
-            self._awaiting_first_event[engine_request.request_id] = time.monotonic()
-            log_event(
-                logger,
-                "request submitted",
-                logging.DEBUG,
-                request_id=engine_request.request_id,
-                traceparent=dict(context.invocation_metadata() or ()).get("traceparent", "-"),
-            )
-        with tracing.server_span(
-            SUBMIT_SPAN,
-            context,
-            **{"openengine.request_id": engine_request.request_id, "openengine.node_id": self.node_id},
-        ) as span:
-            refusal = self._submit(engine_request, span)
-            if refusal is not None:
-                self._awaiting_first_event.pop(engine_request.request_id, None)
-                await context.abort(*refusal)
-            return cluster_pb2.SubmitReply()
-
     async def Submissions(self, request_iterator, context):
-        """The batched Submit of one frontend: one SubmitOutcomes per SubmitBatch, each submission taken as the
-        unary Submit takes it (same checks, same codes, its own span parented by the trace context it carries)."""
+        """The submissions of one frontend: one SubmitOutcomes per SubmitBatch, each submission with its own span
+        parented by the trace context it carries."""
         async for batch in request_iterator:
             yield cluster_pb2.SubmitOutcomes(outcome=[self._batched_outcome(submit) for submit in batch.submit])
 
@@ -346,7 +322,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         return cluster_pb2.SubmitOutcome(refusal_code=refusal[0].value[0], refusal=refusal[1])
 
     def _not_taken(self, engine_request: cluster_pb2.EngineRequest) -> tuple[grpc.StatusCode, str] | None:
-        """Why this node takes no request from this frontend now (the code and message Submit ends with)."""
+        """Why this node takes no request from this frontend now (the code and message of the refusal)."""
         if self.draining:
             return grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is draining"
         if engine_request.frontend_id not in self.lanes:
@@ -376,12 +352,6 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             return self.link.abort(request.request_id)
         output_index = request.output_index if request.HasField("output_index") else None
         return cluster_pb2.CancelReply(found=self.link.cancel(request.request_id, output_index))
-
-    async def Results(self, request: cluster_pb2.ResultsRequest, context):
-        lane = ResultLane(self.config.lane_max_backlog_steps)
-        async with contextlib.aclosing(self._serve_lane(request.frontend_id, lane)) as messages:
-            async for message in messages:
-                yield message
 
     async def Lane(self, request_iterator, context):
         opening = await anext(aiter(request_iterator), None)
@@ -438,7 +408,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
 
     # ---------------------------------------------------------------- state
 
-    def state(self) -> int:
+    def state(self) -> cluster_pb2.NodeState:
         if self.draining:
             return cluster_pb2.NODE_STATE_DRAINING
         return cluster_pb2.NODE_STATE_READY if self.link.ready else cluster_pb2.NODE_STATE_STARTING
@@ -577,13 +547,13 @@ async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
     node_id = f"node-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     card = load_card(config)  # before anything binds: a missing model stops the node with what to do
     service = NodeService(config, node_id, card)
-    server = create_internal_server()
+    server = create_internal_server(role_checks(config))
     cluster_pb2_grpc.add_NodeServicer_to_server(service, server)
     service.health.register(server)
     add_internal_port(server, bind_address(config.host, config.port), config)
     await server.start()
     await service.health.start()
-    start_metrics(config.metrics_port)
+    start_metrics(config.metrics_port, host=config.metrics_bind_host())
     log_event(
         logger,
         "node listening",

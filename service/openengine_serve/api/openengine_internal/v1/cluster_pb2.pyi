@@ -272,10 +272,6 @@ class SubmitRequest(_message.Message):
     tracestate: str
     def __init__(self, request: _Optional[_Union[EngineRequest, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
-class SubmitReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class SubmitBatch(_message.Message):
     __slots__ = ("submit",)
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
@@ -315,12 +311,6 @@ class CancelReply(_message.Message):
     ended: bool
     held: bool
     def __init__(self, found: _Optional[bool] = ..., ended: _Optional[bool] = ..., held: _Optional[bool] = ...) -> None: ...
-
-class ResultsRequest(_message.Message):
-    __slots__ = ("frontend_id",)
-    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
-    frontend_id: str
-    def __init__(self, frontend_id: _Optional[str] = ...) -> None: ...
 
 class LaneCredit(_message.Message):
     __slots__ = ("frontend_id", "window", "handled", "pauses")

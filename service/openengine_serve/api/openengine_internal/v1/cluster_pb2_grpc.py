@@ -473,11 +473,6 @@ class NodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Submit = channel.unary_unary(
-                '/openengine_internal.v1.Node/Submit',
-                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitReply.FromString,
-                _registered_method=True)
         self.Submissions = channel.stream_stream(
                 '/openengine_internal.v1.Node/Submissions',
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitBatch.SerializeToString,
@@ -487,11 +482,6 @@ class NodeStub:
                 '/openengine_internal.v1.Node/Cancel',
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.CancelRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.CancelReply.FromString,
-                _registered_method=True)
-        self.Results = channel.unary_stream(
-                '/openengine_internal.v1.Node/Results',
-                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ResultsRequest.SerializeToString,
-                response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.StepResults.FromString,
                 _registered_method=True)
         self.Lane = channel.stream_stream(
                 '/openengine_internal.v1.Node/Lane',
@@ -515,16 +505,10 @@ class NodeServicer:
 
     """
 
-    def Submit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Submissions(self, request_iterator, context):
-        """The batched Submit of one frontend: its submissions of one event-loop tick
+        """The submissions of one frontend: its submissions of one event-loop tick
         in one SubmitBatch; one SubmitOutcomes per batch, one outcome per
-        submission in order, with the code the unary Submit would end with.
+        submission in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -538,21 +522,13 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Results(self, request, context):
-        """The result lane of one frontend: one message per engine step that
-        produced anything for that frontend.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Lane(self, request_iterator, context):
-        """The same result lane with the frontend's flow control: the first
-        LaneCredit names the frontend and how many lane messages it may leave
+        """The result lane of one frontend: one message per engine step that
+        produced anything for that frontend, with the frontend's flow control: the
+        first LaneCredit names the frontend and how many lane messages it may leave
         unacknowledged; every later one acknowledges lane messages it has handled.
         What the node may not send yet waits in one message that each engine step
-        folds into, so the transport never holds a backlog of steps. A node
-        without it answers UNIMPLEMENTED and the frontend uses Results. The
+        folds into, so the transport never holds a backlog of steps. The
         frontend's messages also pause and resume its requests (LaneCredit.pauses).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -575,11 +551,6 @@ class NodeServicer:
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Submit': grpc.unary_unary_rpc_method_handler(
-                    servicer.Submit,
-                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitRequest.FromString,
-                    response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitReply.SerializeToString,
-            ),
             'Submissions': grpc.stream_stream_rpc_method_handler(
                     servicer.Submissions,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.SubmitBatch.FromString,
@@ -589,11 +560,6 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.CancelRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.CancelReply.SerializeToString,
-            ),
-            'Results': grpc.unary_stream_rpc_method_handler(
-                    servicer.Results,
-                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ResultsRequest.FromString,
-                    response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.StepResults.SerializeToString,
             ),
             'Lane': grpc.stream_stream_rpc_method_handler(
                     servicer.Lane,
@@ -622,33 +588,6 @@ class Node:
     """---------------------------------------------------------------- node
 
     """
-
-    @staticmethod
-    def Submit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/openengine_internal.v1.Node/Submit',
-            openengine__internal_dot_v1_dot_cluster__pb2.SubmitRequest.SerializeToString,
-            openengine__internal_dot_v1_dot_cluster__pb2.SubmitReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Submissions(request_iterator,
@@ -694,33 +633,6 @@ class Node:
             '/openengine_internal.v1.Node/Cancel',
             openengine__internal_dot_v1_dot_cluster__pb2.CancelRequest.SerializeToString,
             openengine__internal_dot_v1_dot_cluster__pb2.CancelReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Results(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/openengine_internal.v1.Node/Results',
-            openengine__internal_dot_v1_dot_cluster__pb2.ResultsRequest.SerializeToString,
-            openengine__internal_dot_v1_dot_cluster__pb2.StepResults.FromString,
             options,
             channel_credentials,
             insecure,

@@ -161,3 +161,60 @@ def _answers(client: Client) -> bool:
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         return False
+
+
+def test_health_watches_and_reflection_streams_count_against_the_stream_limit(limited):
+    import threading
+
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    done = threading.Event()
+
+    def requests():  # one question, then the stream stays open until the test ends
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        done.wait(30)
+
+    def reflection_stream(client: Client):
+        stream = reflection_pb2_grpc.ServerReflectionStub(client.channel).ServerReflectionInfo(requests(), timeout=60)
+        assert next(stream).list_services_response.service  # open: it answered
+        return stream
+
+    def refused_as_too_many(call) -> None:
+        err = refusal(call)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
+        assert "OPENENGINE_MAX_CONCURRENT_STREAMS" in err.details()
+
+    with Client(limited.target, retries=False) as client:
+        watches = [
+            client.health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60) for _ in range(MAX_STREAMS)
+        ]
+        for watch in watches:
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        refused_as_too_many(lambda: list(client.inference.Generate(generate_request(), timeout=10)))
+        refused_as_too_many(lambda: next(client.health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)))
+        for watch in watches:
+            watch.cancel()
+    with Client(limited.target, retries=False) as client:
+        streams = [reflection_stream(client) for _ in range(MAX_STREAMS)]
+        # pygrpc-native hands reflection to an internal server that does not know the client's connection: its
+        # reflection streams are counted all together there, which holds this connection to the limit too
+        refused_as_too_many(lambda: reflection_stream(client))
+        done.set()
+        for stream in streams:
+            stream.cancel()
+        processes.wait_for(lambda: _reflects(client), 10, "reflection again after the streams ended")
+
+
+def _reflects(client: Client) -> bool:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    try:
+        answers = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        return bool(next(answers).list_services_response.service)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return False

@@ -421,7 +421,23 @@ class FrontendConfig(CommonConfig):
         maximum=256 * 1024,
     )
     max_concurrent_streams: int = knob(
-        1024, "calls open at once on one client connection (RESOURCE_EXHAUSTED beyond)", minimum=1
+        1024,
+        "calls open at once on one client connection, health watches and reflection included "
+        "(RESOURCE_EXHAUSTED beyond)",
+        minimum=1,
+    )
+    max_connections: int = knob(
+        2048,
+        "client connections one frontend worker serves; a call on a connection beyond them is refused "
+        "(RESOURCE_EXHAUSTED); beyond twice as many, connections are closed (grpcio: as they open; "
+        "pygrpc-native: within a second, those without a call admitted)",
+        minimum=1,
+    )
+    max_connection_idle_s: float = knob(
+        900.0,
+        "a client connection without a call for this long is closed (grpcio: GOAWAY; pygrpc-native: "
+        "the socket is shut down, checked every second); the client reconnects at its next call (0: off)",
+        minimum=0,
     )
     api_keys_file: str = knob(
         "",

@@ -109,8 +109,10 @@ def create_server(
     options: tuple[tuple[str, int], ...] = (),
     max_connection_age_s: float = 0.0,
     max_connection_age_grace_s: float = 0.0,
+    grpcio_options: tuple[tuple[str, int], ...] = (),
 ) -> grpc.aio.Server:
-    """`options` override SERVER_OPTIONS entries of the same name (the frontend's stated limits).
+    """`options` override SERVER_OPTIONS entries of the same name (the frontend's stated limits);
+    `grpcio_options` override GRPCIO_ONLY_OPTIONS' and are given to grpc.aio only (pygrpc-native rejects them).
     max_connection_age_s > 0 (grpc.aio only): connections older than that get GOAWAY, so clients reconnect
     and reach frontends added since; open calls get max_connection_age_grace_s to finish."""
     common = tuple(dict(SERVER_OPTIONS + tuple(options)).items())
@@ -130,7 +132,8 @@ def create_server(
         if max_connection_age_s
         else ()
     )
-    return grpc.aio.server(options=list(common + GRPCIO_ONLY_OPTIONS + age_options), interceptors=list(interceptors))
+    grpcio_only = tuple(dict(GRPCIO_ONLY_OPTIONS + tuple(grpcio_options)).items())
+    return grpc.aio.server(options=list(common + grpcio_only + age_options), interceptors=list(interceptors))
 
 
 def create_internal_server() -> grpc.aio.Server:

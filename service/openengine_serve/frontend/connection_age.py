@@ -121,15 +121,9 @@ class ConnectionAges:
         for peer in gone:  # the client has left already
             self._mark_closed(peer)
         for peer, sock in found.items():
-            try:
-                if _unread(sock):  # a call arriving: look again after another quiet spell
-                    self._connections[peer].last_activity = self._clock()
-                    continue
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # closed meanwhile
-            finally:
-                sock.close()  # our duplicate only
+            if not shut_down_unless_reading(sock):  # a call arriving: look again after another quiet spell
+                self._connections[peer].last_activity = self._clock()
+                continue
             self._mark_closed(peer)
             metrics.CONNECTIONS_MOVED.inc()
             log_event(logger, "connection closed at its maximum age", logging.DEBUG, peer=peer)
@@ -176,6 +170,14 @@ class PeerSockets:
             else:
                 found[peer] = sock
         return found, gone
+
+    def addresses(self) -> set[tuple[str, int]]:
+        """The client addresses of the connections found by the last scan."""
+        return set(self._fds)
+
+    def open_address(self, address: tuple[str, int]) -> socket.socket | None:
+        """A duplicate of the socket of the connection from `address`, if the last scan found it and it is open."""
+        return self._open(self._fds.get(address), address)
 
     def _open(self, fd: int | None, address) -> socket.socket | None:
         """A duplicate of `fd` if it still is the connection from `address`."""
@@ -224,6 +226,20 @@ def _duplicate(fd: int) -> socket.socket | None:
         return socket.socket(fileno=os.dup(fd))
     except OSError:
         return None
+
+
+def shut_down_unless_reading(sock: socket.socket) -> bool:
+    """Shuts down the connection of `sock` (a duplicate, closed here) unless bytes of a call are arriving;
+    True when it is shut (or was closed already)."""
+    try:
+        if _unread(sock):
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed meanwhile
+    finally:
+        sock.close()  # our duplicate only
+    return True
 
 
 def _unread(sock: socket.socket) -> bool:

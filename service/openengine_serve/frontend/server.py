@@ -79,13 +79,18 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         if config.max_connection_age_s and implementation.name != GRPCIO
         else None
     )
+    # grpcio limits connections and closes idle ones itself; pygrpc-native cannot (limits.py: ConnectionTable)
+    connections = limits.ConnectionTable(
+        config.max_connections, config.max_connection_idle_s, config.port, closes=implementation.name != GRPCIO
+    )
     # security hook: API keys, then the stated limits
     server = create_server(
         implementation,
-        interceptors=auth.interceptors(config) + limits.interceptors(config, ages),
+        interceptors=auth.interceptors(config) + limits.interceptors(config, ages, connections),
         options=limits.transport_options(config),
         max_connection_age_s=0.0 if ages else config.max_connection_age_s,
         max_connection_age_grace_s=config.drain_timeout_s,
+        grpcio_options=limits.grpcio_transport_options(config),
     )
     if implementation.name == GRPCIO:
         serve_through_generic_handlers(server)
@@ -107,6 +112,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         asyncio.create_task(_follow_readiness(coordinator, model, health)),
         asyncio.create_task(stall_watchdog(nodes.sinks, config.stall_timeout_s, config.client_stall_timeout_s)),
         asyncio.create_task(measure_loop_lag()),
+        asyncio.create_task(connections.sweep_loop()),
     ]
     if ages is not None:
         background.append(asyncio.create_task(ages.sweep_loop()))

@@ -205,22 +205,25 @@ def test_cli_calls_a_frontend_with_mutual_tls_and_an_api_key(cluster, tmp_path, 
 def test_internal_mutual_tls_admits_the_deployment_and_refuses_a_stranger(tmp_path, deployment):
     internal, stranger = Pki(tmp_path, "internal"), Pki(tmp_path, "stranger")
 
-    def tls_env(pki: Pki) -> dict[str, str]:
+    def tls_env(pki: Pki, role: str) -> dict[str, str]:
+        """The component's own certificate: its Common Name names its role (common/peer_identity.py)."""
+        cert = pki.ca.issue_cert("localhost", "127.0.0.1", common_name=f"openengine-{role}")
+        chain = b"".join(pem.bytes() for pem in cert.cert_chain_pems)
         return {
-            "OPENENGINE_INTERNAL_TLS_CERT_FILE": pki.cert_file,
-            "OPENENGINE_INTERNAL_TLS_KEY_FILE": pki.key_file,
+            "OPENENGINE_INTERNAL_TLS_CERT_FILE": pki.write(f"{role}.pem", chain),
+            "OPENENGINE_INTERNAL_TLS_KEY_FILE": pki.write(f"{role}.key", cert.private_key_pem.bytes()),
             "OPENENGINE_INTERNAL_TLS_CA_FILE": pki.ca_file,
         }
 
-    coordinator = processes.coordinator(**tls_env(internal))
+    coordinator = processes.coordinator(**tls_env(internal, "coordinator"))
     coordinator.credentials = Credentials(
         ca_file=internal.ca_file, cert_file=internal.cert_file, key_file=internal.key_file
     )
     deployment.add(coordinator, 30)
-    node = processes.node(coordinator.target, 0, **tls_env(internal))
+    node = processes.node(coordinator.target, 0, **tls_env(internal, "node"))
     node.credentials = coordinator.credentials
     deployment.add(node, 90)
-    fe = deployment.add(processes.frontend(coordinator.target, "grpcio", **tls_env(internal)), 60)
+    fe = deployment.add(processes.frontend(coordinator.target, "grpcio", **tls_env(internal, "frontend")), 60)
     processes.wait_for(lambda: generates(fe.target, Credentials()), 30, "a generation over internal mTLS")
 
     entry = cluster_pb2.NodeEntry(node_id="intruder", address="127.0.0.1:1", rank=5)

@@ -136,7 +136,7 @@ def create_server(
     return grpc.aio.server(options=list(common + grpcio_only + age_options), interceptors=list(interceptors))
 
 
-def create_internal_server() -> grpc.aio.Server:
+def create_internal_server(interceptors=()) -> grpc.aio.Server:
     """Coordinator and node: always grpc.aio, whatever OPENENGINE_GRPC_SERVER says (it is the frontend's)."""
     if "OPENENGINE_GRPC_SERVER" in os.environ:
         log_event(
@@ -144,7 +144,7 @@ def create_internal_server() -> grpc.aio.Server:
             "OPENENGINE_GRPC_SERVER is ignored: internal components always run grpc.aio",
             value=os.environ["OPENENGINE_GRPC_SERVER"],
         )
-    return create_server()
+    return create_server(interceptors=interceptors)
 
 
 SEND_RETRY_MIN_S = 0.001  # NativeStreamSender.write: sleeps between tries while the client's buffer is full

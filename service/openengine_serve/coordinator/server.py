@@ -21,6 +21,7 @@ from ..common.grpc_server import STATUS_BY_NUMBER, create_internal_server
 from ..common.health import Health
 from ..common.lifecycle import bind_address, freeze_startup_objects, start_metrics
 from ..common.logging_setup import log_event
+from ..common.peer_identity import role_checks
 from ..common.tls import add_internal_port, internal_channel
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
@@ -192,7 +193,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     service = CoordinatorService(config)
     metrics.register(service.state, service.heartbeat_streams)
     health = Health()
-    server = create_internal_server()
+    server = create_internal_server(role_checks(config))
     cluster_pb2_grpc.add_CoordinatorServicer_to_server(service, server)
     health.register(server)
     add_internal_port(server, bind_address(config.host, config.port), config)

@@ -1,0 +1,190 @@
+"""Internal mutual TLS with roles: real processes, one certificate per component (trustme) whose Common Name
+names its role. A node without a node certificate cannot register; each internal RPC refuses a caller of
+another role with PERMISSION_DENIED."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+
+from openengine_serve.api.openengine.v1 import generation_pb2 as G
+from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
+from openengine_serve.client import Client, Credentials
+
+from . import processes
+from .conftest import MODEL, SERVERS
+
+
+class RolePki:
+    """One internal CA and, per name, a certificate for 127.0.0.1 with the given Common Name."""
+
+    def __init__(self, directory: Path) -> None:
+        self.ca = trustme.CA()
+        self.dir = directory
+        self.ca_file = self.dir / "ca.pem"
+        self.ca_file.write_bytes(self.ca.cert_pem.bytes())
+
+    def env(self, common_name: str) -> dict[str, str]:
+        cert = self.ca.issue_cert("localhost", "127.0.0.1", common_name=common_name)
+        cert_file, key_file = self.dir / f"{common_name}.pem", self.dir / f"{common_name}.key"
+        cert_file.write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
+        key_file.write_bytes(cert.private_key_pem.bytes())
+        return {
+            "OPENENGINE_INTERNAL_TLS_CERT_FILE": str(cert_file),
+            "OPENENGINE_INTERNAL_TLS_KEY_FILE": str(key_file),
+            "OPENENGINE_INTERNAL_TLS_CA_FILE": str(self.ca_file),
+        }
+
+    def credentials(self, common_name: str) -> Credentials:
+        env = self.env(common_name)
+        return Credentials(
+            ca_file=env["OPENENGINE_INTERNAL_TLS_CA_FILE"],
+            cert_file=env["OPENENGINE_INTERNAL_TLS_CERT_FILE"],
+            key_file=env["OPENENGINE_INTERNAL_TLS_KEY_FILE"],
+        )
+
+    def channel(self, target: str, common_name: str) -> grpc.Channel:
+        env = self.env(common_name)
+        credentials = grpc.ssl_channel_credentials(
+            self.ca_file.read_bytes(),
+            Path(env["OPENENGINE_INTERNAL_TLS_KEY_FILE"]).read_bytes(),
+            Path(env["OPENENGINE_INTERNAL_TLS_CERT_FILE"]).read_bytes(),
+        )
+        return grpc.secure_channel(target, credentials)
+
+
+def component_with(pki: RolePki, component: processes.Component, common_name: str) -> processes.Component:
+    component.env.update(pki.env(common_name))
+    if not component.name.startswith(
+        "frontend"
+    ):  # internal ports: readiness over mTLS (the health service admits any role)
+        component.credentials = pki.credentials(common_name)
+    return component
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    pki = RolePki(tmp_path_factory.mktemp("internal-pki"))
+    deployment = processes.Deployment()
+    try:
+        coordinator = deployment.add(component_with(pki, processes.coordinator(), "openengine-coordinator"), 30)
+        node = deployment.add(component_with(pki, processes.node(coordinator.target, 0), "openengine-node"), 90)
+        yield pki, deployment, coordinator, node
+    finally:
+        deployment.close()
+
+
+def registered_nodes(pki: RolePki, coordinator: processes.Component) -> list[str]:
+    with pki.channel(coordinator.target, "openengine-frontend") as channel:
+        load = cluster_pb2_grpc.CoordinatorStub(channel).GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=5)
+    return [entry.node_id for entry in load.nodes]
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_frontend_with_its_certificate_generates_through_role_checked_calls(secured, server):
+    pki, deployment, coordinator, _ = secured
+    frontend = deployment.add(
+        component_with(pki, processes.frontend(coordinator.target, server), "openengine-frontend"), 60
+    )
+
+    def generates() -> bool:
+        request = G.GenerateRequest(
+            request_id=f"roles-{uuid.uuid4()}",
+            model=MODEL,
+            prompt="Hello",
+            stopping=G.StoppingOptions(max_tokens=6, ignore_eos=True),
+        )
+        with Client(frontend.target, retries=False) as client:
+            return list(client.inference.Generate(request, timeout=30))[-1].usage.completion_tokens == 6
+
+    processes.wait_for(generates, 30, "a generation over role-checked internal mTLS")
+
+
+def test_a_node_without_a_node_certificate_cannot_register(secured):
+    pki, deployment, coordinator, node = secured
+    processes.wait_for(lambda: len(registered_nodes(pki, coordinator)) == 1, 10, "the node with its certificate")
+    impostor = deployment.add(
+        component_with(pki, processes.node(coordinator.target, 1), "openengine-frontend"), 90
+    )  # a certificate of the same CA, for another role
+    log = processes.LOG_DIR / f"{impostor.name}-{impostor.port}.log"
+    processes.wait_for(
+        lambda: "PERMISSION_DENIED" in log.read_text(errors="replace"), 15, "the impostor's refused registration"
+    )
+    assert "RegisterNode is not open to a frontend" in log.read_text(errors="replace")
+    assert len(registered_nodes(pki, coordinator)) == 1
+
+
+def call(pki: RolePki, target: str, common_name: str, rpc) -> grpc.StatusCode:
+    with pki.channel(target, common_name) as channel:
+        try:
+            rpc(channel)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def register(channel):
+    entry = cluster_pb2.NodeEntry(node_id="intruder", address="127.0.0.1:1", rank=7)
+    cluster_pb2_grpc.CoordinatorStub(channel).RegisterNode(cluster_pb2.RegisterNodeRequest(node=entry), timeout=5)
+
+
+def publish_load(channel):
+    heartbeat = cluster_pb2.NodeHeartbeatRequest(node_id="intruder", load=cluster_pb2.NodeLoad(running_requests=99))
+    next(cluster_pb2_grpc.CoordinatorStub(channel).NodeHeartbeats(iter([heartbeat]), timeout=5))
+
+
+def reserve(channel):
+    request = cluster_pb2.ReserveRequest(request_id=f"r-{uuid.uuid4()}", frontend_id="intruder")
+    cluster_pb2_grpc.CoordinatorStub(channel).Reserve(request, timeout=5)
+
+
+def open_lane(channel):
+    next(cluster_pb2_grpc.NodeStub(channel).Lane(iter([cluster_pb2.LaneCredit(frontend_id="x", window=2)]), timeout=5))
+
+
+def submit(channel):
+    batch = cluster_pb2.SubmitBatch(submit=[cluster_pb2.SubmitRequest(request=cluster_pb2.EngineRequest())])
+    next(cluster_pb2_grpc.NodeStub(channel).Submissions(iter([batch]), timeout=5))
+
+
+def read_cluster_load(channel):
+    cluster_pb2_grpc.CoordinatorStub(channel).GetClusterLoad(cluster_pb2.GetClusterLoadRequest(), timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("service", "rpc", "common_name"),
+    [
+        ("coordinator", register, "openengine-frontend"),
+        ("coordinator", register, "openengine-coordinator"),
+        ("coordinator", publish_load, "openengine-frontend"),
+        ("coordinator", reserve, "openengine-node"),
+        ("node", open_lane, "openengine-node"),
+        ("node", open_lane, "openengine-coordinator"),
+        ("node", submit, "openengine-node"),
+        ("coordinator", read_cluster_load, "someone-else"),  # a certificate of the CA that names no role
+    ],
+    ids=lambda value: getattr(value, "__name__", value),
+)
+def test_a_caller_of_another_role_is_denied(secured, service, rpc, common_name):
+    pki, _, coordinator, node = secured
+    target = {"coordinator": coordinator, "node": node}[service].target
+    assert call(pki, target, common_name, rpc) == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize(
+    ("service", "rpc", "common_name"),
+    [
+        ("coordinator", reserve, "openengine-frontend"),
+        ("node", open_lane, "openengine-frontend"),
+        ("coordinator", read_cluster_load, "openengine-node"),
+    ],
+    ids=lambda value: getattr(value, "__name__", value),
+)
+def test_the_role_a_call_needs_passes_the_check(secured, service, rpc, common_name):
+    pki, _, coordinator, node = secured
+    target = {"coordinator": coordinator, "node": node}[service].target
+    assert call(pki, target, common_name, rpc) == grpc.StatusCode.OK

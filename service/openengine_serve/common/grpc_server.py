@@ -48,7 +48,7 @@ GRPCIO_ONLY_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_connection_idle_m
 
 
 class DependencyError(RuntimeError):
-    """The selected gRPC server cannot run; the message says how to fix it."""
+    """A dependency (the selected gRPC server, an extra) is missing or unsupported; the message says how to fix it."""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "servicemonitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}},
     "podmonitor": {"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}},
     "networkpolicy": {"networkPolicy": {"enabled": True}},
+    # cert-manager issues one internal certificate per component (with the release's own CA).
+    "internal-cert-manager": {"internalTls": {"certManager": {"enabled": True}}},
     "nodes3": {"node": {"replicas": 3}},
     "simulated": {"node": {"engine": "simulated", "stepMs": 0.5, "maxBatch": 512}},
     # A GGUF of the user's own on a PVC, mounted read-only.
@@ -98,7 +100,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
             },
             "apiKeys": {"secretName": "oe-api-keys"},
         },
-        "internalTls": {"secretName": "oe-internal-tls"},
+        "internalTls": {
+            "secrets": {"frontend": "oe-fe-internal", "coordinator": "oe-coord-internal", "node": "oe-node-internal"}
+        },
         "tests": {"apiKeySecret": {"name": "oe-test-key"}},
         "networkPolicy": {"enabled": True},
     },

@@ -52,6 +52,7 @@ CRD_KINDS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
 }
 VARIANT_IDS = list(VARIANTS)
 
@@ -485,7 +486,8 @@ def test_grpc_probes(render, chart, variant: str) -> None:
         for probe, service in services.items():
             spec = container[probe]
             assert "initialDelaySeconds" not in spec, (component, probe)
-            if variant == "secured":  # TLS ports: exec probes, see test_probes_on_a_tls_port_use_the_cli_over_tls
+            tls_port = variant == "secured" or (variant == "internal-cert-manager" and component != "frontend")
+            if tls_port:  # exec probes, see test_probes_on_a_tls_port_use_the_cli_over_tls
                 command = spec["exec"]["command"]
                 assert command[3:6] == [f"127.0.0.1:{grpc_port}", "--service", service], (component, probe)
                 continue
@@ -715,44 +717,95 @@ def test_pod_monitor(render) -> None:
     assert sorted(selected) == sorted(name(c) for c in COMPONENTS)  # not the test pod
 
 
-@pytest.mark.parametrize("variant", ["networkpolicy", "everything"])
-def test_network_policy(render, chart, variant: str) -> None:
+def _admits(rules: list[dict[str, Any]], side: str, peer_labels: dict[str, str], ports: tuple) -> bool:
+    """Whether NetworkPolicy rules (ingress: side "from", egress: "to") admit a pod of this release with
+    `peer_labels` on a port known by any name or number in `ports`."""
+    for rule in rules:
+        if "ports" in rule and not any(p["port"] in ports for p in rule["ports"]):
+            continue
+        peers = rule.get(side)
+        if peers is None:
+            return True
+        if any(set(peer) == {"podSelector"} and selects(peer["podSelector"], peer_labels) for peer in peers):
+            return True
+    return False
+
+
+def reachable_pairs(r) -> set[tuple[str, str]]:
+    """(caller, callee) component pairs of this release the rendered policies let through on the callee's
+    gRPC port: the callee's ingress and the caller's egress must both admit it (no policy: all admitted)."""
+    policies = r.of_kind("NetworkPolicy")
+
+    def policy_of(labels: dict[str, str]) -> dict[str, Any] | None:
+        chosen = [p["spec"] for p in policies if selects(p["spec"]["podSelector"], labels)]
+        assert len(chosen) <= 1, labels
+        return chosen[0] if chosen else None
+
+    pairs = set()
+    for caller in pods(r):
+        caller_labels, caller_policy = pod_labels(caller), policy_of(pod_labels(caller))
+        for callee in COMPONENTS:
+            callee_labels = pod_labels(r.deployment(callee))
+            ports = ("grpc", PORTS[callee][0])
+            callee_policy = policy_of(callee_labels)
+            ingress = callee_policy is None or _admits(callee_policy.get("ingress", []), "from", caller_labels, ports)
+            egress = caller_policy is None or _admits(caller_policy.get("egress", []), "to", callee_labels, ports)
+            if ingress and egress:
+                pairs.add((caller_labels["app.kubernetes.io/component"], callee))
+    return pairs
+
+
+@pytest.mark.parametrize("variant", ["default", "everything"])
+def test_network_policy_admits_only_the_internal_plane_pairs(render, chart, variant: str) -> None:
     r = render(VARIANTS[variant])
     np_values = chart.merge_values(VARIANTS[variant])["networkPolicy"]
-    policies = {p["metadata"]["name"]: p for p in r.of_kind("NetworkPolicy")}
+    policies = {p["metadata"]["name"]: p["spec"] for p in r.of_kind("NetworkPolicy")}
     assert set(policies) == {name(c) for c in COMPONENTS}
-    release_pods = [pod_labels(d) for d in pods(r)]
+    assert reachable_pairs(r) == {
+        ("frontend", "coordinator"),
+        ("frontend", "node"),
+        ("node", "coordinator"),
+        ("coordinator", "node"),  # Abort: Node.Cancel
+        ("test", "frontend"),  # `helm test`
+    }
+    # each side on its own too (either alone would hide a hole in the other)
+    release = {pod_labels(d)["app.kubernetes.io/component"]: pod_labels(d) for d in pods(r)}
+    callers = {"coordinator": {"frontend", "node"}, "node": {"frontend", "coordinator"}}
+    callees = {"frontend": {"coordinator", "node"}, "coordinator": {"node"}, "node": {"coordinator"}}
     for component in COMPONENTS:
-        spec = policies[name(component)]["spec"]
-        assert spec["policyTypes"] == ["Ingress"]
+        spec = policies[name(component)]
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
+        reached = {c for c in COMPONENTS if _admits(spec["egress"], "to", release[c], ("grpc", PORTS[c][0]))}
+        assert reached == callees[component], component
+        if component != "frontend":
+            admitted = {c for c, labels in release.items() if _admits(spec["ingress"], "from", labels, ("grpc",))}
+            assert admitted == callers[component], component
         targets = [d["metadata"]["name"] for d in pods(r) if selects(spec["podSelector"], pod_labels(d))]
         assert targets == [name(component)]
-        open_rules = []
-        for rule in spec["ingress"]:
-            ports = [p["port"] for p in rule.get("ports", [])]
-            peers = rule.get("from")
-            if ports == ["metrics"]:
-                (peer,) = peers
-                assert peer["namespaceSelector"] == np_values["metrics"]["namespaceSelector"]
-                assert peer.get("podSelector", {}) == np_values["metrics"]["podSelector"]
-            elif ports == ["grpc"]:
-                open_rules.append(rule)
-            else:
-                # Any port, only from pods of this release (same namespace, no namespaceSelector).
-                assert not ports
-                (peer,) = peers
-                assert set(peer) == {"podSelector"}
-                assert all(selects(peer["podSelector"], labels) for labels in release_pods)
-                assert not selects(peer["podSelector"], {"app.kubernetes.io/instance": "other"})
+        grpc_rule, metrics_rule = spec["ingress"]
+        assert [p["port"] for p in grpc_rule["ports"]] == ["grpc"]
+        assert [p["port"] for p in metrics_rule["ports"]] == ["metrics"]
+        (peer,) = metrics_rule["from"]
+        assert peer["namespaceSelector"] == np_values["metrics"]["namespaceSelector"]
+        assert peer.get("podSelector", {}) == np_values["metrics"]["podSelector"]
         if component == "frontend":
-            (rule,) = open_rules
             if np_values["frontendFrom"]:
-                assert rule["from"] == np_values["frontendFrom"]
+                assert grpc_rule["from"][: len(np_values["frontendFrom"])] == np_values["frontendFrom"]
             else:
-                assert "from" not in rule, "the frontend's gRPC port is public"
+                assert "from" not in grpc_rule, "the frontend's gRPC port is public"
         else:
-            assert not open_rules, f"{component} must not be reachable from outside the release"
-    assert not render().of_kind("NetworkPolicy")
+            assert all(set(peer) == {"podSelector"} for peer in grpc_rule["from"]), "only pods of this release"
+        dns = [rule for rule in spec["egress"] if rule["to"] == np_values["dnsTo"]]
+        assert [(p["port"], p["protocol"]) for (rule,) in [dns] for p in rule["ports"]] == [(53, "UDP"), (53, "TCP")]
+        assert all("to" in rule for rule in spec["egress"]), "no egress rule open to everyone"
+
+
+def test_network_policy_can_be_turned_off_and_extended(render) -> None:
+    assert not render({"networkPolicy": {"enabled": False}}).of_kind("NetworkPolicy")
+    collector = {"to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}], "ports": [{"port": 4317, "protocol": "TCP"}]}
+    r = render({"networkPolicy": {"extraEgress": [collector]}})
+    for policy in r.of_kind("NetworkPolicy"):
+        assert policy["spec"]["egress"][-1] == collector
 
 
 def test_helm_test_hook(render) -> None:
@@ -832,8 +885,10 @@ def test_secured_release_mounts_secrets_and_sets_the_variables(render) -> None:
     assert _secret_volumes(r.deployment("frontend")["spec"]["template"]["spec"]) == {
         "tls": "oe-public-tls",
         "api-keys": "oe-api-keys",
-        "internal-tls": "oe-internal-tls",
+        "internal-tls": "oe-fe-internal",
     }
+    for component, secret in (("coordinator", "oe-coord-internal"), ("node", "oe-node-internal")):
+        assert _secret_volumes(r.deployment(component)["spec"]["template"]["spec"]) == {"internal-tls": secret}
     for component in COMPONENTS:
         env = r.env(component)
         assert env["OPENENGINE_INTERNAL_TLS_CA_FILE"] == "/etc/openengine/internal-tls/ca.crt"
@@ -864,7 +919,7 @@ def test_probes_on_a_tls_port_use_the_cli_over_tls(render) -> None:
         assert node[node.index("--tls-server-name") + 1] == "openengine-internal"
         assert "grpc" not in frontend[probe]
     # only internal TLS: the frontend's public port stays plaintext with native probes
-    internal_only = render({"internalTls": {"secretName": "x"}})
+    internal_only = render(VARIANTS["internal-cert-manager"])
     assert internal_only.container("frontend")["readinessProbe"]["grpc"]["service"] == "readiness"
     assert "exec" in internal_only.container("coordinator")["readinessProbe"]
 
@@ -878,6 +933,38 @@ def test_cert_manager_certificate(render) -> None:
     assert f"{name('frontend')}.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
     assert "openengine.example.com" in cert["spec"]["dnsNames"]
     assert not render({"frontend": {"tls": {"secretName": "s"}}}).of_kind("Certificate")
+
+
+def test_cert_manager_issues_one_internal_certificate_per_component(render) -> None:
+    r = render(VARIANTS["internal-cert-manager"])
+    certificates = {c["metadata"]["name"]: c["spec"] for c in r.of_kind("Certificate")}
+    ca = f"{RELEASE}-openengine-serve-internal-ca"
+    assert certificates[ca]["isCA"] is True
+    assert {i["metadata"]["name"]: i["spec"] for i in r.of_kind("Issuer")} == {
+        f"{ca}-root": {"selfSigned": {}},
+        ca: {"ca": {"secretName": ca}},
+    }
+    for component in COMPONENTS:
+        cert = certificates[f"{name(component)}-internal"]
+        assert cert["commonName"] == f"openengine-{component}"  # the role common/peer_identity.py checks
+        assert "openengine-internal" in cert["dnsNames"]  # OPENENGINE_INTERNAL_TLS_SERVER_NAME
+        assert ("server auth" in cert["usages"]) == (component != "frontend")
+        assert "client auth" in cert["usages"]
+        assert cert["issuerRef"] == {"name": ca, "kind": "Issuer", "group": "cert-manager.io"}
+        volumes = _secret_volumes(r.deployment(component)["spec"]["template"]["spec"])
+        assert volumes["internal-tls"] == cert["secretName"]
+        assert r.env(component)["OPENENGINE_INTERNAL_TLS_CERT_FILE"] == "/etc/openengine/internal-tls/tls.crt"
+    assert set(certificates) == {ca} | {f"{name(c)}-internal" for c in COMPONENTS}
+
+
+def test_internal_certificates_from_a_given_issuer_and_not_without_cert_manager(render) -> None:
+    issuer = {"name": "corp-ca", "kind": "ClusterIssuer"}
+    r = render({"internalTls": {"certManager": {"enabled": True, "issuerRef": issuer}}})
+    assert not r.of_kind("Issuer")
+    assert [c["spec"]["issuerRef"] for c in r.of_kind("Certificate")] == [issuer] * 3
+    # the default (auto) renders internal TLS only where the cluster serves cert-manager.io/v1 (not offline)
+    assert not render().of_kind("Certificate")
+    assert not render({"internalTls": {"certManager": {"enabled": False}}}).of_kind("Certificate")
 
 
 def test_helm_test_sends_an_api_key_and_speaks_tls(render) -> None:
@@ -909,6 +996,17 @@ def test_notes_say_how_to_call_with_tls_and_a_key(render) -> None:
             {"frontend": {"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Issuer"}}}}},
             "needs frontend.tls.secretName",
         ),
+        ({"internalTls": {"secretName": "shared"}}, "Set internalTls.secrets.frontend, .coordinator and .node"),
+        ({"internalTls": {"secrets": {"node": "n"}}}, "internalTls.secrets needs all three"),
+        (
+            {
+                "internalTls": {
+                    "secrets": {"frontend": "f", "coordinator": "c", "node": "n"},
+                    "certManager": {"enabled": True},
+                }
+            },
+            "use one",
+        ),
     ],
 )
 def test_security_template_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
@@ -922,6 +1020,7 @@ def test_security_template_rejects(helm, chart, values: dict[str, Any], complain
     [
         ({"frontend": {"tls": {"secret": "x"}}}, "'secret' not allowed"),
         ({"internalTls": {"secretname": "x"}}, "'secretname' not allowed"),
+        ({"internalTls": {"certManager": {"enabled": "yes"}}}, "/internalTls/certManager/enabled"),
         ({"frontend": {"apiKeys": {"secretKey": ""}}}, "/frontend/apiKeys/secretKey"),
     ],
 )

@@ -371,27 +371,3 @@ spec:
   {{- end }}
 {{- end }}
 {{- end }}
-
-{{/*
-NetworkPolicy ingress rules shared by all components: every port from pods of
-this release, the metrics port from the monitoring namespaces.
-Usage: include "oes.networkPolicyCommonRules" (dict "root" $ "component" "node")
-*/}}
-{{- define "oes.networkPolicyCommonRules" -}}
-{{- $np := .root.Values.networkPolicy }}
-{{- $c := index .root.Values .component }}
-- from:
-    - podSelector:
-        matchLabels:
-          {{- include "oes.releaseSelectorLabels" .root | nindent 10 }}
-- from:
-    - namespaceSelector:
-        {{- toYaml $np.metrics.namespaceSelector | nindent 8 }}
-      {{- with $np.metrics.podSelector }}
-      podSelector:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-  ports:
-    - port: metrics
-      protocol: TCP
-{{- end }}

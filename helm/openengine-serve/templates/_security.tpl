@@ -3,11 +3,33 @@ TLS, API keys and internal mutual TLS (see docs/kubernetes.md "TLS and API keys"
 Every helper takes (dict "root" $ "component" <name>).
 */}}
 
+{{/*
+How the internal plane gets its certificates (one per component, docs/security.md): "secrets" (the operator's),
+"cert-manager" (Certificates of this chart), or "" (internal TLS off). Takes the root.
+*/}}
+{{- define "oes.internalTlsMode" -}}
+{{- $i := .Values.internalTls }}
+{{- $certManager := toString $i.certManager.enabled }}
+{{- if or $i.secrets.frontend $i.secrets.coordinator $i.secrets.node }}secrets
+{{- else if eq $certManager "true" }}cert-manager
+{{- else if and (eq $certManager "auto") (.Capabilities.APIVersions.Has "cert-manager.io/v1") }}cert-manager
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the component's internal certificate. */}}
+{{- define "oes.internalTlsSecret" -}}
+{{- if eq (include "oes.internalTlsMode" .root) "secrets" }}
+{{- index .root.Values.internalTls.secrets .component }}
+{{- else }}
+{{- include "oes.componentName" . }}-internal-tls
+{{- end }}
+{{- end }}
+
 {{/* "public" when the component's gRPC port serves the public TLS, "internal" for internal mTLS, else "". */}}
 {{- define "oes.tlsPort" -}}
 {{- if eq .component "frontend" }}
 {{- if .root.Values.frontend.tls.secretName }}public{{ end }}
-{{- else if .root.Values.internalTls.secretName }}internal
+{{- else if include "oes.internalTlsMode" .root }}internal
 {{- end }}
 {{- end }}
 
@@ -63,7 +85,7 @@ grpc:
 
 {{- define "oes.securityEnv" -}}
 {{- $v := .root.Values }}
-{{- if $v.internalTls.secretName }}
+{{- if include "oes.internalTlsMode" .root }}
 - name: OPENENGINE_INTERNAL_TLS_CERT_FILE
   value: /etc/openengine/internal-tls/tls.crt
 - name: OPENENGINE_INTERNAL_TLS_KEY_FILE
@@ -104,7 +126,7 @@ grpc:
   mountPath: /etc/openengine/api-keys
   readOnly: true
 {{- end }}
-{{- if and (ne .component "test") $v.internalTls.secretName }}
+{{- if and (ne .component "test") (include "oes.internalTlsMode" .root) }}
 - name: internal-tls
   mountPath: /etc/openengine/internal-tls
   readOnly: true
@@ -125,16 +147,26 @@ grpc:
     secretName: {{ $v.frontend.apiKeys.secretName }}
     defaultMode: 0440
 {{- end }}
-{{- if and (ne .component "test") $v.internalTls.secretName }}
+{{- if and (ne .component "test") (include "oes.internalTlsMode" .root) }}
 - name: internal-tls
   secret:
-    secretName: {{ $v.internalTls.secretName }}
+    secretName: {{ include "oes.internalTlsSecret" . }}
     defaultMode: 0440
 {{- end }}
 {{- end }}
 
 {{- define "oes.validateSecurity" -}}
 {{- $v := .Values }}
+{{- $i := $v.internalTls }}
+{{- if $i.secretName }}
+{{- fail "internalTls.secretName (one certificate for every component) is replaced by one certificate per component: the coordinator and nodes check each caller's role in its certificate's Common Name (openengine-frontend, openengine-coordinator, openengine-node). Set internalTls.secrets.frontend, .coordinator and .node, or let cert-manager issue them (internalTls.certManager.enabled); see docs/security.md" }}
+{{- end }}
+{{- if and (or $i.secrets.frontend $i.secrets.coordinator $i.secrets.node) (not (and $i.secrets.frontend $i.secrets.coordinator $i.secrets.node)) }}
+{{- fail "internalTls.secrets needs all three of frontend, coordinator and node (one certificate per component)" }}
+{{- end }}
+{{- if and $i.secrets.frontend (eq (toString $i.certManager.enabled) "true") }}
+{{- fail "internalTls.secrets and internalTls.certManager.enabled=true both set: use one (certManager.enabled=false with your own Secrets)" }}
+{{- end }}
 {{- if and $v.frontend.tls.secretName (eq $v.frontend.grpcServer "pygrpc-native") }}
 {{- fail "frontend.tls.secretName is set but frontend.grpcServer=pygrpc-native has no TLS: use grpcServer=grpcio, or terminate TLS in front (an ingress with a gRPC backend or a sidecar; see docs/kubernetes.md)" }}
 {{- end }}

@@ -64,8 +64,8 @@ RECONNECT_BACKOFF_S = (0.05, 0.5)  # the n-th wait is uniform in [0, min(0.5, 0.
 
 
 # Refusals before the first message that generate() retries on a fresh connection. CANCELLED: grpc.aio's
-# server.stop() cancels calls that reached the process but not yet the handler (measured: 32 in 20 stops of a
-# bare grpc.aio server under load); the frontend never saw them, so nothing was generated or lost.
+# server.stop() cancels calls that reached the process but not yet the handler (common under load); the frontend
+# never saw them, so nothing was generated or lost.
 RETRYABLE_BEFORE_FIRST_MESSAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 

@@ -342,7 +342,7 @@ class FrontendConfig(CommonConfig):
         512,
         "Generate streams one frontend worker keeps open; beyond it Generate is "
         "refused at once (RESOURCE_EXHAUSTED, retry hint in openengine-retry-after-ms). "
-        "Default: a worker's measured capacity (~8,000 tokens/s) x 64 ms, the "
+        "Default: a worker's capacity (about 8,000 tokens/s on one core) x 64 ms, the "
         "inter-token time of a large-batch engine; for a faster engine use capacity x "
         "its inter-token time (docs/robustness.md)",
         minimum=1,
@@ -376,7 +376,7 @@ class FrontendConfig(CommonConfig):
         "result lane messages: the node folds the steps meanwhile into "
         "one message, so a saturated worker writes fewer, larger deltas "
         "(ITL in chunks of about this); 0: acknowledged on receipt "
-        "(docs/robustness.md, overload)",
+        '(docs/robustness.md, "A frontend that falls behind on a node\'s result lane")',
         minimum=0,
         maximum=1000,
     )

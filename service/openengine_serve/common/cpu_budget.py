@@ -33,9 +33,8 @@ class CpuBudget:
 
 def native_io_threads(budget: CpuBudget, override: int = 0) -> int:
     """pygrpc-native's Rust I/O threads: they share the budget with the one Python loop, which limits a worker
-    long before one I/O thread does (saturated on 2 cores, that thread used <= 0.23 core). A second thread only
-    adds hand-offs: on 2 cores with every core visible it cost 5-14 % more CPU per token at the bench's fixed
-    load. So one thread below 4 CPUs, two from 4 (docs/benchmarks.md, "CPU budget")."""
+    long before one I/O thread does. A second thread only adds hand-offs (5-14 % more CPU per token on 2 cores,
+    docs/benchmarks.md, "CPU budget"). So one thread below 4 CPUs, two from 4."""
     if override > 0:
         return override
     return 1 if budget.cpus < 4 else 2

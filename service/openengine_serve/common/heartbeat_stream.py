@@ -1,11 +1,11 @@
 """A peer's heartbeats to one coordinator on one long-lived stream (`NodeHeartbeats`, `FrontendHeartbeats`), and
 the loop around them (`PeerHeartbeats`: register, heartbeat, register again when forgotten).
 
-A unary call per heartbeat cost the coordinator a call's setup each time; with
-1,000 nodes that kept its event loop busy in bursts. Here the peer (node or
+A unary call per heartbeat would cost the coordinator a call's setup each time;
+with 1,000 nodes that keeps its event loop busy in bursts. Here the peer (node or
 frontend) keeps one stream per coordinator, writes one heartbeat at a time and
-waits for its reply, which the coordinator sends in order: the same exchange as
-the unary call had, without a call per heartbeat.
+waits for its reply, which the coordinator sends in order: the exchange of a
+unary call, without a call per heartbeat.
 
 Quiet heartbeats (nodes): a reply costs the coordinator about as much as the
 heartbeat itself (a `sendmsg` per reply), and a node's usual reply says only
@@ -21,12 +21,11 @@ after the backoff's first step opens that stream. Every
 silently still shows within that time.
 
 A stream that fails (the coordinator restarted or is gone, or no reply within
-the deadline) is cancelled and the heartbeat fails, as the unary call did; the
-next heartbeat opens a new stream. Until one succeeds again (its registration
+the deadline) is cancelled and the heartbeat fails; the next heartbeat opens a
+new stream. Until one succeeds again (its registration
 failing counts as well) the peer waits a backoff instead of the interval: doubling from `BACKOFF_FIRST_S`, never more
 than the interval, jittered so that peers do not come back in step. So a
-restarted coordinator hears from every peer within about one interval (sooner
-than with the unary calls, which retried only at the next interval), and one
+restarted coordinator hears from every peer within about one interval, and one
 that is down gets at most a heartbeat per interval from each. Nothing on the
 coordinator follows the stream: a peer is lost only after the expiry time
 without a heartbeat, however its streams end.

@@ -1,7 +1,7 @@
 """The least loaded node in O(log nodes): a heap of load scores, updated whenever a node's score changes.
 
-A scan over every node per reservation cost ~2.5 ms of coordinator CPU with
-1,000 nodes. Here each change pushes the node's new entry (stale entries are
+A scan over every node per reservation would make each request cost the
+coordinator O(nodes). Here each change pushes the node's new entry (stale entries are
 skipped when they reach the top and compacted away when they pile up), and
 the pick looks at the top. Ties go to the node picked longest ago, so equally
 idle nodes take turns. Pure data structure: the caller says which nodes are

@@ -5,8 +5,8 @@
 The config is a WorkerConfig (engine/config.py) as JSON; the launcher spawns
 `ranks` worker processes and broadcasts the config to them.
 
-Why a process of its own between the node and the workers: measured here,
-killing an MPI-spawned child makes hydra tear the whole job down, spawning
+Why a process of its own between the node and the workers: killing an
+MPI-spawned child makes hydra tear the whole job down, spawning
 process included (with SIGKILL, to its whole process group). The node
 therefore keeps MPI in this subprocess, started in a new session, and restarts
 it when it dies.

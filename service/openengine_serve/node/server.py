@@ -153,8 +153,7 @@ class ResultLane:
         first_tokens, self.first_tokens = self.first_tokens, []
         if self.window and self.unacknowledged >= self.window:  # past the window: the first tokens alone
             # Stamped with the current step, so the frontend's fold detection (LaneAcknowledgements.handled) sees
-            # the jump here rather than on the next message. The last step sent instead was measured and not kept:
-            # it paced grpcio's acknowledgements more at the fixed load (docs/benchmarks.md, "TTFT").
+            # the jump here rather than on the next message: it learns at once that it fell behind.
             message = cluster_pb2.StepResults(step=self.step, events=first_tokens)
         else:
             if not first_tokens:

@@ -112,8 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.25,
         help="budgeted saturation: the frontend's cgroup CPU quota, small enough that it is the "
-        "bottleneck while the rest has headroom (default 0.25; 0.5 before the paced lane credits "
-        "made a saturated frontend 2-3x cheaper per token; needs root)",
+        "bottleneck while the rest has headroom (default 0.25; needs root)",
     )
     p.add_argument(
         "--budget-inflight",
@@ -156,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("grpc-aio", "h2"),
         default="grpc-aio",
         help="load generator client: grpc-aio (default) or h2, a minimal HTTP/2 client for this one call "
-        "(experimental: several times less client CPU per token, see docs/benchmarks.md)",
+        "(experimental: several times less client CPU per token, see docs/benchmarks.md, "
+        '"The frontend on grpcio vs pygrpc-native")',
     )
     p.add_argument(
         "--rerender",

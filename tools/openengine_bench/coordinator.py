@@ -7,8 +7,8 @@ frontends (register, heartbeat), each peer on its own heartbeat stream as the re
 ones, in a process of their own so that the requests' loop times only the
 coordinator. Then, in one run and side by side:
 
-- unary: --concurrency loops, each Reserve then Release of a fresh id (today's
-  path before the batched stream: two unary calls per request), spread over the
+- unary: --concurrency loops, each Reserve then Release of a fresh id (the
+  unary Reserve and Release: two calls per request), spread over the
   frontends' ids and --channels channels;
 - batched: the same loops through each simulated frontend's own
   `ReservationBatcher` (the frontend's class): one stream per frontend,
@@ -311,8 +311,8 @@ def heartbeat_peers(targets: list[str], args: argparse.Namespace, frontend_ids: 
                 if group not in stubs:
                     stubs[group] = cluster_pb2_grpc.CoordinatorStub(grpc.aio.insecure_channel(target))
                 beats.append(beat(stubs[group], peer_id, is_node, i * interval / len(peers)))
-        # As in every component: one full collection in this process held back ≈30 heartbeats, which then reached
-        # the coordinator in one burst (1,000 real nodes are not paused together).
+        # As in every component: a full collection in this process would hold back the heartbeats due meanwhile,
+        # which would then reach the coordinator in one burst (1,000 real nodes are not paused together).
         freeze_startup_objects()
         await asyncio.gather(*beats)
 
@@ -763,8 +763,7 @@ async def drive(coordinators: Coordinators, args: argparse.Namespace, round_numb
     paths = [known[name.strip()]() for name in args.paths.split(",") if name.strip()]
     # The simulated frontends' process collects its garbage as a frontend process does (frozen startup objects,
     # fewer young collections), and each scenario's garbage before the next (`measure`): otherwise a full
-    # collection of the saturation's garbage (≈30 ms measured) lands in the fixed-rate window as "reservation
-    # latency".
+    # collection of the saturation's garbage lands in the fixed-rate window as "reservation latency".
     freeze_startup_objects()
 
     def keep(scenario: dict) -> None:

@@ -1,8 +1,9 @@
 """A minimal HTTP/2 gRPC client for the load generator's one call (`Generate`, server streaming), on the event loop.
 
-grpc.aio costs the load generator tens of µs per received message (its completion queue is polled by a
-thread that wakes the loop once per event). This client parses frames in `data_received` and hands each
-gRPC message's bytes to the stream that waits for it, with nothing in between. It implements what this call
+grpc.aio wakes the load generator's event loop once per received message (its completion queue is polled by
+a thread), and a wake-up costs tens of µs of CPU on some VMs (docs/benchmarks.md, "Limits on small VMs").
+This client parses frames in `data_received` and hands each gRPC message's bytes to the stream that waits for
+it, with nothing in between. It implements what this call
 needs and nothing more: plaintext only (h2c with prior knowledge, as grpc does), request headers as HPACK
 literals (no encoder state), response headers never decoded (their end of stream is what counts: a stream
 that ends without the `finished` message is an error to the caller), connection flow control (the receive

@@ -390,8 +390,8 @@ def _worker_main(conn, cpus: list[int] | None, loop_name: str = "") -> None:
     # The components' loop (uvloop where it exists) unless asked for asyncio's own (as a plain grpc.aio client runs)
     loop = asyncio.new_event_loop() if loop_name == "asyncio" else new_event_loop()
     asyncio.set_event_loop(loop)
-    # As the components do: this process's collections paused its loop by up to ≈7 ms inside a window (a --quick
-    # run), which its TTFT and ITL then counted against the server. Each job's garbage goes before the next job.
+    # As the components do: a collection in this process would pause its loop inside a window, and its TTFT and
+    # ITL would count that against the server. Each job's garbage goes before the next job.
     freeze_startup_objects()
     while True:
         job = conn.recv()

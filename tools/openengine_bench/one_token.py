@@ -13,8 +13,8 @@ load generator and the backend beside it cannot show directly.
 checkout's service/), for before/after figures on the same machine.
 
 The load generator runs on the components' event loop (uvloop where it exists; `--loop asyncio` for asyncio's
-own, as the earlier one-token figures in docs/benchmarks.md were taken), and its own CPU per request is
-reported too: on two cores it competes with the worker it measures.
+own, as a plain grpc.aio client runs), and its own CPU per request is reported too: on two cores it competes
+with the worker it measures.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ A sampler records every `--sample-s`: the nodes' and the frontend's RSS, the fro
 (`openengine_frontend_event_loop_lag_seconds`), the nodes' lane backlog and shed counts. Writes
 `overload.json` and `overload.png` into `--out`, and prints the summary.
 
-`--mode capacity` checks the default of OPENENGINE_MAX_IN_FLIGHT (docs/robustness.md, "Admission"): at the
+`--mode capacity` checks the default of OPENENGINE_MAX_IN_FLIGHT (docs/robustness.md, "Admission:
+OPENENGINE_MAX_IN_FLIGHT"): at the
 64 ms step of a large-batch engine, 256..768 streams; a run keeps up when the tokens the frontend delivered in
 the window (`openengine_frontend_generated_tokens_total`) are at least 90 % of what the streams were offered
 (streams x 1000 / step_ms tokens/s). The capacity is the most streams that kept up with no failed probe.

@@ -417,8 +417,8 @@ class Stack:
                 server,
                 "--workers",
                 "1",
-                # Short drain: streams the client cancelled at the end of a saturation window may linger (see
-                # docs/benchmarks.md); shutdown is not what is measured.
+                # Short drain: streams the client cancelled at the end of a saturation window may still be open
+                # when the frontend stops, and a full drain would wait for them; shutdown is not what is measured.
                 "--drain-timeout-s",
                 str(FRONTEND_DRAIN_S),
                 "--frontend-id",

@@ -34,6 +34,7 @@ def measure(server: str, keys_file: str | None, calls: int) -> tuple[float, floa
     env.pop("OPENENGINE_API_KEYS_FILE", None)
     if keys_file:
         env["OPENENGINE_API_KEYS_FILE"] = keys_file
+        env["OPENENGINE_ALLOW_PLAINTEXT_KEYS"] = "1"  # loopback, no TLS
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -56,6 +56,7 @@ def keyed(request, cluster, tmp_path_factory):
             coord.target,
             request.param,
             OPENENGINE_API_KEYS_FILE=str(path),
+            OPENENGINE_ALLOW_PLAINTEXT_KEYS="1",  # loopback, no TLS
             OPENENGINE_API_KEY_MAX_IN_FLIGHT=str(KEY_MAX_IN_FLIGHT),
         )
         for _ in range(2)

@@ -30,7 +30,8 @@ class TracedCluster:
     def frontend(self, server: str, keys_file: str = "") -> processes.Component:
         """The frontend on `server` (API keys on with `keys_file`)."""
         if (server, keys_file) not in self.frontends:
-            env = {**self.receiver.env(), **({"OPENENGINE_API_KEYS_FILE": keys_file} if keys_file else {})}
+            keys = {"OPENENGINE_API_KEYS_FILE": keys_file, "OPENENGINE_ALLOW_PLAINTEXT_KEYS": "1"} if keys_file else {}
+            env = {**self.receiver.env(), **keys}
             fe = processes.frontend(self.coordinator.target, server, **env).start()
             self.frontends[(server, keys_file)] = fe
             fe.wait_ready(60)

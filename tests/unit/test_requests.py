@@ -101,7 +101,8 @@ async def test_an_accepted_request_is_submitted_then_released(deployment: Deploy
 
 
 async def test_the_owner_goes_with_the_reservation(deployment: Deployment):
-    """The API key name that starts a request reaches the coordinator (Abort is scoped by it)."""
+    """The API key name that starts a request reaches the coordinator (Abort is scoped by it), and scopes the
+    internal id: the same id under two keys is two requests."""
     async with deployment.requests.open(plan("r-owned"), owner="team-a") as accepted:
         assert accepted.owner == "team-a"
         accepted.ended = True
@@ -110,9 +111,10 @@ async def test_the_owner_goes_with_the_reservation(deployment: Deployment):
         accepted.ended = True
     await settle()
     assert [(r.request_id, r.owner) for r in deployment.coordinator_stub.reserved] == [
-        ("r-owned", "team-a"),
+        ("team-a r-owned", "team-a"),
         ("r-anonymous", ""),
     ]
+    assert deployment.coordinator_stub.released == ["team-a r-owned", "r-anonymous"]
 
 
 async def test_a_stream_that_did_not_end_is_cancelled_on_its_node(deployment: Deployment):
@@ -126,18 +128,26 @@ async def test_a_stream_that_did_not_end_is_cancelled_on_its_node(deployment: De
 
 
 @pytest.mark.parametrize(
-    ("code", "refusal", "fragment"),
+    ("code", "refusal", "message"),
     [
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded, "node n1 is full: queue full; retry later"),
-        (grpc.StatusCode.UNAVAILABLE, Unavailable, "node n1 at n1.test:1 did not take the request: queue full"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, Overloaded, "the node chosen for the request is full; retry later"),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            Unavailable,
+            "the node chosen for the request did not take it (UNAVAILABLE); retry",
+        ),
     ],
 )
-async def test_a_node_that_does_not_take_the_request_is_a_refusal(deployment: Deployment, code, refusal, fragment):
-    deployment.node_stubs["n1"].submit_error = rpc_error(code, "queue full")
-    with pytest.raises(refusal) as refused:
+async def test_a_node_that_does_not_take_the_request_is_a_refusal_naming_no_node(
+    deployment: Deployment, code, refusal, message, caplog
+):
+    deployment.node_stubs["n1"].submit_error = rpc_error(code, "node n1 at n1.test:1: queue full")
+    with caplog.at_level("WARNING", logger="openengine_serve.frontend"), pytest.raises(refusal) as refused:
         async with deployment.requests.open(plan()):
             pytest.fail("the body must not run")
-    assert fragment in refused.value.message
+    assert refused.value.message == message
+    [logged] = [r.kv for r in caplog.records if r.getMessage() == "node did not take the request"]
+    assert logged["detail"] == "node n1 at n1.test:1: queue full"  # the log keeps what the node said
     await settle()
     deployment.assert_cleaned_up("r1")
     assert deployment.node_stubs["n1"].cancelled == []
@@ -154,9 +164,12 @@ async def test_a_node_that_does_not_take_the_request_is_a_refusal(deployment: De
 )
 async def test_a_coordinator_refusal_keeps_its_kind_and_message(deployment: Deployment, code, refusal):
     deployment.coordinator_stub.reserve_error = rpc_error(code, "what the coordinator said")
-    with pytest.raises(refusal, match="what the coordinator said"):
+    # but for a duplicate: the coordinator names the frontend holding the id (and the internal id)
+    said = "'r1' is already in flight" if refusal is DuplicateRequest else "what the coordinator said"
+    with pytest.raises(refusal, match=said) as refused:
         async with deployment.requests.open(plan()):
             pytest.fail("the body must not run")
+    assert (refusal is DuplicateRequest) == ("what the coordinator said" not in refused.value.message)
     await settle()
     assert deployment.coordinator_stub.released == []  # nothing was reserved
     assert deployment.nodes.sinks == {} and deployment.requests.open_count == 0

@@ -24,6 +24,7 @@ ENGINES = ("llama.cpp", "simulated")
 # OPENENGINE_MAX_BATCH=0: the engine's own default
 DEFAULT_MAX_BATCH = {"llama.cpp": 32, "simulated": 256}
 LOG_LEVELS = ("debug", "info", "warning", "error")
+AUTH_NONE = "none"  # OPENENGINE_AUTH: no API keys, on purpose
 
 
 class ConfigError(ValueError):
@@ -104,6 +105,7 @@ def _rpc_timeout_knob() -> Any:
 @dataclass(frozen=True)
 class CommonConfig:
     host: str = knob("0.0.0.0", "address the gRPC server binds to")
+    metrics_host: str = knob("", "address the Prometheus metrics HTTP server binds to", unset="(OPENENGINE_HOST)")
     log_level: str = knob("info", "log level", choices=LOG_LEVELS)
     drain_timeout_s: float = knob(
         30.0, "on SIGTERM: readiness turns NOT_SERVING, then in-flight work gets this long to finish", minimum=0
@@ -127,6 +129,10 @@ class CommonConfig:
     @classmethod
     def component(cls) -> str:
         raise NotImplementedError
+
+    def metrics_bind_host(self) -> str:
+        """OPENENGINE_METRICS_HOST, else the gRPC server's host."""
+        return self.metrics_host or self.host
 
 
 @dataclass(frozen=True)
@@ -453,6 +459,19 @@ class FrontendConfig(CommonConfig):
         "once (RESOURCE_EXHAUSTED, retry hint); 0: no limit",
         minimum=0,
     )
+    auth: str = knob(
+        "",
+        "`none`: the public port takes calls without a key on purpose (no start-up warning); "
+        "it cannot be combined with OPENENGINE_API_KEYS_FILE",
+        unset="(keys when OPENENGINE_API_KEYS_FILE is set; else none, with a warning at start)",
+    )
+    allow_plaintext_keys: int = knob(
+        0,
+        "1: API keys are accepted over a plaintext public port (a TLS-terminating proxy in front); "
+        "0: a key file without OPENENGINE_TLS_CERT_FILE stops the start",
+        minimum=0,
+        maximum=1,
+    )
 
     @classmethod
     def component(cls) -> str:
@@ -460,6 +479,13 @@ class FrontendConfig(CommonConfig):
 
     def __post_init__(self) -> None:
         coordinator_addresses(self.coordinator_address)
+        if self.auth not in ("", AUTH_NONE):
+            raise ConfigError(f"OPENENGINE_AUTH must be {AUTH_NONE} (or unset), got {self.auth!r}")
+        if self.auth == AUTH_NONE and self.api_keys_file:
+            raise ConfigError(
+                "OPENENGINE_AUTH=none and OPENENGINE_API_KEYS_FILE are both set: unset one of them "
+                "(none: no keys; a key file: keys required)"
+            )
 
     def coordinators(self) -> tuple[str, ...]:
         return coordinator_addresses(self.coordinator_address)

@@ -74,12 +74,12 @@ def freeze_startup_objects() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def start_metrics(port: int, registry=None) -> None:
-    """Serves Prometheus text on its own HTTP port (0 disables)."""
+def start_metrics(port: int, registry=None, host: str = "0.0.0.0") -> None:
+    """Serves Prometheus text on its own HTTP port (0 disables), bound to `host` (OPENENGINE_METRICS_HOST)."""
     if port:
         kwargs = {"registry": registry} if registry is not None else {}
-        start_http_server(port, **kwargs)
-        log_event(logger, "metrics listening", port=port)
+        start_http_server(port, addr=host.strip("[]"), **kwargs)  # an IPv6 host as in bind_address
+        log_event(logger, "metrics listening", host=host, port=port)
 
 
 def bind_address(host: str, port: int) -> str:

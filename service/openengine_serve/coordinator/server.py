@@ -198,7 +198,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     health.register(server)
     add_internal_port(server, bind_address(config.host, config.port), config)
     await server.start()
-    start_metrics(config.metrics_port)
+    start_metrics(config.metrics_port, host=config.metrics_bind_host())
     await health.start()
     await health.set_ready(True)  # accepting registrations
     freeze_startup_objects()  # a full collection paused every heartbeat and reservation waiting behind it

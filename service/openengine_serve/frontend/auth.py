@@ -13,7 +13,17 @@ The interceptor refuses a call without a known key (UNAUTHENTICATED) before the
 request is even deserialized, so no validation, routing or engine work happens.
 `grpc.health.v1` and reflection stay open for probes. The caller's key travels
 to the handler in a context variable (`caller()`), which the frontend uses for
-the ownership of its requests, its log line and its metrics.
+the ownership of its requests, its log line and its metrics. A refused call is
+counted (openengine_frontend_auth_failures_total{reason}) and logged, at most
+one line per reason every AUTH_FAILURE_LOG_INTERVAL_S.
+
+Request ids are scoped per key (`internal_request_id`): the same id under two
+keys is two requests, and no key can probe or take another key's ids.
+
+Keys only protect what they cross: a key file needs TLS on the public port, or
+OPENENGINE_ALLOW_PLAINTEXT_KEYS=1 behind a TLS-terminating proxy
+(`check_key_transport`); a frontend without keys says at start that anyone can
+Abort every request, unless OPENENGINE_AUTH=none (`warn_if_open`).
 """
 
 from __future__ import annotations
@@ -30,8 +40,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..common.config import ConfigError
+from ..common.config import AUTH_NONE, ConfigError, FrontendConfig
 from ..common.logging_setup import log_event
+from . import metrics
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -52,6 +63,20 @@ NO_KEY_LABEL = "-"  # the key label of requests when keys are off
 _HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 LINE_FORMAT = "`ROLE NAME SECRET [max_in_flight=N]`"
 MAX_IN_FLIGHT_OPTION = "max_in_flight="
+SCOPE_SEPARATOR = " "  # between a key's name and a request id; a name never holds whitespace (parse_keys)
+AUTH_FAILURE_LOG_INTERVAL_S = 10.0  # a flood of bad keys writes one log line per reason this often, not one per call
+# openengine_frontend_auth_failures_total{reason}
+NO_KEY, UNKNOWN_KEY, WRONG_ROLE = "no_key", "unknown_key", "wrong_role"
+PLAINTEXT_KEYS = (
+    "OPENENGINE_API_KEYS_FILE is set but the public port has no TLS (OPENENGINE_TLS_CERT_FILE): the keys would "
+    "cross the network readable; configure TLS, or set OPENENGINE_ALLOW_PLAINTEXT_KEYS=1 when a TLS-terminating "
+    "proxy is in front of the frontend"
+)
+OPEN_PORT_WARNING = (
+    "no API keys (OPENENGINE_API_KEYS_FILE unset): anyone who reaches the public port can call every method, "
+    "including Abort of every request; set OPENENGINE_API_KEYS_FILE, or OPENENGINE_AUTH=none to run without keys "
+    "on purpose"
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,7 @@ class ApiKey:
 
 
 _CALLER: contextvars.ContextVar[ApiKey | None] = contextvars.ContextVar("openengine_api_key", default=None)
+_KEY_STORE: contextvars.ContextVar[KeyStore | None] = contextvars.ContextVar("openengine_api_keys", default=None)
 
 
 def caller() -> ApiKey | None:
@@ -89,15 +115,44 @@ def caller_label() -> str:
     return key_label(owner())
 
 
-def abort_scope(all_requests: bool) -> tuple[str, str | None]:
-    """(owner filter for the coordinator, refusal message or None) of an Abort by the current caller.
-    An admin (or no keys) may abort anything; a user only its own requests, never all of them."""
+def internal_request_id(owner_name: str, request_id: str) -> str:
+    """The id a request has inside the deployment (coordinator, nodes): with keys on, the owner's key name before
+    the public id, so the same id under two keys is two requests; with keys off, the id itself. Clients only
+    ever see their own id."""
+    return f"{owner_name}{SCOPE_SEPARATOR}{request_id}" if owner_name else request_id
+
+
+def check_key_transport(config: FrontendConfig) -> None:
+    """At start: a key file needs TLS on the public port, unless OPENENGINE_ALLOW_PLAINTEXT_KEYS=1."""
+    if config.api_keys_file and not config.tls_cert_file and not config.allow_plaintext_keys:
+        raise ConfigError(PLAINTEXT_KEYS)
+
+
+def warn_if_open(config: FrontendConfig) -> None:
+    """At start, once per frontend: the public port without keys, unless OPENENGINE_AUTH=none says it is meant."""
+    if not config.api_keys_file and config.auth != AUTH_NONE:
+        log_event(logger, OPEN_PORT_WARNING, logging.WARNING)
+
+
+def abort_refusal() -> str | None:
+    """Why the current caller may not Abort all requests (a user key), or None (an admin, or keys off)."""
     key = _CALLER.get()
     if key is None or key.admin:
-        return "", None
-    if all_requests:
-        return key.name, f"API key {key.name!r} has role user; Abort with all_requests needs role admin"
-    return key.name, None
+        return None
+    return f"API key {key.name!r} has role user; Abort with all_requests needs role admin"
+
+
+def abort_targets(request_id: str) -> list[tuple[str, str]]:
+    """(internal id, owner filter for the coordinator) of each request an Abort of `request_id` by the current
+    caller may end: a user's own request; an admin's, the id under every key of the file (ids are scoped per
+    key); with keys off, the id."""
+    key = _CALLER.get()
+    if key is None:
+        return [(request_id, "")]
+    if not key.admin:
+        return [(internal_request_id(key.name, request_id), key.name)]
+    names = dict.fromkeys(k.name for k in _KEY_STORE.get().keys)
+    return [(internal_request_id(name, request_id), "") for name in names]
 
 
 def parse_keys(path: str) -> tuple[ApiKey, ...]:
@@ -189,6 +244,34 @@ class KeyStore:
         return found
 
 
+class FailureLog:
+    """Refused calls: each counted, and logged at most once per reason every `interval_s` (with how many were
+    refused since the last line), so a flood of bad keys cannot flood the log."""
+
+    def __init__(self, interval_s: float = AUTH_FAILURE_LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last_logged: dict[str, float] = {}
+        self._unlogged: dict[str, int] = {}
+
+    def failed(self, reason: str, method: str, peer: str) -> None:
+        metrics.AUTH_FAILURES.labels(reason=reason).inc()
+        now = time.monotonic()
+        last = self._last_logged.get(reason)
+        if last is not None and now - last < self.interval_s:
+            self._unlogged[reason] = self._unlogged.get(reason, 0) + 1
+            return
+        self._last_logged[reason] = now
+        log_event(
+            logger,
+            "call refused by the API key check",
+            logging.WARNING,
+            reason=reason,
+            method=method,
+            peer=peer,
+            refused_since_last_line=self._unlogged.pop(reason, 0),
+        )
+
+
 def bearer_token(metadata) -> str | None:
     for name, value in metadata or ():
         if name == "authorization":
@@ -236,19 +319,21 @@ def cached_wrapper(cache: dict, cache_key, wrap, *args):
     return wrapped
 
 
-def _as_caller(handler, key: ApiKey):
+def _as_caller(handler, key: ApiKey, store: KeyStore):
     kind = handler_kind(handler)
     behavior = getattr(handler, kind)
     if inspect.isasyncgenfunction(behavior):
 
         async def bound(request, context):
             _CALLER.set(key)
+            _KEY_STORE.set(store)
             async for item in behavior(request, context):
                 yield item
     else:
 
         async def bound(request, context):
             _CALLER.set(key)  # each call runs in its own task: its own copy of the context
+            _KEY_STORE.set(store)
             return await behavior(request, context)
 
     return handler._replace(**{kind: bound})
@@ -258,6 +343,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, store: KeyStore) -> None:
         self.store = store
         self._bound: dict = {}  # (handler, key) -> the handler bound to that caller
+        self.failures = FailureLog()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -266,21 +352,39 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = bearer_token(handler_call_details.invocation_metadata)
         if not token:
-            return refusal(
+            return self._refused(
                 handler,
+                NO_KEY,
+                method,
                 grpc.StatusCode.UNAUTHENTICATED,
                 "an API key is required: send the metadata `authorization: Bearer <key>`",
             )
         key = self.store.authenticate(token)
         if key is None:
-            return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "the API key is not valid")
+            return self._refused(
+                handler, UNKNOWN_KEY, method, grpc.StatusCode.UNAUTHENTICATED, "the API key is not valid"
+            )
         if not key.admin and method not in USER_METHODS:
-            return refusal(
+            return self._refused(
                 handler,
+                WRONG_ROLE,
+                method,
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"API key {key.name!r} has role user; {method} needs role admin",
             )
-        return cached_wrapper(self._bound, (handler, key), _as_caller, handler, key)
+        return cached_wrapper(self._bound, (handler, key), _as_caller, handler, key, self.store)
+
+    def _refused(self, handler, reason: str, method: str, code: grpc.StatusCode, message: str):
+        """`refusal`, counted and logged (rate-limited) with the caller's address when the call is answered."""
+        refuse = refusal(handler, code, message)
+        kind = handler_kind(refuse)
+        answer = getattr(refuse, kind)
+
+        async def counted(request, context):
+            self.failures.failed(reason, method, context.peer())
+            await answer(request, context)
+
+        return refuse._replace(**{kind: counted})
 
 
 def interceptors(config) -> tuple[ApiKeyInterceptor, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -187,15 +188,16 @@ class Control(openengine_pb2_grpc.ControlServicer):
         ]
         coordinator = self.coordinator
         ready_nodes = coordinator.ready_nodes()
+        # public answers name no internal address: the coordinators are counted, not named
         if coordinator.reachable:
-            checks.append(lifecycle_pb2.HealthCheck(name="coordinator", state=READY, message=coordinator.address))
+            checks.append(lifecycle_pb2.HealthCheck(name="coordinator", state=READY, message="reachable"))
         else:
             checks.append(
                 lifecycle_pb2.HealthCheck(
                     name="coordinator",
                     state=DEGRADED if ready_nodes else NOT_READY,
-                    message=f"coordinator {', '.join(coordinator.unreachable_addresses())} unreachable; "
-                    f"serving from the last known node table ({len(ready_nodes)} ready nodes)",
+                    message=f"{len(coordinator.unreachable_addresses())} of {len(coordinator.shards)} coordinators "
+                    f"unreachable; serving from the last known node table ({len(ready_nodes)} ready nodes)",
                 )
             )
         checks.append(
@@ -217,8 +219,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
                 lifecycle_pb2.HealthCheck(
                     name="model",
                     state=READY,
-                    message=f"{loaded.name} ({loaded.card.engine}): tokenizer "
-                    f"{loaded.tokenizer.mode} loaded from node {loaded.node_id}",
+                    message=f"{loaded.name} ({loaded.card.engine}): tokenizer {loaded.tokenizer.mode} loaded",
                 )
             )
         return checks
@@ -240,17 +241,15 @@ class Control(openengine_pb2_grpc.ControlServicer):
             except InvalidRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
                 return
-        owner, refusal = auth.abort_scope(target == "all_requests")  # security hook: a user aborts only its own
+        refusal = auth.abort_refusal() if target == "all_requests" else None  # security hook: a user aborts its own
         if refusal:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
             return
-        cluster_request = (
-            cluster_pb2.ClusterAbortRequest(all_requests=True)
-            if target == "all_requests"
-            else cluster_pb2.ClusterAbortRequest(request_id=request.request_id, owner=owner)
-        )
         try:
-            reply = await self.coordinator.abort(cluster_request)
+            if target == "all_requests":
+                reply = await self.coordinator.abort(cluster_pb2.ClusterAbortRequest(all_requests=True))
+            else:
+                reply = await self._abort_by_id(request.request_id)
         except grpc.aio.AioRpcError as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, f"abort needs the coordinator, which is unreachable ({exc.code().name})"
@@ -266,7 +265,11 @@ class Control(openengine_pb2_grpc.ControlServicer):
                 aborted=exc.aborted,
                 unreachable=[address for address, _ in exc.unreachable],
             )
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; retry the Abort")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"aborted {exc.aborted} request(s); {len(exc.unreachable)} coordinator(s) were unreachable; "
+                "retry the Abort",
+            )
             return
         if reply.outcome == cluster_pb2.ABORT_OUTCOME_NOT_FOUND:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id {shown(request.request_id)} is not known")
@@ -287,6 +290,26 @@ class Control(openengine_pb2_grpc.ControlServicer):
         return lifecycle_pb2.AbortResponse(
             status=lifecycle_pb2.ABORT_STATUS_ABORTED, message=f"aborted {reply.aborted} request(s)"
         )
+
+    async def _abort_by_id(self, request_id: str) -> cluster_pb2.ClusterAbortReply:
+        """Every request the caller may end by this id (auth.abort_targets), one coordinator call each, in one
+        reply: aborted if any was, else already finished if any was, else not found."""
+        replies = await asyncio.gather(
+            *(
+                self.coordinator.abort(cluster_pb2.ClusterAbortRequest(request_id=internal_id, owner=owner))
+                for internal_id, owner in auth.abort_targets(request_id)
+            )
+        )
+        outcomes = {reply.outcome for reply in replies}
+        outcome = next(
+            (
+                o
+                for o in (cluster_pb2.ABORT_OUTCOME_ABORTED, cluster_pb2.ABORT_OUTCOME_ALREADY_FINISHED)
+                if o in outcomes
+            ),
+            cluster_pb2.ABORT_OUTCOME_NOT_FOUND,
+        )
+        return cluster_pb2.ClusterAbortReply(outcome=outcome, aborted=sum(reply.aborted for reply in replies))
 
     async def LoadLora(self, request, context) -> lora_pb2.LoadLoraResponse:
         await _lora_disabled(context)

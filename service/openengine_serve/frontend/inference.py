@@ -276,11 +276,19 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 if failure is not None:
                     status, code = "failed", "OK"
                     draining = isinstance(failure, LaneFailure) and failure.draining
+                    log_event(
+                        logger,
+                        "request failed",
+                        logging.WARNING,
+                        request_id=accepted.request_id,
+                        node_id=accepted.node.node_id,
+                        error=failure.message,
+                    )
                     await write(
                         engine_error(
                             request_id,
                             error_pb2.ERROR_CODE_DRAINING if draining else error_pb2.ERROR_CODE_INTERNAL,
-                            failure.message,
+                            public_message(failure.message, accepted.node),
                             failure.retryable,
                         )
                     )
@@ -329,6 +337,15 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             sink.writing_since = 0.0
             accepted.ended = not open_outputs
             _record_end(plan, accepted, outputs, status, code, started, finish_reasons)
+
+
+def public_message(message: str, node: cluster_pb2.NodeEntry) -> str:
+    """A failure's message as the client reads it: the request's node by its role, never its id or address (the
+    "request failed" log line keeps them)."""
+    for internal in (f"node {node.node_id} at {node.address}", node.address, node.node_id):
+        if internal:
+            message = message.replace(internal, "the request's node")
+    return message
 
 
 def _count_delta(tokens: int, last_token_at: float) -> float:

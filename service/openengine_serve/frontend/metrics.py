@@ -38,6 +38,11 @@ WORKER_IN_FLIGHT = Gauge(
     multiprocess_mode="livesum",
 )
 REFUSALS = Counter("openengine_frontend_refusals", "Generate calls refused before acceptance, by reason", ["reason"])
+AUTH_FAILURES = Counter(
+    "openengine_frontend_auth_failures",
+    "calls refused by the API key check: no_key, unknown_key (UNAUTHENTICATED) or wrong_role (PERMISSION_DENIED)",
+    ["reason"],
+)
 SERVER_INFO = Gauge(
     "openengine_frontend_grpc_server_info",
     "the public gRPC server implementation",

@@ -7,6 +7,10 @@ It yields an `OpenRequest` whose sink the caller streams from, and on exit,
 however the stream ended, it cancels what the engine may still run, closes
 the sink and releases the id. Anything that stops the request before it is
 accepted raises a `Refusal`. A drain waits on the owner's count of open requests.
+
+Inside the deployment a request goes by its internal id (`auth.internal_request_id`: with API keys, scoped by
+the key), while the client's responses carry the id it sent. Refusals tell the client what to do and never
+name a node, a coordinator or their addresses; the log keeps those.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -21,8 +26,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2
+from ..common.logging_setup import log_event
 from ..common.tracing import RESERVE_SPAN, SUBMIT_SPAN
-from . import metrics
+from . import auth, metrics
 from .batched_stream import StreamBroken
 from .coordinator_client import CoordinatorClient, CoordinatorUnreachable
 from .fallback_routing import FallbackRouter
@@ -30,6 +36,8 @@ from .nodes import LaneFailure, NodeConnection, NodeConnections, RequestSink, Su
 from .refusal import DuplicateRequest, Overloaded, Refusal, Unavailable
 from .request_trace import NO_TRACE, RequestTrace
 from .validation import GenerationPlan, RequestMetadata
+
+logger = logging.getLogger("openengine_serve.frontend")
 
 
 class OpenRequest:
@@ -48,7 +56,7 @@ class OpenRequest:
         trace: RequestTrace = NO_TRACE,
         hops: tuple[float, float, float] = (),
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the internal id (auth.internal_request_id)
         self.owner = owner  # the API key name that started it ("" when keys are off)
         self.trace = trace
         self.node = conn.entry
@@ -103,7 +111,7 @@ class Requests:
     ) -> AsyncIterator[OpenRequest]:
         """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
         a user aborts only its own requests. `trace`: the call's span (request_trace.py)."""
-        request_id = plan.request_id
+        request_id = auth.internal_request_id(owner, plan.request_id)
         forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
         opened_at = time.monotonic()
         self._open += 1
@@ -112,7 +120,7 @@ class Requests:
         self._idle.clear()
         try:
             try:
-                node = await self._reserve(plan, trace, forwarded, owner)
+                node = await self._reserve(plan, request_id, trace, forwarded, owner)
             except asyncio.CancelledError:
                 self.coordinator.release(request_id)  # the client left during Reserve, which may have gone through
                 raise
@@ -123,10 +131,10 @@ class Requests:
                 try:
                     conn = await self.nodes.connect(node)
                     with trace.call(SUBMIT_SPAN, forwarded, **{"openengine.node_id": node.node_id}) as metadata:
-                        await self.nodes.submit(conn, engine_request(plan, self.frontend_id), metadata)
+                        await self.nodes.submit(conn, engine_request(plan, request_id, self.frontend_id), metadata)
                 except (grpc.aio.AioRpcError, SubmitRefused, StreamBroken, ConnectionError, TimeoutError) as exc:
                     conn = None  # the node did not take the request: nothing to cancel
-                    raise submit_refusal(exc, node) from None
+                    raise submit_refusal(exc, node, request_id) from None
                 trace.event("queued", **{"openengine.node_id": node.node_id})
                 request = OpenRequest(
                     request_id,
@@ -154,14 +162,20 @@ class Requests:
                 self._idle.set()
 
     async def _reserve(
-        self, plan: GenerationPlan, trace: RequestTrace, forwarded: tuple[tuple[str, str], ...], owner: str
+        self,
+        plan: GenerationPlan,
+        request_id: str,
+        trace: RequestTrace,
+        forwarded: tuple[tuple[str, str], ...],
+        owner: str,
     ) -> cluster_pb2.NodeEntry:
-        """The node for the request: the coordinator's reservation (one span), else the fallback routing's."""
+        """The node for the request (`request_id`: its internal id): the coordinator's reservation (one span), else
+        the fallback routing's."""
         metadata = plan.metadata
         try:
             with trace.call(RESERVE_SPAN, forwarded) as call_metadata:
                 return await self.coordinator.reserve(
-                    plan.request_id,
+                    request_id,
                     metadata.routing_key,
                     metadata.target_rank,
                     len(plan.prompt_token_ids),
@@ -170,11 +184,14 @@ class Requests:
                     owner,
                     plan.prefix_key,
                 )
+        except DuplicateRequest as exc:  # the coordinator's message names the frontend that holds the id
+            log_event(logger, "duplicate request id", request_id=request_id, detail=exc.message)
+            raise duplicate(plan) from None
         except CoordinatorUnreachable:
             trace.event("fallback_routing")
             # Duplicates are caught on this frontend only until the coordinator is back.
-            if plan.request_id in self.nodes.sinks:
-                raise DuplicateRequest(f"request_id {plan.request_id!r} is already in flight") from None
+            if request_id in self.nodes.sinks:
+                raise duplicate(plan) from None
             return self.router.choose(
                 self.coordinator.ready_nodes(),
                 metadata.routing_key or plan.prefix_key,
@@ -183,23 +200,39 @@ class Requests:
             )
 
 
-def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry) -> Refusal:
-    """A node that did not take the request: full (retry later) or unreachable (retry)."""
+def duplicate(plan: GenerationPlan) -> DuplicateRequest:
+    return DuplicateRequest(f"request_id {plan.request_id!r} is already in flight; use an id that is not in flight")
+
+
+def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry, request_id: str) -> Refusal:
+    """A node that did not take the request: full (retry later) or unreachable (retry). The node's own words
+    name it and this frontend: they go to the log, the client is told the kind."""
     if isinstance(exc, grpc.aio.AioRpcError):
         code, detail = exc.code(), exc.details()
     elif isinstance(exc, SubmitRefused):
         code, detail = exc.code, exc.message
     else:
         code, detail = None, repr(exc)
+    log_event(
+        logger,
+        "node did not take the request",
+        logging.WARNING,
+        request_id=request_id,
+        node_id=node.node_id,
+        address=node.address,
+        code=code.name if code else "-",
+        detail=detail,
+    )
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(f"node {node.node_id} is full: {detail}; retry later")
-    return Unavailable(f"node {node.node_id} at {node.address} did not take the request: {detail}")
+        return Overloaded("the node chosen for the request is full; retry later")
+    reason = code.name if code else type(exc).__name__
+    return Unavailable(f"the node chosen for the request did not take it ({reason}); retry")
 
 
-def engine_request(plan: GenerationPlan, frontend_id: str) -> cluster_pb2.EngineRequest:
-    """The internal request a node runs, from the validated public one."""
+def engine_request(plan: GenerationPlan, request_id: str, frontend_id: str) -> cluster_pb2.EngineRequest:
+    """The internal request a node runs (`request_id`: its internal id), from the validated public one."""
     req = cluster_pb2.EngineRequest(
-        request_id=plan.request_id,
+        request_id=request_id,
         frontend_id=frontend_id,
         prompt_token_ids=plan.prompt_token_ids,
         num_sequences=plan.num_sequences,

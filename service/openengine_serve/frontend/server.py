@@ -8,6 +8,8 @@ import logging
 import os
 import socket
 
+from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from ..api.openengine.v1 import openengine_pb2
@@ -41,6 +43,7 @@ NATIVE_FLUSH_S = 0.2  # pygrpc-native: after the last stream ended, before stop(
 # (lane_max_backlog_steps x max_batch token records); the node is a trusted peer: no receive limit.
 NODE_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
 PUBLIC_SERVICES = tuple(s.full_name for s in openengine_pb2.DESCRIPTOR.services_by_name.values())
+REFLECTED_SERVICES = (*PUBLIC_SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
 
 
 async def serve(config: FrontendConfig, implementation: ServerImplementation, stop: asyncio.Event) -> int:
@@ -96,7 +99,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         server, inference, Control(config, frontend_id, implementation, coordinator, health, probe, model)
     )
     health.register(server)
-    reflection.enable_server_reflection((*PUBLIC_SERVICES, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(REFLECTED_SERVICES, server, pool=public_descriptor_pool())
     add_public_port(server, bind_address(config.host, config.port), config)  # security hook: TLS
     await server.start()
     await health.start()
@@ -153,6 +156,27 @@ async def _drain(
     await server.stop(grace=DRAIN_ERROR_GRACE_S)
     if early_stop is not None:
         await early_stop
+
+
+def public_descriptor_pool() -> descriptor_pool.DescriptorPool:
+    """What reflection may describe: the files of openengine.v1 and of the health service, with their imports.
+    This process's default pool also holds the internal cluster.proto, which clients have no business reading."""
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(file) -> None:
+        if file.name in added:
+            return
+        for dependency in file.dependencies:  # a file goes in after what it imports
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+        added.add(file.name)
+
+    for file in (openengine_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR):
+        add(file)
+    return pool
 
 
 def add_public_services(server, inference: Inference, control: Control) -> None:

@@ -24,7 +24,7 @@ from ..common.grpc_server import resolve_implementation
 from ..common.lifecycle import logger, run_component, start_metrics
 from ..common.logging_setup import log_event, setup_logging
 from ..common.tls import check_public_tls
-from .auth import parse_keys
+from .auth import check_key_transport, parse_keys, warn_if_open
 from .ready_file import READY_FILE_VARIABLE
 
 RESTART_BACKOFF_S = 1.0
@@ -42,7 +42,9 @@ def run_frontend(config: FrontendConfig) -> int:
         from .server import serve
 
         def main(stop):
-            start_metrics(config.metrics_port)
+            start_metrics(config.metrics_port, host=config.metrics_bind_host())
+            if READY_FILE_VARIABLE not in os.environ:  # else a supervisor's worker: the supervisor warned
+                warn_if_open(config)
             return serve(config, implementation, stop)
 
         return run_component(config, main)
@@ -54,6 +56,7 @@ def check_security(config: FrontendConfig) -> None:
     check_public_tls(config, config.grpc_server)
     if config.api_keys_file:
         parse_keys(config.api_keys_file)
+        check_key_transport(config)
 
 
 class Supervisor:
@@ -106,7 +109,8 @@ class Supervisor:
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-        start_metrics(self.config.metrics_port, registry)
+        start_metrics(self.config.metrics_port, registry, host=self.config.metrics_bind_host())
+        warn_if_open(self.config)
 
         def on_signal(signum, _frame):
             self.stopping = True

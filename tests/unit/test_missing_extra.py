@@ -55,3 +55,19 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path, command, extra):
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert f"needs the extra '{extra}'" in done.stderr and f"pip install 'openengine-serve[{extra}]'" in done.stderr
+
+
+def test_the_bench_command_without_its_extra_is_one_line_naming_it(tmp_path):
+    """`openengine-bench` is installed with every install of the project; without its extra it says what to
+    install (--help: what would run at once, were the check missing)."""
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH", "")])),
+        "OPENENGINE_TEST_BLOCKED": "matplotlib",
+    }
+    argv = [sys.executable, "-m", "openengine_bench", "--help"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "no module matplotlib" in done.stderr and "pip install 'openengine-serve[bench]'" in done.stderr

@@ -1,4 +1,4 @@
-"""`openengine-serve bench`: the frontend's cost per token on grpcio and on pygrpc-native.
+"""`openengine-bench`: the frontend's cost per token on grpcio and on pygrpc-native.
 
 cli       arguments and orchestration (rounds alternate the two servers)
 stack     component processes: start, pin to cores, CPU accounting from /proc

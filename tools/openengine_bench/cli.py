@@ -1,4 +1,4 @@
-"""`openengine-serve bench`: the frontend's CPU per token and throughput on grpcio and on pygrpc-native.
+"""`openengine-bench`: the frontend's CPU per token and throughput on grpcio and on pygrpc-native.
 
 The real path runs as separate processes: load generator -> frontend (the
 server under test, one worker) -> node -> MPI engine worker -> ZMQ -> back.
@@ -69,7 +69,7 @@ BASELINE_WORKLOADS = {"full": ("fixed", "saturation"), "quick": ("fixed",)}
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="openengine-serve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="openengine-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--coordinator",
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return Bench(args, settings).run()
     except KeyboardInterrupt:
-        print("openengine-serve bench: interrupted", file=sys.stderr)
+        print("openengine-bench: interrupted", file=sys.stderr)
         return 130
 
 
@@ -362,7 +362,7 @@ class Bench:
                     self.cgroups[quota] = QuotaCgroup(quota, name=f"openengine-bench-{os.getpid()}-{quota:g}").create()
                 except CgroupUnavailable as exc:
                     raise SystemExit(
-                        f"openengine-serve bench: the {placement.name} placement needs a {quota:g}-CPU "
+                        f"openengine-bench: the {placement.name} placement needs a {quota:g}-CPU "
                         f"cgroup quota: {exc}; run as root, or leave it out (--placement pinned,shared "
                         f"--no-budget)"
                     ) from exc

@@ -1,4 +1,4 @@
-"""`openengine-serve bench --coordinator`: one coordinator (or --coordinators N sharing the request ids) driven by
+"""`openengine-bench --coordinator`: one coordinator (or --coordinators N sharing the request ids) driven by
 simulated frontends and nodes.
 
 Real coordinator processes; the load generator simulates --nodes nodes
@@ -84,7 +84,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="openengine-serve bench --coordinator",
+        prog="openengine-bench --coordinator",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""`openengine-serve bench --one-token`: 1-token requests/s through one frontend worker, per gRPC server.
+"""`openengine-bench --one-token`: 1-token requests/s through one frontend worker, per gRPC server.
 
 Starts `openengine-serve up --nodes N --workers 1 --grpc-server S` for each
 server in turn, keeps --inflight 1-token Generate calls in flight over 8
@@ -40,7 +40,7 @@ MODEL = "Qwen/Qwen3-0.6B"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="openengine-serve bench --one-token",
+        prog="openengine-bench --one-token",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

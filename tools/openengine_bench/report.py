@@ -1,4 +1,4 @@
-"""Statistics and the report of `openengine-serve bench`: pure functions over plain dicts.
+"""Statistics and the report of `openengine-bench`: pure functions over plain dicts.
 
 A *round record* is one measured window of one server on one scenario (see
 `cli.measure`): a flat dict with `mode` ("stack" or "baseline"), `scenario`,
@@ -743,7 +743,7 @@ def round_table(rounds: Sequence[Mapping[str, Any]], metric: str = "tokens_per_s
 def render(result: Mapping[str, Any]) -> str:
     """The whole text report of a result dict (see `build_result`): one section per placement."""
     rounds = result["rounds"]
-    parts = [f"# openengine-serve bench ({'quick' if result['meta'].get('quick') else 'full'} run)", ""]
+    parts = [f"# openengine-bench ({'quick' if result['meta'].get('quick') else 'full'} run)", ""]
     meta = result["meta"]
     wake_up = meta.get("wake_up_cpu_us")
     parts.append(

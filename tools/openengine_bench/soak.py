@@ -1,4 +1,4 @@
-"""`openengine-serve bench --soak MINUTES`: a steady mixed load on a whole deployment, per gRPC server.
+"""`openengine-bench --soak MINUTES`: a steady mixed load on a whole deployment, per gRPC server.
 
 For each server in --servers, starts `openengine-serve up --nodes 2 --workers 2 --grpc-server S` (coordinator,
 two nodes with their MPI engine workers, a frontend supervisor with two workers), runs the mixed load of
@@ -41,7 +41,7 @@ RSS_MB = 1024 * 1024
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="openengine-serve bench --soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="openengine-bench --soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--soak", type=float, required=True, metavar="MINUTES", help="load duration per server")
     p.add_argument("--servers", default="grpcio,pygrpc-native", help="comma-separated, run one after the other")
@@ -380,9 +380,7 @@ def main(argv: list[str]) -> int:
     if args.rerender:
         return write_outputs(report.read_json(out / "soak.json"), out)
     if args.soak <= 0 or args.rate <= 0 or args.sample_s <= 0 or not 0 <= args.warmup < 1:
-        raise SystemExit(
-            "openengine-serve bench --soak: MINUTES, --rate and --sample-s must be > 0 and --warmup in [0, 1)"
-        )
+        raise SystemExit("openengine-bench --soak: MINUTES, --rate and --sample-s must be > 0 and --warmup in [0, 1)")
     out.mkdir(parents=True, exist_ok=True)
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     runs = [run_server(server, args, out) for server in servers]

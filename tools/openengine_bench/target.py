@@ -1,4 +1,4 @@
-"""`openengine-serve bench --target HOST:PORT`: the harness's workload against a deployment that already runs.
+"""`openengine-bench --target HOST:PORT`: the harness's workload against a deployment that already runs.
 
 Nothing is started but the load generator: the same requests (32 prompt token ids -> 128 output tokens,
 `ignore_eos`, seeded), at a fixed open-loop rate over 32 and 1 connections, optionally saturation (N in
@@ -42,7 +42,7 @@ SCENARIO_COLUMNS = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="openengine-serve bench --target",
+        prog="openengine-bench --target",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return TargetBench(args).run()
     except KeyboardInterrupt:
-        print("openengine-serve bench --target: interrupted", file=sys.stderr)
+        print("openengine-bench --target: interrupted", file=sys.stderr)
         return 130
 
 
@@ -279,7 +279,7 @@ def render(result: dict[str, Any]) -> str:
     meta = result["meta"]
     info = meta.get("server_info") or {}
     parts = [
-        f"# openengine-serve bench --target {meta['target']}",
+        f"# openengine-bench --target {meta['target']}",
         "",
         f"{meta['rate']:g} req/s open-loop"
         + (f", saturation {meta['saturation']} in flight" if meta["saturation"] else "")

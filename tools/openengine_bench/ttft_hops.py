@@ -1,6 +1,6 @@
 """TTFT by stage: where every request's first token spent its time, from a bench run's debug logs.
 
-    openengine-serve bench --placement pinned --no-budget --no-baseline --fixed-rounds 1 --log-level debug \
+    openengine-bench --placement pinned --no-budget --no-baseline --fixed-rounds 1 --log-level debug \
         --output ttft-out
     python -m openengine_bench.ttft_hops ttft-out
 

@@ -11,7 +11,8 @@
   pygrpc-native's HTTP/2 layer: HTTP 431, a stream reset or a GOAWAY of the connection). The cap bounds what
   one connection's header block can hold in memory (the default request message limit is 16 times as much).
 - client connections per worker (OPENENGINE_MAX_CONNECTIONS, ConnectionTable): a call on a connection
-  beyond the limit is refused with RESOURCE_EXHAUSTED naming it. Backstop at twice the limit: grpcio
+  beyond the limit is refused with RESOURCE_EXHAUSTED naming it; health probes are answered on any
+  connection (a worker at its maximum must stay live and ready). Backstop at twice the limit: grpcio
   refuses the connection itself (`grpc.max_allowed_incoming_connections`: the client sees UNAVAILABLE
   "Socket closed" at once); pygrpc-native has no such option, so the frontend shuts down the sockets of
   connections beyond it that have no call admitted, within a second.
@@ -50,6 +51,7 @@ def metadata_size(metadata) -> int:
     return sum(len(k) + len(v) + HPACK_ENTRY_OVERHEAD for k, v in metadata or ())
 
 
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
 TCP_PEERS = ("ipv4:", "ipv6:")  # gRPC peer strings of client connections (not pygrpc-native's "unix:" fallback)
 SCAN_S = 1.0  # how often the connection table is checked against this process's sockets
 GRPC_NO_IDLE_LIMIT_MS = 2**31 - 1  # grpc-core's "infinite" for grpc.max_connection_idle_ms
@@ -104,13 +106,14 @@ class ConnectionTable:
             "(OPENENGINE_MAX_CONNECTIONS); retry later or on another frontend"
         )
 
-    def call_started(self, peer: str) -> bool:
-        """False: `peer` is a connection beyond max_connections; refuse the call."""
+    def call_started(self, peer: str, capped: bool = True) -> bool:
+        """False: `peer` is a connection beyond max_connections; refuse the call. A call that is not `capped`
+        (a health probe) is never refused: it counts as activity only."""
         now = self._clock()
         client = self._clients.get(peer)
         if client is None:
             client = self._clients[peer] = _Client(now, now)
-        if not client.admitted:
+        if capped and not client.admitted:
             if self._admitted >= self.max_connections:
                 return False
             client.admitted = True
@@ -203,13 +206,16 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
                 f"request metadata is {size} bytes, over the limit of {self.max_metadata_bytes} "
                 "(OPENENGINE_MAX_METADATA_BYTES)",
             )
-        return cached_wrapper(self._counted_by_handler, handler, self._counted, handler)
+        # Probes are not held to the connection limit: a worker serving its maximum must still answer its
+        # kubelet (each probe comes on a connection of its own). The backstop bounds their connections.
+        capped = not handler_call_details.method.startswith(HEALTH_PREFIX)
+        return cached_wrapper(self._counted_by_handler, handler, self._counted, handler, capped)
 
-    async def _start(self, peer: str, context) -> None:
+    async def _start(self, peer: str, context, capped: bool) -> None:
         """Counts a call on `peer`'s connection, or aborts it (RESOURCE_EXHAUSTED, UNAVAILABLE when aged)."""
         tcp = peer.startswith(TCP_PEERS)
         connections = self.connections if tcp else None
-        if connections is not None and not connections.call_started(peer):
+        if connections is not None and not connections.call_started(peer, capped):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, connections.refusal)
         if self.open_calls[peer] >= self.max_concurrent_streams:
             if connections is not None:
@@ -234,7 +240,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         else:
             del self.open_calls[peer]
 
-    def _counted(self, handler):
+    def _counted(self, handler, capped: bool):
         kind = handler_kind(handler)
         behavior = getattr(handler, kind)
         start, end = self._start, self._end
@@ -243,7 +249,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
 
             async def counted(request, context):
                 peer = context.peer()
-                await start(peer, context)
+                await start(peer, context, capped)
                 try:
                     async for response in behavior(request, context):
                         yield response
@@ -254,7 +260,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
 
             async def counted(request, context):
                 peer = context.peer()
-                await start(peer, context)
+                await start(peer, context, capped)
                 try:
                     return await behavior(request, context)
                 finally:

@@ -72,12 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="openengine-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--coordinator",
-        action="store_true",
-        help="benchmark the coordinator instead: unary vs batched reservations with simulated frontends "
-        "and nodes (`bench --coordinator --help`)",
-    )
-    p.add_argument(
         "--one-token",
         action="store_true",
         help="measure 1-token requests/s per frontend worker instead (`bench --one-token --help`)",
@@ -218,10 +212,6 @@ def rerender(out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv and "--coordinator" in argv:
-        from .coordinator import main as coordinator_main
-
-        return coordinator_main(argv)
     if argv and "--soak" in argv:
         from .soak import main as soak_main
 

@@ -1,4 +1,4 @@
-"""`openengine-bench --coordinator`: one coordinator (or --coordinators N sharing the request ids) driven by
+"""`python -m tests.microbench.coordinator`: one coordinator (or --coordinators N sharing the request ids) driven by
 simulated frontends and nodes.
 
 Real coordinator processes; the load generator simulates --nodes nodes
@@ -64,6 +64,8 @@ from pathlib import Path
 
 import grpc
 
+from openengine_bench import report
+from openengine_bench.cgroups import CgroupUnavailable, QuotaCgroup
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from openengine_serve.client import is_serving
 from openengine_serve.common.grpc_server import create_internal_server
@@ -73,9 +75,6 @@ from openengine_serve.common.net import free_port
 from openengine_serve.common.routing import owning_coordinator
 from openengine_serve.frontend.reservation_stream import ReservationBatcher
 
-from . import report
-from .cgroups import CgroupUnavailable, QuotaCgroup
-
 TICKS = os.sysconf("SC_CLK_TCK")
 QUOTA_USED = 0.8  # a coordinator that used this share of its CPU quota over a window was limited by it
 NODES_PER_CHANNEL = 50  # simulated nodes sharing one connection to a coordinator
@@ -84,11 +83,10 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="openengine-bench --coordinator",
+        prog="python -m tests.microbench.coordinator",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--coordinator", action="store_true", help="(selects this benchmark)")
     p.add_argument(
         "--coordinators",
         type=coordinator_counts,
@@ -986,7 +984,7 @@ def main(argv: list[str]) -> int:
                 with asyncio.Runner(loop_factory=new_event_loop) as runner:
                     runs.append(runner.run(drive(coordinators, args, round_number)))
     result = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("coordinator", "output")},
+        "config": {k: v for k, v in vars(args).items() if k != "output"},
         "cpus": os.cpu_count(),
         "runs": runs,
         "summary": summarize(runs),
@@ -996,3 +994,7 @@ def main(argv: list[str]) -> int:
     (out / "coordinator.md").write_text(text + "\n", encoding="utf-8")
     print(text)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,18 +1,18 @@
 """The frontend's per-token Python path alone, in one process: CPU per token, for A/B of per-token changes.
 
-    python -m openengine_bench.token_path [--streams 10] [--requests 400] [--tokens 128] [--server pygrpc-native]
-                                          [--lane credited] [--count-calls]
+    python -m tests.microbench.token_path [--streams 10] [--requests 400] [--tokens 128] [--server pygrpc-native]
+                                          [--count-calls]
 
 What runs is the frontend's own code from the lane read on: `NodeConnections` reads a node's result lane (a
 stand-in stub yielding one StepResults per engine step with one token per open stream, the last one finishing
 it), hands each event to its request's sink, and `Inference.stream` turns the events into deltas and writes
 them. With `--server pygrpc-native` the writes go through pygrpc-native's own Python call context
 (`context.write`, and the frontend's non-blocking send where the tree has one) onto a stand-in for its Rust
-front that accepts every message; with `--server none` `write` is an empty coroutine. `--lane plain` reads the
-node's `Results` stream; `--lane credited` (the default, what a node of this release serves) its acknowledged
-`Lane` call, so the per-message acknowledgements (LaneAcknowledgements, the credit pacing and pausing checks with
-the frontend's default settings) run too, each credit write a stand-in that completes after one loop iteration
-(grpc.aio's own cost per write is not in the figure: the JSON counts the writes). No gRPC transport, no
+front that accepts every message; with `--server none` `write` is an empty coroutine. The node's lane is its
+acknowledged `Lane` call, so the per-message acknowledgements (LaneAcknowledgements, the credit pacing and
+pausing checks with the frontend's default settings) run too, each credit write a stand-in that completes
+after one loop iteration (grpc.aio's own cost per write is not in the figure: the JSON counts the writes). No
+gRPC transport, no
 node, no client: what is left is exactly what a per-token change of the frontend can move, measured as
 process CPU time (`time.process_time`) over the whole run ÷ tokens, without the noise of a full stack on a
 shared machine. Streams run closed-loop (`--streams` open at a time) and between steps the lane yields to
@@ -67,9 +67,6 @@ class Lane:
         self.open: dict[str, int] = {}  # request id -> tokens sent
         self.ids = token_ids(encoding, 4096, seed=7)
         self.closed = False
-
-    def Results(self, request):  # noqa: N802 - the stub's method name
-        return self._steps()
 
     def Lane(self):  # noqa: N802 - the stub's method name
         return LaneCall(self._steps())
@@ -177,9 +174,6 @@ async def run(args) -> dict:
     nodes = NodeConnections("token-path", BackgroundTasks(), 5.0, 5.0, **frontend_lane_settings())
     entry = cluster_pb2.NodeEntry(node_id="node-0", address="127.0.0.1:1")
     conn = NodeConnection(entry, NoChannel(), lane)
-    conn.lane_credits = args.lane == "credited"
-    if args.lane == "plain":
-        nodes.lane_window = 0  # the plain `Results` stream (no acknowledged `Lane` call)
     nodes.connections[entry.node_id] = conn
     await nodes.connect(entry)
     takes_send_now = "send_now" in inspect.signature(Inference.stream).parameters
@@ -252,7 +246,6 @@ async def run(args) -> dict:
         "streams": args.streams,
         "tokens": tokens,
         "messages": sent.messages,
-        "lane": args.lane,
         "credit_writes": LaneCall.written,
         "cpu_s": round(cpu, 3),
         "wall_s": round(wall, 3),
@@ -263,7 +256,7 @@ async def run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m openengine_bench.token_path",
+        prog="python -m tests.microbench.token_path",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -271,12 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--server", choices=("pygrpc-native", "none"), default="pygrpc-native")
-    p.add_argument(
-        "--lane",
-        choices=("credited", "plain"),
-        default="credited",
-        help="the node's acknowledged Lane call (default) or its plain Results stream",
-    )
     p.add_argument(
         "--count-calls",
         action="store_true",

@@ -1,7 +1,7 @@
 """CPU of the frontend's span work for one Generate call, the exporter's included (docs/benchmarks.md, "Tracing cost").
 
     OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 OTEL_TRACES_SAMPLER=always_on \
-        python -m openengine_bench.span_cost 20000
+        python -m tests.microbench.span_cost 20000
 
 Runs the calls `frontend/inference.py` and `frontend/requests.py` make on a request's `RequestTrace`
 (a server span, the Reserve and Submit client spans with their metadata, three events, the end), then

@@ -1,24 +1,27 @@
-"""`bench --coordinator`'s options, its 'limited by' verdict and its summary over rounds: pure functions, plus
+"""The coordinator micro-benchmark's options, its 'limited by' verdict and its summary over rounds: pure functions, plus
 one coordinator process started in a real CPU-quota cgroup."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from openengine_bench import coordinator as bench
+from . import coordinator as bench
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+REPO = Path(__file__).resolve().parents[2]  # `python -m tests.microbench.coordinator` runs from here
 
 
 def test_options_parse():
-    args = bench.build_parser().parse_args(
-        ["--coordinator", "--coordinators", "1,2,1", "--coordinator-cpus", "0.25", "--rounds", "3"]
-    )
+    args = bench.build_parser().parse_args(["--coordinators", "1,2,1", "--coordinator-cpus", "0.25", "--rounds", "3"])
     assert (args.coordinators, args.coordinator_cpus, args.rounds) == ([1, 2], 0.25, 3)
-    defaults = bench.build_parser().parse_args(["--coordinator"])
+    defaults = bench.build_parser().parse_args([])
     assert (defaults.coordinators, defaults.coordinator_cpus, defaults.rounds) == ([1], 0.0, 1)
 
 
@@ -33,7 +36,7 @@ def test_options_parse():
 )
 def test_bad_options_are_named(option, value, message, capsys):
     with pytest.raises(SystemExit):
-        bench.build_parser().parse_args(["--coordinator", option, value])
+        bench.build_parser().parse_args([option, value])
     err = capsys.readouterr().err
     assert option in err and message in err, err
     with pytest.raises(argparse.ArgumentTypeError, match=message):
@@ -153,7 +156,7 @@ def test_summary_pairs_rounds_and_gives_min_and_median():
 def test_coordinator_runs_inside_its_quota_cgroup(tmp_path):
     """`--coordinator-cpus`: the coordinator process is moved into a cgroup of its own with that quota (after the
     registrations), removed after."""
-    args = bench.build_parser().parse_args(["--coordinator", "--coordinator-cpus", "0.5", "--heartbeat-s", "1"])
+    args = bench.build_parser().parse_args(["--coordinator-cpus", "0.5", "--heartbeat-s", "1"])
     try:
         coordinators = bench.Coordinators(1, args.coordinator_cpus, args, tmp_path).__enter__()
     except SystemExit as exc:  # no cgroup could be made (not root)
@@ -172,3 +175,115 @@ def test_coordinator_runs_inside_its_quota_cgroup(tmp_path):
     finally:
         coordinators.__exit__(None, None, None)
     assert not os.path.exists(path)
+
+
+def test_bench_coordinator_small(tmp_path):
+    """The coordinator micro-benchmark at a toy size: one coordinator, then two sharing the ids, each in a 0.5-CPU quota
+    cgroup of its own; both paths measured, no errors, every window says what limited it."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("CI=true and the coordinator bench cannot create its quota cgroups: not root", pytrace=False)
+        pytest.skip("--coordinator-cpus creates cgroups: needs root (CI runs as root)")
+    out = tmp_path / "coordinator"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.microbench.coordinator",
+            "--coordinators",
+            "1,2",
+            "--coordinator-cpus",
+            "0.5",
+            "--nodes",
+            "20",
+            "--frontends",
+            "4",
+            "--concurrency",
+            "32",
+            "--rate",
+            "40",
+            "--window-s",
+            "0.6",
+            "--rate-window-s",
+            "0.6",
+            "--warmup-s",
+            "0.3",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    result = json.loads((out / "coordinator.json").read_text())
+    assert [(run["round"], run["coordinators"], run["coordinator_cpus"]) for run in result["runs"]] == [
+        (1, 1, 0.5),
+        (1, 2, 0.5),
+    ]
+    for run in result["runs"]:
+        assert [(s["path"], s["load"]) for s in run["scenarios"]] == [
+            ("unary", "saturation (32 loops)"),
+            ("batched", "saturation (32 loops)"),
+            ("unary", "40/s"),
+            ("batched", "40/s"),
+            (bench.FLOOR_PATH, "40/s"),
+        ]
+        *through_coordinators, floor = run["scenarios"]
+        # The floor: the same stream and client against a trivial server in a process of its own.
+        assert floor["errors"] == 0 and floor["reservations_per_s"] > 0, floor
+        assert 0 < floor["latency_p50_ms"] <= floor["latency_p99_ms"], floor
+        for scenario in through_coordinators:
+            assert scenario["errors"] == 0, scenario
+            assert scenario["reservations_per_s"] > 0 and scenario["coordinator_cpu_us_per_request"] > 0, scenario
+            assert scenario["latency_p50_ms"] <= scenario["latency_p99_ms"], scenario
+            assert len(scenario["coordinator_throttled_share"]) == run["coordinators"], scenario
+            assert all(share is not None for share in scenario["coordinator_throttled_share"]), scenario
+            assert scenario["limited_by"], scenario
+        assert len(run["memory"]) == run["coordinators"] and run["memory"][0]["rss_registered_mb"] > 0
+    assert result["runs"][0]["scenarios"][1]["requests_per_batch"] > 1  # 32 loops over 4 frontends share batches
+    assert [row["coordinators"] for row in result["summary"]["scaling"]] == [2] * 4  # not the floor's
+    text = (out / "coordinator.md").read_text()
+    assert "ms through the trivial server on the same stream" in text
+    assert "| 1 | 2 | batched | saturation (32 loops) |" in text
+    assert "Coordinator benchmark: 1,2 coordinator(s), 1 round(s)" in text
+    assert "each coordinator in its own 0.5-CPU cgroup quota" in text
+    # --in-step: each simulated frontend's requests share one message per coordinator (32 over 4 frontends: 8 each,
+    # split over 2 coordinators with the releases riding along).
+    in_step = tmp_path / "in-step"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.microbench.coordinator",
+            "--coordinators",
+            "2",
+            "--in-step",
+            "--paths",
+            "batched",
+            "--rate",
+            "0",
+            "--nodes",
+            "4",
+            "--frontends",
+            "4",
+            "--concurrency",
+            "32",
+            "--window-s",
+            "0.5",
+            "--warmup-s",
+            "0.3",
+            "--output",
+            str(in_step),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    (run,) = json.loads((in_step / "coordinator.json").read_text())["runs"]
+    (scenario,) = run["scenarios"]
+    assert scenario["load"] == "saturation (4 frontends × 8 in step)" and scenario["errors"] == 0, scenario
+    assert scenario["reservations_per_s"] > 0 and scenario["requests_per_batch"] > 2, scenario

@@ -1,8 +1,8 @@
-"""openengine_bench.reserve_wait: the real ReservationBatcher against a coordinator answering after a fixed delay."""
+"""tests.microbench.reserve_wait: the real ReservationBatcher against a coordinator answering after a fixed delay."""
 
 from __future__ import annotations
 
-from openengine_bench import reserve_wait
+from . import reserve_wait
 
 
 async def test_every_reservation_is_answered_no_sooner_than_the_round_trip_and_releases_ride_along():

@@ -1,7 +1,7 @@
 """The batched Reserve's own wait, without the machine's noise: the frontend's real ReservationBatcher against a
 stand-in coordinator stream that answers every batch after a fixed round trip (asyncio timers, no CPU load).
 
-    python -m openengine_bench.reserve_wait --rate 40 --hold-s 0.26 --rtt-ms 2 --duration-s 10
+    python -m tests.microbench.reserve_wait --rate 40 --hold-s 0.26 --rtt-ms 2 --duration-s 10
 
 Poisson reservations at `--rate`, each released `--hold-s` later (a request's life at the bench's fixed load);
 prints the reservations' latency (call to answer) p50/p90/p99/max and the batches sent. Run it with
@@ -16,10 +16,9 @@ import asyncio
 import random
 import time
 
+from openengine_bench import report
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.frontend.reservation_stream import ReservationBatcher
-
-from . import report
 
 
 class AnsweringCall:

@@ -1,6 +1,6 @@
 """Internal mutual TLS with roles: real processes, one certificate per component (trustme) whose Common Name
 names its role. A node without a node certificate cannot register; each internal RPC refuses a caller of
-another role with PERMISSION_DENIED."""
+another role with PERMISSION_DENIED; rotated client certificates reach new connections."""
 
 from __future__ import annotations
 
@@ -90,18 +90,53 @@ def test_a_frontend_with_its_certificate_generates_through_role_checked_calls(se
     frontend = deployment.add(
         component_with(pki, processes.frontend(coordinator.target, server), "openengine-frontend"), 60
     )
+    processes.wait_for(lambda: generates(frontend.target), 30, "a generation over role-checked internal mTLS")
 
-    def generates() -> bool:
-        request = G.GenerateRequest(
-            request_id=f"roles-{uuid.uuid4()}",
-            model=MODEL,
-            prompt="Hello",
-            stopping=G.StoppingOptions(max_tokens=6, ignore_eos=True),
-        )
-        with Client(frontend.target, retries=False) as client:
+
+def generates(target: str) -> bool:
+    request = G.GenerateRequest(
+        request_id=f"roles-{uuid.uuid4()}",
+        model=MODEL,
+        prompt="Hello",
+        stopping=G.StoppingOptions(max_tokens=6, ignore_eos=True),
+    )
+    try:
+        with Client(target, retries=False) as client:
             return list(client.inference.Generate(request, timeout=30))[-1].usage.completion_tokens == 6
+    except grpc.RpcError:
+        return False
 
-    processes.wait_for(generates, 30, "a generation over role-checked internal mTLS")
+
+def test_rotated_internal_certificates_are_presented_on_new_connections(tmp_path):
+    """Every file replaced by one of a new CA (what a Secret update does), then the coordinator restarted: the
+    frontend's and the node's existing channels reconnect to it, which works only with the new files."""
+    pki = RolePki(tmp_path)
+    roles = ("openengine-coordinator", "openengine-node", "openengine-frontend")
+    deployment = processes.Deployment()
+    try:
+        coordinator = deployment.add(component_with(pki, processes.coordinator(), roles[0]), 30)
+        deployment.add(component_with(pki, processes.node(coordinator.target, 0), roles[1]), 90)
+        frontend = deployment.add(component_with(pki, processes.frontend(coordinator.target, "grpcio"), roles[2]), 60)
+        processes.wait_for(lambda: generates(frontend.target), 30, "a generation with the first CA")
+
+        pki.ca = trustme.CA()
+        pki.ca_file.write_bytes(pki.ca.cert_pem.bytes())
+        for role in roles:
+            pki.env(role)
+        coordinator.stop()
+        log = processes.LOG_DIR / f"{coordinator.name}-{coordinator.port}.log"
+        before = log.read_text(errors="replace").count('event="frontend registered"')
+        coordinator.start().wait_ready(30)
+        # (a generation alone would not tell: the frontend routes without its coordinator for a while)
+        processes.wait_for(lambda: registered_nodes(pki, coordinator), 15, "the node registered again")
+        processes.wait_for(
+            lambda: log.read_text(errors="replace").count('event="frontend registered"') > before,
+            15,
+            "the frontend registered again",
+        )
+        assert generates(frontend.target)
+    finally:
+        deployment.close()
 
 
 def test_a_node_without_a_node_certificate_cannot_register(secured):

@@ -4,7 +4,9 @@ Server certificates are reloaded without a restart: grpc core asks the fetcher
 for a new certificate configuration before each new handshake, and the fetcher
 returns one only when a file changed (a Kubernetes Secret or cert-manager
 rotation). Connections already open keep their session, so open streams are
-not dropped.
+not dropped. Internal client certificates follow their files too
+(`ReloadingChannel`): calls started after a change go out on a channel built
+from the new files, so new connections present the new certificate.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 
 import grpc
 
@@ -153,19 +157,113 @@ def add_internal_port(server, address: str, config) -> None:
 
 
 def internal_channel(address: str, config, options=()) -> grpc.aio.Channel:
-    """A grpc.aio channel to another component, presenting this component's certificate when internal TLS is on."""
+    """A grpc.aio channel to another component, presenting this component's certificate when internal TLS is on
+    (re-read when its files change: `ReloadingChannel`)."""
     if not internal_tls_enabled(config):
         return grpc.aio.insecure_channel(address, options=list(options))
-    credentials = channel_credentials(
-        config.internal_tls_ca_file,
-        config.internal_tls_cert_file,
-        config.internal_tls_key_file,
-        variable_prefix="OPENENGINE_INTERNAL_TLS",
-    )
     options = list(options)
     if config.internal_tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.internal_tls_server_name))
-    return grpc.aio.secure_channel(address, credentials, options=options)
+
+    def open_channel() -> grpc.aio.Channel:
+        credentials = channel_credentials(
+            config.internal_tls_ca_file,
+            config.internal_tls_cert_file,
+            config.internal_tls_key_file,
+            variable_prefix="OPENENGINE_INTERNAL_TLS",
+        )
+        return grpc.aio.secure_channel(address, credentials, options=options)
+
+    paths = (config.internal_tls_cert_file, config.internal_tls_key_file, config.internal_tls_ca_file)
+    return ReloadingChannel(open_channel, paths)
+
+
+class ReloadingChannel:
+    """A grpc.aio channel whose TLS files (client certificate, key, CA) are re-read when they change.
+
+    grpcio has no client credentials that reload, so when a file changed (checked at most every
+    CHECK_INTERVAL_S, on the next call) calls from then on go out on a new channel built from the files, whose
+    connections present the new certificate. Calls already open stay on the channel they started on: retired
+    channels are closed with this one. Stubs keep the multi-callables they were given; those follow the current
+    channel on each call. A file read mid-rotation (certificate and key written one after the other) is read
+    again at the next change."""
+
+    CHECK_INTERVAL_S = 1.0
+
+    def __init__(self, open_channel: Callable[[], grpc.aio.Channel], paths: tuple[str, ...]) -> None:
+        self._open_channel = open_channel
+        self._paths = paths
+        self._state = _file_state(paths)
+        self._channel = open_channel()
+        self._retired: list[grpc.aio.Channel] = []
+        self._checked_at = time.monotonic()
+
+    def current(self) -> grpc.aio.Channel:
+        """The channel new calls use, rebuilt first when a file changed."""
+        now = time.monotonic()
+        if now - self._checked_at < self.CHECK_INTERVAL_S:
+            return self._channel
+        self._checked_at = now
+        state = _file_state(self._paths)
+        if state != self._state:
+            try:
+                channel = self._open_channel()
+            except ConfigError as exc:  # a file missing mid-rotation: keep the current one, try at the next check
+                log_event(
+                    logger,
+                    "internal TLS client reload failed; keeping the current files",
+                    logging.WARNING,
+                    error=str(exc),
+                )
+                return self._channel
+            self._state = state
+            self._retired.append(self._channel)
+            self._channel = channel
+            log_event(logger, "internal TLS client certificate reloaded", cert_file=self._paths[0])
+        return self._channel
+
+    def unary_unary(self, *args, **kwargs):
+        return _FollowingMultiCallable(self, "unary_unary", args, kwargs)
+
+    def unary_stream(self, *args, **kwargs):
+        return _FollowingMultiCallable(self, "unary_stream", args, kwargs)
+
+    def stream_unary(self, *args, **kwargs):
+        return _FollowingMultiCallable(self, "stream_unary", args, kwargs)
+
+    def stream_stream(self, *args, **kwargs):
+        return _FollowingMultiCallable(self, "stream_stream", args, kwargs)
+
+    async def close(self, grace: float | None = None) -> None:
+        for channel in (*self._retired, self._channel):
+            await channel.close(grace)
+
+    async def __aenter__(self) -> ReloadingChannel:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self.current(), name)  # get_state, channel_ready, wait_for_state_change
+
+
+class _FollowingMultiCallable:
+    """A stub's multi-callable on a ReloadingChannel: each call goes out on the channel current at that time."""
+
+    __slots__ = ("_owner", "_kind", "_args", "_kwargs", "_channel", "_callable")
+
+    def __init__(self, owner: ReloadingChannel, kind: str, args: tuple, kwargs: dict) -> None:
+        self._owner, self._kind, self._args, self._kwargs = owner, kind, args, kwargs
+        self._channel = None
+        self._callable = None
+
+    def __call__(self, *args, **kwargs):
+        channel = self._owner.current()
+        if channel is not self._channel:
+            self._channel = channel
+            self._callable = getattr(channel, self._kind)(*self._args, **self._kwargs)
+        return self._callable(*args, **kwargs)
 
 
 def add_public_port(server, address: str, config) -> None:

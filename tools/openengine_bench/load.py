@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 
 from openengine_serve.api.openengine.v1 import generation_pb2
+from openengine_serve.client import Credentials, open_async_channel
 from openengine_serve.common.lifecycle import freeze_startup_objects, new_event_loop
 
 from . import h2client
@@ -336,16 +337,8 @@ def _open_channel(job: dict[str, Any]) -> grpc.aio.Channel:
     tls = job.get("tls")
     if not tls:
         return grpc.aio.insecure_channel(job["target"], options=channel_options())
-    from openengine_serve.common.tls import channel_credentials
-
-    options = channel_options() + (
-        [("grpc.ssl_target_name_override", tls["server_name"])] if tls.get("server_name") else []
-    )
-    return grpc.aio.secure_channel(
-        job["target"],
-        channel_credentials(tls.get("ca_file", ""), tls.get("cert_file", ""), tls.get("key_file", "")),
-        options=options,
-    )
+    credentials = Credentials(tls=True, **tls)  # API keys go as metadata of each call (not an interceptor)
+    return open_async_channel(job["target"], channel_options(), credentials)
 
 
 async def _fixed(run: _Run, job: dict[str, Any], calls: dict, tasks: list, prepared: dict[int, bytes]) -> None:

@@ -195,6 +195,61 @@ def test_abort_reaches_only_the_callers_own_requests_across_frontends(keyed):
             assert [f.reason for f in finished] == [G.FINISH_REASON_CANCELLED]
 
 
+IN_FLIGHT = 8  # streams open during the Abort-all calls, half on each frontend
+
+
+def open_streams(clients: list[Client], max_tokens: int) -> list[tuple[G.GenerateRequest, object]]:
+    """IN_FLIGHT streams spread over `clients`, each past its first token (so running on a node)."""
+    streams = []
+    for i in range(IN_FLIGHT):
+        request = long_request(max_tokens)
+        streams.append((request, clients[i % len(clients)].inference.Generate(request, timeout=120)))
+    for _, stream in streams:
+        assert next(stream).HasField("token")
+    return streams
+
+
+def finished_outputs(stream) -> tuple[list[G.GenerationFinished], G.Usage]:
+    """The rest of a stream: its `finished` events and the usage on its last message."""
+    responses = list(stream)
+    return [r.finished for r in responses if r.HasField("finished")], responses[-1].usage
+
+
+def test_abort_all_needs_the_admin_role_and_then_ends_every_stream_in_flight(keyed):
+    frontends, path, _ = keyed
+    first, second = (f.target for f in frontends)
+    path.write_text(key_file_text(options={"alice": f"max_in_flight={IN_FLIGHT // 2}"}))  # per frontend worker
+    time.sleep(auth.RELOAD_CHECK_S + 0.1)
+    abort_all = lifecycle_pb2.AbortRequest(all_requests=lifecycle_pb2.AllRequests())
+    try:
+        with (
+            client_for(first, "alice") as alice,
+            client_for(second, "alice") as alice_elsewhere,
+            client_for(second, "ops") as ops,
+        ):
+            alice.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5)  # the first call after the change reloads
+            alice_elsewhere.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5)
+            # a user's Abort-all is refused, and every stream, its own included, runs to its end
+            streams = open_streams([alice, alice_elsewhere], max_tokens=1000)
+            code, details = code_of(lambda: alice.control.Abort(abort_all, timeout=5))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "all_requests needs role admin" in details
+            for request, stream in streams:
+                finished, usage = finished_outputs(stream)
+                assert [f.reason for f in finished] == [G.FINISH_REASON_LENGTH], request.request_id
+                assert usage.completion_tokens == 1000
+            # the admin's Abort-all, sent to the other frontend, ends every stream of both frontends
+            streams = open_streams([alice, alice_elsewhere], max_tokens=3000)
+            assert ops.control.Abort(abort_all, timeout=5).status == lifecycle_pb2.ABORT_STATUS_ABORTED
+            for request, stream in streams:
+                finished, usage = finished_outputs(stream)  # ends OK: a cancel, then usage (SEMANTICS: Abort)
+                assert [(f.output_index, f.reason) for f in finished] == [(0, G.FINISH_REASON_CANCELLED)], (
+                    request.request_id
+                )
+                assert 1 <= usage.completion_tokens < 3000
+    finally:
+        path.write_text(key_file_text())
+
+
 def test_a_removed_key_stops_within_two_seconds_and_its_running_stream_is_not_cut(keyed):
     frontends, path, _ = keyed
     with client_for(frontends[0].target, "carol") as carol:

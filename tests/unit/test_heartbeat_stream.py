@@ -114,7 +114,7 @@ async def test_a_stream_that_cannot_be_opened_fails_the_heartbeat():
     assert heartbeats.failures == 1
 
 
-QUIET_OK = cluster_pb2.HeartbeatReply(known=True, replies_optional=True)
+QUIET_OK = cluster_pb2.HeartbeatReply(known=True)
 
 
 def quiet_heartbeat() -> cluster_pb2.NodeHeartbeatRequest:
@@ -123,7 +123,7 @@ def quiet_heartbeat() -> cluster_pb2.NodeHeartbeatRequest:
     return heartbeat
 
 
-async def test_quiet_heartbeats_skip_the_reply_once_the_coordinator_honours_it_and_ask_again_every_ack_period():
+async def test_quiet_heartbeats_skip_the_reply_once_the_stream_was_answered_and_ask_again_every_ack_period():
     clock = [100.0]
     streams = Streams([QUIET_OK] * 3)
     heartbeats = HeartbeatStream(streams.open, reply_timeout_s=1.0, now=lambda: clock[0])
@@ -140,15 +140,8 @@ async def test_quiet_heartbeats_skip_the_reply_once_the_coordinator_honours_it_a
     assert heartbeats.replies_skipped == 3 and heartbeats.streams_opened == 1
 
 
-async def test_quiet_heartbeats_to_a_coordinator_of_an_older_release_read_every_reply():
-    streams = Streams([KNOWN] * 3)  # no replies_optional: it answers every heartbeat
-    heartbeats = HeartbeatStream(streams.open, reply_timeout_s=1.0)
-    assert [(await heartbeats.beat(quiet_heartbeat(), quiet=True)).known for _ in range(3)] == [True] * 3
-    assert not any(h.reply_optional for h in streams.calls[0].written) and heartbeats.replies_skipped == 0
-
-
 async def test_a_stream_the_coordinator_ended_is_reopened_and_its_first_heartbeat_asks():
-    streams = Streams([QUIET_OK], [cluster_pb2.HeartbeatReply(known=False, replies_optional=True)], [QUIET_OK])
+    streams = Streams([QUIET_OK], [cluster_pb2.HeartbeatReply(known=False)], [QUIET_OK])
     heartbeats = HeartbeatStream(streams.open, reply_timeout_s=1.0)
     await heartbeats.beat(quiet_heartbeat(), quiet=True)
     streams.calls[0].ended_with = grpc.StatusCode.OK  # the coordinator forgot the node
@@ -180,9 +173,9 @@ async def test_the_coordinator_answers_a_quiet_heartbeat_only_by_ending_the_stre
     answered = await replies(
         heartbeat("n1", False), heartbeat("n1", True), heartbeat("n1", True), heartbeat("n1", False)
     )
-    assert [(r.known, r.replies_optional) for r in answered] == [(True, True), (True, True)]
+    assert [r.known for r in answered] == [True, True], "the two quiet heartbeats are not answered"
     assert service.state.node_entries()[0].state == cluster_pb2.NODE_STATE_READY, "a quiet heartbeat counts"
-    # Unknown: an older node's heartbeat gets known=false; a quiet one ends the stream, unread ones after it too.
+    # Unknown: a heartbeat that asks gets known=false; a quiet one ends the stream, unread ones after it too.
     assert [r.known for r in await replies(heartbeat("n2", False), heartbeat("n1", False))] == [False, True]
     assert await replies(heartbeat("n2", True), heartbeat("n1", False)) == []
 

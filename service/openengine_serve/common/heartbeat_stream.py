@@ -10,8 +10,7 @@ unary call, without a call per heartbeat.
 Quiet heartbeats (nodes): a reply costs the coordinator about as much as the
 heartbeat itself (a `sendmsg` per reply), and a node's usual reply says only
 "known". A heartbeat sent with `quiet=True` is marked `reply_optional` once the
-coordinator said on this stream that it honours that (`replies_optional`, in
-every reply of this release's coordinators), and is then not waited for: the
+coordinator answered one heartbeat on this stream, and is then not waited for: the
 coordinator answers it only by ending the stream when it no longer knows the
 node, which the next heartbeat sees (`done`) and answers by opening a new stream,
 whose first heartbeat asks for its reply (known=false: register); a heartbeat
@@ -93,7 +92,7 @@ class HeartbeatStream:
         self._jitter = jitter
         self._now = now
         self._call: HeartbeatCall | None = None
-        self._replies_optional = False  # this stream's coordinator honours reply_optional
+        self._answered = False  # the coordinator answered a heartbeat on this stream
         self._replied_at = 0.0
 
     async def beat(self, heartbeat: Any, quiet: bool = False) -> Any:
@@ -107,8 +106,8 @@ class HeartbeatStream:
             if self._call is None:
                 self._call = self._open_call()
                 self.streams_opened += 1
-                self._replies_optional = False
-            skip_reply = quiet and self._replies_optional and self._now() - self._replied_at < ACK_EVERY_S
+                self._answered = False
+            skip_reply = quiet and self._answered and self._now() - self._replied_at < ACK_EVERY_S
             if quiet:
                 heartbeat.reply_optional = skip_reply
             async with asyncio.timeout(self._reply_timeout_s):  # not wait_for: no extra task per heartbeat
@@ -130,7 +129,7 @@ class HeartbeatStream:
             self._fail(grpc.StatusCode.UNAVAILABLE, "the coordinator ended the stream")
         self.failures = 0
         self._replied_at = self._now()
-        self._replies_optional = getattr(reply, "replies_optional", False)
+        self._answered = True
         return reply
 
     async def _ended_by_coordinator(self, call: HeartbeatCall) -> None:

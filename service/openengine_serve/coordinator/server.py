@@ -30,10 +30,9 @@ from .state import REFUSAL_STATUS, ClusterState, ModelMismatch, RankConflict, Ta
 logger = logging.getLogger("openengine_serve.coordinator")
 
 REFUSAL_CODES = {kind: STATUS_BY_NUMBER[number] for kind, number in REFUSAL_STATUS.items()}
-# A node's heartbeat replies carry nothing else: shared, never mutated. replies_optional: this coordinator skips
-# the reply of a heartbeat marked reply_optional (NodeHeartbeats).
-_KNOWN = cluster_pb2.HeartbeatReply(known=True, replies_optional=True)
-_UNKNOWN = cluster_pb2.HeartbeatReply(known=False, replies_optional=True)
+# A node's heartbeat replies carry nothing else: shared, never mutated.
+_KNOWN = cluster_pb2.HeartbeatReply(known=True)
+_UNKNOWN = cluster_pb2.HeartbeatReply(known=False)
 
 
 class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):

@@ -153,16 +153,14 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., assigned_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "nodes", "full_table", "replies_optional")
+    __slots__ = ("known", "nodes", "full_table")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     FULL_TABLE_FIELD_NUMBER: _ClassVar[int]
-    REPLIES_OPTIONAL_FIELD_NUMBER: _ClassVar[int]
     known: bool
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
     full_table: bool
-    replies_optional: bool
-    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ..., replies_optional: _Optional[bool] = ...) -> None: ...
+    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner", "traceparent", "tracestate", "prefix_key")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import datetime
 import json
 import os
@@ -69,6 +70,7 @@ DEFAULT_OUTPUT = REPO / "docs" / "bench" / "features"
 DEFAULT_LOGS = REPO / "bench-results" / "features-logs"
 
 PARTS = ("guided", "cache", "isolation", "routing")
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 # The targets (judged on the medians over the rounds).
 GUIDED_SHARE = 0.8  # guided tok/s >= 0.8x unguided (this bench's bar: no figure was set for it)
@@ -524,9 +526,10 @@ def step_share(per_token_us: float | None, guided_per_step: float | None, step_m
 
 
 def _stop_with_parent() -> None:
-    from openengine_serve.local import _stop_with_parent as stop_with_parent  # `up`'s own: SIGTERM when we die
-
-    stop_with_parent()
+    """In the stack's `up`, before exec: SIGTERM when this benchmark dies, however it dies (Linux
+    PR_SET_PDEATHSIG, as `up` does for its components), so a killed benchmark leaves no stack running."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Stack:

@@ -255,8 +255,8 @@ class _FollowingMultiCallable:
 
     def __init__(self, owner: ReloadingChannel, kind: str, args: tuple, kwargs: dict) -> None:
         self._owner, self._kind, self._args, self._kwargs = owner, kind, args, kwargs
-        self._channel = None
-        self._callable = None
+        self._channel = owner.current()
+        self._callable = getattr(self._channel, kind)(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         channel = self._owner.current()

@@ -3,6 +3,8 @@
 #   bash scripts/stress.sh [-n RUNS] PYTEST_ARGS...
 #   bash scripts/stress.sh -n 30 tests/integration/test_operations.py::test_rolling_restart_under_load_loses_nothing -k native
 # Each failing run's output is kept in $STRESS_LOG_DIR (default /tmp/openengine-stress); exit 1 when any run failed.
+# Nightly fuzz, ten times CI's 300 Generate calls per server, three runs:
+#   OPENENGINE_FUZZ_EXAMPLES=3000 bash scripts/stress.sh -n 3 tests/integration/test_fuzz.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 runs=30

@@ -208,7 +208,7 @@ def test_no_public_error_names_an_internal_address_or_component(server, deployme
         health = client.control.Health(lifecycle_pb2.HealthRequest(include_inference_probe=True), timeout=15)
         assert any("unreachable" in c.message for c in health.checks), health
         details += [c.message for c in health.checks]
-    internal = [socket.gethostname(), frontend_id, coord.target, node.target, str(coord.port), str(node.port)]
+    internal = [f"-{socket.gethostname()}-", frontend_id, coord.target, node.target, str(coord.port), str(node.port)]
     host_port = re.compile(r"\b[\w.-]+:\d{2,5}\b")
     for detail in details:
         assert detail and not [name for name in internal if name in detail], detail
@@ -219,10 +219,22 @@ def test_no_public_error_names_an_internal_address_or_component(server, deployme
 
 def run_frontend_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "openengine_serve", "frontend", "--port", str(processes.free_port()), *args],
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "frontend",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(processes.free_port()),
+            "--metrics-port",
+            "0",
+            *args,
+        ],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=30,
         env={**os.environ, **(env or {})},
     )
 

@@ -244,6 +244,10 @@ class KeyStore:
         return found
 
 
+for _reason in (NO_KEY, UNKNOWN_KEY, WRONG_ROLE):  # every reason is a series from the start (0), for rate()
+    metrics.AUTH_FAILURES.labels(reason=_reason)
+
+
 class FailureLog:
     """Refused calls: each counted, and logged at most once per reason every `interval_s` (with how many were
     refused since the last line), so a flood of bad keys cannot flood the log."""

@@ -151,7 +151,9 @@ def abort_targets(request_id: str) -> list[tuple[str, str]]:
         return [(request_id, "")]
     if not key.admin:
         return [(internal_request_id(key.name, request_id), key.name)]
-    names = dict.fromkeys(k.name for k in _KEY_STORE.get().keys)
+    store = _KEY_STORE.get()
+    assert store is not None  # bound with the caller's key (_as_caller)
+    names = dict.fromkeys(k.name for k in store.keys)
     return [(internal_request_id(name, request_id), "") for name in names]
 
 

@@ -26,6 +26,7 @@ MONITORING = REPO / "deploy" / "monitoring"
 RULES = MONITORING / "openengine-alerts.yml"
 DASHBOARD = MONITORING / "openengine-dashboard.json"
 RULE_TESTS = MONITORING / "tests" / "alerts.test.yml"
+RULE_TEST_FILES = tuple(sorted((MONITORING / "tests").glob("*.test.yml")))  # promtool unit tests of RULES
 ADAPTER_RULES = MONITORING / "prometheus-adapter-rules.yaml"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -38,6 +39,14 @@ def binary(name: str) -> str:
             pytest.fail(f"CI=true and {reason}", pytrace=False)
         pytest.skip(reason)
     return path
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    """Every alerting rule of RULES, as written."""
+    import yaml
+
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
 
 
 def dashboard() -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""ruff over the whole tree with the rules and format in pyproject.toml ([tool.ruff]). Generated code
-(service/openengine_serve/api) is excluded there."""
+"""ruff over the whole tree with the rules and format in pyproject.toml ([tool.ruff]), and mypy over service/
+([tool.mypy]). Generated code (service/openengine_serve/api) is excluded there."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,3 +33,18 @@ def test_ruff_finds_no_defects():
 def test_code_is_formatted():
     done = ruff("format", "--check")
     assert done.returncode == 0, f"run `ruff format {' '.join(TREES)}`:\n{done.stdout}{done.stderr}"
+
+
+def test_mypy_finds_no_type_errors():
+    # A cache outside the tree, one per checkout: later runs check again only what changed (mypy compares each
+    # cached module with its source, so a stale cache cannot hide an error).
+    checkout = hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
+    cache = Path(tempfile.gettempdir()) / f"openengine-serve-mypy-{checkout}"
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(cache)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, f"mypy found type errors:\n{done.stdout}{done.stderr}"

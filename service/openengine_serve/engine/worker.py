@@ -150,6 +150,7 @@ def main() -> None:
     config: WorkerConfig = parent.bcast(None, root=0)
     worker_pids = world.gather(os.getpid(), root=0)
     if world.rank == 0:
+        assert worker_pids is not None  # the root of the gather gets the list
         parent.send(worker_pids, dest=0, tag=WORKER_PIDS_TAG)
         engine = create_engine(config)  # loads the model: the node is not ready before the first step
         try:

@@ -164,6 +164,7 @@ class PeerSockets:
         self.scan()
         for peer in missing:
             address = peer_address(peer)
+            assert address is not None  # a missing peer is a TCP client
             sock = self._open(self._fds.get(address), address)
             if sock is None:
                 gone.append(peer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import NoReturn, Protocol
 
 import grpc
 
@@ -40,6 +41,12 @@ GUIDED_MODES = [
 READY = lifecycle_pb2.HEALTH_STATE_READY
 DEGRADED = lifecycle_pb2.HEALTH_STATE_DEGRADED
 NOT_READY = lifecycle_pb2.HEALTH_STATE_NOT_READY
+
+
+class AbortingContext(Protocol):
+    """What the handlers that refuse use of a servicer context (grpcio's or pygrpc-native's)."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> NoReturn: ...  # raises: ends the call
 
 
 class Control(openengine_pb2_grpc.ControlServicer):
@@ -85,7 +92,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
             info.extra.update({"engine": loaded.card.engine, "model": loaded.card.name})
         return info
 
-    async def GetModelInfo(self, request, context) -> model_pb2.ModelInfo:
+    async def GetModelInfo(self, request, context: AbortingContext) -> model_pb2.ModelInfo:
         loaded = self.model.loaded
         if loaded is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet (no ready node); retry")
@@ -224,7 +231,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
             )
         return checks
 
-    async def Abort(self, request: lifecycle_pb2.AbortRequest, context) -> lifecycle_pb2.AbortResponse:
+    async def Abort(self, request: lifecycle_pb2.AbortRequest, context: AbortingContext) -> lifecycle_pb2.AbortResponse:
         target = request.WhichOneof("target")
         if target is None:
             await context.abort(
@@ -311,13 +318,13 @@ class Control(openengine_pb2_grpc.ControlServicer):
         )
         return cluster_pb2.ClusterAbortReply(outcome=outcome, aborted=sum(reply.aborted for reply in replies))
 
-    async def LoadLora(self, request, context) -> lora_pb2.LoadLoraResponse:
+    async def LoadLora(self, request, context: AbortingContext) -> lora_pb2.LoadLoraResponse:
         await _lora_disabled(context)
 
-    async def UnloadLora(self, request, context) -> lora_pb2.UnloadLoraResponse:
+    async def UnloadLora(self, request, context: AbortingContext) -> lora_pb2.UnloadLoraResponse:
         await _lora_disabled(context)
 
-    async def ListLoras(self, request, context) -> lora_pb2.ListLorasResponse:
+    async def ListLoras(self, request, context: AbortingContext) -> lora_pb2.ListLorasResponse:
         await _lora_disabled(context)
 
     async def GetKvEventSources(self, request, context) -> kv_pb2.GetKvEventSourcesResponse:
@@ -332,5 +339,5 @@ class Control(openengine_pb2_grpc.ControlServicer):
         yield  # pragma: no cover - makes this an async generator like the other streaming handler
 
 
-async def _lora_disabled(context) -> None:
+async def _lora_disabled(context: AbortingContext) -> NoReturn:
     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this deployment")

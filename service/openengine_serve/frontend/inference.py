@@ -188,7 +188,9 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
     async def _end_stalled(self, plan: GenerationPlan, context, write: Write) -> None:
         """A client that accepted no output for the stall timeout; its engine slot is already freed. One
         terminal retryable EngineError if the connection still takes a message, else the call is cancelled."""
-        asyncio.current_task().uncancel()
+        task = asyncio.current_task()
+        assert task is not None  # the call's own task runs this
+        task.uncancel()
         metrics.CLIENT_STALLS.inc()
         message = f"the client accepted no output for {self.client_stall_timeout_s:g} s; the request was ended"
         try:
@@ -225,7 +227,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         status, code = "error", "INTERNAL"
         metrics.IN_FLIGHT.inc()
         metrics.PROMPT_TOKENS.inc(len(plan.prompt_token_ids))
-        first_token_at = last_token_at = None
+        first_token_at: float | None = None
+        last_token_at: float | None = None
         trace = accepted.trace
         finish_reasons: list[int] = []
 
@@ -238,7 +241,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             delta = one_token_delta(item)
             if delta is None:
                 return item
-            if not send_now(delta):
+            if not send_delta(delta):
                 return delta  # the client's buffer is full (or the call ended): the task writes it, and waits
             now = perf_counter()
             add_delta(1, now - last_token_at)
@@ -249,6 +252,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             """pygrpc-native: the non-blocking send, once more after one loop iteration when the client's buffer
             was full (its I/O thread drains the message before, e.g. the token delta right before a `finished`),
             and only then `write`, whose full-buffer path waits in a thread pool."""
+            assert send_now is not None  # the emitter only with send_now
             data = serialize_response(item)
             if send_now(data):
                 return
@@ -259,6 +263,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         emit = write if send_now is None else send_or_write
         if send_now is not None and single_output and outputs[0].plain:
             one_token_delta, add_delta, perf_counter = outputs[0].one_token_delta, metrics.DELTAS.add, time.perf_counter
+            send_delta = send_now  # bound here, where it is not None
             sink.direct = send_directly
         try:
             while open_outputs:
@@ -269,6 +274,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 sink.writing_since = time.monotonic()
                 if type(items[0]) is bytes:  # a delta send_directly could not send; only ever first, and alone
                     await write(items.pop(0))
+                    assert last_token_at is not None  # send_directly hands back deltas after the first token only
                     last_token_at = _count_delta(1, last_token_at)
                     if not items:
                         continue
@@ -327,6 +333,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                         if logger.isEnabledFor(logging.DEBUG):
                             _log_first_token(accepted, first_token_at - started)
                     else:
+                        assert last_token_at is not None  # set with first_token_at
                         last_token_at = _count_delta(new_tokens, last_token_at)
             status, code = "finished", "OK"
         except asyncio.CancelledError:
@@ -359,6 +366,8 @@ def _log_first_token(accepted: OpenRequest, ttft_s: float) -> None:
     """Debug: the frontend's hops of the first token (CLOCK_MONOTONIC, comparable with the node's "first event
     on lane" line on one machine): opened (validated), reserved, submitted, first lane event into the request's
     inbox, taken by the stream, written."""
+    if not accepted.hops:  # opened without them (the benchmark's token path)
+        return
     opened_at, reserved_at, submitted_at = accepted.hops
     sink = accepted.sink
     log_event(

@@ -333,25 +333,27 @@ class NodeConnections:
             self.connections[entry.node_id] = conn
         if conn.lane_task is None:
             conn.lane_ready = asyncio.get_running_loop().create_future()
-            conn.lane_task = asyncio.create_task(self._read_lane(conn))
+            conn.lane_task = asyncio.create_task(self._read_lane(conn, conn.lane_ready))
+        assert conn.lane_ready is not None  # created with the lane task
         await asyncio.wait_for(asyncio.shield(conn.lane_ready), timeout=self.connect_timeout_s)
         return conn
 
-    async def _read_lane(self, conn: NodeConnection) -> None:
+    async def _read_lane(self, conn: NodeConnection, lane_ready: asyncio.Future) -> None:
+        """`lane_ready`: the connection's, resolved by the lane's first message."""
         reason = "result lane closed"
         try:
             async with contextlib.aclosing(self._lane_messages(conn)) as lane:
                 async for results in lane:
-                    if not conn.lane_ready.done():
-                        conn.lane_ready.set_result(None)
+                    if not lane_ready.done():
+                        lane_ready.set_result(None)
                         continue
                     self._dispatch(results.events)
         except grpc.aio.AioRpcError as exc:
             reason = f"node {conn.entry.node_id} at {conn.entry.address} was lost ({exc.code().name})"
         except asyncio.CancelledError:
             reason = "frontend is shutting down"
-        if not conn.lane_ready.done():
-            conn.lane_ready.set_exception(ConnectionError(reason))
+        if not lane_ready.done():
+            lane_ready.set_exception(ConnectionError(reason))
         self._fail_requests(conn, reason)
         conn.lane_task = None
 

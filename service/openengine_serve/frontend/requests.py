@@ -54,7 +54,7 @@ class OpenRequest:
         nodes: NodeConnections,
         owner: str = "",
         trace: RequestTrace = NO_TRACE,
-        hops: tuple[float, float, float] = (),
+        hops: tuple[float, float, float] | tuple[()] = (),
     ) -> None:
         self.request_id = request_id  # the internal id (auth.internal_request_id)
         self.owner = owner  # the API key name that started it ("" when keys are off)
@@ -261,12 +261,12 @@ def engine_request(plan: GenerationPlan, request_id: str, frontend_id: str) -> c
         (req.output_candidates, plan.output_candidates),
         (req.prompt_candidates, plan.prompt_candidates),
     ):
-        if selection is not None:
-            kind, value = selection
-            if kind == "top_n":
-                target.top_n = value
-            else:
-                target.token_ids.extend(value)
+        if selection is None:
+            continue
+        if selection[0] == "top_n":
+            target.top_n = selection[1]
+        else:
+            target.token_ids.extend(selection[1])
     return req
 
 

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from ..api.openengine.v1 import openengine_pb2
+from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
 from ..common.grpc_server import GRPCIO, ServerImplementation, create_server
 from ..common.health import Health
@@ -61,6 +62,11 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         lane_busy_ack_interval_s=config.lane_busy_ack_interval_ms / 1000,
         pause_after_s=config.client_pause_after_s,
     )
+
+    def on_node_table(table: dict[str, cluster_pb2.NodeEntry]) -> None:
+        nodes.keep_only(table)
+        model.on_node_table(table)
+
     coordinator = CoordinatorClient(
         frontend_id,
         config.coordinators(),
@@ -68,7 +74,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         config.heartbeat_s,
         config.coordinator_timeout_s,
         live_requests=lambda: requests.open_count,
-        on_node_table=lambda table: (nodes.keep_only(table), model.on_node_table(table)),
+        on_node_table=on_node_table,
         open_channel=open_internal_channel,
     )
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
@@ -106,7 +112,15 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     freeze_startup_objects()  # modules, protobuf descriptors
     mark_worker_ready()
     metrics.SERVER_INFO.labels(implementation=implementation.name, version=implementation.version).set(1)
-    log_event(logger, "frontend listening", frontend_id=frontend_id, port=config.port, **implementation.describe())
+    # The level is passed so that describe()'s fields cannot be taken for it.
+    log_event(
+        logger,
+        "frontend listening",
+        logging.INFO,
+        frontend_id=frontend_id,
+        port=config.port,
+        **implementation.describe(),
+    )
 
     background = [
         asyncio.create_task(coordinator.heartbeat_loop()),

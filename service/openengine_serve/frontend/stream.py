@@ -7,6 +7,8 @@ the token that ended an output (EOS or a stop token) as its last record.
 
 from __future__ import annotations
 
+from typing import cast
+
 from ..api.openengine.v1 import error_pb2, generation_pb2
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.protowire import length_delimited, varint
@@ -112,7 +114,8 @@ def token_delta_bytes(request_id_prefix: bytes, index_field: bytes, token_fields
 
 def serialize_response(response: bytes | generation_pb2.GenerateResponse) -> bytes:
     """The Generate response serializer: hand-built token deltas pass through as they are."""
-    return response if type(response) is bytes else response.SerializeToString()
+    # `type() is` narrows only its own branch: the other is the protobuf message.
+    return response if type(response) is bytes else cast(generation_pb2.GenerateResponse, response).SerializeToString()
 
 
 def token_info(record: cluster_pb2.TokenRecord, strings: TokenStrings, with_logprobs: bool) -> generation_pb2.TokenInfo:
@@ -244,7 +247,11 @@ class OutputStream:
         return delta, len(records), finished, matched is not None
 
     def finish(
-        self, reason: int, *, stop_match: generation_pb2.StopMatch | None = None, message: str = ""
+        self,
+        reason: generation_pb2.FinishReason,
+        *,
+        stop_match: generation_pb2.StopMatch | None = None,
+        message: str = "",
     ) -> generation_pb2.GenerateResponse:
         self.finished = True
         finished = generation_pb2.GenerationFinished(output_index=self.index, reason=reason, message=message)
@@ -262,7 +269,9 @@ def prompt_output(
     )
 
 
-def engine_error(request_id: str, code: int, message: str, retryable: bool) -> generation_pb2.GenerateResponse:
+def engine_error(
+    request_id: str, code: error_pb2.ErrorCode, message: str, retryable: bool
+) -> generation_pb2.GenerateResponse:
     return generation_pb2.GenerateResponse(
         request_id=request_id, error=error_pb2.EngineError(code=code, message=message, retryable=retryable)
     )

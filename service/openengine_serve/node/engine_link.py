@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -353,7 +354,8 @@ class EngineLink:
         if self._incarnation is None:
             raise zmq.Again()
         # Non-blocking: the future is already resolved, result() raises zmq.Again if unsent.
-        self._incarnation.commands.send(command.SerializeToString(), zmq.NOBLOCK).result()
+        # pyzmq's stub says Awaitable; zmq.asyncio returns an asyncio Future.
+        self._incarnation.commands.send(command.SerializeToString(), zmq.NOBLOCK).result()  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------ steps
 
@@ -558,7 +560,8 @@ class EngineLink:
                 return f"reading engine steps failed: {incarnation.receiver.exception()!r}"
             silent_for = time.monotonic() - self._last_step_at
             # Steps already waiting in the socket mean our own loop was slow, not the worker.
-            if silent_for > self._stall_timeout_s and not incarnation.steps.get(zmq.EVENTS) & zmq.POLLIN:
+            # zmq.EVENTS is an int option (get() is typed int | bytes).
+            if silent_for > self._stall_timeout_s and not cast(int, incarnation.steps.get(zmq.EVENTS)) & zmq.POLLIN:
                 return f"no engine step for {silent_for:.1f}s"
 
     async def _discard_incarnation(self) -> None:

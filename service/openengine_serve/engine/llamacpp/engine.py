@@ -370,6 +370,7 @@ class LlamaEngine(Engine):
         for state in self._compiling:
             if state.request_id not in self._queued:  # cancelled meanwhile
                 continue
+            assert state.guide is not None  # set while the guide compiles
             if not state.guide.done():
                 still.append(state)
                 continue
@@ -498,6 +499,7 @@ class LlamaEngine(Engine):
         """Prompt logprob records from the rows of a run that read prompt tokens."""
         state = run.request
         records = state.prompt_records
+        assert records is not None  # only for a request that asked for prompt logprobs
         start_index = state.request.prompt_logprob_start
         prompt = state.prompt
         if run.start == 0 and start_index == 0:
@@ -584,7 +586,7 @@ class LlamaEngine(Engine):
         self,
         state: _Request,
         output: _Output,
-        finish: int,
+        finish: cluster_pb2.EngineFinish,
         events: list[bytes],
         message: str = "",
         retryable: bool = False,

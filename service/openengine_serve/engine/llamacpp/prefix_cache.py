@@ -43,11 +43,11 @@ class PrefixCache:
         """The entry sharing the longest prefix with `prompt` under `salt`, and how many tokens can be reused:
         at most `reusable` (the tokens before the first whose logits are needed)."""
         best, best_length = None, 0
-        prompt = np.asarray(prompt, np.int32)
+        prompt_array = np.asarray(prompt, np.int32)
         for entry in self._entries.values():
             if entry.salt != salt:
                 continue
-            length = _common_prefix(entry.tokens, prompt, reusable)
+            length = _common_prefix(entry.tokens, prompt_array, reusable)
             if length > best_length:
                 best, best_length = entry, length
         if best is None or best_length < MIN_REUSE_TOKENS:

@@ -205,7 +205,7 @@ class Batch:
     def _event(
         state: model.RequestState,
         output_index: int,
-        finish: int,
+        finish: cluster_pb2.EngineFinish,
         token_id: int | None = None,
         record: cluster_pb2.TokenRecord | None = None,
         first: bool = False,

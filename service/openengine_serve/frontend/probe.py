@@ -55,7 +55,7 @@ class InferenceProbe:
             return lifecycle_pb2.HealthCheck(
                 name="inference_probe",
                 state=lifecycle_pb2.HEALTH_STATE_READY,
-                message=f"one token generated on node {accepted.node.node_id}",
+                message="one token generated",  # a public answer: the node is not named
             )
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - any failure is the probe's answer
             detail = exc.message if isinstance(exc, Refusal) else repr(exc)

@@ -113,7 +113,8 @@ class CommonConfig:
     internal_tls_cert_file: str = knob(
         "",
         "PEM certificate this component presents on the internal plane "
-        "(with _KEY_FILE and _CA_FILE: mutual TLS between all components)",
+        "(with _KEY_FILE and _CA_FILE: mutual TLS between all components); its CN names the role the "
+        "coordinator and nodes check: openengine-frontend, openengine-coordinator or openengine-node",
         unset="(none: off)",
     )
     internal_tls_key_file: str = knob("", "PEM private key of OPENENGINE_INTERNAL_TLS_CERT_FILE", unset="(none: off)")

@@ -9,7 +9,10 @@
 # symlink resolves. Behind a TLS-inspecting proxy, hand pip the CA bundle as an
 # optional BuildKit secret:  --secret id=pip_cert,src=/etc/ssl/certs/ca-certificates.crt
 # (BuildKit is required for the secret mounts: DOCKER_BUILDKIT=1 or docker buildx).
-ARG BASE_IMAGE=python:3.11-slim-bookworm
+# By digest: the image index of python:3.11-slim-bookworm recorded in docker-library/repo-info. A base of your
+# own (OPENENGINE_BASE_IMAGE) is best given as name@sha256:<digest> too; an image built locally has no registry
+# digest and can only be named by its tag.
+ARG BASE_IMAGE=python:3.11-slim-bookworm@sha256:fe556eaffd0d96abd8685b83bb8a69addd0dc730fa193669a7df0d49ddcfac02
 
 # ---------------------------------------------------------------- builders ---
 # llama-cpp-python (the llama.cpp engine and the tokenizers) has no binary wheel: it compiles llama.cpp. The

@@ -105,7 +105,7 @@ class Attacker:
                 generate(self.request(response=G.ResponseOptions(prompt_candidates={"token_ids": ids})), timeout=10)
             ),
             "prompt bytes": lambda: list(
-                generate(self.request(prompt="x" * 16 * settings["max_prompt_bytes"]), timeout=10)
+                generate(self.request(prompt="x" * 4 * settings["max_prompt_bytes"]), timeout=10)
             ),
             "stop text": lambda: list(
                 generate(self.request(conditions=[G.StopCondition(stop_text="s" * 1000)] * 16), timeout=10)

@@ -27,7 +27,7 @@ from . import processes
 from .conftest import MODEL, SERVERS, request
 
 MAX_STREAMS, MAX_CONNECTIONS, MAX_PROMPT_BYTES = 6, 12, 4096
-MAX_REQUEST_BYTES, MAX_METADATA_BYTES = 1024 * 1024, 4096
+MAX_REQUEST_BYTES, MAX_METADATA_BYTES = 256 * 1024, 4096
 STEP_MS = 20  # one token per stream per step
 STREAMS, CONNECTIONS, TOKENS = 16, 4, 150  # a run: 16 streams of 150 tokens over 4 connections, ~3 s
 RUNS = 4  # of each kind, alternating

@@ -436,8 +436,8 @@ class FrontendConfig(CommonConfig):
     max_connections: int = knob(
         2048,
         "client connections one frontend worker serves; a call on a connection beyond them is refused "
-        "(RESOURCE_EXHAUSTED); beyond twice as many, connections are closed (grpcio: as they open; "
-        "pygrpc-native: within a second, those without a call admitted)",
+        "(RESOURCE_EXHAUSTED; health probes are still answered); beyond twice as many, connections are "
+        "closed (grpcio: as they open; pygrpc-native: within a second, those without a call admitted)",
         minimum=1,
     )
     max_connection_idle_s: float = knob(

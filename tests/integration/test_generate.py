@@ -233,6 +233,25 @@ def test_duplicate_live_id_refused_from_second_frontend(stack):
     assert "request_id" in err.details() or "already" in err.details()
 
 
+def test_an_id_sent_again_as_soon_as_its_stream_ended_is_a_new_request(stack):
+    """The first request's late cancel (its outputs stopped on the frontend by stop text) and late events must not
+    reach the second: both streams are the same, every time."""
+
+    def outcome(responses):
+        outputs = by_output(responses)
+        return {i: (o["ids"], [(f.reason, f.stop_match) for f in o["finished"]]) for i, o in outputs.items()}
+
+    with stack.client() as client:
+        for _ in range(20):
+            req = request("hello", max_tokens=10)
+            req.sampling.num_sequences = 2
+            req.stopping.conditions.add(stop_text="e")
+            first = outcome(collect(client, req))
+            again = outcome(collect(client, req))
+            assert again == first
+            assert all(finished[0][0] != G.FINISH_REASON_CANCELLED for _, finished in first.values())
+
+
 def test_client_cancel_frees_the_engine_slot(stack, slow_cluster):
     """8000 tokens at 50 ms a step take 400 s: only the cancel can take the request off the node."""
     target = slow_cluster.frontend(stack.server).target

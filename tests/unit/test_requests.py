@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.attempts import request_id_of
 from openengine_serve.common.routing import rendezvous_pick
 from openengine_serve.frontend import refusal
 from openengine_serve.frontend.fallback_routing import FallbackRouter
@@ -76,10 +77,11 @@ async def test_an_accepted_request_is_submitted_then_released(deployment: Deploy
         assert accepted.node.node_id == "n1" and deployment.requests.open_count == 1
         [submitted] = deployment.node_stubs["n1"].submitted
         assert (submitted.request_id, submitted.frontend_id, list(submitted.prompt_token_ids)) == (
-            "r1",
+            accepted.attempt_id,
             "fe-test",
             [11, 12, 13],
         )
+        assert request_id_of(accepted.attempt_id) == "r1"
         assert (submitted.num_sequences, submitted.max_tokens, submitted.seed, submitted.has_seed) == (2, 4, 7, True)
         assert (submitted.priority, submitted.output_candidates.top_n) == (-2, 3)
         assert submitted.temperature == pytest.approx(0.5)
@@ -91,8 +93,8 @@ async def test_an_accepted_request_is_submitted_then_released(deployment: Deploy
             False,
         )
         assert reserve.traceparent == "00-" + "a" * 32 + "-" + "b" * 16 + "-01"  # rides in the batched reservation
-        event = cluster_pb2.OutputEvent(request_id="r1")
-        deployment.nodes.sinks["r1"].put(event)
+        event = cluster_pb2.OutputEvent(request_id=accepted.attempt_id)
+        deployment.nodes.sinks[accepted.attempt_id].put(event)
         assert await accepted.sink.take() == [event]
         accepted.ended = True
     await settle()
@@ -117,13 +119,27 @@ async def test_the_owner_goes_with_the_reservation(deployment: Deployment):
     assert deployment.coordinator_stub.released == ["team-a r-owned", "r-anonymous"]
 
 
+async def test_each_submission_of_an_id_is_its_own_attempt_on_the_node(deployment: Deployment):
+    """An id sent again once its stream ended: the first one's late cancel or events cannot reach the second."""
+    attempts = []
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            async with deployment.requests.open(plan()) as accepted:
+                attempts.append(accepted.attempt_id)
+                raise RuntimeError("client went away")
+    assert attempts[0] != attempts[1] and {request_id_of(a) for a in attempts} == {"r1"}
+    await settle()
+    assert deployment.node_stubs["n1"].cancelled == [(attempts[0], None), (attempts[1], None)]
+    assert deployment.coordinator_stub.released == ["r1", "r1"]
+
+
 async def test_a_stream_that_did_not_end_is_cancelled_on_its_node(deployment: Deployment):
     with pytest.raises(RuntimeError, match="client went away"):
         async with deployment.requests.open(plan()) as accepted:
             accepted.cancel_output(1)  # a stop string matched on output 1
             raise RuntimeError("client went away")
     await settle()
-    assert deployment.node_stubs["n1"].cancelled == [("r1", 1), ("r1", None)]
+    assert deployment.node_stubs["n1"].cancelled == [(accepted.attempt_id, 1), (accepted.attempt_id, None)]
     deployment.assert_cleaned_up("r1")
 
 

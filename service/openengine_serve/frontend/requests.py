@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2
+from ..common.attempts import AttemptIds
 from ..common.logging_setup import log_event
 from ..common.tracing import RESERVE_SPAN, SUBMIT_SPAN
 from . import auth, metrics
@@ -44,11 +45,12 @@ class OpenRequest:
     """An accepted request: its node, its sink, its owner, its trace, and the call that stops one of its outputs
     on the node."""
 
-    __slots__ = ("request_id", "owner", "node", "sink", "ended", "trace", "hops", "_conn", "_nodes")
+    __slots__ = ("request_id", "attempt_id", "owner", "node", "sink", "ended", "trace", "hops", "_conn", "_nodes")
 
     def __init__(
         self,
         request_id: str,
+        attempt_id: str,
         conn: NodeConnection,
         sink: RequestSink,
         nodes: NodeConnections,
@@ -57,6 +59,7 @@ class OpenRequest:
         hops: tuple[float, float, float] | tuple[()] = (),
     ) -> None:
         self.request_id = request_id  # the internal id (auth.internal_request_id)
+        self.attempt_id = attempt_id  # what the node knows this submission by (common/attempts.py)
         self.owner = owner  # the API key name that started it ("" when keys are off)
         self.trace = trace
         self.node = conn.entry
@@ -67,7 +70,7 @@ class OpenRequest:
         self._nodes = nodes
 
     def cancel_output(self, output_index: int) -> None:
-        self._nodes.cancel(self._conn, self.request_id, output_index)
+        self._nodes.cancel(self._conn, self.attempt_id, output_index)
 
 
 class Requests:
@@ -78,6 +81,8 @@ class Requests:
         self.coordinator = coordinator
         self.nodes = nodes
         self.router = router
+        self._attempt_ids = AttemptIds()
+        self._open_ids: set[str] = set()  # internal ids open here: duplicates while the coordinator is away
         self._open = 0
         self._open_by_owner: dict[str, int] = {}  # per API key name, for its concurrency limit
         self._open_gauge = metrics.WORKER_IN_FLIGHT.labels(worker=frontend_id)
@@ -125,21 +130,24 @@ class Requests:
                 self.coordinator.release(request_id)  # the client left during Reserve, which may have gone through
                 raise
             reserved_at = time.monotonic()
-            self.nodes.open_sink(request_id)  # before Submit: the first step may come back at once
+            attempt_id = self._attempt_ids.next(request_id)
+            self.nodes.open_sink(attempt_id)  # before Submit: the first step may come back at once
+            self._open_ids.add(request_id)
             conn = request = None
             try:
                 try:
                     conn = await self.nodes.connect(node)
                     with trace.call(SUBMIT_SPAN, forwarded, **{"openengine.node_id": node.node_id}) as metadata:
-                        await self.nodes.submit(conn, engine_request(plan, request_id, self.frontend_id), metadata)
+                        await self.nodes.submit(conn, engine_request(plan, attempt_id, self.frontend_id), metadata)
                 except (grpc.aio.AioRpcError, SubmitRefused, StreamBroken, ConnectionError, TimeoutError) as exc:
                     conn = None  # the node did not take the request: nothing to cancel
                     raise submit_refusal(exc, node, request_id) from None
                 trace.event("queued", **{"openengine.node_id": node.node_id})
                 request = OpenRequest(
                     request_id,
+                    attempt_id,
                     conn,
-                    self.nodes.sinks[request_id],
+                    self.nodes.sinks[attempt_id],
                     self.nodes,
                     owner,
                     trace,
@@ -148,8 +156,9 @@ class Requests:
                 yield request
             finally:
                 if conn is not None and not (request is not None and request.ended):
-                    self.nodes.cancel(conn, request_id)  # the client went away or the stream failed: free the slot
-                self.nodes.close_sink(request_id, node.node_id)
+                    self.nodes.cancel(conn, attempt_id)  # the client went away or the stream failed: free the slot
+                self.nodes.close_sink(attempt_id, node.node_id)
+                self._open_ids.discard(request_id)
                 self.coordinator.release(request_id)
         finally:
             self._open -= 1
@@ -190,7 +199,7 @@ class Requests:
         except CoordinatorUnreachable:
             trace.event("fallback_routing")
             # Duplicates are caught on this frontend only until the coordinator is back.
-            if request_id in self.nodes.sinks:
+            if request_id in self._open_ids:
                 raise duplicate(plan) from None
             return self.router.choose(
                 self.coordinator.ready_nodes(),
@@ -230,7 +239,7 @@ def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry, request_id: str)
 
 
 def engine_request(plan: GenerationPlan, request_id: str, frontend_id: str) -> cluster_pb2.EngineRequest:
-    """The internal request a node runs (`request_id`: its internal id), from the validated public one."""
+    """The internal request a node runs (`request_id`: its attempt id), from the validated public one."""
     req = cluster_pb2.EngineRequest(
         request_id=request_id,
         frontend_id=frontend_id,

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.attempts import request_id_of
 from openengine_serve.common.logging_setup import log_event
 from openengine_serve.engine.config import LAUNCHER_MODULE, WORKER_MODULE, WorkerConfig
 
@@ -157,6 +158,7 @@ class EngineLink:
         self._ready = asyncio.Event()
         self._restarts = 0
         self._requests: dict[str, _Outstanding] = {}
+        # Both by request id (common/attempts.py: `_requests` is by attempt id), for the coordinator's abort.
         self._ended = RecentIds()  # requests that ended here lately (see abort)
         self._held_cancels = RecentIds()  # aborted before they were submitted here (see abort)
         self._open_sequences = 0
@@ -295,7 +297,7 @@ class EngineLink:
         self._waiting_since[request.request_id] = time.monotonic()
         self._open_sequences += sequences
         self._requests_changed()
-        if self._held_cancels and self._held_cancels.pop(request.request_id):
+        if self._held_cancels and self._held_cancels.pop(request_id_of(request.request_id)):
             self.cancel(request.request_id)  # aborted before it arrived: it ends CANCELLED at once
 
     def cancel(self, request_id: str, output_index: int | None = None) -> bool:
@@ -325,10 +327,14 @@ class EngineLink:
         return True
 
     def abort(self, request_id: str) -> cluster_pb2.CancelReply:
-        """The coordinator's Abort of one request it has reserved on this node. Not open here, the request
-        either ended here (its release is still on its way to the coordinator) or has not arrived yet (reserved,
-        its Submit still on its way): the second kind is cancelled as soon as it is submitted."""
-        if self.cancel(request_id):
+        """The coordinator's Abort of one request it has reserved on this node (`request_id`: the request id, not
+        an attempt id). Not open here, the request either ended here (its release is still on its way to the
+        coordinator) or has not arrived yet (reserved, its Submit still on its way): the second kind is cancelled
+        as soon as it is submitted."""
+        attempts = [attempt for attempt in self._requests if request_id_of(attempt) == request_id]
+        if attempts:
+            for attempt in attempts:
+                self.cancel(attempt)
             return cluster_pb2.CancelReply(found=True)
         if request_id in self._ended:
             return cluster_pb2.CancelReply(ended=True)
@@ -401,7 +407,7 @@ class EngineLink:
         self._open_sequences -= 1
         if not entry.open_outputs:
             del self._requests[request_id]
-            self._ended.add(request_id)
+            self._ended.add(request_id_of(request_id))
             self._waiting_since.pop(request_id, None)
             self._requests_changed()
 
@@ -435,7 +441,7 @@ class EngineLink:
             return
         step = cluster_pb2.EngineStep(step=self._last_step)
         for request_id, entry in self._requests.items():
-            self._ended.add(request_id)
+            self._ended.add(request_id_of(request_id))
             for output_index in sorted(entry.open_outputs):
                 step.events.add(
                     request_id=request_id,

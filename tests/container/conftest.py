@@ -5,8 +5,10 @@ is a failure there. Locally they are skipped (with the reason) when no engine an
 
 The stack runs as its own Compose project (`oe-test-<random>`), every published
 port bound to 127.0.0.1: the frontend's gRPC port is a free port chosen here
-(OPENENGINE_FRONTEND_PUBLISH), the metrics ports are ephemeral ("0", looked up
-with `docker port`), so a local stack on 50051/9091-9097 is never disturbed.
+(OPENENGINE_FRONTEND_PUBLISH), its metrics port is ephemeral ("0", looked up
+with `docker port`), so a local stack on 50051/9091 is never disturbed. The
+coordinator's and nodes' metrics are read inside their containers (`docker exec`):
+they publish nothing.
 `docker compose down -v` always runs in the finalizer.
 """
 
@@ -64,8 +66,6 @@ class Stack:
             "OPENENGINE_NODES": "1",
             "OPENENGINE_FRONTEND_PUBLISH": str(self.frontend_port),
             "OPENENGINE_FRONTEND_METRICS_PUBLISH": "0",
-            "OPENENGINE_COORDINATOR_METRICS_PUBLISH": "0",
-            "OPENENGINE_NODE_METRICS_PUBLISH": "0",
         }
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{self.project}.log"
@@ -135,6 +135,13 @@ class Stack:
         host_ports = [int(line.rsplit(":", 1)[1]) for line in out if line.startswith("127.0.0.1:")]
         assert host_ports, f"{container} does not publish {port} on 127.0.0.1: {out}"
         return host_ports[0]
+
+    def scrape_inside(self, container: str, port: int) -> str:
+        """The /metrics text a container serves on `port`, fetched from inside it."""
+        fetch = (
+            f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
+        )
+        return self.docker_cmd("exec", container, "python3", "-c", fetch, timeout=30).stdout
 
     def leftovers(self) -> dict[str, list[str]]:
         label = f"label=com.docker.compose.project={self.project}"

@@ -4,9 +4,9 @@ One Compose project for the whole module (see conftest.py); the tests run in
 file order and each leaves the stack healthy for the next: grpcio frontend,
 one node serving the real model (the default) -> the node on the simulated
 engine, whose slow steps (compose.test.yml) keep streams in flight for the
-tests that stop or kill parts -> pygrpc-native frontend and back -> two nodes
--> frontend stop (drain) and start -> node killed mid-stream -> `down -v`
-leaves nothing.
+tests that stop or kill parts -> pygrpc-native frontend and back -> two nodes,
+frontend stop (drain) and start, node killed mid-stream, each on both gRPC
+servers -> `down -v` leaves nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
+import yaml
 
 from ..integration.processes import wait_for
 from .conftest import REPO, Stack, cli, cli_popen, compose_ps
@@ -91,8 +92,25 @@ def generate_ok(stack: Stack, max_tokens: int, prompt: str = PROMPT) -> str:
     return proc.stdout
 
 
-def node_metrics_ports(stack: Stack) -> dict[str, int]:
-    return {cid: stack.published_port(cid, 9093) for cid in stack.container_ids("node")}
+def node_metric(stack: Stack, container: str, name: str) -> float:
+    return metric(stack.scrape_inside(container, 9093), name)
+
+
+def frontend_on(stack: Stack, server: str) -> None:
+    """Recreates the frontend on `server` unless it runs it already; later `up`s keep it."""
+    stack.env["OPENENGINE_GRPC_SERVER"] = server
+    if server_info(stack.target)["grpc_server"] != server:
+        stack.up("--no-deps", "frontend")
+    assert server_info(stack.target)["grpc_server"] == server
+
+
+def two_ready_nodes(stack: Stack) -> list[str]:
+    """Two node containers, both ready on the frontend (a node killed earlier is started again)."""
+    stack.up("--no-recreate", "--scale", "node=2")
+    wait_for(lambda: server_info(stack.target)["data_parallel_size"] == 2, 60, "ServerInfo data_parallel_size 2")
+    nodes = stack.container_ids("node")
+    assert len(nodes) == 2, nodes
+    return nodes
 
 
 def read_first_chunk(proc, timeout: float = 30) -> str:
@@ -220,16 +238,47 @@ def test_the_default_stack_serves_smollm2_with_llama_cpp(stack: Stack):
     assert haiku.returncode == 0 and "sea" in haiku.stdout.lower(), haiku.stdout + haiku.stderr
 
 
-def test_metrics_answer_on_published_ports(stack: Stack):
+def test_metrics_answer_on_the_frontends_port_and_inside_the_internal_components(stack: Stack):
     (frontend,) = stack.container_ids("frontend")
     (coordinator,) = stack.container_ids("coordinator")
     front = scrape(stack.published_port(frontend, 9091))
     assert metric(front, "openengine_frontend_requests_total") >= 1
     assert metric(front, "openengine_frontend_generated_tokens_total") >= 48
-    coord = scrape(stack.published_port(coordinator, 9092))
+    coord = stack.scrape_inside(coordinator, 9092)
     assert 'openengine_coordinator_nodes{state="ready"} 1.0' in coord, coord[:2000]
-    for port in node_metrics_ports(stack).values():
-        assert metric(scrape(port), "openengine_node_step_duration_seconds_count") >= 48
+    for node in stack.container_ids("node"):
+        assert node_metric(stack, node, "openengine_node_step_duration_seconds_count") >= 48
+
+
+def inspect(stack: Stack, container: str) -> dict:
+    return json.loads(stack.docker_cmd("inspect", container).stdout)[0]
+
+
+def connects(stack: Stack, container: str, address: str, port: int) -> bool:
+    """Whether `container` opens a TCP connection to address:port (within 3 s)."""
+    attempt = f"import socket; socket.create_connection(({address!r}, {port}), timeout=3).close()"
+    return stack.docker_cmd("exec", container, "python3", "-c", attempt, timeout=30, check=False).returncode == 0
+
+
+def test_coordinator_and_nodes_publish_nothing_and_reach_nothing_outside_their_network(stack: Stack):
+    """Nothing of the coordinator and nodes is published, and what they send out of the internal network is
+    dropped: they reach the frontend's gRPC port at its address there, not at its address on the public
+    network (the host itself still reaches container addresses through the bridge, as on any Docker network)."""
+    internal, public = f"{stack.project}_internal", f"{stack.project}_public"
+    network = json.loads(stack.docker_cmd("network", "inspect", internal).stdout)[0]
+    assert network["Internal"] is True, network
+    (frontend,) = stack.container_ids("frontend")
+    frontend_networks = inspect(stack, frontend)["NetworkSettings"]["Networks"]
+    assert set(frontend_networks) == {internal, public}
+    for container in stack.container_ids("coordinator") + stack.container_ids("node"):
+        details = inspect(stack, container)
+        name = details["Name"]
+        assert set(details["NetworkSettings"]["Networks"]) == {internal}, details["NetworkSettings"]["Networks"]
+        published = {port: bound for port, bound in details["NetworkSettings"]["Ports"].items() if bound}
+        assert published == {}, f"{name} publishes {published}"
+        assert connects(stack, container, frontend_networks[internal]["IPAddress"], 50051), name
+        assert not connects(stack, container, frontend_networks[public]["IPAddress"], 50051), f"{name} got out"
+    generate_ok(stack, 16)  # and the stack still serves through the frontend
 
 
 def test_the_node_switches_to_the_simulated_engine(stack: Stack):
@@ -277,7 +326,21 @@ def test_server_switch_recreates_only_the_frontend(stack: Stack):
 
 # --------------------------------------------------------------- security ---
 
-PUBLISHED = {"frontend": {50051, 9091}, "coordinator": {9092}, "node": {9093}, "tls-proxy": {8443}}
+# Profile `tls` included: its frontend publishes only its metrics, the proxy's TLS port being its way in.
+PUBLISHED = {
+    "frontend": {50051, 9091},
+    "coordinator": set(),
+    "node": set(),
+    "tls-frontend": {9091},
+    "tls-proxy": {8443},
+}
+NETWORKS = {
+    "frontend": {"internal", "public"},
+    "coordinator": {"internal"},
+    "node": {"internal"},
+    "tls-frontend": {"internal", "public"},
+    "tls-proxy": {"public"},
+}
 
 
 def test_only_the_public_port_and_metrics_are_published_and_only_on_localhost(docker):
@@ -303,9 +366,26 @@ def test_only_the_public_port_and_metrics_are_published_and_only_on_localhost(do
         ports = service.get("ports", [])
         assert {int(p["target"]) for p in ports} == PUBLISHED[name], (name, ports)
         assert all(p.get("host_ip") == "127.0.0.1" for p in ports), (name, ports)
+        assert set(service["networks"]) == NETWORKS[name], (name, service["networks"])
+    networks = json.loads(config.stdout)["networks"]
+    assert networks["internal"].get("internal") is True, networks
+    assert not networks["public"].get("internal"), networks
+    # Keys may reach a frontend over plaintext only behind the TLS proxy.
+    allowed = {
+        name
+        for name, service in services.items()
+        if "OPENENGINE_ALLOW_PLAINTEXT_KEYS" in service.get("environment", {})
+    }
+    assert (
+        allowed == {"tls-frontend"}
+        and services["tls-frontend"]["environment"]["OPENENGINE_ALLOW_PLAINTEXT_KEYS"] == "1"
+    )
+    assert set(services["tls-proxy"]["depends_on"]) == {"tls-frontend"}
 
 
-def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend(stack: Stack, tmp_path):
+def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend_with_keys(stack: Stack, tmp_path):
+    """The profile as documented: `up tls-proxy` brings tls-frontend (keys on, over the proxy's plaintext hop)
+    and the proxy; the plaintext `frontend` is stopped meanwhile, as it would not run there."""
     import os
 
     import grpc
@@ -322,34 +402,30 @@ def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend(stack: Stack
     (tls_dir / "tls.crt").write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
     (tls_dir / "tls.key").write_bytes(cert.private_key_pem.bytes())
     (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
-    for path in (tmp_path, tls_dir):  # the proxy runs as uid 10001
+    key = f"compose-{time.time_ns()}"
+    (tmp_path / "keys").write_text(f"user tester {key}\n")
+    for path in (tmp_path, tls_dir):  # the proxy and the frontend run as uid 10001
         os.chmod(path, 0o755)
-    for path in tls_dir.iterdir():
+    for path in [*tls_dir.iterdir(), tmp_path / "keys"]:
         os.chmod(path, 0o644)
     tls_port = free_port()
     env = {
         "OPENENGINE_GRPC_SERVER": "pygrpc-native",
         "OPENENGINE_TLS_DIR": str(tls_dir),
         "OPENENGINE_TLS_PUBLISH": str(tls_port),
+        "OPENENGINE_API_KEYS": str(tmp_path / "keys"),
     }
+    ca_file = str(tmp_path / "ca.pem")
     try:
+        stack.compose("stop", "frontend", timeout=90)
         stack.compose(
-            "--profile",
-            "tls",
-            "up",
-            "-d",
-            "--wait",
-            "--wait-timeout",
-            "400",
-            "frontend",
-            "tls-proxy",
-            "--no-deps",
-            timeout=900,
-            env=env,
+            "--profile", "tls", "up", "-d", "--wait", "--wait-timeout", "400", "tls-proxy", timeout=900, env=env
         )
+        (tls_frontend,) = stack.compose("--profile", "tls", "ps", "-q", "tls-frontend", env=env).stdout.split()
+        published = {port for port, bound in inspect(stack, tls_frontend)["NetworkSettings"]["Ports"].items() if bound}
+        assert published == {"9091/tcp"}, f"tls-frontend publishes {published}: its gRPC port must not be"
         target = f"127.0.0.1:{tls_port}"
-        credentials = Credentials(ca_file=str(tmp_path / "ca.pem"))
-        with Client(target, credentials=credentials) as client:
+        with Client(target, credentials=Credentials(ca_file=ca_file, api_key=key)) as client:
             info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10)
             assert info.extra["grpc_server"] == "pygrpc-native"
             request = generation_pb2.GenerateRequest(
@@ -361,24 +437,35 @@ def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend(stack: Stack
             responses = list(client.generate(request, timeout=60))
         tokens = [r for r in responses if r.HasField("token")]
         assert len(tokens) >= 2 and responses[-1].usage.completion_tokens == 24
+        with Client(target, credentials=Credentials(ca_file=ca_file)) as keyless:  # the keys are on
+            with pytest.raises(grpc.RpcError) as no_key:
+                keyless.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10)
+        assert no_key.value.code() == grpc.StatusCode.UNAUTHENTICATED, no_key.value
         with Client(target) as plaintext:  # the proxy speaks TLS only
-            with pytest.raises(grpc.RpcError):
+            with pytest.raises(grpc.RpcError) as refused:
                 plaintext.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
+        # nginx answers the plaintext HTTP/2 preface with an HTTP/1.x 400 ("plain HTTP request sent to HTTPS port")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        assert "http1.x" in refused.value.details(), refused.value.details()
     finally:
-        stack.compose("--profile", "tls", "rm", "-sf", "tls-proxy", check=False, env=env)
-        stack.up("--no-deps", "frontend")  # back to grpcio for the following tests
+        stack.compose("--profile", "tls", "rm", "-sf", "tls-proxy", "tls-frontend", check=False, env=env)
+        stack.up("--no-deps", "frontend")  # the plaintext frontend on grpcio again, for the following tests
     assert server_info(stack.target)["grpc_server"] == "grpcio"
 
 
 # ------------------------------------------------------------------- scale ---
 
 
-def test_scale_to_two_nodes_uses_both(stack: Stack):
-    stack.up("--no-recreate", "--scale", "node=2")
-    ports = node_metrics_ports(stack)
-    assert len(ports) == 2, ports
-    wait_for(lambda: server_info(stack.target)["data_parallel_size"] == 2, 30, "ServerInfo data_parallel_size 2")
-    before = {cid: metric(scrape(port), "openengine_node_step_duration_seconds_count") for cid, port in ports.items()}
+# The parametrized tests below switch the frontend's gRPC server only where the previous test left the other
+# one (hence the order of each list).
+
+
+@pytest.mark.parametrize("server", ["grpcio", "pygrpc-native"])
+def test_scale_to_two_nodes_uses_both(stack: Stack, server: str):
+    frontend_on(stack, server)
+    nodes = two_ready_nodes(stack)
+    steps = "openengine_node_step_duration_seconds_count"
+    before = {node: node_metric(stack, node, steps) for node in nodes}
 
     procs = [
         cli_popen(
@@ -400,8 +487,8 @@ def test_scale_to_two_nodes_uses_both(stack: Stack):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    after = {cid: metric(scrape(port), "openengine_node_step_duration_seconds_count") for cid, port in ports.items()}
-    stepped = [cid for cid in ports if after[cid] > before[cid]]
+    after = {node: node_metric(stack, node, steps) for node in nodes}
+    stepped = [node for node in nodes if after[node] > before[node]]
     assert len(stepped) == 2, f"steps before {before} after {after}; GetLoad saw ranks {busy_ranks} running"
     assert busy_ranks == {0, 1}, f"GetLoad include_per_rank saw only ranks {busy_ranks} running"
 
@@ -409,7 +496,9 @@ def test_scale_to_two_nodes_uses_both(stack: Stack):
 # ------------------------------------------------------------------- drain ---
 
 
-def test_stopping_the_frontend_drains_the_stream_in_flight(stack: Stack):
+@pytest.mark.parametrize("server", ["pygrpc-native", "grpcio"])
+def test_stopping_the_frontend_drains_the_stream_in_flight(stack: Stack, server: str):
+    frontend_on(stack, server)
     proc = cli_popen("generate", "--target", stack.target, "--prompt", PROMPT, "--max-tokens", "200", "--ignore-eos")
     try:
         first = read_first_chunk(proc)
@@ -428,27 +517,29 @@ def test_stopping_the_frontend_drains_the_stream_in_flight(stack: Stack):
     assert not state or all(c.get("State") != "running" for c in state), state
 
     stack.up("--no-deps", "frontend")
+    assert server_info(stack.target)["grpc_server"] == server
     generate_ok(stack, 8)
 
 
 # -------------------------------------------------------------- node death ---
 
 
-def test_killed_node_fails_the_stream_retryably_and_the_next_request_succeeds(stack: Stack):
-    ports = node_metrics_ports(stack)
-    assert len(ports) == 2, "expects the two nodes of the scale test"
+@pytest.mark.parametrize("server", ["grpcio", "pygrpc-native"])
+def test_killed_node_fails_the_stream_retryably_and_the_next_request_succeeds(stack: Stack, server: str):
+    frontend_on(stack, server)
+    nodes = two_ready_nodes(stack)
     proc = cli_popen("generate", "--target", stack.target, "--prompt", PROMPT, "--max-tokens", "400", "--ignore-eos")
     try:
         read_first_chunk(proc)
         victim = wait_for(
             lambda: next(
-                (cid for cid, port in ports.items() if metric(scrape(port), "openengine_node_running_requests") >= 1),
+                (node for node in nodes if node_metric(stack, node, "openengine_node_running_requests") >= 1),
                 None,
             ),
             10,
             "the node running the stream",
         )
-        (survivor,) = [cid for cid in ports if cid != victim]
+        (survivor,) = [node for node in nodes if node != victim]
         stack.docker_cmd("kill", victim)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -457,10 +548,10 @@ def test_killed_node_fails_the_stream_retryably_and_the_next_request_succeeds(st
     assert proc.returncode == 1, f"expected a terminal EngineError (exit 1), got {proc.returncode}: {err}"
     assert re.search(r"\[error code=\S+ retryable=True\]", err), err
 
-    survivor_port = ports[survivor]
-    before = metric(scrape(survivor_port), "openengine_node_step_duration_seconds_count")
+    steps = "openengine_node_step_duration_seconds_count"
+    before = node_metric(stack, survivor, steps)
     generate_ok(stack, 16)
-    after = metric(scrape(survivor_port), "openengine_node_step_duration_seconds_count")
+    after = node_metric(stack, survivor, steps)
     assert after >= before + 16, f"the next request did not run on the surviving node ({before} -> {after})"
 
 
@@ -533,12 +624,15 @@ def test_observability_profile_prometheus_scrapes_every_component(stack: Stack):
             interval=1,
         )
 
+        rule_file = yaml.safe_load((monitoring / "openengine-alerts.yml").read_text())
+        written = sum(len(group["rules"]) for group in rule_file["groups"])
+
         def rules_evaluated():
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as reply:
                 rules = [r for g in json.loads(reply.read())["data"]["groups"] for r in g["rules"]]
-            return len(rules) == 8 and all(r["health"] == "ok" for r in rules)
+            return len(rules) == written and all(r["health"] == "ok" for r in rules)
 
-        wait_for(rules_evaluated, 30, "every alert rule evaluated without error", interval=1)
+        wait_for(rules_evaluated, 30, f"all {written} alert rules evaluated without error", interval=1)
         assert not prometheus_query(port, 'ALERTS{alertstate="firing"}')
     finally:
         stack.compose("rm", "--stop", "--force", "-v", "prometheus", env=env, check=False)

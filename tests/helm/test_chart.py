@@ -875,6 +875,16 @@ def _secret_volumes(spec: dict[str, Any]) -> dict[str, str]:
     return {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
 
 
+def test_keys_behind_a_tls_terminating_ingress_are_accepted_in_plaintext_when_said(render) -> None:
+    values = {
+        "frontend": {"apiKeys": {"secretName": "k", "allowPlaintext": True}},
+        "tests": {"apiKeySecret": {"name": "t"}},
+    }
+    fe_env = render(values).env("frontend")
+    assert fe_env["OPENENGINE_ALLOW_PLAINTEXT_KEYS"] == "1"
+    assert fe_env["OPENENGINE_API_KEYS_FILE"] == "/etc/openengine/api-keys/api-keys"
+
+
 def test_secured_release_mounts_secrets_and_sets_the_variables(render) -> None:
     r = render(VARIANTS["secured"])
     fe_env = r.env("frontend")
@@ -882,6 +892,7 @@ def test_secured_release_mounts_secrets_and_sets_the_variables(render) -> None:
     assert fe_env["OPENENGINE_TLS_KEY_FILE"] == "/etc/openengine/tls/tls.key"
     assert fe_env["OPENENGINE_TLS_CLIENT_CA_FILE"] == "/etc/openengine/tls/ca.crt"
     assert fe_env["OPENENGINE_API_KEYS_FILE"] == "/etc/openengine/api-keys/api-keys"
+    assert "OPENENGINE_ALLOW_PLAINTEXT_KEYS" not in fe_env  # the frontend has TLS of its own
     assert _secret_volumes(r.deployment("frontend")["spec"]["template"]["spec"]) == {
         "tls": "oe-public-tls",
         "api-keys": "oe-api-keys",
@@ -991,7 +1002,14 @@ def test_notes_say_how_to_call_with_tls_and_a_key(render) -> None:
     ("values", "complaint"),
     [
         ({"frontend": {"grpcServer": "pygrpc-native", "tls": {"secretName": "s"}}}, "terminate TLS in front"),
-        ({"frontend": {"apiKeys": {"secretName": "k"}}}, "set tests.apiKeySecret.name"),
+        (
+            {"frontend": {"apiKeys": {"secretName": "k"}}, "tests": {"apiKeySecret": {"name": "t"}}},
+            "sends keys in plaintext",
+        ),
+        (
+            {"frontend": {"apiKeys": {"secretName": "k", "allowPlaintext": True}}},
+            "set tests.apiKeySecret.name",
+        ),
         (
             {"frontend": {"tls": {"certManager": {"issuerRef": {"name": "ca", "kind": "Issuer"}}}}},
             "needs frontend.tls.secretName",

@@ -109,6 +109,10 @@ grpc:
 {{- if $v.frontend.apiKeys.secretName }}
 - name: OPENENGINE_API_KEYS_FILE
   value: /etc/openengine/api-keys/{{ $v.frontend.apiKeys.secretKey }}
+{{- if $v.frontend.apiKeys.allowPlaintext }}
+- name: OPENENGINE_ALLOW_PLAINTEXT_KEYS
+  value: "1"
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -175,6 +179,9 @@ grpc:
 {{- end }}
 {{- if and $v.frontend.tls.clientCaKey (not $v.frontend.tls.secretName) }}
 {{- fail "frontend.tls.clientCaKey needs frontend.tls.secretName" }}
+{{- end }}
+{{- if and $v.frontend.apiKeys.secretName (not $v.frontend.tls.secretName) (not $v.frontend.apiKeys.allowPlaintext) }}
+{{- fail "frontend.apiKeys.secretName without frontend.tls.secretName sends keys in plaintext: set frontend.tls, or frontend.apiKeys.allowPlaintext=true when TLS ends in front of the frontend (an ingress or a sidecar)" }}
 {{- end }}
 {{- if and $v.frontend.apiKeys.secretName $v.tests.enabled (not $v.tests.apiKeySecret.name) }}
 {{- fail "frontend.apiKeys.secretName is set: helm test needs a key, set tests.apiKeySecret.name (or tests.enabled=false)" }}

@@ -133,9 +133,10 @@ def test_metadata_beyond_the_transport_cap_is_refused_and_the_server_keeps_servi
             assert (
                 "exceeds hard limit" in err.details() and f"vs. {limits.TRANSPORT_MAX_METADATA_BYTES})" in err.details()
             )
-        else:
-            assert err.code() == grpc.StatusCode.UNKNOWN, (err.code(), err.details())
-            assert "431" in err.details(), err.details()
+        else:  # the 431 answer, or the stream reset that may overtake it when the machine is busy
+            answered_431 = err.code() == grpc.StatusCode.UNKNOWN and "431" in err.details()
+            reset = err.code() == grpc.StatusCode.INTERNAL and "RST_STREAM" in err.details()
+            assert answered_431 or reset, (err.code(), err.details())
     with Client(limited.target, retries=False) as client:
         assert client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10).instance_id
 

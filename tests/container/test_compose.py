@@ -261,9 +261,10 @@ def connects(stack: Stack, container: str, address: str, port: int) -> bool:
 
 
 def test_coordinator_and_nodes_publish_nothing_and_reach_nothing_outside_their_network(stack: Stack):
-    """Nothing of the coordinator and nodes is published, and what they send out of the internal network is
-    dropped: they reach the frontend's gRPC port at its address there, not at its address on the public
-    network (the host itself still reaches container addresses through the bridge, as on any Docker network)."""
+    """Nothing of the coordinator and nodes is published; their only network is internal (Docker forwards
+    nothing from it beyond the host); they reach the frontend's gRPC port at its address on that network, not
+    at its address on the public one. (The host itself still reaches container addresses through the bridge,
+    as on any Docker network.)"""
     internal, public = f"{stack.project}_internal", f"{stack.project}_public"
     network = json.loads(stack.docker_cmd("network", "inspect", internal).stdout)[0]
     assert network["Internal"] is True, network

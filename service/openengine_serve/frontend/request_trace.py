@@ -2,7 +2,7 @@
 
 Tracing off (common/tracing.py): `RequestTrace.start` returns `NO_TRACE`, whose
 methods do nothing, and the internal calls forward the client's own
-traceparent/tracestate as before. Nothing here runs per token: the stream adds
+traceparent/tracestate unchanged. Nothing here runs per token: the stream adds
 one event at its first token and ends the span once.
 """
 

@@ -97,10 +97,10 @@ def node_metric(stack: Stack, container: str, name: str) -> float:
 
 
 def frontend_on(stack: Stack, server: str) -> None:
-    """Recreates the frontend on `server` unless it runs it already; later `up`s keep it."""
+    """The frontend running on `server`: recreated only if it ran the other one, started if a failed test left it
+    stopped. Later `up`s keep the server."""
     stack.env["OPENENGINE_GRPC_SERVER"] = server
-    if server_info(stack.target)["grpc_server"] != server:
-        stack.up("--no-deps", "frontend")
+    stack.up("--no-deps", "frontend")
     assert server_info(stack.target)["grpc_server"] == server
 
 

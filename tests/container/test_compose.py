@@ -426,6 +426,12 @@ def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend_with_keys(st
         published = {port for port, bound in inspect(stack, tls_frontend)["NetworkSettings"]["Ports"].items() if bound}
         assert published == {"9091/tcp"}, f"tls-frontend publishes {published}: its gRPC port must not be"
         target = f"127.0.0.1:{tls_port}"
+        with Client(target) as plaintext:  # the proxy speaks TLS only
+            with pytest.raises(grpc.RpcError) as refused:
+                plaintext.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
+        # nginx answers the plaintext HTTP/2 preface with an HTTP/1.x 400 ("plain HTTP request sent to HTTPS port")
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        assert "http1.x" in refused.value.details(), refused.value.details()
         with Client(target, credentials=Credentials(ca_file=ca_file, api_key=key)) as client:
             info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10)
             assert info.extra["grpc_server"] == "pygrpc-native"
@@ -442,12 +448,6 @@ def test_tls_profile_puts_a_tls_proxy_in_front_of_a_native_frontend_with_keys(st
             with pytest.raises(grpc.RpcError) as no_key:
                 keyless.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=10)
         assert no_key.value.code() == grpc.StatusCode.UNAUTHENTICATED, no_key.value
-        with Client(target) as plaintext:  # the proxy speaks TLS only
-            with pytest.raises(grpc.RpcError) as refused:
-                plaintext.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
-        # nginx answers the plaintext HTTP/2 preface with an HTTP/1.x 400 ("plain HTTP request sent to HTTPS port")
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
-        assert "http1.x" in refused.value.details(), refused.value.details()
     finally:
         stack.compose("--profile", "tls", "rm", "-sf", "tls-proxy", "tls-frontend", check=False, env=env)
         stack.up("--no-deps", "frontend")  # the plaintext frontend on grpcio again, for the following tests

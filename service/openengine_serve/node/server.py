@@ -22,6 +22,7 @@ import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common import tracing
+from ..common.attempts import request_id_of
 from ..common.config import NodeConfig
 from ..common.grpc_server import create_internal_server
 from ..common.health import Health
@@ -308,7 +309,8 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                 carried,
                 {
                     "rpc.system": "grpc",
-                    "openengine.request_id": engine_request.request_id,
+                    "openengine.request_id": request_id_of(engine_request.request_id),
+                    "openengine.attempt_id": engine_request.request_id,
                     "openengine.node_id": self.node_id,
                 },
             )

@@ -198,7 +198,7 @@ async def run(args) -> dict:
         )
         sink = nodes.open_sink(request_id)
         conn.requests.add(request_id)
-        accepted = OpenRequest(request_id, conn, sink, nodes, "", NO_TRACE)
+        accepted = OpenRequest(request_id, request_id, conn, sink, nodes, "", NO_TRACE)
         extra = ()
         if args.server == "pygrpc-native":
             context = native_context(index, sent)

@@ -83,17 +83,31 @@ def test_a_connection_beyond_the_limit_is_refused_naming_it_until_a_place_frees(
             client.close()
 
 
-def test_connections_beyond_twice_the_limit_are_closed(capped):
-    host, port = capped.target.rsplit(":", 1)
+@pytest.fixture(params=SERVERS)
+def fresh_capped(request, cluster):
+    """A frontend of its own: no connection of another test still counted when this one starts."""
+    fe = _frontend(cluster, request.param, "--max-connections", str(MAX_CONNECTIONS), "--max-connection-idle-s", "0")
+    yield fe
+    fe.stop()
+
+
+def test_connections_beyond_twice_the_limit_are_closed(fresh_capped):
+    host, port = fresh_capped.target.rsplit(":", 1)
     sockets = []
     try:
         for _ in range(2 * MAX_CONNECTIONS + 3):
             s = socket.create_connection((host, int(port)), timeout=5)
             s.sendall(HTTP2_PREFACE)
             sockets.append(s)
-        processes.wait_for(lambda: _closed(sockets) >= 3, 10, "the connections beyond twice the limit closed")
-        time.sleep(1.5)  # another look of the frontend: it does not close more than the excess
-        assert _closed(sockets) == 3
+        if fresh_capped.name.endswith("pygrpc-native"):  # the frontend closes the excess, any of those without a call
+            processes.wait_for(lambda: _closed(sockets) >= 3, 10, "the connections beyond twice the limit closed")
+            time.sleep(1.5)  # another look of the frontend: it does not close more than the excess
+            assert _closed(sockets) == 3
+        else:
+            # grpcio's transport refuses the newest as they open, counting the readiness probe's connections until
+            # it has let go of them: one or two more of the newest may be closed there, never the first ones.
+            processes.wait_for(lambda: _closed(sockets[-3:]) == 3, 10, "the connections beyond twice the limit closed")
+            assert _closed(sockets[:MAX_CONNECTIONS]) == 0, "connections within the limit were closed"
     finally:
         for s in sockets:
             s.close()

@@ -124,11 +124,9 @@ def frontend(coordinator_target: str, server: str, *extra: str, **env) -> Compon
 
 
 def with_metrics(component: Component) -> tuple[Component, int]:
-    """Gives a component its own metrics port (the helpers above disable metrics), on loopback whatever host it
-    serves on (`scrape` reads 127.0.0.1)."""
+    """Gives a component its own metrics port (the helpers above disable metrics)."""
     port = free_port()
     component.args[component.args.index("--metrics-port") + 1] = str(port)
-    component.args[1:1] = ["--metrics-host", "127.0.0.1"]
     return component, port
 
 

@@ -33,7 +33,15 @@ def start_frontends(server: str, hosts: list[str], port: int, *extra: str) -> li
     for host in hosts:
         instance_id = f"frontend-{uuid.uuid4().hex[:8]}"
         frontend, frontend.metrics_port = processes.with_metrics(
-            processes.frontend(f"127.0.0.1:{free_port()}", server, *extra, "--frontend-id", instance_id)
+            processes.frontend(
+                f"127.0.0.1:{free_port()}",
+                server,
+                *extra,
+                "--frontend-id",
+                instance_id,
+                "--metrics-host",
+                "127.0.0.1",  # where processes.scrape reads, whichever host the frontend serves on
+            )
         )
         frontend.host, frontend.port, frontend.instance_id = host, port, instance_id
         frontends.append(frontend.start())

@@ -1,4 +1,5 @@
-"""The standard-library health probe: its wire encoding, its reading of answers, and what `health` imports."""
+"""The standard-library health probe: its reading of answers and what `health` imports (its encoding:
+test_wire.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from openengine_serve.common import health_probe as hp
+from openengine_serve.common import health_check as hp
 
 # Modules a healthcheck must not pay for (each costs tens to hundreds of milliseconds of CPU to import).
 HEAVY_MODULES = (
@@ -65,7 +66,7 @@ def test_health_of_an_unreachable_target_imports_nothing_heavy():
     result, names = imported_modules("health", "--target", f"127.0.0.1:{closed_port()}", "--timeout", "2")
     assert result.returncode == 1
     assert result.stdout.startswith("readiness: UNREACHABLE (UNAVAILABLE"), result.stdout
-    assert "openengine_serve.common.health_probe" in names
+    assert "openengine_serve.common.health_check" in names
     assert not heavy(names), heavy(names)
 
 
@@ -122,21 +123,6 @@ def test_targets_left_to_grpcio(target):
         hp.split_target(target)
 
 
-def test_hpack_integers_rfc7541_examples():
-    assert hp._hpack_int(10, 5) == bytes([10])
-    assert hp._hpack_int(1337, 5) == bytes([31, 154, 10])
-    assert hp._hpack_int(42, 8) == bytes([42])
-    assert hp._hpack_int(127) == bytes([127, 0])
-
-
-def test_literal_header_encoding():
-    assert hp._hpack_literal("te", "trailers") == b"\x00\x02te\x08trailers"
-
-
-def test_frame_layout():
-    assert hp._frame(hp.HEADERS, hp.FLAG_END_HEADERS, 1, b"abc") == b"\x00\x00\x03\x01\x04\x00\x00\x00\x01abc"
-
-
 def grpc_body(message: bytes) -> bytes:
     return struct.pack(">BI", 0, len(message)) + message
 
@@ -171,11 +157,6 @@ def test_serving_status(message, status):
 def test_no_well_formed_message_is_inconclusive(body):
     with pytest.raises(hp.ProbeInconclusive):
         hp._serving_status(body)
-
-
-def test_request_message():
-    assert hp._protobuf_string(1, b"readiness") == b"\x0a\x09readiness"
-    assert hp._protobuf_string(1, b"") == b""
 
 
 def test_status_names():

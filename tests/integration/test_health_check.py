@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from openengine_serve.client import check_health, is_serving
-from openengine_serve.common import health_probe
+from openengine_serve.common import health_check
 from openengine_serve.local import free_port
 
-from ..unit.test_health_probe import heavy, imported_modules
+from ..unit.test_health_check import heavy, imported_modules
 from . import processes
 from .conftest import SERVERS
 
@@ -33,12 +33,12 @@ def lone_frontend(request):
 
 @pytest.mark.parametrize("service", ["liveness", "readiness", "", "openengine.v1.Inference"])
 def test_probe_agrees_with_grpcio(lone_frontend, service):
-    assert health_probe.check(lone_frontend.target, service, 5) == check_health(lone_frontend.target, service, 5)
+    assert health_check.check(lone_frontend.target, service, 5) == check_health(lone_frontend.target, service, 5)
 
 
 def test_unknown_service_is_left_to_grpcio(lone_frontend):
-    with pytest.raises(health_probe.ProbeInconclusive):
-        health_probe.check(lone_frontend.target, "no-such-service", 5)
+    with pytest.raises(health_check.ProbeInconclusive):
+        health_check.check(lone_frontend.target, "no-such-service", 5)
     with pytest.raises(grpc.RpcError) as refused:
         check_health(lone_frontend.target, "no-such-service", 5)
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
@@ -71,5 +71,5 @@ def test_cli_answers_without_grpcio(lone_frontend, service, code, printed):
 
 def test_serving_readiness_on_the_stack(stack):
     """A deployment with nodes: readiness SERVING through the probe, as through grpcio."""
-    assert health_probe.check(stack.frontend.target, "readiness", 5) == health_probe.SERVING
-    assert check_health(stack.frontend.target, "readiness", 5) == health_probe.SERVING
+    assert health_check.check(stack.frontend.target, "readiness", 5) == health_check.SERVING
+    assert check_health(stack.frontend.target, "readiness", 5) == health_check.SERVING

@@ -16,10 +16,9 @@ import socket
 import struct
 import time
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
-FLAG_END_STREAM = FLAG_ACK = 0x1
-FLAG_END_HEADERS, FLAG_PADDED = 0x4, 0x8
+from .wire import http2 as h2
+from .wire import protobuf as pb
+
 STREAM_ID = 1
 CHECK_PATH = "/grpc.health.v1.Health/Check"
 SERVING = 1
@@ -51,27 +50,27 @@ def check(target: str, service: str, timeout: float) -> int:
             ("te", "trailers"),
             ("grpc-timeout", f"{max(1, min(int(timeout * 1000), 99_999_999))}m"),
         ]
-        request = _protobuf_string(1, service.encode())
+        request = pb.length_delimited(pb.key(1, pb.LENGTH_DELIMITED), service.encode()) if service else b""
         sock.sendall(
-            PREFACE
-            + _frame(SETTINGS, 0, 0, b"")
-            + _frame(HEADERS, FLAG_END_HEADERS, STREAM_ID, b"".join(_hpack_literal(n, v) for n, v in headers))
-            + _frame(DATA, FLAG_END_STREAM, STREAM_ID, struct.pack(">BI", 0, len(request)) + request)
+            h2.PREFACE
+            + h2.frame(h2.SETTINGS, 0, 0)
+            + h2.frame(h2.HEADERS, h2.END_HEADERS, STREAM_ID, h2.header_block(headers))
+            + h2.frame(h2.DATA, h2.END_STREAM, STREAM_ID, h2.grpc_message(request))
         )
         body = bytearray()
         reader = _FrameReader(sock, deadline)
         while True:
             kind, flags, stream, payload = reader.next_frame()
-            if kind == SETTINGS and not flags & FLAG_ACK:
-                sock.sendall(_frame(SETTINGS, FLAG_ACK, 0, b""))
-            elif kind == PING and not flags & FLAG_ACK:
-                sock.sendall(_frame(PING, FLAG_ACK, 0, payload))
-            elif kind == GOAWAY or (kind == RST_STREAM and stream == STREAM_ID):
+            if kind == h2.SETTINGS and not flags & h2.ACK:
+                sock.sendall(h2.frame(h2.SETTINGS, h2.ACK, 0))
+            elif kind == h2.PING and not flags & h2.ACK:
+                sock.sendall(h2.frame(h2.PING, h2.ACK, 0, payload))
+            elif kind == h2.GOAWAY or (kind == h2.RST_STREAM and stream == STREAM_ID):
                 raise ProbeInconclusive("the server ended the call")
-            elif stream == STREAM_ID and kind in (DATA, HEADERS):
-                if kind == DATA:
-                    body += payload[1 : len(payload) - payload[0]] if flags & FLAG_PADDED and payload else payload
-                if flags & FLAG_END_STREAM:
+            elif stream == STREAM_ID and kind in (h2.DATA, h2.HEADERS):
+                if kind == h2.DATA:
+                    body += h2.unpadded(payload) if flags & h2.PADDED else payload
+                if flags & h2.END_STREAM:
                     return _serving_status(bytes(body))
 
 
@@ -84,73 +83,20 @@ def split_target(target: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream) + payload
-
-
-def _hpack_int(value: int, prefix_bits: int = 7) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((value,))
-    out, value = [limit], value - limit
-    while value >= 128:
-        out.append(value % 128 + 128)
-        value //= 128
-    return bytes(out + [value])
-
-
-def _hpack_literal(name: str, value: str) -> bytes:
-    """Literal header field without indexing, new name, no Huffman coding (RFC 7541 6.2.2)."""
-    name_bytes, value_bytes = name.encode(), value.encode()
-    return b"\x00" + _hpack_int(len(name_bytes)) + name_bytes + _hpack_int(len(value_bytes)) + value_bytes
-
-
-def _protobuf_string(field_number: int, value: bytes) -> bytes:
-    if not value:
-        return b""
-    return _varint(field_number << 3 | 2) + _varint(len(value)) + value
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ProbeInconclusive("malformed response message")
-        byte = data[pos]
-        value |= (byte & 0x7F) << shift
-        pos, shift = pos + 1, shift + 7
-        if not byte & 0x80:
-            return value, pos
-
-
 def _serving_status(body: bytes) -> int:
     """The `status` (field 1) of the one uncompressed HealthCheckResponse in a gRPC response body."""
     if len(body) < 5 or body[0] != 0 or struct.unpack(">I", body[1:5])[0] != len(body) - 5:
         raise ProbeInconclusive("no response message")
     message, pos, status = body[5:], 0, 0
-    while pos < len(message):
-        tag, pos = _read_varint(message, pos)
-        wire_type = tag & 7
-        if wire_type == 0:
-            value, pos = _read_varint(message, pos)
-            if tag >> 3 == 1:
-                status = value
-        elif wire_type == 2:
-            length, pos = _read_varint(message, pos)
-            pos += length
-        elif wire_type in (1, 5):
-            pos += 8 if wire_type == 1 else 4
-        else:
-            raise ProbeInconclusive("malformed response message")
+    try:
+        while pos < len(message):
+            tag, pos = pb.read_varint(message, pos)
+            if tag == 1 << 3 | pb.VARINT:
+                status, pos = pb.read_varint(message, pos)
+            else:
+                pos = pb.skip(message, pos, tag & 7)
+    except (IndexError, ValueError):
+        raise ProbeInconclusive("malformed response message") from None
     if pos != len(message):
         raise ProbeInconclusive("malformed response message")
     return status
@@ -172,13 +118,12 @@ class _FrameReader:
             self.buffer += chunk
 
     def next_frame(self) -> tuple[int, int, int, bytes]:
-        self._fill(9)
-        length = int.from_bytes(self.buffer[:3], "big")
+        self._fill(h2.FRAME_HEADER_BYTES)
+        length, kind, flags, stream = h2.frame_header(self.buffer)
         if length > MAX_FRAME_BYTES:
             raise ProbeInconclusive("oversized frame")
-        self._fill(9 + length)
-        kind, flags = self.buffer[3], self.buffer[4]
-        stream = int.from_bytes(self.buffer[5:9], "big") & 0x7FFF_FFFF
-        payload = bytes(self.buffer[9 : 9 + length])
-        del self.buffer[: 9 + length]
+        end = h2.FRAME_HEADER_BYTES + length
+        self._fill(end)
+        payload = bytes(self.buffer[h2.FRAME_HEADER_BYTES : end])
+        del self.buffer[:end]
         return kind, flags, stream, payload

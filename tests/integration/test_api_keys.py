@@ -250,7 +250,7 @@ def test_abort_all_needs_the_admin_role_and_then_ends_every_stream_in_flight(key
         path.write_text(key_file_text())
 
 
-def test_a_removed_key_stops_within_two_seconds_and_its_running_stream_is_not_cut(keyed):
+def test_a_removed_key_stops_within_one_second_and_its_running_stream_is_not_cut(keyed):
     frontends, path, _ = keyed
     with client_for(frontends[0].target, "carol") as carol:
         stream = carol.inference.Generate(long_request(1500), timeout=60)
@@ -268,7 +268,7 @@ def test_a_removed_key_stops_within_two_seconds_and_its_running_stream_is_not_cu
                     return True
 
             processes.wait_for(refused, 5, "the removed key to be refused", interval=0.05)
-            assert time.monotonic() - removed_at <= 2.0
+            assert time.monotonic() - removed_at <= 1.0, "README: a removed key is refused within 1 s"
             responses = list(stream)
             assert responses[-1].HasField("usage") and responses[-1].usage.completion_tokens == 1500
         finally:

@@ -219,3 +219,86 @@ def _reflects(client: Client) -> bool:
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         return False
+
+
+# ------------------------------------------------------------------ per-method message limits (default settings)
+
+SMALL = limits.SMALL_MESSAGE_BYTES
+GENERATE_LIMIT = 512 * 1024 + 65536 + 4096 + 65536  # limits.generate_message_limit of the default settings
+
+
+@pytest.fixture(scope="module", params=SERVERS)
+def default_limits(request, cluster):
+    """A frontend with the default limits (no key file: the clients below have no key)."""
+    coord, _ = cluster
+    fe = processes.frontend(coord.target, request.param).start()
+    try:
+        fe.wait_ready(60)
+        yield fe
+    finally:
+        fe.stop()
+
+
+def test_each_method_takes_the_messages_it_can_legitimately_carry(default_limits):
+    from grpc_health.v1 import health_pb2
+
+    from openengine_serve.api.openengine.v1 import model_pb2
+
+    with Client(default_limits.target, retries=False) as client:
+        service = "s" * (SMALL - 3)  # tag and length: a request of exactly the limit
+        assert next(client.health.Watch(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+        for call, method in (
+            (
+                lambda: next(client.health.Watch(health_pb2.HealthCheckRequest(service=service + "s"), timeout=5)),
+                "/grpc.health.v1.Health/Watch",
+            ),
+            (
+                lambda: client.health.Check(health_pb2.HealthCheckRequest(service=service + "s"), timeout=5),
+                "/grpc.health.v1.Health/Check",
+            ),
+            (
+                lambda: client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model="m" * SMALL), timeout=5),
+                "/openengine.v1.Control/GetModelInfo",
+            ),
+        ):
+            err = refusal(call)
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert re.fullmatch(
+                rf"request message is \d+ bytes, over the limit of {SMALL} bytes for {method}", err.details()
+            ), err.details()
+        over = generate_request("x" * GENERATE_LIMIT)
+        err = refusal(lambda: list(client.inference.Generate(over, timeout=10)))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and f"vs. {GENERATE_LIMIT})" in err.details()
+        assert list(client.inference.Generate(generate_request("word " * 20_000), timeout=30))[-1].HasField("usage")
+
+
+def test_keyless_watch_streams_and_refused_messages_do_not_pin_the_frontends_memory(default_limits):
+    """64 Watch streams naming the largest service the limits allow (16 connections of 4, the per-connection
+    cap) and 200 maximal Generate messages, refused: the frontend's RSS grows by less than 20 MB (measured:
+    grpcio +12 MB, pygrpc-native +4 MB; before, 64 streams of 4 MB services took +600 MB on grpcio)."""
+    import psutil
+    from grpc_health.v1 import health_pb2
+
+    process = psutil.Process(default_limits.proc.pid)
+    rss = lambda: process.memory_info().rss / 2**20  # noqa: E731
+    before = rss()
+    clients = [Client(default_limits.target, retries=False) for _ in range(16)]
+    try:
+        service = "s" * (SMALL - 3)
+        watches = [c.health.Watch(health_pb2.HealthCheckRequest(service=service)) for c in clients for _ in range(4)]
+        for w in watches:
+            next(w)
+        beyond = refusal(lambda: next(clients[0].health.Watch(health_pb2.HealthCheckRequest(), timeout=5)))
+        assert "(OPENENGINE_MAX_HEALTH_WATCHES_PER_CONNECTION)" in beyond.details()
+        beyond = refusal(lambda: next(Client(default_limits.target).health.Watch(health_pb2.HealthCheckRequest())))
+        assert "maximum of 64 health Watch streams open (OPENENGINE_MAX_HEALTH_WATCHES)" in beyond.details()
+        maximal = generate_request("x" * (GENERATE_LIMIT - 200))
+        # the largest message the transport takes, refused once read: its prompt is over the model's bound
+        for _ in range(200):  # on one connection
+            err = refusal(lambda: list(clients[0].inference.Generate(maximal, timeout=10)))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        grown = rss() - before
+        assert grown < 20, f"frontend RSS {before:.0f} -> {rss():.0f} MB with the streams open"
+    finally:
+        for c in clients:
+            c.close()

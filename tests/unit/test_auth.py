@@ -36,15 +36,19 @@ def test_parses_plain_and_hashed_secrets_comments_and_blank_lines(tmp_path):
 @pytest.mark.parametrize(
     ("text", "line", "message"),
     [
-        ("user alice\n", 1, "expected `ROLE NAME SECRET [max_in_flight=N]` (3 or 4 fields), found 2"),
+        ("user alice\n", 1, "expected `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME]`"),
         ("# c\nroot alice k\n", 2, "role must be one of user, admin, got 'root'"),
         ("user a k1\n\nadmin b sha256:abc\n", 3, "a sha256: secret must be 64 hexadecimal digits"),
         ("user a same\nadmin b same\n", 2, "the same secret is already the key 'a'"),
-        ("user a k same\n", 1, "the 4th field must be max_in_flight=N with N a positive integer"),
-        ("user a k max_in_flight=0\n", 1, "the 4th field must be max_in_flight=N"),
-        ("user a k max_in_flight=-3\n", 1, "the 4th field must be max_in_flight=N"),
-        ("user a k max_in_flight=２\n", 1, "the 4th field must be max_in_flight=N"),
-        ("user a k max_in_flight=2 x\n", 1, "found 5"),
+        ("user a k same\n", 1, "field 4 must be one of max_in_flight=..., max_priority=..., cache_group=..."),
+        ("user a k max_in_flight=0\n", 1, "max_in_flight=N needs N an integer in [1, 2147483647]"),
+        ("user a k max_in_flight=-3\n", 1, "max_in_flight=N needs N an integer"),
+        ("user a k max_in_flight=２\n", 1, "max_in_flight=N needs N an integer"),
+        ("user a k max_in_flight=2 same\n", 1, "field 5 must be one of"),
+        ("user a k max_priority=2147483648\n", 1, "max_priority=N needs N an integer in [0, 2147483647]"),
+        ("user a k max_priority=1 max_priority=2\n", 1, "max_priority= is given more than once"),
+        ("user a k cache_group=a/b\n", 1, "cache_group= must be 1 to 64 of"),
+        ("user a k max_in_flight=1 max_priority=1 cache_group=g same\n", 1, "found 7"),
     ],
 )
 def test_malformed_line_names_file_and_line_never_the_secret(tmp_path, text, line, message):
@@ -59,6 +63,30 @@ def test_malformed_line_names_file_and_line_never_the_secret(tmp_path, text, lin
 def test_an_optional_max_in_flight_per_key(tmp_path):
     path = write(tmp_path / "keys", "user alice k-a max_in_flight=3\nadmin ops k-o  # no limit of its own\n")
     assert [(k.name, k.max_in_flight) for k in auth.parse_keys(path)] == [("alice", 3), ("ops", 0)]
+
+
+def test_priority_is_a_right_of_the_key(tmp_path):
+    lines = "user alice k-a\nuser bob k-b max_priority=5\nadmin ops k-o\nadmin low k-l max_priority=1\n"
+    path = write(tmp_path / "keys", lines)
+    limits = {k.name: k.priority_limit for k in auth.parse_keys(path)}
+    assert limits == {"alice": 0, "bob": 5, "ops": 2**31 - 1, "low": 1}
+
+
+def test_cache_namespaces_are_per_key_unless_grouped(tmp_path):
+    path = write(
+        tmp_path / "keys",
+        "user alice k-a\nuser bob k-b\nuser carol k-c cache_group=team\nadmin dave k-d cache_group=team\n",
+    )
+    alice, bob, carol, dave = (auth.cache_namespace(k) for k in auth.parse_keys(path))
+    assert len({alice, bob, carol}) == 3 and carol == dave
+    assert auth.cache_namespace(None) == ""
+    # a fixed function of the key file: every frontend and worker derives the same one
+    again = auth.parse_keys(path)
+    assert auth.cache_namespace(again[0]) == alice
+    # the client's salt narrows the namespace; it can never name another key's
+    assert auth.scoped_cache_salt("", "s") == "s"
+    assert auth.scoped_cache_salt(alice, "s") != auth.scoped_cache_salt(bob, "s")
+    assert not auth.scoped_cache_salt(bob, alice).startswith(alice)
 
 
 def test_empty_or_missing_file_is_refused(tmp_path):

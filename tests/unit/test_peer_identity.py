@@ -21,3 +21,15 @@ def test_a_refusal_names_the_caller_and_the_certificate_needed():
         "/openengine_internal.v1.Coordinator/RegisterNode is not open to a frontend: "
         "it needs an internal certificate with CN=openengine-node"
     )
+
+
+def test_an_instance_certificate_acts_for_its_instance_and_a_frontends_workers():
+    acts_for, node, frontend = peer_identity.acts_for, peer_identity.NODE, peer_identity.FRONTEND
+    assert acts_for(None, node, "any-node"), "a role-wide certificate: any instance of its role"
+    assert acts_for(frozenset({"node-a"}), node, "node-a")
+    assert not acts_for(frozenset({"node-a"}), node, "node-b")
+    assert not acts_for(frozenset({"node-a"}), node, "node-a-w0"), "workers are a frontend's"
+    assert acts_for(frozenset({"fe"}), frontend, "fe-w12")
+    assert not acts_for(frozenset({"fe"}), frontend, "fe-wx")
+    assert not acts_for(frozenset({"fe"}), frontend, "other-w1")
+    assert peer_identity.instance_name(node, "node-a") == "node-a.openengine-node"

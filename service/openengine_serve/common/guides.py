@@ -17,8 +17,13 @@ Accepted forms of each guide:
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
+import hashlib
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -153,3 +158,76 @@ def matcher(grammar: str, tokenizer, limits: Limits):
     if compiled.is_error():
         raise GuideError(f"the guide does not compile: {compiled.get_error()}")
     return compiled
+
+
+class GuideTimeout(GuideError):
+    """The guide's compile did not end within the caller's time."""
+
+
+COMPILE_THREADS = 2  # compiles at once, in a pool of their own (not the default executor, which tokenizes)
+CACHED_OUTCOMES = 4096  # guides whose compile outcome is remembered (a 16-byte digest and a message each)
+
+
+class CompiledGuides:
+    """The outcome of compiling each guide against one tokenizer, by content: a repeated guide compiles once,
+    and concurrent requests with the same guide wait for one compile. Compiles run in a bounded pool of their
+    own; each is bounded by llguidance's own limits (`Limits`: grammar size and lexer fuel), which end it. When
+    the last caller waiting for a compile stops (its timeout, or it was cancelled), a compile not started yet
+    is dropped, and one already running ends within those limits, its outcome kept for the next request."""
+
+    def __init__(self, threads: int = COMPILE_THREADS, entries: int = CACHED_OUTCOMES) -> None:
+        self.entries = entries
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="guide-compile")
+        self._outcomes: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # "" valid, else why not
+        self._running: dict[bytes, tuple[concurrent.futures.Future[str], asyncio.Future[str]]] = {}
+        self._waiting: collections.Counter[bytes] = collections.Counter()
+        self._tokenizer: object = None
+
+    async def check(self, kind: str, grammar: str, tokenizer, limits: Limits, timeout_s: float) -> None:
+        """GuideError with the compiler's message when the guide is invalid, GuideTimeout when its compile did
+        not end within `timeout_s`."""
+        if tokenizer is not self._tokenizer:  # another model: what was compiled against the last one is moot
+            self._tokenizer = tokenizer
+            self._outcomes.clear()
+        key = hashlib.blake2b(f"{kind}\0{grammar}".encode(), digest_size=16).digest()
+        outcome = self._outcomes.get(key)
+        if outcome is None:
+            running = self._running.get(key) or self._start(key, kind, grammar, tokenizer, limits)
+            self._waiting[key] += 1
+            try:
+                async with asyncio.timeout(timeout_s):
+                    outcome = await asyncio.shield(running[1])
+            except TimeoutError:
+                raise GuideTimeout(f"guided.{kind} took longer than {timeout_s:g} s to compile") from None
+            finally:
+                self._waiting[key] -= 1
+                if not self._waiting[key]:
+                    del self._waiting[key]
+                    running[0].cancel()  # no one waits: dropped unless it runs already
+        else:
+            self._outcomes.move_to_end(key)
+        if outcome:
+            raise GuideError(outcome)
+
+    def _start(self, key: bytes, kind: str, grammar: str, tokenizer, limits: Limits):
+        work = self._pool.submit(_outcome, kind, grammar, tokenizer, limits)
+        running = self._running[key] = (work, asyncio.wrap_future(work))
+
+        def done(finished: asyncio.Future[str]) -> None:
+            if self._running.get(key) is running:
+                del self._running[key]
+            if not finished.cancelled() and finished.exception() is None and tokenizer is self._tokenizer:
+                self._outcomes[key] = finished.result()
+                while len(self._outcomes) > self.entries:
+                    self._outcomes.popitem(last=False)
+
+        running[1].add_done_callback(done)
+        return running
+
+
+def _outcome(kind: str, grammar: str, tokenizer, limits: Limits) -> str:
+    try:
+        check(kind, grammar, tokenizer, limits)
+    except GuideError as exc:
+        return str(exc)
+    return ""

@@ -5,6 +5,12 @@ Common Name names its role (`ROLE_COMMON_NAMES`). The coordinator and the nodes 
 every call of their internal services (`ALLOWED_ROLES`): only nodes register as nodes and publish a
 node's load; only frontends reserve, open lanes and submit. A caller with another role gets
 PERMISSION_DENIED. Without internal TLS there is no certificate, hence no check (development only).
+
+A certificate may also name the component instance it belongs to, as a DNS name `<id>.openengine-<role>` among
+its subject alternative names (`instance_name`). Such a certificate acts only for that instance: a node registers
+and heartbeats only that node_id; a frontend registers, reserves, submits and opens a lane only as that
+frontend_id (or one of its worker processes, `<id>-w<n>`). A role certificate naming no instance acts for any
+instance of its role (one certificate shared by a Deployment's replicas).
 """
 
 from __future__ import annotations
@@ -38,6 +44,63 @@ ALLOWED_ROLES: dict[str, frozenset[str]] = {
     "/openengine_internal.v1.Node/GetModel": ANY_ROLE,
 }
 CHECKED_SERVICES = ("/openengine_internal.v1.Coordinator/", "/openengine_internal.v1.Node/")
+
+
+def instance_name(role: str, instance_id: str) -> str:
+    """The DNS subject alternative name that makes a certificate an instance's: `node-1.openengine-node`."""
+    return f"{instance_id}.openengine-{role}"
+
+
+def caller_instances(context, role: str) -> frozenset[str] | None:
+    """The instances of `role` the caller's certificate names; None when it names none (a role-wide certificate,
+    or no internal TLS): then it may act for any instance."""
+    suffix = f".openengine-{role}"
+    names = frozenset(
+        name[: -len(suffix)]
+        for raw in context.auth_context().get("x509_subject_alternative_name", ())
+        if (name := raw.decode(errors="replace")).endswith(suffix)
+    )
+    return names or None
+
+
+def acts_for(instances: frozenset[str] | None, role: str, claimed_id: str) -> bool:
+    """May a caller whose certificate names `instances` act as `claimed_id`? A frontend's worker processes use
+    the ids `<frontend id>-w<n>`."""
+    if instances is None or claimed_id in instances:
+        return True
+    if role == FRONTEND:
+        base, separator, worker = claimed_id.rpartition("-w")
+        return bool(separator) and worker.isdigit() and base in instances
+    return False
+
+
+def instance_refusal(method: str, role: str, claimed_id: str, instances: frozenset[str]) -> str:
+    named = ", ".join(repr(i) for i in sorted(instances))
+    return (
+        f"{method} as {role} {claimed_id!r} is refused: the caller's internal certificate names the {role} "
+        f"instance {named} (DNS name <id>.openengine-{role}); a {role} acts only as its own instance"
+    )
+
+
+class InstanceCheck:
+    """One call's caller, for the servicers' checks of the instance ids a request names."""
+
+    __slots__ = ("role", "instances", "method")
+
+    def __init__(self, context, role: str, method: str) -> None:
+        self.role, self.method = role, method
+        self.instances = caller_instances(context, role)
+
+    def allows(self, claimed_id: str) -> bool:
+        return acts_for(self.instances, self.role, claimed_id)
+
+    def refusal(self, claimed_id: str) -> str:
+        return instance_refusal(self.method, self.role, claimed_id, self.instances or frozenset())
+
+    async def require(self, context, claimed_id: str) -> None:
+        """Aborts the call with PERMISSION_DENIED unless the caller may act as `claimed_id`."""
+        if not self.allows(claimed_id):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, self.refusal(claimed_id))
 
 
 def caller_role(context) -> str | None:

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import grpc
 
@@ -99,8 +100,10 @@ class ReloadingServerCertificate:
             return configuration
 
     def credentials(self) -> grpc.ServerCredentials:
+        # grpcio keeps the configuration it has when the fetcher returns None; the stub does not allow None
+        fetcher = cast("Callable[[], grpc.ServerCertificateConfiguration]", self)
         return grpc.dynamic_ssl_server_credentials(
-            self.initial, self, require_client_authentication=bool(self.client_ca_file)
+            self.initial, fetcher, require_client_authentication=bool(self.client_ca_file)
         )
 
 
@@ -175,7 +178,7 @@ def internal_channel(address: str, config, options=()) -> grpc.aio.Channel:
         return grpc.aio.secure_channel(address, credentials, options=options)
 
     paths = (config.internal_tls_cert_file, config.internal_tls_key_file, config.internal_tls_ca_file)
-    return ReloadingChannel(open_channel, paths)
+    return cast(grpc.aio.Channel, ReloadingChannel(open_channel, paths))  # it forwards the channel's calls
 
 
 class ReloadingChannel:

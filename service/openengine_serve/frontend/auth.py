@@ -1,13 +1,19 @@
 """API keys and roles on the public port (both gRPC servers): a key file and an `aio.ServerInterceptor`.
 
 The key file (OPENENGINE_API_KEYS_FILE) holds one key a line,
-`ROLE NAME SECRET [max_in_flight=N]`: ROLE is `user` or `admin`, NAME labels the
-key in logs and metrics, SECRET is the key itself or `sha256:<hex>` of it;
-`max_in_flight=N` (optional) caps the Generate streams the key keeps open on one
-frontend worker (else OPENENGINE_API_KEY_MAX_IN_FLIGHT; 0 there: no cap); `#`
-starts a comment. Only SHA-256 digests are kept in memory; a presented key is
-hashed and compared with every stored digest in constant time. Secrets never
-reach a log or an error message.
+`ROLE NAME SECRET [OPTION=VALUE ...]`: ROLE is `user` or `admin`, NAME labels the
+key in logs and metrics, SECRET is the key itself or `sha256:<hex>` of it; `#`
+starts a comment. Options, each at most once, in any order:
+- `max_in_flight=N`: the Generate streams the key keeps open on one frontend worker
+  (else OPENENGINE_API_KEY_MAX_IN_FLIGHT; 0 there: no cap);
+- `max_priority=N`: the highest `openengine-priority` the key may send (a user key's default is 0, the
+  default priority; an admin key may send any);
+- `cache_group=NAME`: keys naming the same group share one prefix-cache namespace (a team's common system
+  prompt); without it each key has a namespace of its own (`cache_namespace`).
+
+Only SHA-256 digests are kept in memory; a presented key is hashed and compared
+with every stored digest in constant time. Secrets never reach a log or an error
+message.
 
 The interceptor refuses a call without a known key (UNAUTHENTICATED) before the
 request is even deserialized, so no validation, routing or engine work happens.
@@ -61,8 +67,9 @@ USER_METHODS = frozenset(
 )
 NO_KEY_LABEL = "-"  # the key label of requests when keys are off
 _HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
-LINE_FORMAT = "`ROLE NAME SECRET [max_in_flight=N]`"
-MAX_IN_FLIGHT_OPTION = "max_in_flight="
+LINE_FORMAT = "`ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME]`"
+OPTIONS = ("max_in_flight", "max_priority", "cache_group")
+INT32_MAX = 2**31 - 1
 SCOPE_SEPARATOR = " "  # between a key's name and a request id; a name never holds whitespace (parse_keys)
 AUTH_FAILURE_LOG_INTERVAL_S = 10.0  # a flood of bad keys writes one log line per reason this often, not one per call
 # openengine_frontend_auth_failures_total{reason}
@@ -85,10 +92,21 @@ class ApiKey:
     name: str
     digest: bytes  # sha256 of the secret
     max_in_flight: int = 0  # Generate streams open at once on one worker; 0: the default (api_key_max_in_flight)
+    max_priority: int | None = None  # the highest openengine-priority it may send; None: admin any, user 0
+    cache_group: str = ""  # keys of one group share a prefix-cache namespace; "": the key's own
+
+    @property
+    def priority_limit(self) -> int:
+        if self.max_priority is not None:
+            return self.max_priority
+        return INT32_MAX if self.admin else DEFAULT_PRIORITY
 
     @property
     def admin(self) -> bool:
         return self.role == "admin"
+
+
+DEFAULT_PRIORITY = 0  # the protocol's default; above it is a right of the key
 
 
 _CALLER: contextvars.ContextVar[ApiKey | None] = contextvars.ContextVar("openengine_api_key", default=None)
@@ -98,6 +116,12 @@ _KEY_STORE: contextvars.ContextVar[KeyStore | None] = contextvars.ContextVar("op
 def caller() -> ApiKey | None:
     """The key of the call being handled (None when keys are off)."""
     return _CALLER.get()
+
+
+def bind_caller(key: ApiKey, store: KeyStore) -> None:
+    """Makes `key` the caller of the running task (the HTTP API's check; the gRPC interceptor's `_as_caller`)."""
+    _CALLER.set(key)
+    _KEY_STORE.set(store)
 
 
 def owner() -> str:
@@ -172,10 +196,10 @@ def parse_keys(path: str) -> tuple[ApiKey, ...]:
             continue
         where = f"{path}:{number}"
         fields = line.split()
-        if len(fields) not in (3, 4):
-            raise ConfigError(f"{where}: expected {LINE_FORMAT} (3 or 4 fields), found {len(fields)}")
+        if not 3 <= len(fields) <= 3 + len(OPTIONS):
+            raise ConfigError(f"{where}: expected {LINE_FORMAT} (3 to {3 + len(OPTIONS)} fields), found {len(fields)}")
         role, name, secret = fields[:3]
-        max_in_flight = _max_in_flight(fields[3], where) if len(fields) == 4 else 0
+        options = _options(fields[3:], where)
         if role not in ROLES:
             raise ConfigError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
         if secret.startswith("sha256:"):
@@ -188,18 +212,66 @@ def parse_keys(path: str) -> tuple[ApiKey, ...]:
         if digest in seen:
             raise ConfigError(f"{where}: the same secret is already the key {seen[digest]!r}")
         seen[digest] = name
-        keys.append(ApiKey(role, name, digest, max_in_flight))
+        keys.append(ApiKey(role, name, digest, **options))
     if not keys:
         raise ConfigError(f"OPENENGINE_API_KEYS_FILE {path!r} holds no key: every call would be refused")
     return tuple(keys)
 
 
-def _max_in_flight(option: str, where: str) -> int:
-    """The value of a `max_in_flight=N` field; the field is never echoed (it may be part of a mistyped secret)."""
-    value = option[len(MAX_IN_FLIGHT_OPTION) :] if option.startswith(MAX_IN_FLIGHT_OPTION) else ""
-    if not (value.isascii() and value.isdigit() and int(value) > 0):
-        raise ConfigError(f"{where}: the 4th field must be max_in_flight=N with N a positive integer")
-    return int(value)
+_GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _options(fields: list[str], where: str) -> dict:
+    """The OPTION=VALUE fields after the secret; a field is never echoed (it may be part of a mistyped secret)."""
+    options: dict = {}
+    for index, option in enumerate(fields, 4):
+        name, _, value = option.partition("=")
+        if name not in OPTIONS or not value:
+            raise ConfigError(f"{where}: field {index} must be one of {', '.join(o + '=...' for o in OPTIONS)}")
+        if name in options:
+            raise ConfigError(f"{where}: {name}= is given more than once")
+        if name == "cache_group":
+            if not _GROUP_NAME.fullmatch(value):
+                raise ConfigError(f"{where}: cache_group= must be 1 to 64 of A-Z a-z 0-9 . _ -")
+            options[name] = value
+            continue
+        low = 1 if name == "max_in_flight" else 0
+        if not (value.isascii() and value.isdigit() and low <= int(value) <= INT32_MAX):
+            raise ConfigError(f"{where}: {name}=N needs N an integer in [{low}, {INT32_MAX}]")
+        options[name] = int(value)
+    return options
+
+
+NAMESPACE_BYTES = 16
+
+
+def cache_namespace(key: ApiKey | None) -> str:
+    """The prefix-cache namespace of a caller's requests: "" with keys off (one namespace, as without keys);
+    else a digest of the key's cache group, or of its name. The frontend puts it before the client's
+    `cache_salt` (`scoped_cache_salt`), so a client can narrow its namespace but never reach another key's.
+    It is a fixed function of the key file: every frontend and worker of a deployment computes the same one
+    (no secret to share), so the nodes' caches and prefix routing agree across them."""
+    if key is None:
+        return ""
+    scope = f"group:{key.cache_group}" if key.cache_group else f"key:{key.name}"
+    return hashlib.blake2b(scope.encode(), digest_size=NAMESPACE_BYTES, person=b"oe-cache-ns").hexdigest()
+
+
+def scoped_cache_salt(namespace: str, client_salt: str) -> str:
+    """The salt the engine's prefix cache keys on: the caller's namespace, then the client's own salt."""
+    return f"{namespace}/{client_salt}" if namespace else client_salt
+
+
+def priority_refusal(priority: int) -> str | None:
+    """Why the current caller may not send `priority` (above its key's max_priority), or None."""
+    key = _CALLER.get()
+    if key is None or priority <= key.priority_limit:
+        return None
+    where = "its max_priority in OPENENGINE_API_KEYS_FILE" if key.max_priority is not None else f"role {key.role}"
+    return (
+        f"metadata openengine-priority {priority} is above the {key.priority_limit} API key {key.name!r} may "
+        f"send ({where}); send at most {key.priority_limit}"
+    )
 
 
 class KeyStore:
@@ -393,6 +465,11 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return refuse._replace(**{kind: counted})
 
 
-def interceptors(config) -> tuple[ApiKeyInterceptor, ...]:
-    """The frontend server's interceptors: the key check when OPENENGINE_API_KEYS_FILE is set."""
-    return (ApiKeyInterceptor(KeyStore(config.api_keys_file)),) if config.api_keys_file else ()
+def key_store(config) -> KeyStore | None:
+    """The keys of OPENENGINE_API_KEYS_FILE (None when keys are off), shared by the gRPC and HTTP APIs."""
+    return KeyStore(config.api_keys_file) if config.api_keys_file else None
+
+
+def interceptors(store: KeyStore | None) -> tuple[ApiKeyInterceptor, ...]:
+    """The frontend server's interceptors: the key check when keys are on."""
+    return (ApiKeyInterceptor(store),) if store is not None else ()

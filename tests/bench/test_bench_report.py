@@ -539,3 +539,40 @@ def test_rerender_judges_older_budget_windows_again(tmp_path):
     ]
     assert worst["value"] == pytest.approx(1.8) and worst["detail"].startswith("1 of 2 rounds")
     assert "1 of 2 rounds frontend-limited in both windows" in (tmp_path / "report.md").read_text()
+
+
+# ---------------------------------------------------------------- against the published run
+
+
+def _cpu_ratios(placement: str, pairs: list[float]) -> dict:
+    summary = report.summarize(pairs)
+    return {placement: {"stack": {"fixed-c32": {"cpu_us_per_token": {"per_round_pair": summary}}}}}
+
+
+def test_a_ratio_beyond_the_spread_of_the_published_run_is_named_moved():
+    published = {"ratios": _cpu_ratios("quota", [0.70, 0.74, 0.72])}  # spread 0.04
+    within = report.against_published(_cpu_ratios("quota", [0.75]), published, "docs/bench/bench.json")
+    [row] = within["rows"]
+    assert not row["moved"] and row["change"] == pytest.approx(0.03) and row["spread"] == pytest.approx(0.04)
+    moved = report.against_published(_cpu_ratios("quota", [0.80, 0.84, 0.86]), published)["rows"][0]
+    assert moved["moved"] and moved["change"] == pytest.approx(0.12) and moved["spread"] == pytest.approx(0.06)
+    down = report.against_published(_cpu_ratios("quota", [0.60]), published)["rows"][0]
+    assert down["moved"] and down["change"] < 0
+    table = report.published_table({"rows": [moved, down]})
+    assert "MOVED up beyond the spread" in table and "MOVED down beyond the spread" in table
+    # a placement the published run does not have is not compared
+    assert report.against_published(_cpu_ratios("shared", [0.9]), published)["rows"] == []
+
+
+def test_the_report_shows_the_comparison_with_the_published_run():
+    rounds = [
+        _round(server, r, placement="quota", cpu_us_per_token=cpu)
+        for r, (native, grpcio) in enumerate([(90.0, 100.0)], start=1)
+        for server, cpu in ((N, native), (G, grpcio))
+    ]
+    published = {"ratios": _cpu_ratios("quota", [0.70, 0.72])}
+    result = report.build_result({}, rounds, {}, [32], published=published, published_source="published.json")
+    [row] = result["published"]["rows"]
+    assert row["moved"] and row["now"]["median"] == pytest.approx(0.9)
+    assert "## Against the published figures (published.json)" in report.render(result)
+    assert report.build_result({}, rounds, {}, [32])["published"] is None

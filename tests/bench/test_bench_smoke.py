@@ -11,6 +11,10 @@ import pytest
 
 pytestmark = pytest.mark.timeout(300)
 
+# native/grpcio frontend CPU per message under the quota, one round: 0.58-0.89 in 12 s rounds on a 2-core VM
+# shared with other work (docs/benchmarks.md); the bound only has to hold there.
+QUOTA_NATIVE_PER_MESSAGE_BOUND = 1.0
+
 
 def _bench_env() -> dict[str, str]:
     env = dict(os.environ)
@@ -36,7 +40,7 @@ def test_bench_quick(tmp_path):
             "--connections",
             "32",
             "--fixed-window-s",
-            "2",
+            "6",
             "--output",
             str(out),
         ],
@@ -59,6 +63,19 @@ def test_bench_quick(tmp_path):
         assert r["cpu_us_per_token"] and r["cpu_us_per_token"] > 0, r
         assert r["client_us_per_token"] and r["client_us_per_token"] > 0, r
         assert r["errors"] == 0, (r["scenario"], r["server"], r["error_kinds"])
+    # The guard of the deployment pygrpc-native is for (a container with a CPU quota): in the same interleaved
+    # run, its frontend spends less CPU per streamed message than grpcio's. Per message, not per token: a grpcio
+    # frontend that falls behind on a busy machine packs several tokens into a message, which lowers its CPU per
+    # token but not per message.
+    quota = {r["server"]: r for r in stack if (r["placement"], r["scenario"]) == ("quota", "fixed-c32")}
+    per_message = {server: r["frontend_cpu_s"] * 1e6 / r["messages"] for server, r in quota.items()}
+    assert per_message["pygrpc-native"] < QUOTA_NATIVE_PER_MESSAGE_BOUND * per_message["grpcio"], (
+        f"under the 1-CPU quota pygrpc-native's frontend spent {per_message['pygrpc-native']:.1f} µs per message, "
+        f"grpcio's {per_message['grpcio']:.1f} µs: native must stay below {QUOTA_NATIVE_PER_MESSAGE_BOUND}x grpcio "
+        "(windows: "
+        + ", ".join(f"{s} {r['tokens_per_s']:.0f} tokens/s, limited by {r['bottleneck']}" for s, r in quota.items())
+        + ")"
+    )
     for r in stack:
         if r["placement"] != "pinned":  # the frontend saw every core, and the quota's accounting was read
             assert r["throttled_share"] is not None and r["frontend_core_busy"] is None, r
@@ -208,6 +225,8 @@ def test_bench_one_token_short(tmp_path):
     [result] = [json.loads(line) for line in (out / "one-token.jsonl").read_text().splitlines()]
     assert result["server"] == "grpcio" and result["label"] == "smoke"
     assert result["requests_per_s"] > 0 and result["errors"] == 0, result
-    assert result["frontend_cpu_us_per_request"] > 0 and result["coordinator_cpu_us_per_request"] >= 0, result
+    assert result["frontend_cpu_us_per_request"] > 0, result
+    # every request reserves its node on the coordinator: hundreds a second cost it some CPU ticks
+    assert result["coordinator_cpu_us_per_request"] > 0, result
     assert result["load_generator_cpu_us_per_request"] > 0, result
     assert result["load_generator_loop"] in ("uvloop", "asyncio"), result

@@ -66,6 +66,7 @@ class Stack:
             "OPENENGINE_NODES": "1",
             "OPENENGINE_FRONTEND_PUBLISH": str(self.frontend_port),
             "OPENENGINE_FRONTEND_METRICS_PUBLISH": "0",
+            "OPENENGINE_FRONTEND_HTTP_PUBLISH": "0",
         }
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.log_path = LOG_DIR / f"{self.project}.log"
@@ -166,6 +167,17 @@ def cli_popen(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "openengine_serve", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+
+
+def pytest_collection_modifyitems(items):
+    """The test that takes the shared stack down runs after every other container test, whichever module holds it."""
+    here = Path(__file__).resolve().parent
+    down = [item for item in items if item.name == "test_down_leaves_nothing"]
+    rest = [item for item in items if item not in down]
+    container = [i for i, item in enumerate(rest) if here in Path(item.path).resolve().parents]
+    if down and container:
+        rest[container[-1] + 1 : container[-1] + 1] = down
+        items[:] = rest
 
 
 @pytest.fixture(scope="session")

@@ -238,6 +238,25 @@ def test_the_default_stack_serves_smollm2_with_llama_cpp(stack: Stack):
     assert haiku.returncode == 0 and "sea" in haiku.stdout.lower(), haiku.stdout + haiku.stderr
 
 
+def test_the_openai_sdk_lists_chats_and_streams_on_the_published_http_port(stack: Stack):
+    import openai
+
+    (frontend,) = stack.container_ids("frontend")
+    url = f"http://127.0.0.1:{stack.published_port(frontend, 8000)}/v1"
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16
+    )
+    assert answer.choices[0].message.content and answer.usage.completion_tokens >= 1
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="The sea", max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.completion_tokens >= 1
+
+
 def test_metrics_answer_on_the_frontends_port_and_inside_the_internal_components(stack: Stack):
     (frontend,) = stack.container_ids("frontend")
     (coordinator,) = stack.container_ids("coordinator")
@@ -329,13 +348,15 @@ def test_server_switch_recreates_only_the_frontend(stack: Stack):
 
 # Profile `tls` included: its frontend publishes only its metrics, the proxy's TLS port being its way in.
 PUBLISHED = {
-    "frontend": {50051, 9091},
+    "internal-pki": set(),
+    "frontend": {50051, 8000, 9091},
     "coordinator": set(),
     "node": set(),
     "tls-frontend": {9091},
     "tls-proxy": {8443},
 }
 NETWORKS = {
+    "internal-pki": set(),  # network_mode none
     "frontend": {"internal", "public"},
     "coordinator": {"internal"},
     "node": {"internal"},
@@ -367,7 +388,7 @@ def test_only_the_public_port_and_metrics_are_published_and_only_on_localhost(do
         ports = service.get("ports", [])
         assert {int(p["target"]) for p in ports} == PUBLISHED[name], (name, ports)
         assert all(p.get("host_ip") == "127.0.0.1" for p in ports), (name, ports)
-        assert set(service["networks"]) == NETWORKS[name], (name, service["networks"])
+        assert set(service.get("networks", ())) == NETWORKS[name], (name, service.get("networks"))
     networks = json.loads(config.stdout)["networks"]
     assert networks["internal"].get("internal") is True, networks
     assert not networks["public"].get("internal"), networks

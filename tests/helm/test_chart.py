@@ -579,7 +579,10 @@ def test_services(render, chart, variant: str) -> None:
     values = chart.merge_values(VARIANTS[variant])
     public = r.get("Service", name("frontend"))
     assert public["spec"]["type"] == values["frontend"]["service"]["type"]
-    assert [(p["name"], p["port"], p["targetPort"]) for p in public["spec"]["ports"]] == [("grpc", 50051, "grpc")]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in public["spec"]["ports"]] == [
+        ("grpc", 50051, "grpc"),
+        ("http", 8000, "http"),  # the OpenAI-compatible API
+    ]
     assert r.get("Service", name("coordinator"))["spec"]["type"] == "ClusterIP"
     assert r.get("Service", name("node"))["spec"]["clusterIP"] == "None"
     assert r.get("Service", name("frontend-metrics"))["spec"]["clusterIP"] == "None"
@@ -598,7 +601,18 @@ def test_services(render, chart, variant: str) -> None:
             assert svc["metadata"]["name"] == name("frontend")  # the only Service without metrics
     assert len(r.of_kind("Service")) == 4
     for component in COMPONENTS:
-        assert {p["name"] for p in r.container(component)["ports"]} == {"grpc", "metrics"}
+        expected = {"grpc", "http", "metrics"} if component == "frontend" else {"grpc", "metrics"}
+        assert {p["name"] for p in r.container(component)["ports"]} == expected
+    assert {"name": "OPENENGINE_HTTP_PORT", "value": "8000"} in r.container("frontend")["env"]
+
+
+def test_the_http_api_can_be_turned_off(render) -> None:
+    r = render({"frontend": {"httpPort": 0}})
+    assert [p["name"] for p in r.get("Service", name("frontend"))["spec"]["ports"]] == ["grpc"]
+    assert {p["name"] for p in r.container("frontend")["ports"]} == {"grpc", "metrics"}
+    assert {"name": "OPENENGINE_HTTP_PORT", "value": "0"} in r.container("frontend")["env"]
+    grpc_rule = r.get("NetworkPolicy", name("frontend"))["spec"]["ingress"][0]
+    assert [p["port"] for p in grpc_rule["ports"]] == ["grpc"]
 
 
 def test_public_service_types(render) -> None:
@@ -783,7 +797,8 @@ def test_network_policy_admits_only_the_internal_plane_pairs(render, chart, vari
         targets = [d["metadata"]["name"] for d in pods(r) if selects(spec["podSelector"], pod_labels(d))]
         assert targets == [name(component)]
         grpc_rule, metrics_rule = spec["ingress"]
-        assert [p["port"] for p in grpc_rule["ports"]] == ["grpc"]
+        public_ports = ["grpc", "http"] if component == "frontend" else ["grpc"]  # the frontend's two APIs
+        assert [p["port"] for p in grpc_rule["ports"]] == public_ports
         assert [p["port"] for p in metrics_rule["ports"]] == ["metrics"]
         (peer,) = metrics_rule["from"]
         assert peer["namespaceSelector"] == np_values["metrics"]["namespaceSelector"]

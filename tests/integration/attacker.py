@@ -70,7 +70,9 @@ class Attacker:
         counts reflection streams of all connections together: they would not fill the watcher's connection)."""
         streams = []
         for _ in range(self.settings["max_streams"]):
-            streams.append(watcher.health.Watch(health_pb2.HealthCheckRequest(service="")))
+            # The largest service name a health request may carry: what each held stream keeps.
+            service = "s" * self.settings["max_service_name_bytes"]
+            streams.append(watcher.health.Watch(health_pb2.HealthCheckRequest(service=service)))
             streams.append(
                 reflection_pb2_grpc.ServerReflectionStub(reflector.channel).ServerReflectionInfo(
                     self.reflection_requests()
@@ -115,6 +117,9 @@ class Attacker:
             ),
             "metadata bytes": lambda: list(
                 generate(self.request(), metadata=(("x-padding", "p" * settings["max_metadata_bytes"]),), timeout=10)
+            ),
+            "health request bytes": lambda: plain.health.Watch(
+                health_pb2.HealthCheckRequest(service="s" * (settings["max_service_name_bytes"] + 1)), timeout=10
             ),
             "streams: Generate": lambda: list(watcher.inference.Generate(self.request(), timeout=10)),
             "streams: health watch": lambda: watcher.health.Watch(health_pb2.HealthCheckRequest(), timeout=10),

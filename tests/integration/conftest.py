@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 from openengine_serve.api.openengine.v1 import generation_pb2 as G
 from openengine_serve.client import AsyncClient, Client
 
+from ..greedy_reference import THREADS, llama_reference  # noqa: F401 (the integration tests import them here)
 from . import processes
 from .processes import Deployment
 
@@ -71,6 +72,7 @@ class Stack:
     nodes: list[processes.Component]
     frontend: processes.Component
     second_frontend: processes.Component
+    http_url: str = ""  # the first frontend's OpenAI-compatible API (.../v1)
 
     def client(self, **kwargs) -> Client:
         return Client(self.frontend.target, **kwargs)
@@ -98,13 +100,14 @@ def cluster():
 @pytest.fixture(scope="session", params=SERVERS)
 def stack(request, cluster):
     coord, nodes = cluster
-    frontends = [processes.frontend(coord.target, request.param).start() for _ in range(2)]
+    first, http_url = processes.with_http(processes.frontend(coord.target, request.param))
+    frontends = [first.start(), processes.frontend(coord.target, request.param).start()]
     try:
         for f in frontends:
             f.wait_ready(60)
         # both nodes known and ready before tests spread load over them
         processes.wait_for(lambda: _ready_ranks(frontends[0].target) == 2, 20, "both nodes ready on the frontend")
-        yield Stack(request.param, coord, nodes, *frontends)
+        yield Stack(request.param, coord, nodes, *frontends, http_url=http_url)
     finally:
         for f in frontends:
             f.stop()
@@ -122,9 +125,12 @@ class SlowCluster:
         self.coordinator, self.node, self.node_metrics = coordinator, node, node_metrics
         self.frontends: dict[str, processes.Component] = {}
 
+        self.http_urls: dict[str, str] = {}
+
     def frontend(self, server: str) -> processes.Component:
         if server not in self.frontends:
-            self.frontends[server] = processes.frontend(self.coordinator.target, server).start()
+            frontend, self.http_urls[server] = processes.with_http(processes.frontend(self.coordinator.target, server))
+            self.frontends[server] = frontend.start()
             self.frontends[server].wait_ready(60)
         return self.frontends[server]
 
@@ -163,7 +169,6 @@ def _ready_ranks(target: str) -> int:
 # ------------------------------------------------------------------ the real model (llama.cpp engine)
 
 REAL_MODEL = "SmolLM2-135M-Instruct"
-THREADS = 2
 
 
 @dataclass
@@ -172,6 +177,7 @@ class RealCluster:
     node: processes.Component
     node_metrics: int
     frontends: dict[str, processes.Component]
+    http_urls: dict[str, str]  # each frontend's OpenAI-compatible API (.../v1)
 
     def node_metric(self, name: str) -> float:
         return processes.metric(processes.scrape(self.node_metrics), name)
@@ -188,8 +194,11 @@ def real_cluster_with(*node_args: str) -> Iterator[RealCluster]:
             processes.node(coord.target, 0, "--engine", "llama.cpp", "--threads", str(THREADS), *node_args)
         )
         deployment.add(node)
-        frontends = {server: deployment.add(processes.frontend(coord.target, server)) for server in SERVERS}
-        yield RealCluster(coord, node, node_metrics, frontends)
+        frontends, http_urls = {}, {}
+        for server in SERVERS:
+            frontend, http_urls[server] = processes.with_http(processes.frontend(coord.target, server))
+            frontends[server] = deployment.add(frontend)
+        yield RealCluster(coord, node, node_metrics, frontends, http_urls)
     finally:
         deployment.close()
 

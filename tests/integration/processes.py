@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from openengine_serve.client import NO_CREDENTIALS, Credentials, is_serving
 from openengine_serve.common.net import free_port
+from openengine_serve.local import component_command
 
 LOG_DIR = Path(os.environ.get("OPENENGINE_TEST_LOG_DIR", "/tmp/openengine-test-logs"))
 
@@ -50,7 +50,7 @@ class Component:
         log = open(LOG_DIR / f"{self.name}-{self.port}.log", "ab")
         env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "openengine_serve", *self.args, "--host", self.host, "--port", str(self.port)],
+            component_command(self.args[0], self.host, self.port, *self.args[1:]),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -128,6 +128,13 @@ def with_metrics(component: Component) -> tuple[Component, int]:
     port = free_port()
     component.args[component.args.index("--metrics-port") + 1] = str(port)
     return component, port
+
+
+def with_http(component: Component) -> tuple[Component, str]:
+    """Serves a frontend's OpenAI-compatible HTTP API on a port of its own; returns its base URL (.../v1)."""
+    port = free_port()
+    component.args += ["--http-port", str(port)]
+    return component, f"http://{component.host}:{port}/v1"
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -28,6 +28,7 @@ from .conftest import MODEL, SERVERS, request
 
 MAX_STREAMS, MAX_CONNECTIONS, MAX_PROMPT_BYTES = 6, 12, 4096
 MAX_REQUEST_BYTES, MAX_METADATA_BYTES = 256 * 1024, 4096
+MAX_SERVICE_NAME_BYTES = 4093  # a health request of 4096 bytes (limits.SMALL_MESSAGE_BYTES): tag, length, name
 STEP_MS = 20  # one token per stream per step
 STREAMS, CONNECTIONS, TOKENS = 16, 4, 150  # a run: 16 streams of 150 tokens over 4 connections, ~3 s
 RUNS = 4  # of each kind, alternating
@@ -42,6 +43,10 @@ EXPECTED = {
     "prompt bytes": ("INVALID_ARGUMENT", f"at most {MAX_PROMPT_BYTES} bytes of UTF-8 (OPENENGINE_MAX_PROMPT_BYTES)"),
     "stop text": ("INVALID_ARGUMENT", "stop_text must total at most 4096 bytes"),
     "request bytes": ("RESOURCE_EXHAUSTED", f"vs. {MAX_REQUEST_BYTES})"),
+    "health request bytes": (
+        "RESOURCE_EXHAUSTED",
+        "request message is 4097 bytes, over the limit of 4096 bytes for /grpc.health.v1.Health/Watch",
+    ),
     "metadata bytes": ("RESOURCE_EXHAUSTED", f"over the limit of {MAX_METADATA_BYTES} (OPENENGINE_MAX_METADATA_BYTES)"),
     "streams: Generate": ("RESOURCE_EXHAUSTED", f"more than {MAX_STREAMS} concurrent calls on one connection"),
     "streams: health watch": ("RESOURCE_EXHAUSTED", "(OPENENGINE_MAX_CONCURRENT_STREAMS)"),
@@ -75,6 +80,7 @@ def attacked(request, slow_node_cluster):
         "max_prompt_bytes": MAX_PROMPT_BYTES,
         "max_request_bytes": MAX_REQUEST_BYTES,
         "max_metadata_bytes": MAX_METADATA_BYTES,
+        "max_service_name_bytes": MAX_SERVICE_NAME_BYTES,
     }
     frontend = processes.frontend(
         coordinator.target,
@@ -82,6 +88,7 @@ def attacked(request, slow_node_cluster):
         *("--max-concurrent-streams", str(MAX_STREAMS), "--max-connections", str(MAX_CONNECTIONS)),
         *("--max-prompt-bytes", str(MAX_PROMPT_BYTES), "--max-request-bytes", str(MAX_REQUEST_BYTES)),
         *("--max-metadata-bytes", str(MAX_METADATA_BYTES)),
+        *("--max-health-watches-per-connection", str(MAX_STREAMS)),
     ).start()
     try:
         frontend.wait_ready(60)

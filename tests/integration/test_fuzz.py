@@ -31,6 +31,7 @@ from openengine_serve.api.openengine.v1 import generation_pb2 as G
 from openengine_serve.api.openengine.v1 import lifecycle_pb2, openengine_pb2
 from openengine_serve.client import is_serving
 from openengine_serve.common.vocab import load_encoding
+from openengine_serve.frontend.limits import SMALL_MESSAGE_BYTES
 
 from .conftest import MODEL, collect, request
 
@@ -315,6 +316,7 @@ def call_raw(channel: grpc.Channel, name: str, payload: bytes, headers=()) -> An
     started = time.monotonic()
     responses: list[bytes] = []
     details = ""
+    over = name != "Generate" and len(payload) > SMALL_MESSAGE_BYTES  # refused before it is parsed
     try:
         if method.server_streaming:
             responses.extend(channel.unary_stream(path, **identity)(payload, timeout=CALL_TIMEOUT_S, metadata=headers))
@@ -323,8 +325,10 @@ def call_raw(channel: grpc.Channel, name: str, payload: bytes, headers=()) -> An
         code = Code.OK
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details() or ""
-        assert code in METHOD_CODES[name] | {Code.INVALID_ARGUMENT}, (name, code, exc.details(), payload, headers)
+        allowed = {Code.RESOURCE_EXHAUSTED} if over else METHOD_CODES[name] | {Code.INVALID_ARGUMENT}
+        assert code in allowed, (name, code, exc.details(), payload, headers)
         assert "Traceback" not in details
+    assert code == Code.RESOURCE_EXHAUSTED or not over, (name, len(payload), "over the method's message limit")
     assert time.monotonic() - started < CALL_TIMEOUT_S + 1
     return Answer(code, details, responses)
 
@@ -453,7 +457,18 @@ def stream_problems(req: G.GenerateRequest, responses: list[G.GenerateResponse])
             problems.append(f"output {index}: finish reason {G.FinishReason.Name(end.reason)}")
         # An end-of-sequence token kept by include_stop_in_output adds its record, not its text (stream.py).
         text_ids = ids[index][:-1] if match == "eos_token_id" and count == len(ids[index]) else ids[index]
-        if not stop_texts and text[index] != load_encoding().decode(text_ids):
+        decoded_ids = load_encoding().decode(text_ids)
+        if match == "stop_text":
+            # the text ends where the stop text first appears: with the stop text when it is kept, else just
+            # before it; the tokens may decode to more (the one completing the match can carry text past it)
+            stop = end.stop_match.stop_text
+            upto = text[index] + ("" if req.stopping.include_stop_in_output else stop)
+            if not decoded_ids.startswith(upto) or upto.find(stop) != len(upto) - len(stop):
+                problems.append(
+                    f"output {index}: text {text[index]!r} does not end at the first {stop!r} of "
+                    f"the decode of its tokens {decoded_ids!r}"
+                )
+        elif text[index] != decoded_ids:
             problems.append(f"output {index}: the deltas' text {text[index]!r} is not the decode of its tokens")
     usage = responses[-1].usage
     if not errors:
@@ -499,12 +514,15 @@ def test_fuzz_generate(stack):
         assert not problems, (problems, code, details, decoded(payload), headers)
         if (req := decoded(payload)) is not None:
             used_ids.add(req.request_id)
-        return code.name
+        return f"{kind}:{code.name}"
 
     with grpc.insecure_channel(stack.frontend.target) as channel:
         seen = run_examples(GENERATE_EXAMPLES, generate_calls(), one_call)
     assert sum(seen.values()) >= GENERATE_EXAMPLES, seen
-    assert seen.get("OK", 0) >= GENERATE_EXAMPLES // 10, f"too few accepted requests to check streams: {seen}"
+    # docs/robustness.md: 2 kinds in 6 are requests inside every documented range, each accepted (generate_problems
+    # fails any other answer); hypothesis does not draw the kinds evenly: 25-34 % of the calls in measured runs
+    acceptable = sum(n for answer, n in seen.items() if answer.startswith("acceptable:"))
+    assert seen.get("acceptable:OK", 0) == acceptable >= sum(seen.values()) // 5, seen
     assert_still_serving(stack)
 
 

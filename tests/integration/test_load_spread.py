@@ -159,11 +159,12 @@ def test_max_connection_age_moves_clients_on_grpcio():
 # - "service": every frontend on one address and port (SO_REUSEPORT: the kernel spreads new connections over
 #   the processes, as a ClusterIP Service's proxy spreads them over pods); clients use pick_first.
 # Fair share: at least FAIR_SHARE of the calls of a FAIR_WINDOW_S window (a third is 33 %), reached within
-# FAIR_WITHIN_S of the third being live.
+# FAIR_WITHIN_S of the third being live: the README's "within about 1-2 s" (1.0-1.1 s measured on both servers
+# and both routes, on a shared machine under load).
 AGE_S = 1.0
 FAIR_SHARE = 0.20
 FAIR_WINDOW_S = 1.0
-FAIR_WITHIN_S = 8.0
+FAIR_WITHIN_S = 2.0
 # grpc-core re-resolves a name at most every 30 s by default; a test cannot wait for that (see docs/kubernetes.md)
 RESOLVE_OPTIONS = (("grpc.dns_min_time_between_resolutions_ms", 200),)
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)  # channels with equal options would share one

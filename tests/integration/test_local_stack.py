@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import openai
 import pytest
 
 from openengine_serve.client import Client, served_model
@@ -39,20 +40,25 @@ def first_line(proc: subprocess.Popen, timeout: float = READY_LINE_TIMEOUT_S) ->
 
 @pytest.mark.parametrize("server", ["grpcio", "pygrpc-native"])
 def test_up_starts_serves_and_stops_leaving_nothing_behind(server, tmp_path):
-    port = processes.free_port()
+    port, http_port = processes.free_port(), processes.free_port()
     log = (tmp_path / "up.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--nodes", "2", "--grpc-server", server],
+        [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--nodes", "2", "--grpc-server", server]
+        + ["--http-port", str(http_port)],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
     )
     try:
         line = first_line(proc)
-        assert f"ready on 127.0.0.1:{port}" in line, line
+        assert f"ready on 127.0.0.1:{port}; OpenAI-compatible API on http://127.0.0.1:{http_port}/v1" in line, line
         children = processes.descendants(proc.pid)
         assert len([p for p in children if "openengine_serve" in processes.cmdline(p)]) >= 4
         assert generates(f"127.0.0.1:{port}", 8)
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
+        model = sdk.models.list().data[0].id
+        answer = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert answer.usage.completion_tokens >= 1
         proc.send_signal(signal.SIGTERM)
         stopping = time.monotonic()
         assert proc.wait(timeout=60) == 0
@@ -79,7 +85,7 @@ def test_two_stacks_side_by_side():
     ports = [processes.free_port(), processes.free_port()]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "openengine_serve", "up", "--port", str(p)],
+            [sys.executable, "-m", "openengine_serve", "up", "--port", str(p), "--http-port", "0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -101,7 +107,18 @@ def test_two_stacks_side_by_side():
 def test_a_killed_up_leaves_no_component_running():
     port = processes.free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine", "simulated"],
+        [
+            sys.executable,
+            "-m",
+            "openengine_serve",
+            "up",
+            "--port",
+            str(port),
+            "--engine",
+            "simulated",
+            "--http-port",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 import os
+import urllib.parse
 
 import grpc
 import pytest
@@ -108,6 +109,7 @@ def test_metrics_move_with_traffic(deployment, workers):
         "unavailable": 0,
         "overloaded": 0,
         "key_at_limit": 0,
+        "not_permitted": 0,
     }
 
     node_samples = scrape(node_metrics)
@@ -216,10 +218,12 @@ def listening_ports(pid: int) -> set[int]:
 
 
 def test_metrics_port_zero_disables_the_endpoint(cluster, stack):
-    """The shared deployment runs with --metrics-port 0: each process listens on its gRPC port only."""
+    """The shared deployment runs with --metrics-port 0: each process listens on its API ports only (the
+    frontend: gRPC and the OpenAI-compatible HTTP API)."""
     coord, nodes = cluster
     assert listening_ports(coord.proc.pid) == {coord.port}
-    assert listening_ports(stack.frontend.proc.pid) == {stack.frontend.port}
+    http_port = urllib.parse.urlsplit(stack.http_url).port
+    assert listening_ports(stack.frontend.proc.pid) == {stack.frontend.port, http_port}
     assert nodes[0].port in listening_ports(nodes[0].proc.pid)
 
 

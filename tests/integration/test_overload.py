@@ -22,7 +22,7 @@ from openengine_bench.overload import (
 )
 from openengine_bench.report import percentile
 from openengine_serve.common.grpc_server import create_server, resolve_implementation
-from openengine_serve.common.health import Health
+from openengine_serve.common.health_service import Health
 from openengine_serve.common.lifecycle import new_event_loop
 from openengine_serve.common.net import free_port
 
@@ -91,7 +91,7 @@ def _running(target: str) -> int:
 
 @pytest.mark.parametrize("server", SERVERS)
 def test_liveness_fails_while_the_event_loop_is_stuck(server):
-    """liveness is served on the component's event loop (common/health.py): a loop that cannot run makes
+    """liveness is served on the component's event loop (common/health_service.py): a loop that cannot run makes
     the probe time out, whatever the server's own I/O threads still do."""
     loop = new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -66,18 +66,19 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(stack):
 def test_long_client_strings_are_cut_short_in_control_errors(stack):
     """An error status travels in trailers, which clients cap (16 KiB by default): a client's value is echoed cut
     short, and an Abort request_id follows Generate's rule (found by the fuzz test: a 40,000-character model name
-    came back whole and the client saw RESOURCE_EXHAUSTED about its own metadata limit)."""
+    came back whole and the client saw RESOURCE_EXHAUSTED about its own metadata limit; Control messages now take
+    at most 4 KiB)."""
     from openengine_serve.api.openengine.v1 import lifecycle_pb2, model_pb2
 
     with stack.client() as client:
         with pytest.raises(grpc.RpcError) as missing:
-            client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model="é" * 40_000), timeout=10)
+            client.control.GetModelInfo(model_pb2.GetModelInfoRequest(model="é" * 2000), timeout=10)
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
         assert missing.value.details().startswith(f"model {'é' * 64!r}... is not served; served: ")
         with pytest.raises(grpc.RpcError) as too_long:
-            client.control.Abort(lifecycle_pb2.AbortRequest(request_id="x" * 40_000), timeout=10)
+            client.control.Abort(lifecycle_pb2.AbortRequest(request_id="x" * 4000), timeout=10)
         assert too_long.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert too_long.value.details() == "request_id must be at most 1024 bytes of UTF-8, got 40000 bytes"
+        assert too_long.value.details() == "request_id must be at most 1024 bytes of UTF-8, got 4000 bytes"
         with pytest.raises(grpc.RpcError) as unknown:
             client.control.Abort(lifecycle_pb2.AbortRequest(request_id="y" * 1024), timeout=10)
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
@@ -254,9 +255,9 @@ def test_blocked_streams_are_paused_cost_nothing_and_a_client_that_paused_readin
 # tests' 50 ms-step node a well-behaved stream's gaps are ~50 ms, so a loaded 2-core machine's scheduling delays
 # (tens of ms) move a window's ITL p99 far less than they would at the 2 ms step; what the test is there to
 # catch moves it by seconds: a blocked stream holding up the node's lane for the others, or a frontend busy
-# with output nobody reads. 9 pairs of 1.5 s windows in ABBA order, medians of the windows' p99: many short
+# with output nobody reads. 11 pairs of 1.5 s windows in ABBA order, medians of the windows' p99: many short
 # windows, so that a burst of the machine's other work spoils a few windows of both kinds, not a median.
-ISOLATION_PAIRS = 9
+ISOLATION_PAIRS = 11
 ISOLATION_WELL_BEHAVED = 32  # x 1.5 s x 20 tokens/s: ~960 gaps per window, so a p99 is not one gap
 ISOLATION_WINDOW_S = 1.5
 NON_READING_STREAMS = 64
@@ -301,12 +302,7 @@ def test_non_reading_streams_do_not_slow_well_behaved_ones_and_are_ended(stack, 
         return result
 
     try:
-        result = measure()
-        if result.ratio > ITL_BOUND:
-            # A second measurement confirms a failure: a long burst of the machine's other work can spoil one
-            # run's medians; what the test is for (ratios of 10 and more) fails both.
-            non_reading.cancel()
-            result = measure()
+        result = measure()  # judged once: the medians over interleaved windows are what absorbs the noise
         # a burst of the machine's other work may leave a window few gaps; the median window has its ~960
         assert statistics.median(result.gaps_alone + result.gaps_beside) > 300, "too few gaps for a p99"
         assert result.stalls_during_beside == 0, "non-reading streams ended while their window ran"
@@ -420,9 +416,9 @@ def test_clients_killed_mid_stream_leak_no_slot_reservation_or_sink(stall_fronte
 
 
 IDLE_CONNECTIONS = 1000
-# Frontend memory one idle connection may hold: 4x the figure docs/robustness.md gives for both servers, so
-# allocator noise passes and a per-connection buffer or leak does not.
-IDLE_CONNECTION_MAX_BYTES = 64 * 1024
+# Frontend memory one idle connection may hold: docs/protocol.md's "under 20 KiB" (16.7-16.8 KiB measured on
+# either server, docs/robustness.md); 3 MB over 1,000 connections leaves room for the allocator, not for a buffer.
+IDLE_CONNECTION_MAX_BYTES = 20 * 1024
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
 
 

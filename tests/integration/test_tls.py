@@ -167,7 +167,9 @@ def test_malformed_key_file_stops_the_start_with_file_and_line(tmp_path):
     keys.write_text("# keys\nuser alice k1\nadmin ops\n")
     result = run_cli("frontend", "--port", str(processes.free_port()), "--api-keys-file", str(keys), timeout=30)
     assert result.returncode == 2
-    assert f"{keys}:3: expected `ROLE NAME SECRET [max_in_flight=N]`" in result.stderr
+    assert f"{keys}:3: expected `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME]`" in (
+        result.stderr
+    )
 
 
 def test_cli_calls_a_frontend_with_mutual_tls_and_an_api_key(cluster, tmp_path, deployment):
@@ -313,7 +315,8 @@ def test_up_with_mutual_tls_and_api_keys_checks_readiness_over_tls_and_says_so(t
     )
     try:
         line = proc.stdout.readline()
-        assert f"ready on 127.0.0.1:{port} (TLS, mutual TLS, API key required)" in line, line
+        assert f"ready on 127.0.0.1:{port};" in line, line
+        assert "API on https://" in line and line.count("(TLS, mutual TLS, API key required)") == 1, line
         assert generates(f"127.0.0.1:{port}", pki.client(mutual=True, api_key="k-up-41"))
         assert refused(f"127.0.0.1:{port}", pki.client(mutual=True)) == grpc.StatusCode.UNAUTHENTICATED
         proc.send_signal(signal.SIGTERM)
@@ -338,3 +341,34 @@ def test_incomplete_internal_tls_stops_the_start(tmp_path, component):
     )
     assert result.returncode == 2, result.stderr
     assert "needs all three of OPENENGINE_INTERNAL_TLS_CERT_FILE" in result.stderr
+
+
+def test_the_http_api_serves_https_with_the_public_certificate_and_its_client_ca(cluster, tmp_path, deployment):
+    import http.client
+    import json
+    import ssl
+
+    coord, _ = cluster
+    pki = Pki(tmp_path, "public")
+    frontend, url = processes.with_http(tls_frontend(coord.target, pki, mutual=True))
+    fe = deployment.add(frontend, 60)
+    processes.wait_for(lambda: generates(fe.target, pki.client(mutual=True)), 20, "a TLS generation")
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+
+    def get_models(with_client_certificate: bool) -> int:
+        context = ssl.create_default_context(cafile=pki.ca_file)
+        if with_client_certificate:
+            context.load_cert_chain(pki.client_cert_file, pki.client_key_file)
+        connection = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+        connection.request("GET", "/v1/models")
+        response = connection.getresponse()
+        assert json.loads(response.read())["data"][0]["id"] == MODEL
+        return response.status
+
+    assert get_models(with_client_certificate=True) == 200
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        get_models(with_client_certificate=False)
+    plain = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    with pytest.raises((http.client.HTTPException, ConnectionError)):
+        plain.request("GET", "/v1/models")
+        plain.getresponse()

@@ -74,6 +74,7 @@ from openengine_serve.common.lifecycle import freeze_startup_objects, new_event_
 from openengine_serve.common.net import free_port
 from openengine_serve.common.routing import owning_coordinator
 from openengine_serve.frontend.reservation_stream import ReservationBatcher
+from openengine_serve.local import component_command
 
 TICKS = os.sysconf("SC_CLK_TCK")
 QUOTA_USED = 0.8  # a coordinator that used this share of its CPU quota over a window was limited by it
@@ -475,24 +476,15 @@ class Coordinators:
                 self.targets.append(f"127.0.0.1:{port}")
                 self.procs.append(
                     subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "openengine_serve",
+                        component_command(
                             "coordinator",
-                            "--host",
                             "127.0.0.1",
-                            "--port",
-                            str(port),
-                            "--metrics-port",
-                            "0",
-                            "--heartbeat-s",
-                            str(self.args.heartbeat_s),
-                            "--node-expiry-s",
-                            str(expiry),
-                            "--log-level",
-                            "warning",
-                        ],
+                            port,
+                            metrics_port=0,
+                            heartbeat_s=self.args.heartbeat_s,
+                            node_expiry_s=expiry,
+                            log_level="warning",
+                        ),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         env=env,

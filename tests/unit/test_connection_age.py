@@ -3,7 +3,9 @@ refused and closed when, and closing a real loopback connection found by its gRP
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 
 import pytest
 
@@ -106,3 +108,50 @@ def test_a_connection_found_by_its_peer_is_shut_down_for_its_client():
     finally:
         for sock in (listener, client, other, *accepted):
             sock.close()
+
+
+def test_the_sweep_has_nothing_to_look_at_until_a_connection_can_be_due():
+    clock = Clock()
+    ages = ConnectionAges(10.0, 50051, clock)
+    assert ages.next_check() is None  # no connection: the sweep sleeps until a call comes
+    assert ages.open(PEER)
+    assert ages.next_check() == 110.0  # its age
+    clock.now = 110.0
+    assert ages.due_now() == []  # a call still open: looked at again when it ends
+    assert ages.next_check() is None
+    ages.close(PEER)
+    assert ages.next_check() == pytest.approx(110.0 + QUIET_S)
+    clock.now += QUIET_S
+    assert ages.due_now() == [PEER]
+
+
+def test_the_sweep_loop_closes_an_aged_connection_without_polling(monkeypatch):
+    """A real loop: the connection is closed about QUIET_S after its age, and an idle sweep never wakes."""
+    swept: list[tuple[float, list[str]]] = []
+    ages = ConnectionAges(0.2, 50051)
+    monkeypatch.setattr(ages, "sweep", lambda due: swept.append((time.monotonic(), due)))
+    wakes = 0
+    due_now = ages.due_now
+
+    def counted():
+        nonlocal wakes
+        wakes += 1
+        return due_now()
+
+    monkeypatch.setattr(ages, "due_now", counted)
+
+    async def run() -> float:
+        sweep = asyncio.create_task(ages.sweep_loop())
+        await asyncio.sleep(0.3)
+        assert wakes == 0  # no connection: nothing to look at
+        opened = time.monotonic()
+        assert ages.open(PEER)
+        ages.close(PEER)
+        await asyncio.sleep(0.4)
+        sweep.cancel()
+        return opened
+
+    opened = asyncio.run(run())
+    assert [due for _, due in swept] == [[PEER]]
+    assert 0.2 <= swept[0][0] - opened < 0.35
+    assert wakes <= 2  # at its age (and a wake-up for the check the open added)

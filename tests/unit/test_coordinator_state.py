@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.common.routing import rendezvous_pick
 from openengine_serve.coordinator.state import (
     FRONTEND_LOAD_REFRESH_S,
     ClusterState,
@@ -99,38 +98,36 @@ def test_least_loaded_prefers_lower_normalized_load(state: ClusterState) -> None
     assert reserve(state, "r1") == "big"
 
 
-def key_routed_to(node_id: str, node_ids: list[str]) -> str:
-    """A routing key whose rendezvous node among node_ids is node_id."""
-    return next(k for k in (f"key-{i}" for i in range(1000)) if rendezvous_pick(k, node_ids, str) == node_id)
+# Worked out from the rule (common/routing.py): a key goes to the node whose big-endian BLAKE2b-64 digest of
+# "<node id>\0<key>" is highest. Among a, b, c: user-5 and user-11 go to a, user-3 and user-10 to c, the others
+# to b; key-0 goes to a, and to b once a is gone.
+RENDEZVOUS_ABC = {f"user-{i}": "b" for i in range(12)} | {"user-5": "a", "user-11": "a", "user-3": "c", "user-10": "c"}
 
 
 def test_a_routing_key_always_lands_on_its_rendezvous_node(state: ClusterState) -> None:
     for node_id in ("a", "b", "c"):
         add_node(state, node_id)
-    keys = [f"user-{i}" for i in range(12)]
-    expected = {key: rendezvous_pick(key, ["a", "b", "c"], str) for key in keys}
-    assert len(set(expected.values())) == 3  # the keys exercise every node
-    for i, key in enumerate(keys):
-        assert reserve(state, f"r{i}", routing_key=key) == expected[key]
-        assert reserve(state, f"again{i}", routing_key=key) == expected[key]
+    for i, (key, node_id) in enumerate(RENDEZVOUS_ABC.items()):
+        assert reserve(state, f"r{i}", routing_key=key) == node_id
+        assert reserve(state, f"again{i}", routing_key=key) == node_id
     assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 24, "prefix": 0, "least_loaded": 0}
 
 
 def test_a_key_leaves_a_node_that_is_not_ready_and_comes_back(state: ClusterState) -> None:
     for node_id in ("a", "b", "c"):
         add_node(state, node_id)
-    key = key_routed_to("a", ["a", "b", "c"])
-    assert reserve(state, "r0", routing_key=key) == "a"
+    assert reserve(state, "r0", routing_key="key-0") == "a"
     state.node_heartbeat("a", DRAINING, None)
-    assert reserve(state, "r1", routing_key=key) == rendezvous_pick(key, ["b", "c"], str)
+    assert reserve(state, "r1", routing_key="key-0") == "b"
+    assert reserve(state, "r1c", routing_key="user-3") == "c", "only the keys of the node that left move"
     state.node_heartbeat("a", READY, load())
-    assert reserve(state, "r2", routing_key=key) == "a"
+    assert reserve(state, "r2", routing_key="key-0") == "a"
 
 
 def test_a_key_overflows_from_its_full_node_and_returns(state: ClusterState) -> None:
     add_node(state, "a", max_running=1, max_queued=0)
     add_node(state, "b", running=1, max_running=10, max_queued=0)  # busier in score, has room
-    key = key_routed_to("a", ["a", "b"])
+    key = "key-0"  # a's among a and b (see RENDEZVOUS_ABC)
     assert reserve(state, "r0", routing_key=key) == "a"
     assert reserve(state, "r1", routing_key=key) == "b"  # a is full: overflow to the least loaded
     assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 1, "prefix": 0, "least_loaded": 1}
@@ -245,6 +242,26 @@ def test_finished_memory_is_bounded(state: ClusterState) -> None:
         reserve(state, f"r{i}")
         state.release(f"r{i}", "fe-1")
     assert [state.lookup(f"r{i}")[0] for i in range(6)] == ["unknown"] * 2 + ["finished"] * 4
+
+
+def test_routing_keys_cost_the_affinity_memory_a_digest_whatever_their_length(state: ClusterState) -> None:
+    """16 KiB routing keys (the metadata limit allows them): what the coordinator keeps of each is a digest."""
+    import gc
+    import tracemalloc
+
+    add_node(state, "a", max_running=10_000, max_queued=10_000)
+    keys = 2000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(keys):
+            reserve(state, f"r{i}", routing_key=f"{i:05d}" + "k" * 16_379)
+            state.release(f"r{i}", "fe-1")
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < keys * 1024, f"{kept / keys:.0f} bytes kept per 16 KiB routing key"
 
 
 def test_live_requests_lists_every_reservation_with_its_node(state: ClusterState) -> None:

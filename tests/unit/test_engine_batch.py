@@ -199,3 +199,41 @@ def test_worker_config_round_trips_and_rejects_bad_values():
         WorkerConfig.from_json('{"command_address": "a", "step_address": "b", "max_batch": 1, "colour": 1}')
     with pytest.raises(ValueError, match="max_batch >= 1"):
         WorkerConfig(command_address="a", step_address="b", max_batch=0)
+
+
+# ------------------------------------------------------------------ fair share between API keys
+
+
+def test_a_second_key_gets_its_share_of_a_batch_one_key_filled(token_fields):
+    """Key a fills the batch and queues more; key b's requests go before a's queued ones and take back b's share
+    (half the batch) from a's last admitted requests, which resume where they stopped."""
+    batch = make_batch(token_fields, max_batch=4)
+    for i in range(6):
+        batch.enqueue(add(f"a{i}", owner="a"))
+    step(batch)
+    assert batch.running_request_ids == ["a0", "a1", "a2", "a3"]
+    for i in range(3):
+        batch.enqueue(add(f"b{i}", owner="b"))
+    produced = step(batch, 2)
+    assert sorted(batch.running_request_ids) == ["a0", "a1", "b0", "b1"], "each key holds its share: 2 of 4"
+    assert sorted(batch.queued_request_ids) == ["a2", "a3", "a4", "a5", "b2"]
+    assert {e.request_id for e in produced.events} == {"a0", "a1", "b0", "b1"}
+    batch.cancel(cluster_pb2.CancelRequest(request_id="b0"), [])
+    batch.cancel(cluster_pb2.CancelRequest(request_id="b1"), [])
+    step(batch, 3)
+    assert sorted(batch.running_request_ids) == ["a0", "a1", "a2", "b2"]
+    batch.cancel(cluster_pb2.CancelRequest(request_id="b2"), [])
+    resumed = step(batch, 4)
+    assert sorted(batch.running_request_ids) == ["a0", "a1", "a2", "a3"], "alone again, a takes the whole batch"
+    a3 = [e for e in resumed.events if e.request_id == "a3"]
+    assert not a3[0].first, "a preempted request continues its output"
+
+
+def test_one_key_alone_and_priority_keep_their_order(token_fields):
+    batch = make_batch(token_fields, max_batch=2)
+    for i in range(3):
+        batch.enqueue(add(f"a{i}", owner="a"))
+    batch.enqueue(add("b-low", owner="b", priority=-1))
+    batch.admit()
+    assert batch.running_request_ids == ["a0", "a1"], "b's lower priority: not before a's queue, no preemption"
+    assert batch.queued_request_ids == ["a2", "b-low"]

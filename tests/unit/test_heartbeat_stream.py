@@ -154,6 +154,13 @@ async def test_a_stream_the_coordinator_ended_is_reopened_and_its_first_heartbea
     assert (await heartbeats.beat(quiet_heartbeat(), quiet=True)).known and heartbeats.streams_opened == 3
 
 
+class PlaintextContext:
+    """A call without internal TLS: no certificate names an instance."""
+
+    def auth_context(self) -> dict:
+        return {}
+
+
 async def test_the_coordinator_answers_a_quiet_heartbeat_only_by_ending_the_stream_of_an_unknown_node():
     service = CoordinatorService(CoordinatorConfig())
     service.state.register_node(cluster_pb2.NodeEntry(node_id="n1", address="127.0.0.1:1"), 0)
@@ -163,7 +170,7 @@ async def test_the_coordinator_answers_a_quiet_heartbeat_only_by_ending_the_stre
             for heartbeat in heartbeats:
                 yield heartbeat
 
-        return [reply async for reply in service.NodeHeartbeats(sent(), None)]
+        return [reply async for reply in service.NodeHeartbeats(sent(), PlaintextContext())]
 
     def heartbeat(node_id, reply_optional):
         return cluster_pb2.NodeHeartbeatRequest(

@@ -1,9 +1,14 @@
 """requirements/*.lock (scripts/lock.sh) against pyproject.toml: each image's lock pins, with a hash, a version
-that satisfies every requirement the image installs; a stale lock fails here, before a Docker build."""
+that satisfies every requirement the image installs; a stale lock fails here, before a Docker build. Each pin's
+hash is the hash of the file it names (scripts/bootstrap.sh downloads them into the venv's wheels/locked), and
+the test environment runs the locked versions, as the images do."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -13,6 +18,7 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {"coordinator": ["coordinator"], "frontend": ["frontend", "native"], "node": ["node"]}
 COMPILED = "llama-cpp-python"  # pinned by its sdist in llama-cpp-python.lock
+LOCKED_FILES = Path(sys.prefix) / "wheels" / "locked"  # scripts/bootstrap.sh: every pin's file, downloaded once
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
@@ -32,16 +38,31 @@ def expand(requirements: list[str]) -> list[Requirement]:
     return out
 
 
-def read_lock(name: str) -> dict[str, str]:
-    """name -> version of a lock file; every entry must carry a sha256 hash."""
+def read_hashed_lock(name: str) -> dict[str, tuple[str, str]]:
+    """name -> (version, sha256) of a lock file; every entry must carry a sha256 hash."""
     text = (REPO / "requirements" / f"{name}.lock").read_text().replace("\\\n", " ")
     pins = {}
     for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
             continue
-        match = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)\s+--hash=sha256:[0-9a-f]{64}", line.strip())
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)\s+--hash=sha256:([0-9a-f]{64})", line.strip())
         assert match, f"requirements/{name}.lock: not `name==version --hash=sha256:<hex>`: {line!r}"
-        pins[canonical(match[1])] = match[2]
+        pins[canonical(match[1])] = (match[2], match[3])
+    return pins
+
+
+def read_lock(name: str) -> dict[str, str]:
+    """name -> version of a lock file."""
+    return {name: version for name, (version, _) in read_hashed_lock(name).items()}
+
+
+def every_pin() -> dict[str, tuple[str, str]]:
+    """Every lock's pins together; two locks that pin one package must pin the same file."""
+    pins: dict[str, tuple[str, str]] = {}
+    for lock in sorted((REPO / "requirements").glob("*.lock")):
+        for name, pin in read_hashed_lock(lock.stem).items():
+            known = pins.setdefault(name, pin)
+            assert known == pin, f"{name}: requirements/{lock.name} pins {pin}, another lock {known}"
     return pins
 
 
@@ -69,3 +90,33 @@ def test_the_default_model_is_locked():
     )[1]
     name, version = model.split("==")
     assert read_lock("node-model") == {canonical(name): version}
+
+
+def locked_file(name: str, version: str) -> Path:
+    """The file bootstrap downloaded for a pin: a wheel or an sdist named `<name>-<version>...`."""
+    stem = re.compile(rf"{re.sub(r'[-_.]+', '[-_.]', name)}-{re.escape(version)}[-.]", re.I)
+    found = [path for path in LOCKED_FILES.iterdir() if stem.match(path.name)] if LOCKED_FILES.is_dir() else []
+    assert len(found) == 1, (
+        f"{name}=={version}: expected one file in {LOCKED_FILES}, found {[p.name for p in found]} "
+        "(scripts/bootstrap.sh downloads every locked pin there)"
+    )
+    return found[0]
+
+
+def test_every_pin_is_the_hash_of_the_file_it_names():
+    pins = every_pin()
+    assert len(pins) > 30
+    for name, (version, sha256) in pins.items():
+        path = locked_file(name, version)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == sha256, (
+            f"{path.name}: its sha256 is not the one requirements/*.lock pins for {name}=={version}: "
+            "run scripts/lock.sh"
+        )
+
+
+def test_the_test_environment_runs_the_locked_versions():
+    """bootstrap installs the project with the locks as constraints, so the tests exercise what the images ship."""
+    installed = {canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    pins = {name: version for name, (version, _) in every_pin().items()}
+    differ = {name: (version, installed.get(name)) for name, version in pins.items() if installed.get(name) != version}
+    assert not differ, f"locked version != installed version (scripts/bootstrap.sh installs the locks): {differ}"

@@ -14,9 +14,9 @@ from pygrpc_native import STREAM_CLOSED, STREAM_FULL, STREAM_SENT
 
 from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.common import grpc_server
+from openengine_serve.common.extras import DependencyError
 from openengine_serve.common.grpc_server import (
     NATIVE,
-    DependencyError,
     NativeStreamSender,
     check_native_dependency,
     create_server,

@@ -85,15 +85,18 @@ async def nodes():
 async def test_the_lane_hands_each_event_to_its_request(nodes: NodeConnections):
     entry = node_entry("n0")
     _, stub = add_fake_node(nodes, entry)
-    first, second = nodes.open_sink("r1"), nodes.open_sink("r2")
+    first, second, elsewhere = nodes.open_sink("r1"), nodes.open_sink("r2"), nodes.open_sink("r3")
     conn = await nodes.connect(entry)
     assert conn.lane_ready.done()
+    for request_id in ("r1", "r2"):
+        await nodes.submit(conn, cluster_pb2.EngineRequest(request_id=request_id))
     stub.lane.put_nowait(
         cluster_pb2.StepResults(
             events=[
                 cluster_pb2.OutputEvent(request_id="r1", output_index=0),
                 cluster_pb2.OutputEvent(request_id="gone"),
                 cluster_pb2.OutputEvent(request_id="r2"),
+                cluster_pb2.OutputEvent(request_id="r3"),  # open here, but not submitted to this node
                 cluster_pb2.OutputEvent(request_id="r1", output_index=1),
             ]
         )
@@ -101,13 +104,14 @@ async def test_the_lane_hands_each_event_to_its_request(nodes: NodeConnections):
     await settle()
     assert [e.output_index for e in await first.take()] == [0, 1]
     assert [e.request_id for e in await second.take()] == ["r2"]
+    assert not elsewhere.items, "a node sends events only for the requests it holds"
 
 
 async def test_the_lane_gives_the_node_a_window_and_acknowledges_each_message_handled(nodes: NodeConnections):
     entry = node_entry("n0")
     _, stub = add_fake_node(nodes, entry)
     sink = nodes.open_sink("r1")
-    await nodes.connect(entry)
+    await nodes.submit(await nodes.connect(entry), cluster_pb2.EngineRequest(request_id="r1"))
     assert [(c.frontend_id, c.window) for c in stub.credits] == [("fe-test", nodes.lane_window)]
     for token in range(3):
         stub.lane.put_nowait(
@@ -126,7 +130,7 @@ async def test_without_a_window_the_lane_is_opened_with_window_0_and_read_as_usu
     _, stub = add_fake_node(nodes, entry)
     sink = nodes.open_sink("r1")
     try:
-        await nodes.connect(entry)
+        await nodes.submit(await nodes.connect(entry), cluster_pb2.EngineRequest(request_id="r1"))
         assert [(c.frontend_id, c.window) for c in stub.credits] == [("fe-test", 0)], "0: no limit"
         stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(request_id="r1")]))
         await settle()
@@ -345,7 +349,9 @@ async def test_a_request_getting_its_first_event_wakes_before_those_with_a_backl
     entry = node_entry("n0")
     _, stub = add_fake_node(nodes, entry)
     running, new = nodes.open_sink("running"), nodes.open_sink("new")
-    await nodes.connect(entry)
+    conn = await nodes.connect(entry)
+    for request_id in ("running", "new"):
+        await nodes.submit(conn, cluster_pb2.EngineRequest(request_id=request_id))
     stub.lane.put_nowait(cluster_pb2.StepResults(events=[cluster_pb2.OutputEvent(request_id="running")]))
     await settle()
     woken = []

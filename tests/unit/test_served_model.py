@@ -12,6 +12,7 @@ from openengine_serve.api.openengine_internal.v1 import cluster_pb2, cluster_pb2
 from openengine_serve.common.config import FrontendConfig
 from openengine_serve.common.tokenizers import Qwen3Tokenizer
 from openengine_serve.engine.model_card import simulated_card
+from openengine_serve.frontend import served_model
 from openengine_serve.frontend.served_model import ServedModel
 
 READY, DOWN = cluster_pb2.NODE_STATE_READY, cluster_pb2.NODE_STATE_DOWN
@@ -67,7 +68,7 @@ async def test_the_model_of_a_ready_node_is_loaded_with_its_limits(node):
     assert isinstance(model.loaded.tokenizer, Qwen3Tokenizer)
     assert (limits.served_model_name, limits.aliases) == ("Qwen/Qwen3-0.6B", ("qwen3",))
     assert (limits.max_context_length, limits.max_output_tokens, limits.vocab_size) == (40960, 8192, 151669)
-    assert limits.max_prompt_bytes == 16 * 40960
+    assert limits.max_prompt_bytes == 512 * 1024, "16 per token of the context, at most what Generate messages carry"
     assert model.ready_on(nodes.values())
     model.on_node_table(nodes)
     assert servicer.calls == 1, "the same model is not fetched again"
@@ -117,3 +118,17 @@ async def test_nodes_of_another_model_make_the_frontend_load_it(node):
     model.on_node_table(nodes)
     await loaded(model)
     assert model.loaded.limits.served_model_name == "other-model" and model.ready_on(nodes.values())
+
+
+async def test_a_model_card_beyond_the_bound_is_refused_before_it_is_kept(node, monkeypatch):
+    """A node (or a container posing as one) cannot make the frontend take a tokenizer of any size."""
+    monkeypatch.setattr(served_model, "MAX_MODEL_CARD_BYTES", 1 << 20)  # (64 MiB by default)
+    servicer, address = node
+    big = cluster_pb2.ModelCard()
+    big.CopyFrom(servicer.card)
+    big.tokenizer_data = b"\0" * (1 << 20)
+    servicer.card = big
+    model = ServedModel(FrontendConfig(), grpc.aio.insecure_channel)
+    model.on_node_table(table(address, big))
+    await asyncio.wait_for(model._loading, 30)
+    assert servicer.calls == 1 and model.loaded is None

@@ -1,5 +1,6 @@
-"""The frontend's tokenizer of a GGUF model (from the vocabulary-only copy a node hands out) against llama.cpp's
-own `llama_tokenize` on the full model file, and the GGUF header reader and writer it relies on."""
+"""The frontend's tokenizer of a GGUF model (from the vocabulary-only copy a node hands out) against a tokenizer
+that is not llama.cpp's code (Hugging Face `tokenizers`, built from the GGUF's own vocabulary and merges), and
+the GGUF header reader and writer it relies on."""
 
 from __future__ import annotations
 
@@ -101,19 +102,30 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def llama_tokenize():
-    """llama.cpp's own tokenizer on the full model file (weights not loaded: vocab_only)."""
-    import llama_cpp
+def hf_tokenizer(header):
+    """Hugging Face `tokenizers` (Rust) from the GGUF's vocabulary and merges, set up as the model's published
+    tokenizer.json is (SmolLM2: byte-level BPE; digits split one by one, then GPT-2's pattern, no prefix space;
+    control tokens split out whole; no BOS added, as tokenizer.ggml.add_bos_token says)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    model = llama_cpp.Llama(model_path=default_model_path(), vocab_only=True, verbose=False)
-    return lambda text: model.tokenize(text.encode(), add_bos=True, special=True)
+    assert (header.get("tokenizer.ggml.model"), header.get("tokenizer.ggml.pre")) == ("gpt2", "smollm")
+    assert header.get("tokenizer.ggml.add_bos_token") is False
+    tokens = header.get("tokenizer.ggml.tokens")
+    merges = [tuple(merge.split(" ")) for merge in header.get("tokenizer.ggml.merges")]
+    hf = Tokenizer(models.BPE(vocab={text: i for i, text in enumerate(tokens)}, merges=merges))
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in special_token_texts(header)])
+    return lambda text: hf.encode(text, add_special_tokens=False).ids
 
 
-def test_the_ids_equal_llama_tokenize_on_250_prompts(header, tokenizer, llama_tokenize):
+def test_the_ids_equal_hugging_face_tokenizers_on_250_prompts(header, tokenizer, hf_tokenizer):
     cases = prompts(header)
     assert len(cases) >= 250
     assert sum(any(s in case for s in special_token_texts(header)) for case in cases) >= 80
-    mismatches = [case for case in cases if tokenizer.encode(case) != llama_tokenize(case)]
+    mismatches = [case for case in cases if tokenizer.encode(case) != hf_tokenizer(case)]
     assert not mismatches, f"{len(mismatches)} of {len(cases)} differ, e.g. {mismatches[:3]!r}"
 
 
@@ -164,14 +176,19 @@ def test_a_file_that_is_not_gguf_is_refused_with_what_it_is(tmp_path):
         gguf.read_header(str(tmp_path / "missing.gguf"))
 
 
-def test_a_model_of_another_architecture_is_refused(tmp_path):
-    key, value = b"general.architecture", b"mamba"
-    pair = struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value)) + value  # 8: a string
+def test_any_architecture_gets_a_card_llama_cpp_judges_the_file(tmp_path):
+    """The card reads any architecture's header; whether llama.cpp runs it is the node's check
+    (tests/integration/test_architectures.py)."""
+    pairs = b""
+    for key, value in ((b"general.architecture", b"mamba"),):
+        pairs += struct.pack("<Q", len(key)) + key + struct.pack("<IQ", 8, len(value)) + value  # 8: a string
+    key = b"mamba.context_length"
+    pairs += struct.pack("<Q", len(key)) + key + struct.pack("<II", 4, 2048)  # 4: uint32
     path = tmp_path / "mamba.gguf"
-    path.write_bytes(gguf.MAGIC + struct.pack("<IQQ", 3, 0, 1) + pair)
+    path.write_bytes(gguf.MAGIC + struct.pack("<IQQ", 3, 0, 2) + pairs)
     assert gguf.read_header(str(path)).architecture == "mamba"
-    with pytest.raises(gguf.GgufError, match="architecture 'mamba' is not supported"):
-        gguf_card(str(path), 4096)
+    card = gguf_card(str(path), 4096)
+    assert (card.name, card.context_length) == ("mamba", 2048)
 
 
 @pytest.mark.parametrize(

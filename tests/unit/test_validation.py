@@ -365,6 +365,13 @@ def test_a_prompt_over_its_byte_limit_is_refused_before_it_is_tokenized():
         validate_generate(request(prompt="a" * 100), RequestMetadata(), limits, encode)
 
 
+def test_token_ids_past_the_context_are_refused_before_they_are_copied_or_scanned():
+    ids = [1] * 2_000_000 + [10**6]  # its last id is outside the vocabulary: a scan would say that first
+    with pytest.raises(InvalidRequest) as refused:
+        validate(request(token_ids=token_ids(*ids)))
+    assert refused.value.message == "token_ids must fit max_context_length 64, got 2000001 tokens"
+
+
 def test_stop_texts_are_bounded_together():
     at_limit = [stop_text("x" * 1024) for _ in range(4)]
     assert len(validate(request(stopping=stopping(conditions=at_limit))).stop_strings) == 1  # deduplicated

@@ -2,6 +2,10 @@
 
 import sys
 
-from openengine_serve.bench_command import main
+from openengine_serve.bench_command import require_bench_extra
 
-sys.exit(main())
+require_bench_extra()
+
+from openengine_bench.cli import main  # noqa: E402  (after the check: it imports the extra's modules)
+
+sys.exit(main(sys.argv[1:]))

@@ -29,6 +29,7 @@ from openengine_serve.api.openengine.v1 import generation_pb2 as G
 from openengine_serve.client import AsyncClient, is_serving
 from openengine_serve.common.net import free_port
 from openengine_serve.engine.model_card import default_model_path
+from openengine_serve.local import component_command
 
 SUBJECTS = [
     "the sea",
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     env = {**os.environ, "OPENENGINE_THREADS": str(args.threads), "OPENENGINE_MAX_BATCH": str(args.streams)}
     stack = subprocess.Popen(
-        [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine", "llama.cpp"],
+        component_command("up", "127.0.0.1", port, engine="llama.cpp"),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 "top2_logprob_margin": margin,
             }
         )
-    identical = sum(r["identical"] for r in rows)
+    identical = sum(1 for r in rows if r["identical"])
     args.output.mkdir(parents=True, exist_ok=True)
     result = {
         "streams": args.streams,

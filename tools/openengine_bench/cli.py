@@ -30,12 +30,17 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from openengine_serve.common.lifecycle import event_loop_name
 
 from . import report
+
+if TYPE_CHECKING:
+    from .load import LoadPool
+    from .stack import Stack
 
 FULL = {
     "fixed_rounds": 3,
@@ -159,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         "from its rounds (and <output>/profiles/*.txt)",
     )
     p.add_argument(
+        "--published",
+        default=str(report.PUBLISHED_PATH),
+        help="an earlier bench.json (default: the published run, docs/bench/bench.json): the report says for each "
+        "placement whether native/grpcio CPU per token moved beyond the run-to-run spread; 'none' to skip",
+    )
+    p.add_argument(
         "--profile-s",
         type=float,
         default=0.0,
@@ -182,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_published(path: str) -> dict[str, Any] | None:
+    """The earlier result --published names (None for 'none' or a path without a file: nothing to compare)."""
+    if path == "none" or not Path(path).is_file():
+        return None
+    return report.read_json(path)
+
+
+def shown_path(path: str) -> str:
+    """`path` relative to the working directory when it is below it (the repository root, as documented)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
 def rerender(out: Path) -> int:
     """Rebuilds summary, targets, profiles, report.md and the chart from <out>/bench.json (and profiles/*.txt)."""
     old = report.read_json(out / "bench.json")
@@ -200,6 +226,7 @@ def rerender(out: Path) -> int:
             record["bottleneck"], record["frontend_limited"] = report.classify_budget_window(record)
     result = report.build_result(old["meta"], old["rounds"], hashes, old["meta"].get("connections", [32, 1]), profiles)
     result["identical"] = old["identical"]  # per-request hashes are not kept in the JSON
+    result["published"] = old.get("published")  # the comparison made when it ran (the file may be gone or newer)
     result["targets"] = report.evaluate_targets(
         result["summary"], result["rounds"], result["identical"], old["meta"].get("connections", [32, 1])
     )
@@ -257,12 +284,14 @@ class Bench:
         )
         self.budget_connections = [int(c) for c in args.budget_connections.split(",") if c.strip()]
         self.budget_inflight = args.budget_inflight or args.inflight
+        # read before the run: the output may be the published directory itself
+        self.published = read_published(args.published)
         self.cgroups: dict[float, Any] = {}  # quota in CPUs -> QuotaCgroup
         self.rounds: list[dict[str, Any]] = []
         self.hashes: dict[str, dict[str, dict[str, str]]] = {}
         self.profiles: dict[str, dict[str, Any]] = {}
-        self.stack = None
-        self.pool = None
+        self.stack: Stack  # both set when the run starts
+        self.pool: LoadPool
 
     # ---------------------------------------------------------------- run
 
@@ -329,7 +358,13 @@ class Bench:
                 with contextlib.suppress(OSError):
                     cgroup.close()
         result = report.build_result(
-            self.meta(time.monotonic() - started), self.rounds, self.hashes, self.connections, self.profiles
+            self.meta(time.monotonic() - started),
+            self.rounds,
+            self.hashes,
+            self.connections,
+            self.profiles,
+            self.published,
+            shown_path(self.args.published),
         )
         json_path = report.write_json(result, self.out / "bench.json")
         chart_path = report.write_chart(result, self.out / "bench.png")
@@ -471,9 +506,11 @@ class Bench:
             jobs = make_jobs(kind="saturation", drain_timeout_s=0.0, inflight=self.inflight(placement), **common)
         sampler = CpuSampler()
         sampler.set_group("frontend" if mode == "stack" else "bare server", [target.pid])
-        sampler.set_group("coordinator", [self.stack.coordinator.pid])
-        sampler.set_group("node", [self.stack.node.pid])
-        sampler.set_group("engine", [p for p in self.stack.node_tree() if p != self.stack.node.pid])
+        coordinator, node = self.stack.coordinator, self.stack.node
+        assert coordinator is not None and node is not None, "the cluster runs through every round"
+        sampler.set_group("coordinator", [coordinator.pid])
+        sampler.set_group("node", [node.pid])
+        sampler.set_group("engine", [p for p in self.stack.node_tree() if p != node.pid])
         sampler.set_group("load generator", self.pool.pids[: len(jobs)])
         sampler.set_group("bench", [os.getpid()])
         self.pool.submit(jobs)
@@ -483,7 +520,7 @@ class Bench:
             time.sleep(SETTLE_S * 2)
             return {}
         sleep_until(t0)
-        throttling = cgroup.throttling if cgroup is not None else dict
+        throttling: Callable[[], dict[str, float]] = cgroup.throttling if cgroup is not None else dict
         before, cores_before, threads_before = sampler.snapshot(), _core_times(), thread_seconds(target.pid)
         throttled_before = throttling()
         sleep_until(t1)

@@ -5,6 +5,7 @@
 Targets, each started here, warmed up, driven and stopped in turn:
 - openengine-grpcio, openengine-native: `openengine-serve up --engine llama.cpp` with the public frontend on
   grpcio or on pygrpc-native (gRPC Inference.Generate);
+- openengine-http: the same stack (grpcio) through its OpenAI-compatible HTTP API (streaming /v1/completions);
 - llama-server: llama.cpp's C++ server, built from the llama.cpp sources vendored in the installed
   llama-cpp-python's sdist (tools/build_llama_server.sh), one slot per stream of our max batch, continuous
   batching (its default), unified KV cache, flash attention; native streaming /completion;
@@ -36,9 +37,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from openengine_serve.common.net import free_port
+
+if TYPE_CHECKING:
+    from openengine_serve.client import AsyncClient
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = REPO / "docs" / "bench" / "engines"
@@ -46,13 +50,14 @@ DEFAULT_LOGS = REPO / "bench-results" / "engines-logs"
 BUILD_SCRIPT = REPO / "tools" / "build_llama_server.sh"
 HOST = "127.0.0.1"
 
-GRPCIO, NATIVE = "openengine-grpcio", "openengine-native"
+GRPCIO, NATIVE, HTTP = "openengine-grpcio", "openengine-native", "openengine-http"
 LLAMA_SERVER, LLAMA_CPP_PYTHON = "llama-server", "llama-cpp-python"
-TARGETS = (GRPCIO, NATIVE, LLAMA_SERVER, LLAMA_CPP_PYTHON)
-OURS = (GRPCIO, NATIVE)
+TARGETS = (GRPCIO, NATIVE, HTTP, LLAMA_SERVER, LLAMA_CPP_PYTHON)
+OURS = (GRPCIO, NATIVE, HTTP)
 LABELS = {
     GRPCIO: "OpenEngine (grpcio)",
     NATIVE: "OpenEngine (pygrpc-native)",
+    HTTP: "OpenEngine (OpenAI HTTP)",
     LLAMA_SERVER: "llama-server",
     LLAMA_CPP_PYTHON: "llama_cpp.server",
 }
@@ -75,6 +80,8 @@ LLAMA_SERVER_THROUGHPUT_AT = (8, 32)  # ... at 8 and at 32 streams
 LLAMA_CPP_PYTHON_FACTOR = 3.0  # tokens/s >= 3x llama_cpp.server's ...
 LLAMA_CPP_PYTHON_AT = 32  # ... at 32 streams
 TTFT_AT = 1  # TTFT p50 at 1 stream <= llama-server's + 10 ms
+HTTP_THROUGHPUT_SHARE = 0.95  # the OpenAI HTTP API's tokens/s >= 0.95x gRPC's (grpcio, the same stack) ...
+HTTP_THROUGHPUT_AT = (8, 32)  # ... at 8 and at 32 streams
 TTFT_SLACK_MS = 10.0
 
 
@@ -329,6 +336,25 @@ def openai_completion_tokens(data: str, outcome: Outcome) -> tuple[int, bool]:
     return n, False
 
 
+def openengine_http_tokens(data: str, outcome: Outcome) -> tuple[int, bool]:
+    """(tokens in this chunk of our /v1/completions stream, whether it is the last): each text chunk carries the
+    completion tokens so far (continuous_usage_stats), the last usage chunk the whole count."""
+    if data == "[DONE]":
+        return 0, True
+    event = json.loads(data)
+    if "error" in event:
+        raise StreamError(json.dumps(event["error"])[:300])
+    usage = event.get("usage") or {}
+    so_far = usage.get("completion_tokens")
+    if so_far is None or not event.get("choices"):
+        if so_far is not None:
+            outcome.reported = so_far
+        return 0, False
+    n = so_far - outcome.counted
+    outcome.counted = so_far
+    return n, False
+
+
 # ---------------------------------------------------------------- the targets
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -427,7 +453,8 @@ class ForeignLoad:
             return 0.0, []
         ours = tree(table, os.getpid())
         delta = {pid: cpu - self._table.get(pid, (0, 0.0))[1] for pid, (_, cpu) in table.items()}
-        self.ours = {}  # role -> CPUs: where this benchmark's own processes (client and target) spent the window
+        # role -> CPUs: where this benchmark's own processes (client and target) spent the window
+        self.ours: dict[str, float] = {}
         for pid in ours:
             role = role_of(pid)
             self.ours[role] = self.ours.get(role, 0.0) + delta[pid] / elapsed
@@ -477,7 +504,7 @@ class Target:
         self.proc: subprocess.Popen | None = None
         self.command: list[str] = []
         self.port = 0
-        self._log = None
+        self._log: IO[bytes] | None = None
         self._log_start = 0  # where this run's output begins in the (appended) log
 
     def describe(self) -> str:
@@ -557,11 +584,12 @@ class Target:
 
 
 class OpenEngineTarget(Target):
-    def __init__(self, settings: Settings, logdir: Path, grpc_server: str, name: str) -> None:
+    def __init__(self, settings: Settings, logdir: Path, grpc_server: str, name: str, http: bool = False) -> None:
         super().__init__(settings, logdir)
         self.grpc_server = grpc_server
         self.name = name
-        self.client = None
+        self.http_port = free_port(HOST) if http else 0  # requests through the OpenAI-compatible API
+        self.client: AsyncClient | None = None
         self.model_name = ""
         self.model_extra: dict[str, Any] = {}
 
@@ -590,6 +618,8 @@ class OpenEngineTarget(Target):
                 "llama.cpp",
                 "--grpc-server",
                 self.grpc_server,
+                "--http-port",
+                str(self.http_port),
             ],
             env,
         )
@@ -612,13 +642,15 @@ class OpenEngineTarget(Target):
         return (
             f"OPENENGINE_MAX_BATCH={s.max_batch} OPENENGINE_CONTEXT_SIZE={s.context_size} "
             f"OPENENGINE_PREFILL_CHUNK={s.prefill_chunk} OPENENGINE_THREADS={s.threads} "
-            f"openengine-serve up --engine llama.cpp --grpc-server {self.grpc_server}"
+            f"openengine-serve up --engine llama.cpp --grpc-server {self.grpc_server} --http-port {self.http_port}"
         )
 
     async def ready(self) -> bool:
         return b"OpenEngine frontend ready on" in self.log_output()
 
     async def request(self, prompt: str, max_tokens: int, on_tokens: Callable[[int], None]) -> Outcome:
+        if self.http_port:
+            return await self.http_request(prompt, max_tokens, on_tokens)
         from openengine_serve.api.openengine.v1 import generation_pb2 as g
 
         request = g.GenerateRequest(
@@ -630,6 +662,7 @@ class OpenEngineTarget(Target):
             kv=g.KvOptions(bypass_prefix_cache=True),
         )  # as llama-server's cache_prompt
         outcome = Outcome()
+        assert self.client is not None, "start the engine first"
         async for response in self.client.generate(request, timeout=REQUEST_TIMEOUT_S):
             kind = response.WhichOneof("event")
             if kind == "token":
@@ -640,6 +673,35 @@ class OpenEngineTarget(Target):
                 raise StreamError(str(response.error).strip()[:300])
             if response.HasField("usage") and response.usage.completion_tokens:
                 outcome.reported = response.usage.completion_tokens
+        return outcome
+
+    async def http_request(self, prompt: str, max_tokens: int, on_tokens: Callable[[int], None]) -> Outcome:
+        """The same request through /v1/completions: a fresh cache salt reads the prompt whole (as
+        bypass_prefix_cache does); continuous usage counts the tokens of a chunk that merged several."""
+        outcome = Outcome()
+
+        def on_event(data: str) -> bool:
+            n, last = openengine_http_tokens(data, outcome)
+            if n:
+                on_tokens(n)
+            return last
+
+        await post_sse(
+            HOST,
+            self.http_port,
+            "/v1/completions",
+            {
+                "model": self.model_name,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache_salt": uuid.uuid4().hex,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            on_event,
+        )
         return outcome
 
     async def stop(self) -> None:
@@ -814,6 +876,8 @@ def make_target(name: str, settings: Settings, logdir: Path) -> Target:
         return OpenEngineTarget(settings, logdir, "grpcio", GRPCIO)
     if name == NATIVE:
         return OpenEngineTarget(settings, logdir, "pygrpc-native", NATIVE)
+    if name == HTTP:
+        return OpenEngineTarget(settings, logdir, "grpcio", HTTP, http=True)
     if name == LLAMA_SERVER:
         return LlamaServerTarget(settings, logdir)
     if name == LLAMA_CPP_PYTHON:
@@ -891,7 +955,8 @@ async def run_level(target: Target, concurrency: int, mode: Mode, max_tokens: in
 
     tasks = [asyncio.create_task(stream(i)) for i in range(concurrency)]
     foreign = ForeignLoad()
-    foreign_cpus, foreign_busiest = None, []
+    foreign_cpus: float | None = None
+    foreign_busiest: list[str] = []
     try:
         await asyncio.sleep(mode.warmup_s)
         window.phase, window.t0 = "measure", time.perf_counter()
@@ -1118,6 +1183,18 @@ def verdicts(summary: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, An
                 "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} ms ({fmt(difference, 1, signed=True)} ms)",
             }
         )
+    if HTTP in summary:
+        for n in HTTP_THROUGHPUT_AT:
+            value, peer = _cell(summary, HTTP, n, "tok_s"), _cell(summary, GRPCIO, n, "tok_s")
+            r = ratio(value, peer)
+            out.append(
+                {
+                    "target": HTTP,
+                    "goal": f"tokens/s >= {HTTP_THROUGHPUT_SHARE:g}x gRPC's (grpcio) at {n} streams",
+                    "met": None if r is None else r >= HTTP_THROUGHPUT_SHARE,
+                    "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
+                }
+            )
     return out
 
 

@@ -44,7 +44,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from openengine_bench.engines import (
     HOST,
@@ -64,6 +64,9 @@ from openengine_bench.engines import (
     write_json,
 )
 from openengine_serve.common.net import free_port
+
+if TYPE_CHECKING:
+    from openengine_serve.client import AsyncClient
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = REPO / "docs" / "bench" / "features"
@@ -375,7 +378,8 @@ def window_stats(records: Iterable[Record], t0: float, t1: float) -> dict[str, A
     token responses of a request) that ended then, and the requests that completed or failed then."""
     seconds = t1 - t0
     tokens, ttft, gaps, multi = 0, [], [], 0
-    completed, errors, samples, lengths = 0, 0, [], []
+    completed, errors, lengths = 0, 0, []
+    samples: list[str] = []
     finishes: dict[str, int] = {}
     for r in records:
         for i, (at, n) in enumerate(zip(r.arrivals, r.counts)):
@@ -508,7 +512,7 @@ def mask_summary(
         "mask_p99_us": us(masked, 99),
         "mask_max_us": us(masked, 100),
         "consume_us": mean(consume_ns),
-        "per_token_us": None if not masked else mean(masked) + (mean(consume_ns) or 0.0),
+        "per_token_us": None if not masked else (mean(masked) or 0.0) + (mean(consume_ns) or 0.0),
         "choose_guided_us": guided,
         "choose_plain_us": plain,
         "choose_delta_us": None if guided is None or plain is None else guided - plain,
@@ -542,10 +546,10 @@ class Stack:
         self.port = 0
         self.coordinator_metrics = 0
         self.node_metrics: list[int] = []
-        self.client = None
+        self.client: AsyncClient | None = None
         self.model = ""
         self.model_extra: dict[str, Any] = {}
-        self._log = None
+        self._log: IO[bytes] | None = None
 
     @property
     def target(self) -> str:
@@ -558,6 +562,7 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         command = [sys.executable, "-m", "openengine_serve", *args]
+        assert self._log is not None, "opened by start"
         self._log.write(
             f"\n==== {datetime.datetime.now().isoformat(timespec='seconds')} {name}: {' '.join(command)}\n".encode()
         )
@@ -817,7 +822,7 @@ async def guided_levels(stack: Stack, schema: str, unguided_tokens: int, mode: M
         rnd: dict[str, Any] = {"round": r + 1, "levels": {}}
         for n in GUIDED_AT:
             order = ("guided", "unguided") if (r + GUIDED_AT.index(n)) % 2 == 0 else ("unguided", "guided")
-            level = {"order": list(order)}
+            level: dict[str, Any] = {"order": list(order)}
             for kind in order:
                 await wait_quiet_note(level, kind)
                 if kind == "guided":
@@ -915,8 +920,11 @@ def measure_mask(
     base = np.random.default_rng(0).standard_normal(vocab_size).astype(np.float32)
     row = np.empty_like(base)
     eog = np.asarray(end_of_generation, np.int64)
-    compute, apply, consume, choose_guided, choose_plain = [], [], [], [], []
-    check_s, compile_s, problems = [], [], []
+    compute, apply, consume = [], [], []
+    choose_guided: list[int] = []
+    choose_plain: list[int] = []
+    check_s, compile_s = [], []
+    problems: list[str] = []
     clock = time.perf_counter_ns
     for _ in range(max(1, repeats)):
         for sequence in sequences:
@@ -1043,8 +1051,8 @@ async def prefix_cache_ttft(stack: Stack, system: str, pairs: int) -> dict[str, 
 
 
 def mean_of(values: Iterable[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 # ---------------------------------------------------------------- 3. isolation
@@ -1057,7 +1065,8 @@ async def isolation_levels(stack: Stack, huge: str, mode: Mode) -> tuple[list[di
     huge-guide requests' prompt and length without a guide, what a ninth stream costs anyway) and with one
     stream of huge-guide requests ("with"), the order reversed every other round. Also the tokens of one
     huge-guide output (for the in-process mask timing)."""
-    rounds, huge_output = [], []
+    rounds: list[dict[str, Any]] = []
+    huge_output: list[int] = []
     for r in range(mode.rounds):
         order = list(ISOLATION_KINDS) if r % 2 == 0 else list(reversed(ISOLATION_KINDS))
         rnd: dict[str, Any] = {"round": r + 1, "order": order}
@@ -1206,11 +1215,11 @@ async def routing_run(
         "ttft_p50_ms": percentile([r.ttft * 1000 for r in records if r.ttft is not None], 50),
         "nodes": nodes,
         "routing_decisions": {k: v for k, v in decisions.items() if v},
-        "hit_rate": hit_rate(sum(n["hits"] for n in nodes), sum(n["prefilled"] for n in nodes)),
+        "hit_rate": hit_rate(sum(n["hits"] or 0.0 for n in nodes), sum(n["prefilled"] or 0.0 for n in nodes)),
         "client_hit_rate": (
             sum(r.cached_prompt_tokens or 0 for r in records) / prompt_tokens if prompt_tokens else None
         ),
-        "spread": spread([n["requests"] for n in nodes]),
+        "spread": spread([n["requests"] or 0.0 for n in nodes]),
         "foreign_cpus": foreign_cpus,
         "foreign_busiest": busiest,
         "salt": salt,
@@ -1628,12 +1637,13 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np  # noqa: F401 - fail early when missing
 
     from openengine_serve.common import guides
-    from openengine_serve.common.tokenizers import tokenizer_for
+    from openengine_serve.common.tokenizers import GgufTokenizer, tokenizer_for
     from openengine_serve.engine.model_card import default_model_path, gguf_card
 
     model = str(default_model_path())
     say("loading the model's vocabulary (llama.cpp, llguidance)...")
     tokenizer = tokenizer_for(gguf_card(model, 4096))
+    assert isinstance(tokenizer, GgufTokenizer)  # a GGUF card's
     ll_tokenizer = guides.vocabulary(tokenizer._vocab)
     count = lambda text: len(tokenizer.encode(text))
 
@@ -1793,7 +1803,8 @@ def main(argv: list[str] | None = None) -> int:
     async def run_all() -> None:
         if QUIET_LIMIT_S[0] > 0:
             doc["foreign_cpus_at_start"] = await wait_quiet(QUIET_LIMIT_S[0])
-        calibration_outputs, huge_output = [], []
+        calibration_outputs: list[list[int]] = []
+        huge_output: list[int] = []
         if {"guided", "cache", "isolation"} & set(parts):
             calibration_outputs, huge_output = await single_node()
         if "guided" in parts and "guided" in doc:

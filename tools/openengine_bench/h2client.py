@@ -18,12 +18,8 @@ import asyncio
 import collections
 import struct
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7, 0x8
-END_STREAM, ACK, END_HEADERS, PADDED = 0x1, 0x1, 0x4, 0x8
-SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 0x2, 0x3, 0x4
-MAX_WINDOW = 2**31 - 1
-CANCEL = 0x8
+from openengine_serve.common.wire import http2 as h2
+
 EOF = object()  # what `read` returns after the last message (the caller may pass grpc.aio.EOF instead)
 
 
@@ -33,32 +29,6 @@ class StreamError(Exception):
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
         self.kind = kind
-
-
-def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream_id) + payload
-
-
-def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def header_block(headers: list[tuple[str, str]]) -> bytes:
-    """HPACK: every header a literal without indexing and with a literal name (no table on either side)."""
-    out = bytearray()
-    for name, value in headers:
-        raw_name, raw_value = name.encode(), value.encode()
-        out += b"\x00" + _hpack_int(len(raw_name), 7) + raw_name + _hpack_int(len(raw_value), 7) + raw_value
-    return bytes(out)
 
 
 class Stream:
@@ -124,7 +94,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, authority: str, path: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.loop = asyncio.get_running_loop()
-        self.headers = header_block(
+        self.headers = h2.header_block(
             [
                 (":method", "POST"),
                 (":scheme", "http"),
@@ -141,7 +111,7 @@ class Connection(asyncio.Protocol):
         self.waiting: collections.deque[Stream] = collections.deque()
         self.next_id = 1
         self.max_streams = 2**31
-        self.send_window = 65535
+        self.send_window = h2.DEFAULT_WINDOW
         self.unacknowledged = 0  # DATA bytes received since our last WINDOW_UPDATE
         self.failed: str | None = None
         self.settled = self.loop.create_future()  # the peer's first SETTINGS arrived
@@ -159,11 +129,11 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        settings = struct.pack(">HIHI", SETTINGS_ENABLE_PUSH, 0, SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW)
+        settings = struct.pack(">HIHI", h2.SETTINGS_ENABLE_PUSH, 0, h2.SETTINGS_INITIAL_WINDOW_SIZE, h2.MAX_WINDOW)
         transport.write(
-            PREFACE
-            + _frame(SETTINGS, 0, 0, settings)
-            + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65535))
+            h2.PREFACE
+            + h2.frame(h2.SETTINGS, 0, 0, settings)
+            + h2.frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", h2.MAX_WINDOW - h2.DEFAULT_WINDOW))
         )
 
     def connection_lost(self, exc) -> None:
@@ -172,53 +142,53 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer + data if self.buffer else data
         offset, size = 0, len(buffer)
-        while size - offset >= 9:
-            length = int.from_bytes(buffer[offset : offset + 3], "big")
-            end = offset + 9 + length
+        while size - offset >= h2.FRAME_HEADER_BYTES:
+            length, kind, flags, stream_id = h2.frame_header(buffer, offset)
+            end = offset + h2.FRAME_HEADER_BYTES + length
             if end > size:
                 break
-            kind, flags = buffer[offset + 3], buffer[offset + 4]
-            stream_id = int.from_bytes(buffer[offset + 5 : offset + 9], "big") & 0x7FFFFFFF
-            payload = buffer[offset + 9 : end]
+            payload = buffer[end - length : end]
             offset = end
-            if kind == DATA:
+            if kind == h2.DATA:
                 self.unacknowledged += length
                 stream = self.streams.get(stream_id)
-                if flags & PADDED:
-                    payload = payload[1 : len(payload) - payload[0]]
+                if flags & h2.PADDED:
+                    payload = h2.unpadded(payload)
                 if stream is not None:
                     if payload:
                         stream.feed(payload)
-                    if flags & END_STREAM:
+                    if flags & h2.END_STREAM:
                         stream.end()
-            elif kind == HEADERS:
-                if flags & END_STREAM and stream_id in self.streams:
+            elif kind == h2.HEADERS:
+                if flags & h2.END_STREAM and stream_id in self.streams:
                     self.streams[stream_id].end()
             else:
                 self._control(kind, flags, stream_id, payload)
         self.buffer = buffer[offset:]
-        if self.unacknowledged > MAX_WINDOW // 2:
-            self.transport.write(_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacknowledged)))
+        if self.unacknowledged > h2.MAX_WINDOW // 2:
+            assert self.transport is not None
+            self.transport.write(h2.frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacknowledged)))
             self.unacknowledged = 0
 
     def _control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if kind == SETTINGS and not flags & ACK:
+        assert self.transport is not None  # frames arrive after connection_made
+        if kind == h2.SETTINGS and not flags & h2.ACK:
             for i in range(0, len(payload) - 5, 6):
                 key, value = struct.unpack(">HI", payload[i : i + 6])
-                if key == SETTINGS_MAX_CONCURRENT_STREAMS:
+                if key == h2.SETTINGS_MAX_CONCURRENT_STREAMS:
                     self.max_streams = value
-            self.transport.write(_frame(SETTINGS, ACK, 0))
+            self.transport.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
             if not self.settled.done():
                 self.settled.set_result(None)
             self._start_waiting()
-        elif kind == PING and not flags & ACK:
-            self.transport.write(_frame(PING, ACK, 0, payload))
-        elif kind == WINDOW_UPDATE and stream_id == 0:
+        elif kind == h2.PING and not flags & h2.ACK:
+            self.transport.write(h2.frame(h2.PING, h2.ACK, 0, payload))
+        elif kind == h2.WINDOW_UPDATE and stream_id == 0:
             self.send_window += int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
             self._start_waiting()
-        elif kind == RST_STREAM and stream_id in self.streams:
+        elif kind == h2.RST_STREAM and stream_id in self.streams:
             self.streams[stream_id].end(f"rst_stream_{int.from_bytes(payload[:4], 'big')}")
-        elif kind == GOAWAY:
+        elif kind == h2.GOAWAY:
             last = int.from_bytes(payload[:4], "big") & 0x7FFFFFFF
             self.failed = "goaway"
             for sid in [sid for sid in self.streams if sid > last]:
@@ -241,7 +211,7 @@ class Connection(asyncio.Protocol):
     def _start_waiting(self) -> None:
         while self.waiting and len(self.streams) < self.max_streams:
             stream = self.waiting[0]
-            body = b"\x00" + struct.pack(">I", len(stream.request)) + stream.request
+            body = h2.grpc_message(stream.request)
             if len(body) > self.send_window:
                 return  # the peer's next WINDOW_UPDATE starts it
             self.waiting.popleft()
@@ -249,9 +219,10 @@ class Connection(asyncio.Protocol):
             stream.stream_id = self.next_id
             self.next_id += 2
             self.streams[stream.stream_id] = stream
+            assert self.transport is not None  # streams start after the peer's SETTINGS
             self.transport.write(
-                _frame(HEADERS, END_HEADERS, stream.stream_id, self.headers)
-                + _frame(DATA, END_STREAM, stream.stream_id, body)
+                h2.frame(h2.HEADERS, h2.END_HEADERS, stream.stream_id, self.headers)
+                + h2.frame(h2.DATA, h2.END_STREAM, stream.stream_id, body)
             )
 
     def closed_stream(self, stream: Stream) -> None:
@@ -263,7 +234,7 @@ class Connection(asyncio.Protocol):
         if stream.ended:
             return
         if stream.stream_id in self.streams and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(_frame(RST_STREAM, 0, stream.stream_id, struct.pack(">I", CANCEL)))
+            self.transport.write(h2.frame(h2.RST_STREAM, 0, stream.stream_id, struct.pack(">I", h2.CANCEL)))
         elif stream in self.waiting:
             self.waiting.remove(stream)
         stream.end("cancelled")
@@ -278,5 +249,5 @@ class Connection(asyncio.Protocol):
 
     async def close(self) -> None:
         if self.transport is not None:
-            self.transport.write(_frame(GOAWAY, 0, 0, struct.pack(">II", 0, 0)))
+            self.transport.write(h2.frame(h2.GOAWAY, 0, 0, struct.pack(">II", 0, 0)))
             self.transport.close()

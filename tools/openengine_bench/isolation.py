@@ -213,6 +213,8 @@ def measure_isolation(
             cores = (cpu_seconds() - cpu_before) / (time.monotonic() - started)
             (result.cpu_beside if beside else result.cpu_alone).append(cores)
         p99 = report.percentile(gaps, 99)
+        if p99 is None:
+            raise RuntimeError(f"window {i + 1} measured no inter-token gap: the well-behaved streams got no tokens")
         if beside:
             result.stalls_during_beside += stalls() - before
             result.beside.append(p99)

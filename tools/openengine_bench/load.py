@@ -41,6 +41,7 @@ import grpc
 from openengine_serve.api.openengine.v1 import generation_pb2
 from openengine_serve.client import Credentials, open_async_channel
 from openengine_serve.common.lifecycle import freeze_startup_objects, new_event_loop
+from openengine_serve.common.wire.protobuf import read_varint, skip
 
 from . import h2client
 from .h2client import StreamError
@@ -69,7 +70,8 @@ def prompt_ids(key: int, length: int) -> list[int]:
 def poisson_arrivals(rate: float, duration_s: float, seed: str) -> list[float]:
     """Arrival offsets (seconds from the start) of a Poisson process; the same seed gives the same schedule."""
     rng = random.Random(seed)
-    out, t = [], 0.0
+    out: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= duration_s:
@@ -100,47 +102,23 @@ _TOKENS_FIELD = generation_pb2.TokenOutput.DESCRIPTOR.fields_by_name["tokens"].n
 _TOKEN_ID_FIELD = generation_pb2.TokenInfo.DESCRIPTOR.fields_by_name["token_id"].number
 
 
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, i
-        shift += 7
-
-
-def _skip(data: bytes, i: int, wire: int) -> int:
-    if wire == 0:
-        return _varint(data, i)[1]
-    if wire == 1:
-        return i + 8
-    if wire == 2:
-        length, i = _varint(data, i)
-        return i + length
-    if wire == 5:
-        return i + 4
-    raise ValueError(f"unsupported protobuf wire type {wire}")
-
-
 def _token_ids(data: bytes, i: int, end: int, out: list[int]) -> None:
     """Appends the token_id of every TokenInfo in the TokenOutput bytes data[i:end]."""
     while i < end:
-        key, i = _varint(data, i)
+        key, i = read_varint(data, i)
         if key >> 3 == _TOKENS_FIELD and key & 7 == 2:
-            length, i = _varint(data, i)
+            length, i = read_varint(data, i)
             info_end = i + length
             token_id = 0  # proto3 default: an id of 0 is not on the wire
             while i < info_end:
-                info_key, i = _varint(data, i)
+                info_key, i = read_varint(data, i)
                 if info_key >> 3 == _TOKEN_ID_FIELD and info_key & 7 == 0:
-                    token_id, i = _varint(data, i)
+                    token_id, i = read_varint(data, i)
                 else:
-                    i = _skip(data, i, info_key & 7)
+                    i = skip(data, i, info_key & 7)
             out.append(token_id)
         else:
-            i = _skip(data, i, key & 7)
+            i = skip(data, i, key & 7)
 
 
 def scan_response(data: bytes, token_ids: list[int]) -> str | None:
@@ -148,14 +126,14 @@ def scan_response(data: bytes, token_ids: list[int]) -> str | None:
     for "token" the token ids are appended to `token_ids`. Reads only what it needs: no message objects."""
     i, end = 0, len(data)
     while i < end:
-        key, i = _varint(data, i)
+        key, i = read_varint(data, i)
         field, wire = key >> 3, key & 7
         if wire == 2 and field in _EVENT_FIELDS:
-            length, i = _varint(data, i)
+            length, i = read_varint(data, i)
             if field == _TOKEN_FIELD:
                 _token_ids(data, i, i + length, token_ids)
             return _EVENT_FIELDS[field]
-        i = _skip(data, i, wire)
+        i = skip(data, i, wire)
     return None
 
 
@@ -416,7 +394,7 @@ class LoadPool:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p, _ in self.workers]
+        return [p.pid for p, _ in self.workers if p.pid is not None]  # all of them: started in __init__
 
     def submit(self, jobs: Sequence[dict[str, Any]]) -> None:
         for (_, conn), job in zip(self.workers, jobs):

@@ -83,6 +83,13 @@ def child_named(parent: int, command: str) -> int:
     raise RuntimeError(f"no `{command}` process under pid {parent}")
 
 
+def process_seconds(pid: int) -> float:
+    seconds = cpu_seconds(pid)
+    if seconds is None:
+        raise RuntimeError(f"process {pid} exited during the measurement")
+    return seconds
+
+
 async def drive(target: str, frontend: int, coordinator: int, args: argparse.Namespace) -> list[dict]:
     channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
     stubs = [openengine_pb2_grpc.InferenceStub(c) for c in channels]
@@ -115,11 +122,11 @@ async def drive(target: str, frontend: int, coordinator: int, args: argparse.Nam
         done0, errors0 = state["done"], state["errors"]
         error_codes.clear()
         state["record"] = True
-        f0, c0, t0 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
-        g0 = cpu_seconds(os.getpid())
+        f0, c0, t0 = process_seconds(frontend), process_seconds(coordinator), time.monotonic()
+        g0 = process_seconds(os.getpid())
         await asyncio.sleep(args.window_s)
-        f1, c1, t1 = cpu_seconds(frontend), cpu_seconds(coordinator), time.monotonic()
-        g1 = cpu_seconds(os.getpid())
+        f1, c1, t1 = process_seconds(frontend), process_seconds(coordinator), time.monotonic()
+        g1 = process_seconds(os.getpid())
         done = state["done"] - done0
         results.append(
             {

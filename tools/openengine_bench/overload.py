@@ -82,7 +82,7 @@ def short_request(tokens: int) -> generation_pb2.GenerateRequest:
     )
 
 
-def ttft_sample(target: str, tokens: int = 5, timeout: float = 30.0) -> dict[str, float | None]:
+def ttft_sample(target: str, tokens: int = 5, timeout: float = 30.0) -> dict[str, Any]:
     """A new request on a fresh connection: seconds to connect, to the first token, to the end (None: failed);
     its request id, and the monotonic time of the call (for the per-hop timing of the components' debug logs)."""
     started = time.monotonic()
@@ -365,7 +365,11 @@ def measure_window(
 
 def latency_summary(values: Sequence[float | None]) -> dict[str, Any]:
     ok = [v for v in values if v is not None]
-    pct = lambda q: None if not ok else round(report.percentile(ok, q) * 1000, 2)  # noqa: E731
+
+    def pct(q: float) -> float | None:
+        value = report.percentile(ok, q)
+        return None if value is None else round(value * 1000, 2)
+
     return {
         "n": len(values),
         "failed": len(values) - len(ok),
@@ -504,7 +508,9 @@ def run_one(deployment: Deployment, server: str, streams: int, args: argparse.Na
             probe_interval_s=args.probe_interval_s,
         )
         pids = {node.name: node.pid for node, _ in deployment.nodes} | {"frontend": frontend.pid}
-        ports = {node.name: (port, NODE_METRICS) for node, port in deployment.nodes}
+        ports: dict[str, tuple[int, Sequence[str]]] = {
+            node.name: (port, NODE_METRICS) for node, port in deployment.nodes
+        }
         ports["frontend"] = (deployment.frontend_metrics, FRONTEND_METRICS)
         sampler = Sampler(pids, ports, args.sample_s)
         sampler.start()

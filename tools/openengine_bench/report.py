@@ -233,7 +233,7 @@ def budget_limiter(
     headroom elsewhere (other cores below OTHER_BUSY_MAX busy, or HEADROOM_IDLE cores idle without them);
     a window that is not is no measure of the servers' relative cost.
     """
-    at_quota = bool(quota_cpus) and frontend_util is not None and frontend_util >= QUOTA_USED * quota_cpus
+    at_quota = bool(quota_cpus) and frontend_util is not None and frontend_util >= QUOTA_USED * (quota_cpus or 0)
     quota_text = (
         f"frontend quota ({fmt_number(frontend_util)} of {quota_cpus:g} CPU, throttled in "
         f"{(throttled_share or 0.0) * 100:.0f} % of periods)"
@@ -805,6 +805,14 @@ def render(result: Mapping[str, Any]) -> str:
     parts.append("")
     parts.append("## Targets (compared, not asserted)")
     parts.append(targets_table(result["targets"]))
+    comparison = result.get("published")
+    if comparison and comparison["rows"]:
+        parts.append("")
+        parts.append(
+            f"## Against the published figures ({comparison['source']}): CPU/token native/grpcio per round pair, "
+            "median [min–max]"
+        )
+        parts.append(published_table(comparison))
     for server, scenarios in result.get("profiles", {}).items():
         for scenario, prof in scenarios.items():
             parts.append("")
@@ -911,9 +919,12 @@ def build_result(
     hashes: Mapping[str, Mapping[str, Mapping[str, str]]],
     connections: Sequence[int],
     profiles: Mapping[str, Any] | None = None,
+    published: Mapping[str, Any] | None = None,
+    published_source: str = "",
 ) -> dict[str, Any]:
     """hashes: {placement/scenario: {server: {request_id: digest}}}. Returns the JSON-able result, with the
-    summary and the ratios per placement: {placement: {mode: {scenario: ...}}}."""
+    summary and the ratios per placement: {placement: {mode: {scenario: ...}}}, and with `published` (an earlier
+    result) the comparison of the CPU ratios with it."""
     summary: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
     for placement, place_rounds in by_placement(rounds).items():
@@ -938,7 +949,61 @@ def build_result(
         "identical": identical,
         "targets": targets,
         "profiles": dict(profiles or {}),
+        "published": None if published is None else against_published(ratios, published, published_source),
     }
+
+
+# The last published run (docs/benchmarks.md's figures): a new run is compared with it, placement by placement.
+PUBLISHED_PATH = Path(__file__).resolve().parents[2] / "docs" / "bench" / "bench.json"
+PUBLISHED_METRIC = "cpu_us_per_token"
+
+
+def against_published(ratios: Mapping[str, Any], published: Mapping[str, Any], source: str = "") -> dict[str, Any]:
+    """native/grpcio CPU per token of this run against the published run's, for every placement and stack
+    scenario both have. A ratio has moved when the two medians of the per-round-pair ratios differ by more than
+    their spread: the larger of the two runs' ranges (max − min over round pairs), so that a run with one pair
+    is judged by the published run's range."""
+    rows = []
+    for placement, modes in ratios.items():
+        for scenario, metrics in modes.get("stack", {}).items():
+            try:
+                before = published["ratios"][placement]["stack"][scenario][PUBLISHED_METRIC]["per_round_pair"]
+            except KeyError:
+                continue
+            now = metrics[PUBLISHED_METRIC]["per_round_pair"]
+            if before.get("median") is None or now.get("median") is None:
+                continue
+            spread = max(before["max"] - before["min"], now["max"] - now["min"])
+            change = now["median"] - before["median"]
+            rows.append(
+                {
+                    "placement": placement,
+                    "scenario": scenario,
+                    "published": before,
+                    "now": now,
+                    "change": change,
+                    "spread": spread,
+                    "moved": abs(change) > spread,
+                }
+            )
+    return {"source": source, "rows": rows}
+
+
+def published_table(comparison: Mapping[str, Any]) -> str:
+    rows = []
+    for row in comparison["rows"]:
+        moved = ("up" if row["change"] > 0 else "down") if row["moved"] else ""
+        rows.append(
+            [
+                f"{row['placement']}/{row['scenario']}",
+                _fmt_ratio_range(row["published"]),
+                _fmt_ratio_range(row["now"]),
+                f"{row['change']:+.2f}",
+                f"{row['spread']:.2f}",
+                f"MOVED {moved} beyond the spread" if moved else "within the spread",
+            ]
+        )
+    return format_table(["placement/scenario", "published", "this run", "change", "spread", "verdict"], rows)
 
 
 def write_json(result: Mapping[str, Any], path: Path | str) -> Path:

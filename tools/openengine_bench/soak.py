@@ -209,7 +209,7 @@ async def _soak(up, args: argparse.Namespace, server: str) -> dict[str, Any]:
     load_cpu_s = time.process_time() - cpu_started
     await sampling
     await load.close()
-    left = {"running or queued requests": None, "live reservations": None}
+    left: dict[str, int | None] = {"running or queued requests": None, "live reservations": None}
     deadline = time.monotonic() + 15.0
     while True:  # the nodes report their load with their heartbeat: give it a few
         left = {
@@ -327,7 +327,7 @@ def write_chart(result: dict[str, Any], path: Path) -> Path:
     runs = result["runs"]
     meta = result["meta"]
     fig, axes = plt.subplots(3, len(runs), figsize=(7.5 * len(runs), 12), squeeze=False)
-    colors = plt.get_cmap("tab20").colors
+    colors = plt.get_cmap("tab20")
     for col, run in enumerate(runs):
         warmup_end = meta["warmup"] * run["duration_s"]
         for k, (name, series) in enumerate(run["series"].items()):
@@ -336,7 +336,7 @@ def write_chart(result: dict[str, Any], path: Path) -> Path:
                 continue
             times = [t for t, _ in points]
             first = run["processes"][name]["rss_mb"]["first"]
-            style = dict(label=name, linewidth=1.1, color=colors[k % len(colors)])
+            style = dict(label=name, linewidth=1.1, color=colors(k % colors.N))
             axes[0][col].plot(times, [s[1] for _, s in points], **style)
             if first:
                 axes[1][col].plot(times, [(s[1] / first - 1) * 100 for _, s in points], **style)

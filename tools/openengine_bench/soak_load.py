@@ -383,10 +383,12 @@ class SoakLoad:
         path = f"/openengine.v1.{service}/{method}"
         try:
             if method == "Generate":
-                async for _ in channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT_S):
+                stream: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(path)
+                async for _ in stream(payload, timeout=CALL_TIMEOUT_S):
                     pass
             else:
-                await channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT_S)
+                unary: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(path)
+                await unary(payload, timeout=CALL_TIMEOUT_S)
             self.tally.add("malformed", "accepted", f"{method} {payload!r}")
         except grpc.aio.AioRpcError as exc:
             code, details = _error_outcome(exc)

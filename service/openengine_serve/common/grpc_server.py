@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from .cpu_budget import cpu_budget, native_io_threads
+from .extras import DependencyError
 from .logging_setup import log_event
 
 GRPCIO = "grpcio"
@@ -45,10 +46,6 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 # grpc.aio only: pygrpc-native raises at construction on these.
 GRPCIO_ONLY_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_connection_idle_ms", 15 * 60_000),)
-
-
-class DependencyError(RuntimeError):
-    """A dependency (the selected gRPC server, an extra) is missing or unsupported; the message says how to fix it."""
 
 
 @dataclass(frozen=True)

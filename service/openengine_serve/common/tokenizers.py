@@ -44,7 +44,11 @@ class Qwen3Tokenizer:
     """The simulated engine's vocabulary (tiktoken)."""
 
     mode = "qwen3-bpe"
-    chat_template = ""
+    # Qwen's ChatML turns (without its tool and thinking parts): the simulated model chats like the model it stands for
+    chat_template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     bos_token = ""
     eos_token = "<|im_end|>"
 

@@ -18,10 +18,10 @@ from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common import tracing
 from ..common.config import CoordinatorConfig
 from ..common.grpc_server import STATUS_BY_NUMBER, create_internal_server
-from ..common.health import Health
+from ..common.health_service import Health
 from ..common.lifecycle import bind_address, freeze_startup_objects, start_metrics
 from ..common.logging_setup import log_event
-from ..common.peer_identity import role_checks
+from ..common.peer_identity import FRONTEND, NODE, InstanceCheck, role_checks
 from ..common.tls import add_internal_port, internal_channel
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
@@ -43,6 +43,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         self.heartbeat_streams = {"node": 0, "frontend": 0}  # open now, by peer kind (a metric)
 
     async def RegisterNode(self, request, context) -> cluster_pb2.RegisterReply:
+        await InstanceCheck(context, NODE, "RegisterNode").require(context, request.node.node_id)
         try:
             entry = self.state.register_node(request.node, None if request.auto_rank else request.node.rank)
         except (RankConflict, ModelMismatch) as exc:
@@ -58,8 +59,10 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         heartbeat sees (it opens a new stream and asks). The stream ending (node stopped, connection lost,
         coordinator restarting) changes nothing: the node is marked DOWN only once it stayed silent for the
         expiry time (`housekeeping`), as when its heartbeats simply stop."""
+        caller = InstanceCheck(context, NODE, "NodeHeartbeats")
         with self._open_stream("node"):
             async for heartbeat in request_iterator:
+                await caller.require(context, heartbeat.node_id)
                 known = self.state.node_heartbeat(
                     heartbeat.node_id, heartbeat.state, heartbeat.load if heartbeat.HasField("load") else None
                 )
@@ -69,6 +72,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                     return
 
     async def RegisterFrontend(self, request, context) -> cluster_pb2.RegisterReply:
+        await InstanceCheck(context, FRONTEND, "RegisterFrontend").require(context, request.frontend_id)
         self.state.register_frontend(request.frontend_id, request.address, request.incarnation)
         log_event(logger, "frontend registered", frontend_id=request.frontend_id, address=request.address)
         return cluster_pb2.RegisterReply(heartbeat_interval_s=self.config.heartbeat_s, nodes=self.state.node_entries())
@@ -78,8 +82,10 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         the whole table first, then the entries that changed since the previous reply on this stream (load
         figures alone at most every FRONTEND_LOAD_REFRESH_S)."""
         cursor = TableCursor()  # how far this stream's replies brought the frontend's copy of the table
+        caller = InstanceCheck(context, FRONTEND, "FrontendHeartbeats")
         with self._open_stream("frontend"):
             async for heartbeat in request_iterator:
+                await caller.require(context, heartbeat.frontend_id)
                 known = self.state.frontend_heartbeat(heartbeat.frontend_id, heartbeat.live_requests)
                 full, nodes = self.state.node_table_since(cursor)
                 yield cluster_pb2.HeartbeatReply(known=known, nodes=nodes, full_table=full)
@@ -93,6 +99,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
             self.heartbeat_streams[peer] -= 1
 
     async def Reserve(self, request, context) -> cluster_pb2.ReserveReply:
+        await InstanceCheck(context, FRONTEND, "Reserve").require(context, request.frontend_id)
         with tracing.server_span(RESERVE_SPAN, context, **{"openengine.request_id": request.request_id}) as span:
             try:
                 node = self.state.reserve(request)
@@ -103,6 +110,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
             return cluster_pb2.ReserveReply(node=node)
 
     async def Release(self, request, context) -> cluster_pb2.ReleaseReply:
+        await InstanceCheck(context, FRONTEND, "Release").require(context, request.frontend_id)
         self.state.release(request.request_id, request.frontend_id)
         return cluster_pb2.ReleaseReply()
 
@@ -112,7 +120,9 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         A stream that ends (frontend gone, connection lost) changes nothing here:
         its accepted reservations stay until released or until the frontend expires.
         """
+        caller = InstanceCheck(context, FRONTEND, "Reservations")
         async for batch in request_iterator:
+            await caller.require(context, batch.frontend_id)
             if not tracing.enabled():
                 yield cluster_pb2.ReservationReplies(outcome=self.state.apply_batch(batch))
                 continue

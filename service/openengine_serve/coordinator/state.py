@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -36,7 +37,11 @@ DOWN = cluster_pb2.NODE_STATE_DOWN
 STARTING = cluster_pb2.NODE_STATE_STARTING
 
 # Routing keys whose rendezvous node is remembered (until the READY set changes); beyond, the memory starts over.
+# Each is kept as a digest of AFFINITY_DIGEST_BYTES, whatever the key's length (up to the metadata limit): the
+# memory holds at most AFFINITY_MEMORY entries of about 200 bytes (digest object, dict slot, node reference),
+# about 20 MB (docs/security.md).
 AFFINITY_MEMORY = 100_000
+AFFINITY_DIGEST_BYTES = 16
 
 # A node's load figures alone (running, queued, tokens, batch size) reach a frontend's copy of the table at most this
 # often; its state, limits and membership at its next heartbeat. The frontends use the figures only when no
@@ -210,7 +215,7 @@ class ClusterState:
         self._ready_view_at = -1
         self._ready: list[_Node] = []
         self._ready_by_rank: dict[int, _Node] = {}
-        self._affinity: dict[str, _Node] = {}
+        self._affinity: dict[bytes, _Node] = {}  # by the routing key's digest
         # The node table's version: bumped at every change of an entry. Node ids by their last change (and by their
         # last change of anything but the load figures), oldest first, so the changes since a version are found
         # without a scan; removals only ask for the whole table.
@@ -569,11 +574,12 @@ class ClusterState:
         """
         if not routing_key:
             return None
-        node = self._affinity.get(routing_key)
+        digest = hashlib.blake2b(routing_key.encode(), digest_size=AFFINITY_DIGEST_BYTES).digest()
+        node = self._affinity.get(digest)
         if node is None:  # O(ready nodes) hashes: remembered until the READY set changes
             if len(self._affinity) >= AFFINITY_MEMORY:
                 self._affinity.clear()
-            node = self._affinity[routing_key] = rendezvous_pick(routing_key, ready, _node_id)
+            node = self._affinity[digest] = rendezvous_pick(routing_key, ready, _node_id)
         return None if node.is_full() else node
 
     def _pick_by_prefix(self, ready: list[_Node], prefix_key: str) -> _Node | None:

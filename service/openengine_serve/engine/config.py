@@ -20,7 +20,7 @@ class WorkerConfig:
     command_address: str  # ZMQ address the node binds for EngineCommand (the worker PULLs)
     step_address: str  # ZMQ address the node binds for EngineStep (the worker PUSHes)
     max_batch: int  # most sequences (outputs) running at once
-    engine: str = "simulated"  # "simulated" or "llama.cpp" (engine/interface.py: create_engine)
+    engine: str = "simulated"  # "simulated" or "llama.cpp" (engine/worker.py: create_engine)
     step_ms: float = 2.0  # simulated: step period in milliseconds
     ranks: int = 1  # simulated: MPI processes of the worker (they step together)
     model_path: str = ""  # llama.cpp: the GGUF file

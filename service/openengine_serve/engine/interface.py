@@ -3,7 +3,7 @@
 The worker loop (engine/worker.py) owns the sockets and the pacing; an engine
 owns its queue, its batch and its model:
 
-- created from the WorkerConfig (`create_engine`): loads the model;
+- created from the WorkerConfig (engine/worker.py `create_engine`): loads the model;
 - `enqueue`: a new request waits for admission;
 - `step`: admits what fits (batch slots, KV cache), runs one step (prompt
   chunks and one token for every running output) and appends the step's
@@ -22,17 +22,18 @@ from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.common.protowire import field_tag, length_delimited
-from openengine_serve.engine.config import WorkerConfig
+from openengine_serve.common.wire.protobuf import field_tag, length_delimited
 
 _EVENTS_TAG = field_tag(cluster_pb2.EngineStep, "events")
 
 
 class EngineLoad(NamedTuple):
-    running: int  # sequences admitted (paused ones included)
-    queued: int  # sequences waiting for admission
-    running_tokens: int  # tokens the admitted sequences hold (prompt and output)
-    waiting_tokens: int  # prompt tokens of the queued sequences
+    """An engine's load after a step: what it reports in EngineStep, and what the node keeps of the last one."""
+
+    running: int = 0  # sequences admitted (paused ones included)
+    queued: int = 0  # sequences waiting for admission
+    running_tokens: int = 0  # tokens the admitted sequences hold (prompt and output)
+    waiting_tokens: int = 0  # prompt tokens of the queued sequences
     prefilled_tokens: int = 0  # prompt tokens read in the last step
     cached_prompt_tokens: int = 0  # prompt tokens admitted in the last step with their KV from the prefix cache
 
@@ -68,17 +69,6 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional: engines holding nothing native leave it empty)
         """Frees the model (the process is about to exit)."""
-
-
-def create_engine(config: WorkerConfig) -> Engine:
-    """The engine the config names, with its model loaded (the engines' modules are imported only here)."""
-    if config.engine == "llama.cpp":
-        from openengine_serve.engine.llamacpp.engine import LlamaEngine
-
-        return LlamaEngine(config)
-    from openengine_serve.engine.simulated.batch import SimulatedEngine
-
-    return SimulatedEngine(config)
 
 
 def event_field(event_payload: bytes) -> bytes:

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.engine.config import WorkerConfig
-from openengine_serve.engine.interface import Engine, create_engine, step_message
+from openengine_serve.engine.interface import Engine, step_message
 from openengine_serve.engine.launcher import WORKER_PIDS_TAG, WORKERS_DONE_TAG
 
 _IDLE_WAIT_MS = 100
@@ -37,6 +37,17 @@ _FOLLOWER_MAX_POLL_S = 0.01
 
 # The per-step plan rank 0 broadcasts to the other ranks.
 _PLAN_STEP, _PLAN_BATCH, _PLAN_SHUTDOWN = range(3)
+
+
+def create_engine(config: WorkerConfig) -> Engine:
+    """The engine the config names, with its model loaded (the engines' modules are imported only here)."""
+    if config.engine == "llama.cpp":
+        from openengine_serve.engine.llamacpp.engine import LlamaEngine
+
+        return LlamaEngine(config)
+    from openengine_serve.engine.simulated.batch import SimulatedEngine
+
+    return SimulatedEngine(config)
 
 
 class _Scheduler:

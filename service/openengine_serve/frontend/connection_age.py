@@ -19,7 +19,9 @@ connection up, so a standard client's retry lands on it again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
+import heapq
 import logging
 import os
 import socket
@@ -34,8 +36,6 @@ from . import metrics
 logger = logging.getLogger("openengine_serve.frontend")
 
 QUIET_S = 0.05  # no call on the connection this long: the last response has left the process
-SWEEP_S = 0.025  # how often aged connections are checked
-SCAN_S = 1.0  # how often every connection is checked (aged while idle) and the socket table refreshed
 RESCAN_S = 0.2  # a connection aged before the table knew it waits at most this for a fresh look
 FORGET_CLOSED_S = 5.0  # a closed connection's calls that were already on their way are still refused this long
 REFUSAL = (
@@ -53,12 +53,23 @@ class _Connection:
 
 
 class ConnectionAges:
+    """The sweep is event-driven: each connection is looked at when it can first be due (its age), then when its
+    last open call has ended and again after each quiet spell; between those moments, and with no connection,
+    it sleeps. Calls cost a dictionary update, nothing per message."""
+
     def __init__(self, max_age_s: float, local_port: int, clock=time.monotonic) -> None:
         self.max_age_s = max_age_s
         self._clock = clock
         self._connections: dict[str, _Connection] = {}
-        self._aged: set[str] = set()  # what the frequent sweep looks at
         self._sockets = PeerSockets(local_port, clock)
+        self._checks: list[tuple[float, str]] = []  # heap of (when, peer): when a connection may be due
+        self._sooner: asyncio.Event | None = None  # set when a check earlier than the sweep's next wake-up is added
+
+    def _check_at(self, when: float, peer: str) -> None:
+        if not self._checks or when < self._checks[0][0]:
+            if self._sooner is not None:
+                self._sooner.set()
+        heapq.heappush(self._checks, (when, peer))
 
     def open(self, peer: str) -> bool:
         """A call starts on `peer`'s connection; False: refuse it (the connection is aged or closed)."""
@@ -66,10 +77,9 @@ class ConnectionAges:
         connection = self._connections.get(peer)
         if connection is None:
             connection = self._connections[peer] = _Connection(now, now)
-        if connection.closed_at or now - connection.first_call >= self.max_age_s:
+            self._check_at(now + self.max_age_s, peer)
+        if connection.closed_at or now >= connection.first_call + self.max_age_s:
             # not activity: a client calling again at once must not keep its connection from closing
-            if not connection.closed_at:
-                self._aged.add(peer)
             return False
         connection.last_activity = now
         connection.open_calls += 1
@@ -81,38 +91,56 @@ class ConnectionAges:
         if connection is not None:
             connection.open_calls -= 1
             connection.last_activity = now = self._clock()
-            if now - connection.first_call >= self.max_age_s:
-                self._aged.add(peer)
+            if connection.open_calls <= 0 and now >= connection.first_call + self.max_age_s:
+                self._check_at(now + QUIET_S, peer)
+
+    def next_check(self) -> float | None:
+        """When the sweep next has something to look at (None: nothing until a call comes)."""
+        return self._checks[0][0] if self._checks else None
+
+    def due_now(self) -> list[str]:
+        """The connections to close now, of those whose check has come (see `due`)."""
+        now = self._clock()
+        peers = set()
+        while self._checks and self._checks[0][0] <= now:
+            peers.add(heapq.heappop(self._checks)[1])
+        return self.due(peers)
 
     def due(self, peers) -> list[str]:
-        """Of `peers`, the aged connections without open calls, quiet for QUIET_S; forgets long-closed ones."""
+        """Of `peers`, the aged connections without open calls, quiet for QUIET_S; forgets long-closed ones.
+        Those that are not due yet are looked at again when they can be (a connection with open calls when
+        its last one ends)."""
         now = self._clock()
         due = []
         for peer in list(peers):
             connection = self._connections.get(peer)
             if connection is None:
-                self._aged.discard(peer)
-            elif connection.closed_at:
-                self._aged.discard(peer)
-                if now - connection.closed_at >= FORGET_CLOSED_S:
+                continue
+            if connection.closed_at:
+                if now >= connection.closed_at + FORGET_CLOSED_S:
                     del self._connections[peer]
-            elif now - connection.first_call >= self.max_age_s:
-                self._aged.add(peer)
-                if connection.open_calls <= 0 and now - connection.last_activity >= QUIET_S:
+                else:
+                    self._check_at(connection.closed_at + FORGET_CLOSED_S, peer)
+            elif now < connection.first_call + self.max_age_s:  # the same sums as the checks' times
+                self._check_at(connection.first_call + self.max_age_s, peer)
+            elif connection.open_calls <= 0:
+                if now >= connection.last_activity + QUIET_S:
                     due.append(peer)
+                else:
+                    self._check_at(connection.last_activity + QUIET_S, peer)
         return due
 
     async def sweep_loop(self) -> None:
-        last_scan = self._clock()
+        self._sooner = asyncio.Event()
         while True:
-            await asyncio.sleep(SWEEP_S)
-            if self._clock() - last_scan >= SCAN_S:
-                last_scan = self._clock()
-                due = self.due(self._connections)
-                if self._connections:
-                    self._sockets.scan()  # so that most connections are known before they age
+            when = self.next_check()
+            if when is None:
+                await self._sooner.wait()
             else:
-                due = self.due(self._aged)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._sooner.wait(), max(0.0, when - self._clock()))
+            self._sooner.clear()
+            due = self.due_now()
             if due:
                 self.sweep(due)
 
@@ -122,21 +150,24 @@ class ConnectionAges:
             self._mark_closed(peer)
         for peer, sock in found.items():
             if not shut_down_unless_reading(sock):  # a call arriving: look again after another quiet spell
-                self._connections[peer].last_activity = self._clock()
+                self._connections[peer].last_activity = now = self._clock()
+                self._check_at(now + QUIET_S, peer)
                 continue
             self._mark_closed(peer)
             metrics.CONNECTIONS_MOVED.inc()
             log_event(logger, "connection closed at its maximum age", logging.DEBUG, peer=peer)
+        for peer in set(due) - set(found) - set(gone):  # its socket not found yet: the next allowed look
+            self._check_at(self._clock() + RESCAN_S, peer)
 
     def _mark_closed(self, peer: str) -> None:
-        self._connections[peer].closed_at = self._clock()
-        self._aged.discard(peer)
+        self._connections[peer].closed_at = now = self._clock()
+        self._check_at(now + FORGET_CLOSED_S, peer)
 
 
 class PeerSockets:
     """Finds this process's TCP sockets accepted on `local_port`, by gRPC peer. The Rust server holds the
     originals; a duplicate's shutdown shuts the connection down. Looking through every file descriptor costs
-    a few system calls each, so it happens every SCAN_S and on demand at most every RESCAN_S; in between,
+    a few system calls each, so it happens on demand at most every RESCAN_S; in between,
     descriptors found are reused after checking they still are the same connection."""
 
     def __init__(self, local_port: int, clock=time.monotonic) -> None:

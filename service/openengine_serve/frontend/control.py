@@ -14,11 +14,11 @@ from ..api.openengine.v1 import kv_pb2, lifecycle_pb2, lora_pb2, model_pb2, open
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
 from ..common.grpc_server import ServerImplementation
-from ..common.health import Health
+from ..common.health_service import Health
 from ..common.logging_setup import log_event
 from . import auth
 from .coordinator_client import AbortIncomplete, CoordinatorClient
-from .probe import InferenceProbe
+from .inference_probe import InferenceProbe
 from .refusal import InvalidRequest
 from .served_model import ServedModel
 from .validation import check_request_id, shown

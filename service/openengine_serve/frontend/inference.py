@@ -16,10 +16,11 @@ import grpc
 
 from ..api.openengine.v1 import error_pb2, generation_pb2, openengine_pb2_grpc
 from ..api.openengine_internal.v1 import cluster_pb2
+from ..api.openengine_internal.v1.cluster_pb2 import ENGINE_FINISH_ERROR, ENGINE_FINISH_NONE
 from ..common import guides
 from ..common.config import FrontendConfig
 from ..common.grpc_server import stream_writer
-from ..common.health import Health
+from ..common.health_service import Health
 from ..common.logging_setup import log_event
 from . import auth, metrics
 from .nodes import LaneFailure
@@ -27,6 +28,7 @@ from .refusal import (
     DuplicateRequest,
     InvalidRequest,
     KeyAtLimit,
+    NotPermitted,
     NotServed,
     Overloaded,
     Refusal,
@@ -36,7 +38,7 @@ from .refusal import (
 from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests, prefix_key
 from .served_model import LoadedModel, ServedModel
-from .stream import ENGINE_ERROR, ENGINE_NONE, OutputStream, engine_error, prompt_output, serialize_response
+from .stream import OutputStream, engine_error, prompt_output, serialize_response
 from .validation import GenerationPlan, RequestMetadata, parse_metadata, validate_generate
 
 logger = logging.getLogger("openengine_serve.frontend")
@@ -49,11 +51,14 @@ REFUSAL_CODES: dict[type[Refusal], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     KeyAtLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotPermitted: grpc.StatusCode.PERMISSION_DENIED,
 }
 
+RETRYABLE_REFUSALS = (Overloaded, KeyAtLimit)  # limits that free up as streams end: answered with a retry hint
 RETRY_AFTER_KEY = "openengine-retry-after-ms"  # on RESOURCE_EXHAUSTED: when trying again may succeed
 RETRY_AFTER_MS = 1000
 OFF_LOOP_PROMPT_CHARS = 4096  # longer text prompts are tokenized in a thread (tokenizing: ~0.4 ms per KiB)
+OFF_LOOP_TOKEN_IDS = 16384  # longer token-id prompts are copied and checked in a thread (~0.1 ms per 1k ids)
 STALLED_CLIENT_LAST_WRITE_S = 1.0  # how long the terminal error of a stalled client may take to go out
 
 OUTPUT_EVENT = cluster_pb2.OutputEvent
@@ -77,6 +82,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         self.key_max_in_flight = config.api_key_max_in_flight
         self.client_stall_timeout_s = config.client_stall_timeout_s
         self.guide_compile_timeout_s = config.guide_compile_timeout_s
+        self.guides = guides.CompiledGuides()  # by content, in a pool of their own
 
     def loaded(self) -> LoadedModel:
         """The served model; Unavailable while no node has told this frontend its model yet."""
@@ -90,6 +96,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         loaded = self.loaded()
         plan = validate_generate(request, metadata, loaded.limits, loaded.tokenizer.encode)
         if loaded.limits.prefix_cache:
+            # The caller's key scopes the cache (auth.cache_namespace); routing by prefix follows the same salt.
+            plan.cache_salt = auth.scoped_cache_salt(auth.cache_namespace(auth.caller()), plan.cache_salt)
             plan.prefix_key = prefix_key(plan)
         return plan
 
@@ -97,29 +105,61 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         # A coroutine writing with context.write, not an async generator: when the client cancels, the
         # cancellation lands in `stream` and the request owner's cleanup (free the engine slot, release the id)
         # runs at once, not whenever the garbage collector finalizes an abandoned generator.
+        write, send_now = stream_writer(context)
+
+        async def end_stalled(plan: GenerationPlan) -> None:
+            await self._end_stalled(plan, context, write)
+
+        try:
+            await self.run(request, context.invocation_metadata() or (), write, send_now, end_stalled)
+        except Refusal as exc:
+            if isinstance(exc, RETRYABLE_REFUSALS):  # a limit that frees up as streams end: the retry hint
+                context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+            # Ended with its status, not context.abort: grpc.aio keeps memory of every aborted call's request
+            # (about 2 MB per refused 1 MiB message, tests/integration/test_limits.py).
+            context.set_code(REFUSAL_CODES[type(exc)])
+            context.set_details(exc.message)
+
+    async def run(
+        self,
+        request: generation_pb2.GenerateRequest,
+        invocation_metadata: Sequence[tuple[str, str | bytes]],
+        write: Write,
+        send_now: Callable[[bytes], bool] | None = None,
+        end_stalled: Callable[[GenerationPlan], Awaitable[None]] | None = None,
+    ) -> None:
+        """One openengine.v1 request, whichever API it came in by (the gRPC Generate, or lowered from the
+        OpenAI HTTP API): admission, validation, the request owner, and its GenerateResponse records to `write`.
+        Raises the Refusal (counted and traced) for the API's edge to answer; `end_stalled` answers a client
+        that accepted no output for the stall timeout (None: the call just ends)."""
         started = time.perf_counter()
-        invocation_metadata = context.invocation_metadata() or ()
         trace = RequestTrace.start(invocation_metadata, self.server_implementation)
         if trace.span is not None:
             trace.set_attributes(**{"openengine.request_id": request.request_id, "gen_ai.request.model": request.model})
             trace.set_key_name(auth.owner())  # the caller's API key name; absent when keys are off
+        key = auth.caller()
+        owner = "" if key is None else key.name
+        admitted = False
         try:
             if self.health.draining:
                 raise Unavailable("this frontend is draining; retry on another frontend")
             if self.requests.open_count >= self.max_in_flight:
                 metrics.IN_FLIGHT_REFUSALS.inc()
-                raise _retry_later(
-                    context,
-                    Overloaded(
-                        f"this frontend worker has its maximum of {self.max_in_flight} streams open "
-                        f"(OPENENGINE_MAX_IN_FLIGHT); retry in {RETRY_AFTER_MS} ms or on another frontend"
-                    ),
+                raise Overloaded(
+                    f"this frontend worker has its maximum of {self.max_in_flight} streams open "
+                    f"(OPENENGINE_MAX_IN_FLIGHT); retry in {RETRY_AFTER_MS} ms or on another frontend"
                 )
-            key_refusal = self._key_at_limit(auth.caller())
+            key_refusal = self._key_at_limit(key)
             if key_refusal is not None:
-                raise _retry_later(context, key_refusal)
+                raise key_refusal
+            # Counted before any await: what follows (tokenizing, the guide's compile) is the request's own time.
+            self.requests.admit(owner)
+            admitted = True
             metadata = parse_metadata(invocation_metadata)
-            if request.WhichOneof("input") == "prompt" and len(request.prompt) > OFF_LOOP_PROMPT_CHARS:
+            priority_refusal = auth.priority_refusal(metadata.priority)
+            if priority_refusal is not None:
+                raise NotPermitted(priority_refusal)
+            if _large_input(request):
                 plan = await asyncio.to_thread(self.plan, request, metadata)  # tokenizing: the loop serves others
             else:
                 plan = self.plan(request, metadata)
@@ -127,23 +167,25 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 await self.check_guide(plan)
             trace.set_attributes(**{"gen_ai.usage.input_tokens": len(plan.prompt_token_ids)})
             sink = None
-            write, send_now = stream_writer(context)
             try:
-                async with self.requests.open(plan, owner=auth.owner(), trace=trace) as accepted:
+                async with self.requests.open(plan, owner=owner, trace=trace, admitted=True) as accepted:
                     sink = accepted.sink
                     sink.owner = asyncio.current_task()
                     await self.stream(plan, accepted, started, write, send_now)
             except asyncio.CancelledError:
-                if sink is None or not sink.client_stalled:
+                if sink is None or not sink.client_stalled or end_stalled is None:
                     raise
-                await self._end_stalled(plan, context, write)
+                task = asyncio.current_task()
+                assert task is not None  # the call's own task runs this
+                task.uncancel()
+                metrics.CLIENT_STALLS.inc()
+                await end_stalled(plan)
         except Refusal as exc:
             code = REFUSAL_CODES[type(exc)]
             metrics.requests_counter("rejected", code.name, auth.caller_label()).inc()
             metrics.REFUSALS.labels(reason=refusal_reason(type(exc))).inc()
             trace.end(status="rejected", code=code.name, error=exc.message)
-            await context.abort(code, exc.message)
-            return
+            raise
         except BaseException as exc:
             # Before the stream took over (it ends the span itself): the client left during Reserve or Submit.
             cancelled = isinstance(exc, asyncio.CancelledError)
@@ -153,15 +195,20 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
                 error=None if cancelled else exc,
             )
             raise
+        finally:
+            if admitted:
+                self.requests.release(owner)
 
     async def check_guide(self, plan: GenerationPlan) -> None:
-        """Compiles the request's guide against the model's vocabulary, off the event loop and bounded in time,
-        before anything is reserved: an invalid guide is refused with the compiler's message."""
+        """Compiles the request's guide against the model's vocabulary (once per guide: guides.CompiledGuides), off
+        the event loop and bounded in time, before anything is reserved, while the request already counts against
+        its caps: an invalid guide is refused with the compiler's message."""
         tokenizer = self.loaded().guide_tokenizer
         try:
-            async with asyncio.timeout(self.guide_compile_timeout_s):
-                await asyncio.to_thread(guides.check, plan.guide_kind, plan.guide, tokenizer, guides.Limits())
-        except TimeoutError:
+            await self.guides.check(
+                plan.guide_kind, plan.guide, tokenizer, guides.Limits(), self.guide_compile_timeout_s
+            )
+        except guides.GuideTimeout:
             raise InvalidRequest(
                 f"guided.{plan.guide_kind} took longer than {self.guide_compile_timeout_s:g} s to "
                 f"compile (OPENENGINE_GUIDE_COMPILE_TIMEOUT_S); simplify it"
@@ -188,10 +235,6 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
     async def _end_stalled(self, plan: GenerationPlan, context, write: Write) -> None:
         """A client that accepted no output for the stall timeout; its engine slot is already freed. One
         terminal retryable EngineError if the connection still takes a message, else the call is cancelled."""
-        task = asyncio.current_task()
-        assert task is not None  # the call's own task runs this
-        task.uncancel()
-        metrics.CLIENT_STALLS.inc()
         message = f"the client accepted no output for {self.client_stall_timeout_s:g} s; the request was ended"
         try:
             async with asyncio.timeout(STALLED_CLIENT_LAST_WRITE_S):
@@ -236,7 +279,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             """RequestSink.direct: None when the item went out here, else what the task must handle. Runs per token
             in the lane reader, so _count_delta is inlined."""
             nonlocal last_token_at
-            if last_token_at is None or type(item) is not OUTPUT_EVENT or item.finish != ENGINE_NONE:
+            if last_token_at is None or type(item) is not OUTPUT_EVENT or item.finish != ENGINE_FINISH_NONE:
                 return item
             delta = one_token_delta(item)
             if delta is None:
@@ -415,10 +458,13 @@ def _record_end(
     )
 
 
-def _retry_later(context, refusal: Refusal) -> Refusal:
-    """`refusal` with the retry hint in the trailing metadata (a limit that frees up as streams end)."""
-    context.set_trailing_metadata(((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
-    return refusal
+def _large_input(request: generation_pb2.GenerateRequest) -> bool:
+    """Whether validating the request's prompt (tokenizing, or copying and scanning its ids) takes long enough
+    to run off the event loop."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return len(request.prompt) > OFF_LOOP_PROMPT_CHARS
+    return kind == "token_ids" and len(request.token_ids.ids) > OFF_LOOP_TOKEN_IDS
 
 
 def refusal_reason(kind: type[Refusal]) -> str:
@@ -439,7 +485,7 @@ def trace_id(metadata: RequestMetadata) -> str:
 def _first_failure(items: list) -> LaneFailure | cluster_pb2.OutputEvent | None:
     """What ends the stream with an EngineError: a lost lane or an engine error event."""
     for item in items:
-        if type(item) is LaneFailure or (type(item) is not bytes and item.finish == ENGINE_ERROR):
+        if type(item) is LaneFailure or (type(item) is not bytes and item.finish == ENGINE_FINISH_ERROR):
             return item
     return None
 

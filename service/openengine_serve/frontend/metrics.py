@@ -82,6 +82,37 @@ EVENT_LOOP_LAG = Gauge(
 )
 
 
+# What an inference gateway's endpoint picker reads to choose a frontend (docs/kubernetes.md): the load of the
+# ready nodes this frontend routes to, from its node table (every worker holds the same table: livemax).
+NODES_QUEUED = Gauge(
+    "openengine_frontend_nodes_queued_requests",
+    "requests queued on the ready nodes this frontend routes to",
+    multiprocess_mode="livemax",
+)
+NODES_RUNNING = Gauge(
+    "openengine_frontend_nodes_running_requests",
+    "requests running on the ready nodes this frontend routes to",
+    multiprocess_mode="livemax",
+)
+NODES_KV_CACHE_USAGE = Gauge(
+    "openengine_frontend_nodes_kv_cache_usage_ratio",
+    "KV cache in use on the ready nodes this frontend routes to: the tokens their running requests hold over "
+    "their context length (0 to 1)",
+    multiprocess_mode="livemax",
+)
+
+
+def observe_node_load(nodes) -> None:
+    """The gateway gauges from a node table (cluster_pb2.NodeEntry values); only READY nodes take requests."""
+    from ..api.openengine_internal.v1 import cluster_pb2
+
+    ready = [n for n in nodes if n.state == cluster_pb2.NODE_STATE_READY]
+    NODES_QUEUED.set(sum(n.load.queued_requests for n in ready))
+    NODES_RUNNING.set(sum(n.load.running_requests for n in ready))
+    capacity = sum(n.model.context_length for n in ready)
+    NODES_KV_CACHE_USAGE.set(min(1.0, sum(n.load.running_tokens for n in ready) / capacity) if capacity else 0.0)
+
+
 @functools.lru_cache(maxsize=1024)
 def requests_counter(status: str, code: str, key: str):
     """REQUESTS' series for these labels, looked up once (every Generate call ends by counting itself)."""

@@ -347,7 +347,7 @@ class NodeConnections:
                     if not lane_ready.done():
                         lane_ready.set_result(None)
                         continue
-                    self._dispatch(results.events)
+                    self._dispatch(results.events, conn.requests)
         except grpc.aio.AioRpcError as exc:
             reason = f"node {conn.entry.node_id} at {conn.entry.address} was lost ({exc.code().name})"
         except asyncio.CancelledError:
@@ -357,15 +357,16 @@ class NodeConnections:
         self._fail_requests(conn, reason)
         conn.lane_task = None
 
-    def _dispatch(self, events) -> None:
+    def _dispatch(self, events, held: set[str]) -> None:
         """Each event into its request's inbox. Requests that get their first event go first: their streams wake
-        before those catching up on a backlog, so a new request's first token does not wait for their writes."""
+        before those catching up on a backlog, so a new request's first token does not wait for their writes.
+        `held`: the requests submitted to this lane's node; events for any other request are not its to send."""
         sinks = self.sinks
         now = time.monotonic()  # one clock read per lane message
         later = []
         for event in events:
             sink = sinks.get(event.request_id)
-            if sink is None:
+            if sink is None or event.request_id not in held:
                 continue
             if sink.first_event_at:
                 later.append((sink, event))

@@ -43,3 +43,7 @@ class Overloaded(Refusal):
 
 class KeyAtLimit(Refusal):
     """The caller's API key has its maximum of streams open; retry later."""
+
+
+class NotPermitted(Refusal):
+    """The caller's API key does not have the right the request asks for (a priority above its max_priority)."""

@@ -110,19 +110,37 @@ class Requests:
         """Ends every open stream with `failure` (the drain deadline)."""
         self.nodes.fail_all(failure)
 
-    @contextlib.asynccontextmanager
-    async def open(
-        self, plan: GenerationPlan, owner: str = "", trace: RequestTrace = NO_TRACE
-    ) -> AsyncIterator[OpenRequest]:
-        """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
-        a user aborts only its own requests. `trace`: the call's span (request_trace.py)."""
-        request_id = auth.internal_request_id(owner, plan.request_id)
-        forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
-        opened_at = time.monotonic()
+    def admit(self, owner: str) -> None:
+        """Counts a request of `owner` against this worker's and its key's caps; the caller checks them first and
+        calls `release` once, however the request ends. Generate admits as soon as the call is read, before any
+        await (tokenizing, the guide's compile), so a burst cannot pass the caps while earlier ones compile."""
         self._open += 1
         self._open_by_owner[owner] = self._open_by_owner.get(owner, 0) + 1
         self._open_gauge.set(self._open)
         self._idle.clear()
+
+    def release(self, owner: str) -> None:
+        self._open -= 1
+        if self._open_by_owner[owner] == 1:
+            del self._open_by_owner[owner]
+        else:
+            self._open_by_owner[owner] -= 1
+        self._open_gauge.set(self._open)
+        if not self._open:
+            self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def open(
+        self, plan: GenerationPlan, owner: str = "", trace: RequestTrace = NO_TRACE, admitted: bool = False
+    ) -> AsyncIterator[OpenRequest]:
+        """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
+        a user aborts only its own requests. `trace`: the call's span (request_trace.py). `admitted`: the caller
+        already counted the request (`admit`) and releases it; else it is counted here, until the exit."""
+        request_id = auth.internal_request_id(owner, plan.request_id)
+        forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
+        opened_at = time.monotonic()
+        if not admitted:
+            self.admit(owner)
         try:
             try:
                 node = await self._reserve(plan, request_id, trace, forwarded, owner)
@@ -138,7 +156,9 @@ class Requests:
                 try:
                     conn = await self.nodes.connect(node)
                     with trace.call(SUBMIT_SPAN, forwarded, **{"openengine.node_id": node.node_id}) as metadata:
-                        await self.nodes.submit(conn, engine_request(plan, attempt_id, self.frontend_id), metadata)
+                        await self.nodes.submit(
+                            conn, engine_request(plan, attempt_id, self.frontend_id, owner), metadata
+                        )
                 except (grpc.aio.AioRpcError, SubmitRefused, StreamBroken, ConnectionError, TimeoutError) as exc:
                     conn = None  # the node did not take the request: nothing to cancel
                     raise submit_refusal(exc, node, request_id) from None
@@ -161,14 +181,8 @@ class Requests:
                 self._open_ids.discard(request_id)
                 self.coordinator.release(request_id)
         finally:
-            self._open -= 1
-            if self._open_by_owner[owner] == 1:
-                del self._open_by_owner[owner]
-            else:
-                self._open_by_owner[owner] -= 1
-            self._open_gauge.set(self._open)
-            if not self._open:
-                self._idle.set()
+            if not admitted:
+                self.release(owner)
 
     async def _reserve(
         self,
@@ -238,11 +252,15 @@ def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry, request_id: str)
     return Unavailable(f"the node chosen for the request did not take it ({reason}); retry")
 
 
-def engine_request(plan: GenerationPlan, request_id: str, frontend_id: str) -> cluster_pb2.EngineRequest:
-    """The internal request a node runs (`request_id`: its attempt id), from the validated public one."""
+def engine_request(
+    plan: GenerationPlan, request_id: str, frontend_id: str, owner: str = ""
+) -> cluster_pb2.EngineRequest:
+    """The internal request a node runs (`request_id`: its attempt id), from the validated public one; `owner`: the
+    API key name (the engine shares its batch fairly between owners)."""
     req = cluster_pb2.EngineRequest(
         request_id=request_id,
         frontend_id=frontend_id,
+        owner=owner,
         prompt_token_ids=plan.prompt_token_ids,
         num_sequences=plan.num_sequences,
         max_tokens=plan.max_tokens,

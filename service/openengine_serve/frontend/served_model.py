@@ -25,6 +25,7 @@ from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.config import FrontendConfig
 from ..common.logging_setup import log_event
 from ..common.tokenizers import GgufTokenizer, Tokenizer, tokenizer_for
+from .limits import DEFAULT_MAX_PROMPT_BYTES
 from .stream import TokenStrings
 from .validation import ModelLimits
 
@@ -38,6 +39,9 @@ MAX_STOP_CONDITIONS = 16
 # that fits is far below it, and one above it is refused before it is tokenized.
 PROMPT_BYTES_PER_TOKEN = 16
 GET_MODEL_TIMEOUT_S = 30.0  # the tokenizer of a large vocabulary is several MB
+# The largest model card (with its tokenizer) a frontend takes from a node: a vocabulary-only GGUF of a 262k-token
+# vocabulary is about 10 MB. A larger one is refused by the channel before it is kept.
+MAX_MODEL_CARD_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class LoadedModel:
 
 
 class ServedModel:
-    def __init__(self, config: FrontendConfig, open_channel: Callable[[str], grpc.aio.Channel]) -> None:
+    def __init__(self, config: FrontendConfig, open_channel: Callable[..., grpc.aio.Channel]) -> None:
         self._config = config
         self._open_channel = open_channel
         self.loaded: LoadedModel | None = None
@@ -85,7 +89,8 @@ class ServedModel:
 
     async def _load(self, node: cluster_pb2.NodeEntry) -> None:
         try:
-            async with self._open_channel(node.address) as channel:
+            options = (("grpc.max_receive_message_length", MAX_MODEL_CARD_BYTES),)
+            async with self._open_channel(node.address, options=options) as channel:
                 card = await cluster_pb2_grpc.NodeStub(channel).GetModel(
                     cluster_pb2.GetModelRequest(), timeout=GET_MODEL_TIMEOUT_S
                 )
@@ -98,7 +103,14 @@ class ServedModel:
         except (grpc.aio.AioRpcError, ValueError, OSError) as exc:
             # The next node table (within a heartbeat) tries again.
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            log_event(logger, "model load failed", logging.WARNING, node_id=node.node_id, detail=detail)
+            log_event(
+                logger,
+                "model load failed",
+                logging.WARNING,
+                node_id=node.node_id,
+                detail=detail,
+                max_model_card_bytes=MAX_MODEL_CARD_BYTES,
+            )
             return
         card.ClearField("tokenizer_data")
         self.loaded = LoadedModel(
@@ -133,5 +145,5 @@ class ServedModel:
             guided_decoding=card.guided_decoding,
             prefix_cache=card.prefix_cache,
             max_guide_bytes=config.max_guide_bytes,
-            max_prompt_bytes=config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * context,
+            max_prompt_bytes=config.max_prompt_bytes or min(PROMPT_BYTES_PER_TOKEN * context, DEFAULT_MAX_PROMPT_BYTES),
         )

@@ -16,7 +16,7 @@ from ..api.openengine.v1 import openengine_pb2
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
 from ..common.grpc_server import GRPCIO, ServerImplementation, create_server
-from ..common.health import Health
+from ..common.health_service import Health
 from ..common.lifecycle import bind_address, freeze_startup_objects
 from ..common.logging_setup import log_event
 from ..common.tls import add_public_port, internal_channel
@@ -26,8 +26,8 @@ from .control import Control
 from .coordinator_client import CoordinatorClient
 from .fallback_routing import FallbackRouter
 from .inference import Inference
+from .inference_probe import InferenceProbe
 from .nodes import LaneFailure, NodeConnections
-from .probe import InferenceProbe
 from .public_api import add_public_service
 from .ready_file import mark_worker_ready
 from .requests import Requests
@@ -51,7 +51,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     frontend_id = config.frontend_id or f"frontend-{socket.gethostname()}-{os.getpid()}"
     tasks = BackgroundTasks()
     open_internal_channel = functools.partial(internal_channel, config=config)  # security hook: internal TLS
-    model = ServedModel(config, functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS))
+    model = ServedModel(config, open_internal_channel)
     nodes = NodeConnections(
         frontend_id,
         tasks,
@@ -66,6 +66,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     def on_node_table(table: dict[str, cluster_pb2.NodeEntry]) -> None:
         nodes.keep_only(table)
         model.on_node_table(table)
+        metrics.observe_node_load(table.values())
 
     coordinator = CoordinatorClient(
         frontend_id,
@@ -92,10 +93,11 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     connections = limits.ConnectionTable(
         config.max_connections, config.max_connection_idle_s, config.port, closes=implementation.name != GRPCIO
     )
+    keys = auth.key_store(config)  # shared by both APIs
     # security hook: API keys, then the stated limits
     server = create_server(
         implementation,
-        interceptors=auth.interceptors(config) + limits.interceptors(config, ages, connections),
+        interceptors=auth.interceptors(keys) + limits.interceptors(config, ages, connections),
         options=limits.transport_options(config),
         max_connection_age_s=0.0 if ages else config.max_connection_age_s,
         max_connection_age_grace_s=config.drain_timeout_s,
@@ -108,6 +110,13 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     reflection.enable_server_reflection(REFLECTED_SERVICES, server, pool=public_descriptor_pool())
     add_public_port(server, bind_address(config.host, config.port), config)  # security hook: TLS
     await server.start()
+    http = None
+    if config.http_port:
+        from .http.app import OpenAIApi
+        from .http.server import HttpServer
+
+        http = HttpServer(OpenAIApi(inference, keys).app, config)
+        await http.start()
     await health.start()
     freeze_startup_objects()  # modules, protobuf descriptors
     mark_worker_ready()
@@ -119,6 +128,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         logging.INFO,
         frontend_id=frontend_id,
         port=config.port,
+        http_port=config.http_port,
         **implementation.describe(),
     )
 
@@ -133,6 +143,8 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         background.append(asyncio.create_task(ages.sweep_loop()))
     await stop.wait()
     await _drain(config, implementation, server, health, requests)
+    if http is not None:
+        await http.stop()  # its streams ended with the drain; new requests got 503 meanwhile
     for task in background:
         task.cancel()
     await nodes.close()

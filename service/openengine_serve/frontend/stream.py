@@ -11,20 +11,20 @@ from typing import cast
 
 from ..api.openengine.v1 import error_pb2, generation_pb2
 from ..api.openengine_internal.v1 import cluster_pb2
-from ..common.protowire import length_delimited, varint
+from ..api.openengine_internal.v1.cluster_pb2 import (
+    ENGINE_FINISH_CANCELLED,
+    ENGINE_FINISH_EOS,
+    ENGINE_FINISH_LENGTH,
+    ENGINE_FINISH_NONE,
+    ENGINE_FINISH_STOP_TOKEN,
+)
+from ..common.wire.protobuf import length_delimited, varint
 from .text import IncrementalDetokenizer, StopStringMatcher
 from .validation import GenerationPlan
 
 FINISH_STOP = generation_pb2.FINISH_REASON_STOP
 FINISH_LENGTH = generation_pb2.FINISH_REASON_LENGTH
 FINISH_CANCELLED = generation_pb2.FINISH_REASON_CANCELLED
-
-ENGINE_NONE = cluster_pb2.ENGINE_FINISH_NONE
-ENGINE_EOS = cluster_pb2.ENGINE_FINISH_EOS
-ENGINE_STOP_TOKEN = cluster_pb2.ENGINE_FINISH_STOP_TOKEN
-ENGINE_LENGTH = cluster_pb2.ENGINE_FINISH_LENGTH
-ENGINE_CANCELLED = cluster_pb2.ENGINE_FINISH_CANCELLED
-ENGINE_ERROR = cluster_pb2.ENGINE_FINISH_ERROR
 
 
 class TokenStrings:
@@ -185,12 +185,12 @@ class OutputStream:
         if len(events) == 1:
             event = events[0]
             finish = event.finish
-            if finish == ENGINE_NONE or finish == ENGINE_LENGTH:
+            if finish == ENGINE_FINISH_NONE or finish == ENGINE_FINISH_LENGTH:
                 # A one-token event of a plain output: its delta from cached bytes; at max_tokens (every
                 # 1-token request's only event) with nothing held back, the text needs no flush either.
-                delta = self.one_token_delta(event)
+                delta: generation_pb2.GenerateResponse | bytes | None = self.one_token_delta(event)
                 if delta is not None:
-                    return delta, 1, None if finish == ENGINE_NONE else self.finish(FINISH_LENGTH), False
+                    return delta, 1, None if finish == ENGINE_FINISH_NONE else self.finish(FINISH_LENGTH), False
         plan = self.plan
         if len(events) == 1:
             records = list(events[0].tokens)
@@ -201,18 +201,18 @@ class OutputStream:
         finish = event.finish
         # The EOS/stop token ends the output; its record and text are kept only with include_stop_in_output.
         stop_record = None
-        if finish in (ENGINE_EOS, ENGINE_STOP_TOKEN) and records:
+        if finish in (ENGINE_FINISH_EOS, ENGINE_FINISH_STOP_TOKEN) and records:
             stop_record = records.pop()
         ids = [r.token_id for r in records]
         text = self.detokenizer.push(ids) if ids else ""
-        if stop_record is not None and plan.include_stop_in_output and finish == ENGINE_STOP_TOKEN:
+        if stop_record is not None and plan.include_stop_in_output and finish == ENGINE_FINISH_STOP_TOKEN:
             text += self.detokenizer.push([stop_record.token_id])
-        if finish != ENGINE_NONE:
+        if finish != ENGINE_FINISH_NONE:
             text += self.detokenizer.flush()
         matched = None
         if self.stops is not None:
             text, matched = self.stops.feed(text)
-            if finish != ENGINE_NONE and matched is None:
+            if finish != ENGINE_FINISH_NONE and matched is None:
                 text += self.stops.flush()
         # After a stop-string match the event's records are all kept: the text alone is cut at the match.
         if matched is None and stop_record is not None and plan.include_stop_in_output:
@@ -234,15 +234,15 @@ class OutputStream:
         finished = None
         if matched is not None:
             finished = self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_text=matched))
-        elif finish == ENGINE_EOS:
+        elif finish == ENGINE_FINISH_EOS:
             finished = self.finish(FINISH_STOP, stop_match=generation_pb2.StopMatch(eos_token_id=event.finish_token_id))
-        elif finish == ENGINE_STOP_TOKEN:
+        elif finish == ENGINE_FINISH_STOP_TOKEN:
             finished = self.finish(
                 FINISH_STOP, stop_match=generation_pb2.StopMatch(stop_token_id=event.finish_token_id)
             )
-        elif finish == ENGINE_LENGTH:
+        elif finish == ENGINE_FINISH_LENGTH:
             finished = self.finish(FINISH_LENGTH)
-        elif finish == ENGINE_CANCELLED:
+        elif finish == ENGINE_FINISH_CANCELLED:
             finished = self.finish(FINISH_CANCELLED, message=event.message or "request was aborted")
         return delta, len(records), finished, matched is not None
 

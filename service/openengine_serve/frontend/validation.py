@@ -548,7 +548,12 @@ def _prompt_token_ids(
     if input_kind == "prompt":
         token_ids = encode(request.prompt)
     else:
-        token_ids = list(request.token_ids.ids)
+        ids = request.token_ids.ids
+        if len(ids) > limits.max_context_length:  # before any copy or scan of what may be millions of ids
+            raise InvalidRequest(
+                f"token_ids must fit max_context_length {limits.max_context_length}, got {len(ids)} tokens"
+            )
+        token_ids = list(ids)
         if max(token_ids) >= limits.vocab_size:  # max() in C; find the position only on failure
             index = next(i for i, token_id in enumerate(token_ids) if token_id >= limits.vocab_size)
             raise InvalidRequest(

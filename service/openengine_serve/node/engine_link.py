@@ -20,7 +20,6 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 import zmq
@@ -30,6 +29,7 @@ from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.attempts import request_id_of
 from openengine_serve.common.logging_setup import log_event
 from openengine_serve.engine.config import LAUNCHER_MODULE, WORKER_MODULE, WorkerConfig
+from openengine_serve.engine.interface import EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +46,6 @@ class EngineUnavailable(RuntimeError):
 
 class EngineFull(RuntimeError):
     """Running plus queued sequences would exceed max_batch + max_queue."""
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """Load numbers of the last EngineStep; `running` and `queued` count sequences."""
-
-    running: int = 0
-    queued: int = 0
-    running_tokens: int = 0
-    waiting_tokens: int = 0
-    step_seconds: float = 0.0
 
 
 class RecentIds:
@@ -341,6 +330,11 @@ class EngineLink:
         self._held_cancels.add(request_id)
         return cluster_pb2.CancelReply(held=True)
 
+    def lane_of(self, request_id: str) -> str | None:
+        """The lane (frontend id) of an open request; None when it is not open here."""
+        entry = self._requests.get(request_id)
+        return None if entry is None else entry.lane
+
     def lanes_of_outstanding(self) -> dict[str, str]:
         """request_id -> the lane (frontend id) its events go to."""
         return {request_id: entry.lane for request_id, entry in self._requests.items()}
@@ -381,7 +375,12 @@ class EngineLink:
                 self._set_ready(True)
             self._last_step = step.step
             self._load = EngineLoad(
-                step.running, step.queued, step.running_tokens, step.waiting_tokens, step.step_seconds
+                step.running,
+                step.queued,
+                step.running_tokens,
+                step.waiting_tokens,
+                step.prefilled_tokens,
+                step.cached_prompt_tokens,
             )
             if self._waiting_since:
                 self._note_first_tokens(step)

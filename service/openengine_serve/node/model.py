@@ -1,7 +1,8 @@
 """The node's model: which engine, which file, and the ModelCard it registers with.
 
 Everything here runs at start, before the node binds its port: a missing model
-file, a file that is not a llama-architecture GGUF or a missing llama.cpp stop
+file, a file that is not GGUF, a GGUF that llama.cpp refuses (an architecture it
+does not know, a broken vocabulary: its own message) or a missing llama.cpp stop
 the node with one line saying what to do (exit 2), not with a worker that
 fails to spawn.
 """
@@ -14,7 +15,7 @@ from ..api.openengine_internal.v1 import cluster_pb2
 from ..common import gguf
 from ..common.config import ConfigError, NodeConfig
 from ..common.cpu_budget import cpu_budget
-from ..common.grpc_server import DependencyError
+from ..common.extras import DependencyError
 from ..engine.model_card import LLAMA_CPP, ModelNotFound, default_model_path, gguf_card, simulated_card
 
 
@@ -44,9 +45,25 @@ def load_card(config: NodeConfig) -> cluster_pb2.ModelCard:
         card = gguf_card(path, config.context_size)
     except gguf.GgufError as exc:
         raise ConfigError(f"OPENENGINE_MODEL_PATH: {exc}") from None
+    _check_llama_loads(path)
     card.guided_decoding = config.max_guided_sequences > 0
     card.prefix_cache = config.prefix_cache_tokens > 0
     return card
+
+
+def _check_llama_loads(path: str) -> None:
+    """llama.cpp's own verdict on the file, given before the worker loads the weights: a vocabulary-only load
+    reads the architecture, its hyperparameters and the tokenizer."""
+    from ..common.llama_library import llama_cpp, take_errors
+
+    lib = llama_cpp()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    take_errors()
+    model = lib.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise ConfigError(f"OPENENGINE_MODEL_PATH: llama.cpp cannot load {path}: {take_errors() or 'no reason logged'}")
+    lib.llama_model_free(model)
 
 
 def engine_options(config: NodeConfig, card: cluster_pb2.ModelCard) -> dict:

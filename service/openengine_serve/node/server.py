@@ -25,11 +25,11 @@ from ..common import tracing
 from ..common.attempts import request_id_of
 from ..common.config import NodeConfig
 from ..common.grpc_server import create_internal_server
-from ..common.health import Health
+from ..common.health_service import Health
 from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream, PeerHeartbeats
 from ..common.lifecycle import bind_address, start_metrics
 from ..common.logging_setup import log_event
-from ..common.peer_identity import role_checks
+from ..common.peer_identity import FRONTEND, InstanceCheck, caller_role, role_checks
 from ..common.tls import add_internal_port, internal_channel
 from ..common.tracing import SUBMIT_SPAN
 from ..engine.model_card import without_tokenizer
@@ -285,12 +285,13 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     async def Submissions(self, request_iterator, context):
         """The submissions of one frontend: one SubmitOutcomes per SubmitBatch, each submission with its own span
         parented by the trace context it carries."""
+        caller = InstanceCheck(context, FRONTEND, "Submissions")
         async for batch in request_iterator:
-            yield cluster_pb2.SubmitOutcomes(outcome=[self._batched_outcome(submit) for submit in batch.submit])
+            yield cluster_pb2.SubmitOutcomes(outcome=[self._batched_outcome(submit, caller) for submit in batch.submit])
 
-    def _batched_outcome(self, submit: cluster_pb2.SubmitRequest) -> cluster_pb2.SubmitOutcome:
+    def _batched_outcome(self, submit: cluster_pb2.SubmitRequest, caller: InstanceCheck) -> cluster_pb2.SubmitOutcome:
         engine_request = submit.request
-        refusal = self._not_taken(engine_request)
+        refusal = self._not_taken(engine_request, caller)
         if refusal is None:
             if logger.isEnabledFor(logging.DEBUG):
                 self._awaiting_first_event[engine_request.request_id] = time.monotonic()
@@ -322,8 +323,12 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             return _SUBMITTED
         return cluster_pb2.SubmitOutcome(refusal_code=refusal[0].value[0], refusal=refusal[1])
 
-    def _not_taken(self, engine_request: cluster_pb2.EngineRequest) -> tuple[grpc.StatusCode, str] | None:
+    def _not_taken(
+        self, engine_request: cluster_pb2.EngineRequest, caller: InstanceCheck
+    ) -> tuple[grpc.StatusCode, str] | None:
         """Why this node takes no request from this frontend now (the code and message of the refusal)."""
+        if not caller.allows(engine_request.frontend_id):  # results go only to the caller's own lane
+            return grpc.StatusCode.PERMISSION_DENIED, caller.refusal(engine_request.frontend_id)
         if self.draining:
             return grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is draining"
         if engine_request.frontend_id not in self.lanes:
@@ -349,6 +354,16 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         return None
 
     async def Cancel(self, request: cluster_pb2.CancelRequest, context) -> cluster_pb2.CancelReply:
+        if caller_role(context) == FRONTEND:  # a frontend cancels its own requests only (the coordinator any)
+            caller = InstanceCheck(context, FRONTEND, "Cancel")
+            if request.hold:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "Cancel with hold (a deployment-wide Abort) is the coordinator's; a frontend cancels by request id",
+                )
+            lane = self.link.lane_of(request.request_id)
+            if lane is not None and not caller.allows(lane):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, caller.refusal(lane))
         if request.hold:
             return self.link.abort(request.request_id)
         output_index = request.output_index if request.HasField("output_index") else None
@@ -358,6 +373,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         opening = await anext(aiter(request_iterator), None)
         if opening is None:
             return
+        await InstanceCheck(context, FRONTEND, "Lane").require(context, opening.frontend_id)
         lane = ResultLane(self.config.lane_max_backlog_steps, opening.window)
 
         async def read_credits() -> None:
@@ -545,7 +561,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
 
 
 async def serve(config: NodeConfig, stop: asyncio.Event) -> int:
-    node_id = f"node-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    node_id = config.node_id or f"node-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     card = load_card(config)  # before anything binds: a missing model stops the node with what to do
     service = NodeService(config, node_id, card)
     server = create_internal_server(role_checks(config))

@@ -13,7 +13,9 @@ Python's work per step and per sequence rather than per token of a prompt:
 - A request with several outputs reads its prompt once: when the prompt is in,
   the other outputs share its KV cells and each samples its first token from
   the same logits row.
-- Requests are admitted by priority, then in arrival order, while their outputs
+- Requests are admitted by priority, then each API key's fair share of the batch
+  (engine/fair_share.py: a request of a key above its share may be preempted
+  for one within its share), then in arrival order, while their outputs
   fit in `max_batch` and their prompt fits in the free KV cells. When the
   running outputs would outgrow the KV cache, the request admitted last is
   preempted: its KV is freed and it goes back to the head of the queue, to
@@ -41,8 +43,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
+    ENGINE_FINISH_CANCELLED,
+    ENGINE_FINISH_EOS,
+    ENGINE_FINISH_ERROR,
+    ENGINE_FINISH_LENGTH,
+    ENGINE_FINISH_NONE,
+    ENGINE_FINISH_STOP_TOKEN,
+)
 from openengine_serve.common import guides
 from openengine_serve.engine.config import WorkerConfig
+from openengine_serve.engine.fair_share import FairQueue
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
 from openengine_serve.engine.llamacpp.prefix_cache import PrefixCache
 from openengine_serve.engine.llamacpp.runtime import LlamaError, LlamaModel, TokenBatch
@@ -52,13 +63,6 @@ logger = logging.getLogger("openengine_serve.engine")
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 MAX_CACHED_PREFIXES = 64  # sequences the prefix cache may hold (within LLAMA_MAX_SEQ with the running ones)
-
-FINISH_NONE = cluster_pb2.ENGINE_FINISH_NONE
-FINISH_EOS = cluster_pb2.ENGINE_FINISH_EOS
-FINISH_STOP_TOKEN = cluster_pb2.ENGINE_FINISH_STOP_TOKEN
-FINISH_LENGTH = cluster_pb2.ENGINE_FINISH_LENGTH
-FINISH_CANCELLED = cluster_pb2.ENGINE_FINISH_CANCELLED
-FINISH_ERROR = cluster_pb2.ENGINE_FINISH_ERROR
 
 
 class _Output:
@@ -204,6 +208,13 @@ class LlamaEngine(Engine):
         self._queued: dict[str, _Request] = {}
         self._running: dict[str, _Request] = {}  # admitted, in admission order
         self._arrivals = itertools.count()
+        self._fair = FairQueue(
+            self.max_batch,
+            state_of=lambda entry: entry[1],
+            priority_of=lambda entry: entry[0][0],
+            owner_of=lambda state: state.request.owner,
+            sequences_of=lambda state: len(state.outputs),
+        )
         self.running_sequences = 0
         self.queued_sequences = 0
         self.waiting_tokens = 0
@@ -236,7 +247,7 @@ class LlamaEngine(Engine):
         indices = [cancel.output_index] if cancel.HasField("output_index") else sorted(state.outputs)
         for index in indices:
             if index in state.outputs:
-                self._finish(state, state.outputs[index], FINISH_CANCELLED, events)
+                self._finish(state, state.outputs[index], ENGINE_FINISH_CANCELLED, events)
 
     def pause(self, pause: cluster_pb2.PauseRequest) -> None:
         state = self._running.get(pause.request_id)
@@ -300,16 +311,27 @@ class LlamaEngine(Engine):
 
     def _admit(self) -> None:
         queue = self._queue
+        if not queue:
+            return
         held = self._held_cells()
+        running = self._fair.running_by_owner(self._running.values())
         while queue:
-            state = queue[0][1]
-            if self._queued.get(state.request_id) is not state:  # cancelled while queued
-                heapq.heappop(queue)
-                continue
-            sequences = len(state.outputs)
-            if self._running and self.running_sequences + sequences > self.max_batch:
+            item = self._fair.pick(queue, self._is_queued, running, self._queued.values())
+            if item is None:
                 return
+            state = item[1]
+            sequences = len(state.outputs)
+            while self._running and self.running_sequences + sequences > self.max_batch:
+                owners = len(set(running) | {s.request.owner for s in self._queued.values()})
+                victim = self._fair.victim(state, list(self._running.values()), running, owners)
+                if victim is None:
+                    heapq.heappush(queue, item)
+                    return
+                self._requeue(victim)
+                running[victim.request.owner] -= len(victim.outputs)
+                held = self._held_cells()
             if state.guided and self.guided_sequences and self.guided_sequences + sequences > self.max_guided_sequences:
+                heapq.heappush(queue, item)
                 return
             entry, reused = None, 0
             if not state.forked and not state.request.bypass_prefix_cache:
@@ -325,9 +347,10 @@ class LlamaEngine(Engine):
             ):
                 held -= self._evict(keep)
             if self._running and held + self.running_sequences + needed > self.context_size:
+                heapq.heappush(queue, item)
                 return
             held += needed
-            heapq.heappop(queue)
+            running[state.request.owner] += sequences
             del self._queued[state.request_id]
             self.queued_sequences -= sequences
             self.waiting_tokens -= len(state.prompt) * sequences
@@ -411,7 +434,17 @@ class LlamaEngine(Engine):
                 )
             return False
         request_id = next(reversed(self._running))
-        state = self._running.pop(request_id)
+        self._requeue(self._running[request_id])
+        logger.info("preempted request_id=%s (KV cache full: %d cells)", request_id, self.context_size)
+        return True
+
+    def _is_queued(self, state: _Request) -> bool:
+        return self._queued.get(state.request_id) is state  # else cancelled while queued
+
+    def _requeue(self, state: _Request) -> None:
+        """A running request goes back to the queue in its place, its KV freed: admitted again, it reads its prompt
+        and its output so far again; nothing it already streamed is sent again."""
+        del self._running[state.request_id]
         for output in state.outputs.values():
             self._release_sequence(output)
             output.cached = 0
@@ -424,8 +457,6 @@ class LlamaEngine(Engine):
             state.prompt_records = []
         self.running_sequences -= len(state.outputs)
         self._push(state)
-        logger.info("preempted request_id=%s (KV cache full: %d cells)", request_id, self.context_size)
-        return True
 
     def _keep_prefix(self, state: _Request, output: _Output) -> None:
         """The ended output's KV cells go to the prefix cache (the sequence is the cache's now)."""
@@ -542,7 +573,7 @@ class LlamaEngine(Engine):
         token_id = output.sampler.choose(self.model, index, row, output.generated, self._guide_mask)
         guide_error = output.sampler.accept(token_id)
         if guide_error:
-            self._finish(state, output, FINISH_ERROR, events, f"guided decoding failed: {guide_error}")
+            self._finish(state, output, ENGINE_FINISH_ERROR, events, f"guided decoding failed: {guide_error}")
             return
         output.tokens.append(token_id)
         output.generated += 1
@@ -551,13 +582,13 @@ class LlamaEngine(Engine):
         stops_allowed = generated >= request.min_tokens
         guided_end = state.guided and token_id in self._eog  # the grammar allowed the end: it is complete
         if guided_end or (stops_allowed and not request.ignore_eos and token_id in self._eog):
-            finish = FINISH_EOS
+            finish = ENGINE_FINISH_EOS
         elif stops_allowed and token_id in request.stop_token_ids:
-            finish = FINISH_STOP_TOKEN
+            finish = ENGINE_FINISH_STOP_TOKEN
         elif generated >= max(1, request.max_tokens) or len(output.tokens) >= self.context_size:
-            finish = FINISH_LENGTH
+            finish = ENGINE_FINISH_LENGTH
         else:
-            finish = FINISH_NONE
+            finish = ENGINE_FINISH_NONE
         event = cluster_pb2.OutputEvent(
             request_id=state.request_id,
             output_index=output.index,
@@ -572,11 +603,11 @@ class LlamaEngine(Engine):
             if not state.cache_reported:
                 event.cached_prompt_tokens = state.cached_prompt_tokens
                 state.cache_reported = True
-        if finish == FINISH_NONE:
+        if finish == ENGINE_FINISH_NONE:
             events.append(event_field(event.SerializeToString()))
             return
         event.finish = finish
-        if finish in (FINISH_EOS, FINISH_STOP_TOKEN):
+        if finish in (ENGINE_FINISH_EOS, ENGINE_FINISH_STOP_TOKEN):
             event.finish_token_id = token_id
         self._end_output(state, output, event, events)
 
@@ -603,7 +634,7 @@ class LlamaEngine(Engine):
 
     def _fail(self, state: _Request, message: str, events: list[bytes], retryable: bool = True) -> None:
         for output in list(state.outputs.values()):
-            self._finish(state, output, FINISH_ERROR, events, message, retryable)
+            self._finish(state, output, ENGINE_FINISH_ERROR, events, message, retryable)
 
     def _end_output(
         self, state: _Request, output: _Output, event: cluster_pb2.OutputEvent, events: list[bytes]
@@ -616,7 +647,7 @@ class LlamaEngine(Engine):
         if admitted:
             if state.guided:
                 self.guided_sequences -= 1
-            if event.finish != FINISH_ERROR and not state.request.bypass_prefix_cache and output.cached:
+            if event.finish != ENGINE_FINISH_ERROR and not state.request.bypass_prefix_cache and output.cached:
                 self._keep_prefix(state, output)
             self._release_sequence(output)
             self.running_sequences -= 1

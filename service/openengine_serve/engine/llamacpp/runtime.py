@@ -17,7 +17,7 @@ import ctypes
 
 import numpy as np
 
-from openengine_serve.common.llama_library import llama_cpp
+from openengine_serve.common.llama_library import llama_cpp, model_params, take_errors
 
 
 class LlamaError(RuntimeError):
@@ -77,13 +77,17 @@ class LlamaModel:
 
     def __init__(self, path: str, *, context_size: int, batch_tokens: int, sequences: int, threads: int) -> None:
         lib = self._lib = llama_cpp()
-        model_params = lib.llama_model_default_params()
-        self._model = lib.llama_model_load_from_file(path.encode(), model_params)
+        take_errors()
+        self._model = lib.llama_model_load_from_file(path.encode(), model_params())
         if not self._model:
-            raise LlamaError(f"llama.cpp could not load the model {path} (see its log above)")
+            raise LlamaError(f"llama.cpp could not load the model {path}: {take_errors() or 'no reason logged'}")
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
         self.trained_context = lib.llama_model_n_ctx_train(self._model)
+        # Sliding-window attention (e.g. Gemma 3): llama.cpp reuses the cells that fell out of a sequence's window.
+        self.sliding_window = lib.llama_model_n_swa(self._model)
+        # Recurrent state (Mamba, RWKV, hybrids) cannot be cut at a position: no partial prefix sharing.
+        self.recurrent = bool(lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model))
         self.end_of_generation = np.array(
             [t for t in range(self.vocab_size) if lib.llama_vocab_is_eog(self._vocab, t)], np.int32
         )
@@ -132,6 +136,16 @@ class LlamaModel:
     def last_position(self, seq_id: int) -> int:
         """The highest position the sequence holds in the KV cache; -1 when it holds none."""
         return self._lib.llama_memory_seq_pos_max(self._memory, seq_id)
+
+    def can_share_prefix(self, seq_id: int, length: int) -> bool:
+        """Whether a sequence given the first `length` cells of `seq_id` can go on from them. With a sliding
+        window, the next token attends to the window before it, and llama.cpp may have reused the cells of
+        `seq_id` that fell out of its own window: the test is llama-server's (lowest position held)."""
+        if self.recurrent:
+            return False
+        if not self.sliding_window:
+            return True
+        return self._lib.llama_memory_seq_pos_min(self._memory, seq_id) <= max(0, length - self.sliding_window)
 
     def share_prefix(self, source_seq_id: int, target_seq_id: int, length: int) -> None:
         """The target sequence gets the source's KV cells of positions [0, length)."""

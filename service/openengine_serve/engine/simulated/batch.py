@@ -4,7 +4,8 @@ per step) behind the engine interface (engine/interface.py).
 No sockets and no MPI (the worker, engine/worker.py, owns those), so the
 batching arithmetic is tested on its own. `running` and `queued` count
 sequences (outputs), the unit `max_batch` limits; requests are admitted whole,
-by priority (higher first, then FIFO). A paused request (its client takes no
+by priority (higher first), then each API key's fair share of the batch (engine/fair_share.py), then FIFO; a
+request of a key above its share may be preempted for one within its share. A paused request (its client takes no
 output) keeps its slot but gets no token until it is resumed: the steps skip it.
 
 EngineStep messages are assembled from pre-encoded pieces: building a protobuf
@@ -20,13 +21,19 @@ import heapq
 import itertools
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
-from openengine_serve.common.protowire import field_tag, length_delimited, varint
+from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
+    ENGINE_FINISH_CANCELLED,
+    ENGINE_FINISH_EOS,
+    ENGINE_FINISH_STOP_TOKEN,
+)
 from openengine_serve.common.vocab import VOCAB_SIZE
+from openengine_serve.common.wire.protobuf import field_tag, length_delimited, varint
 from openengine_serve.engine.config import WorkerConfig
+from openengine_serve.engine.fair_share import FairQueue
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
 from openengine_serve.engine.simulated import model
 
-_FINISH_WITH_TOKEN = (cluster_pb2.ENGINE_FINISH_EOS, cluster_pb2.ENGINE_FINISH_STOP_TOKEN)
+_FINISH_WITH_TOKEN = (ENGINE_FINISH_EOS, ENGINE_FINISH_STOP_TOKEN)
 
 _TOKENS_TAG = field_tag(cluster_pb2.OutputEvent, "tokens")
 _TOKEN_ID_TAG = field_tag(cluster_pb2.TokenRecord, "token_id")
@@ -71,6 +78,13 @@ class Batch:
         self._paused: dict[str, _RunningRequest] = {}  # admitted, holding their slots, skipped by the steps
         self.paused_tokens = 0  # the running tokens of the paused requests
         self.running_sequences = 0  # paused ones included
+        self._fair = FairQueue(
+            max_batch,
+            state_of=lambda entry: entry[2],
+            priority_of=lambda entry: entry[0],
+            owner_of=lambda state: state.request.owner,
+            sequences_of=lambda state: len(state.outputs),
+        )
 
     @property
     def idle(self) -> bool:
@@ -93,8 +107,12 @@ class Batch:
 
     def enqueue(self, request: cluster_pb2.EngineRequest) -> None:
         state = model.RequestState(request)
+        state.order = (-request.priority, next(self._arrivals))
+        self._queue(state)
+
+    def _queue(self, state: model.RequestState) -> None:
         self._queued[state.request_id] = state
-        heapq.heappush(self._queue_order, (-request.priority, next(self._arrivals), state))
+        heapq.heappush(self._queue_order, (*state.order, state))
         self.queued_sequences += len(state.outputs)
         self.waiting_tokens += state.prompt_length * len(state.outputs)
 
@@ -125,7 +143,7 @@ class Batch:
         for index in indices:
             if state.outputs.pop(index, None) is None:
                 continue
-            events.append(self._event(state, index, cluster_pb2.ENGINE_FINISH_CANCELLED))
+            events.append(self._event(state, index, ENGINE_FINISH_CANCELLED))
             if running:
                 self.running_sequences -= 1
             else:
@@ -145,23 +163,45 @@ class Batch:
     # ------------------------------------------------------------ steps
 
     def admit(self) -> None:
-        """Moves queued requests into the batch, by priority, while their sequences fit."""
+        """Moves queued requests into the batch (priority, then fair share, then arrival) while their sequences
+        fit, preempting requests of a key above its share for one within its share."""
         order = self._queue_order
+        if not order:
+            return
+        running = self._fair.running_by_owner(
+            [r.state for r in self._running.values()] + [r.state for r in self._paused.values()]
+        )
         while order:
-            state = order[0][2]
-            if self._queued.get(state.request_id) is not state:  # cancelled while queued
-                heapq.heappop(order)
-                continue
+            entry = self._fair.pick(order, self._is_queued, running, self._queued.values())
+            if entry is None:
+                return
+            state = entry[2]
             sequences = len(state.outputs)
             # Whole requests only; one larger than the batch runs alone rather than never.
-            if self.running_sequences and self.running_sequences + sequences > self.max_batch:
-                return
-            heapq.heappop(order)
+            while self.running_sequences and self.running_sequences + sequences > self.max_batch:
+                owners = len(set(running) | {s.request.owner for s in self._queued.values()})
+                admitted = [r.state for r in self._running.values()]
+                victim = self._fair.victim(state, admitted, running, owners)
+                if victim is None:
+                    heapq.heappush(order, entry)
+                    return
+                self._preempt(victim)
+                running[victim.request.owner] -= len(victim.outputs)
             del self._queued[state.request_id]
             self.queued_sequences -= sequences
             self.waiting_tokens -= state.prompt_length * sequences
             self._running[state.request_id] = _RunningRequest(state)
             self.running_sequences += sequences
+            running[state.request.owner] += sequences
+
+    def _is_queued(self, state: model.RequestState) -> bool:
+        return self._queued.get(state.request_id) is state  # else cancelled while queued
+
+    def _preempt(self, state: model.RequestState) -> None:
+        """Back to the queue in its place; it continues where it stopped when admitted again."""
+        del self._running[state.request_id]
+        self.running_sequences -= len(state.outputs)
+        self._queue(state)
 
     def generate(self, events: list[bytes]) -> int:
         """One token for every running output not paused, appending the events; returns the running tokens after

@@ -30,6 +30,12 @@ import re
 import struct
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
+    ENGINE_FINISH_EOS,
+    ENGINE_FINISH_LENGTH,
+    ENGINE_FINISH_NONE,
+    ENGINE_FINISH_STOP_TOKEN,
+)
 from openengine_serve.common.vocab import BPE_RANKS, EOS_TOKEN_ID, load_encoding, token_bytes
 
 _MASK64 = (1 << 64) - 1
@@ -49,11 +55,6 @@ _RANK_BY_BYTE = bytes([1] * 154 + [2] * 46 + [3] * 26 + [4] * 18 + [5] * 12)
 _TOP_RANKS = 5
 _BAND_WIDTH = (6.0 - 0.01) / _TOP_RANKS
 _PRIME_STRIDE = 1_000_003
-
-ENGINE_FINISH_NONE = cluster_pb2.ENGINE_FINISH_NONE
-ENGINE_FINISH_EOS = cluster_pb2.ENGINE_FINISH_EOS
-ENGINE_FINISH_STOP_TOKEN = cluster_pb2.ENGINE_FINISH_STOP_TOKEN
-ENGINE_FINISH_LENGTH = cluster_pb2.ENGINE_FINISH_LENGTH
 
 
 class _Pools:
@@ -195,6 +196,7 @@ class RequestState:
 
     __slots__ = (
         "request",
+        "order",
         "request_id",
         "lane",
         "prompt_length",
@@ -212,6 +214,7 @@ class RequestState:
 
     def __init__(self, request: cluster_pb2.EngineRequest) -> None:
         self.request = request
+        self.order: tuple[int, int] = (0, 0)  # (-priority, arrival): its place in the engine's queue
         self.request_id = request.request_id
         self.lane = request.frontend_id
         self.prompt_length = len(request.prompt_token_ids)

@@ -1,6 +1,6 @@
 """Fair share of the batch between API keys, on real processes: key A keeps 40 long streams open on a node whose
-batch holds 16 sequences, and key B's streams still start about as fast as when B is alone (median of rounds),
-on both gRPC servers."""
+batch holds 16 sequences, and key B's streams still start within a few engine steps of when B is alone (median of
+rounds), on both gRPC servers."""
 
 from __future__ import annotations
 
@@ -109,9 +109,13 @@ def test_a_key_with_few_streams_starts_them_as_fast_next_to_a_key_filling_the_ba
         frontend.stop()
     alone_p50, loaded_p50 = statistics.median(alone), statistics.median(loaded)
     print(f"{server}: key B TTFT p50 alone {alone_p50 * 1000:.1f} ms, next to key A {loaded_p50 * 1000:.1f} ms")
-    assert loaded_p50 <= 2 * alone_p50, (
-        f"key B's TTFT p50 next to key A's {A_STREAMS} streams: {loaded_p50 * 1000:.0f} ms, "
-        f"alone {alone_p50 * 1000:.0f} ms (batch of {MAX_BATCH})"
+    # Served first come, first served, B's streams would wait for one of A's 8000-token streams to end (minutes).
+    # With its share, a B stream takes the next free slot: a few engine steps more than alone, where the frontend
+    # also carries A's 40 streams on the same 2 cores.
+    bound = 2 * alone_p50 + 5 * STEP_MS / 1000
+    assert loaded_p50 <= bound, (
+        f"key B's TTFT p50 next to key A's {A_STREAMS} streams: {loaded_p50 * 1000:.0f} ms, over {bound * 1000:.0f} "
+        f"(alone {alone_p50 * 1000:.0f} ms, batch of {MAX_BATCH}, {STEP_MS} ms steps)"
     )
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own `llama-server` from the llama.cpp sources vendored in the source distribution of
+# Builds llama.cpp's own `llama-server` (and `llama-batched-bench`, the machine's decode limit with no server) from
+# the llama.cpp sources vendored in the source distribution of
 # the llama-cpp-python version installed in the repo's venv: the same llama.cpp our engine calls, compiled
 # with the same defaults the wheel was (GGML_NATIVE, i.e. -march=native, and OpenMP), but linked statically.
 # The binary is cached under .venv/llama-server/<version>/ and reused by later runs; the last line printed
@@ -20,8 +21,9 @@ version="$("$python" -c 'import importlib.metadata as m; print(m.version("llama_
 cache="$repo/.venv/llama-server"
 dest="$cache/$version"
 binary="$dest/llama-server"
+batched_bench="$dest/llama-batched-bench"
 
-if [[ -x "$binary" ]]; then
+if [[ -x "$binary" && -x "$batched_bench" ]]; then
     echo "llama-server for llama-cpp-python $version: cached" >&2
     echo "$binary"
     exit 0
@@ -68,14 +70,17 @@ cmake -S "$llama" -B "$work/build" \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     >"$dest/cmake-configure.log" 2>&1 || { tail -40 "$dest/cmake-configure.log" >&2; exit 1; }
 
-echo "== building target llama-server with $jobs jobs (several minutes on 2 cores; log: $dest/cmake-build.log)" >&2
+echo "== building llama-server and llama-batched-bench with $jobs jobs (several minutes on 2 cores;" \
+     "log: $dest/cmake-build.log)" >&2
 start=$(date +%s)
-cmake --build "$work/build" --target llama-server -j "$jobs" >"$dest/cmake-build.log" 2>&1 \
+cmake --build "$work/build" --target llama-server llama-batched-bench -j "$jobs" >"$dest/cmake-build.log" 2>&1 \
     || { tail -40 "$dest/cmake-build.log" >&2; exit 1; }
 echo "== built in $(( $(date +%s) - start )) s" >&2
 
-cp "$work/build/bin/llama-server" "$binary.tmp"
-mv "$binary.tmp" "$binary"
+for tool in "$batched_bench" "$binary"; do
+    cp "$work/build/bin/$(basename "$tool")" "$tool.tmp"
+    mv "$tool.tmp" "$tool"
+done
 printf 'llama_cpp_python=%s\nllama_cpp_commit=%s\nsdist=%s\nbuild_seconds=%s\n' \
     "$version" "$commit" "$(basename "$sdist")" "$(( $(date +%s) - start ))" >"$dest/build-info.txt"
 rm -rf "$work"

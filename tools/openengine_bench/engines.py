@@ -7,10 +7,16 @@ Targets, each started here, warmed up, driven and stopped in turn:
   grpcio or on pygrpc-native (gRPC Inference.Generate);
 - openengine-http: the same stack (grpcio) through its OpenAI-compatible HTTP API (streaming /v1/completions);
 - llama-server: llama.cpp's C++ server, built from the llama.cpp sources vendored in the installed
-  llama-cpp-python's sdist (tools/build_llama_server.sh), one slot per stream of our max batch, continuous
-  batching (its default), unified KV cache, flash attention; native streaming /completion;
+  llama-cpp-python's sdist (tools/build_llama_server.sh), started as its users start it: one slot per stream
+  of our max batch, the same context size and threads, everything else its defaults (continuous batching, a
+  KV stream of its own per slot, flash attention auto); native streaming /completion. The goals are judged
+  against it;
+- llama-server-unified: the same server with our engine's KV layout (--kv-unified --flash-attn on), beside it;
 - llama-cpp-python: llama-cpp-python's OpenAI server (`python -m llama_cpp.server`), which runs one request
   at a time; streaming /v1/completions.
+With a llama-server target, each round also measures the machine's limit: `llama-batched-bench` from the same
+sources (16 prompt tokens, the same output tokens, batches of each concurrency), pure decode with no server, with
+a KV stream per sequence (its default) and with one unified KV cache.
 For each concurrency N every target gets N streams, each sending requests back to back (greedy, a fixed
 number of output tokens, end of generation ignored, prompts rotated from a fixed set), for a fixed window
 after a warm-up; output tokens/s counts the tokens streamed within the window. Rounds alternate the order of
@@ -51,14 +57,17 @@ BUILD_SCRIPT = REPO / "tools" / "build_llama_server.sh"
 HOST = "127.0.0.1"
 
 GRPCIO, NATIVE, HTTP = "openengine-grpcio", "openengine-native", "openengine-http"
-LLAMA_SERVER, LLAMA_CPP_PYTHON = "llama-server", "llama-cpp-python"
-TARGETS = (GRPCIO, NATIVE, HTTP, LLAMA_SERVER, LLAMA_CPP_PYTHON)
+LLAMA_SERVER, LLAMA_SERVER_UNIFIED = "llama-server", "llama-server-unified"
+LLAMA_CPP_PYTHON = "llama-cpp-python"
+TARGETS = (GRPCIO, NATIVE, HTTP, LLAMA_SERVER, LLAMA_SERVER_UNIFIED, LLAMA_CPP_PYTHON)
+LLAMA_SERVERS = (LLAMA_SERVER, LLAMA_SERVER_UNIFIED)
 OURS = (GRPCIO, NATIVE, HTTP)
 LABELS = {
     GRPCIO: "OpenEngine (grpcio)",
     NATIVE: "OpenEngine (pygrpc-native)",
     HTTP: "OpenEngine (OpenAI HTTP)",
     LLAMA_SERVER: "llama-server",
+    LLAMA_SERVER_UNIFIED: "llama-server (our KV layout)",
     LLAMA_CPP_PYTHON: "llama_cpp.server",
 }
 
@@ -75,8 +84,8 @@ PROMPTS = (
 )
 
 # The targets our two must meet (judged on the medians over the rounds).
-LLAMA_SERVER_THROUGHPUT_SHARE = 0.9  # tokens/s >= 0.9x llama-server's ...
-LLAMA_SERVER_THROUGHPUT_AT = (8, 32)  # ... at 8 and at 32 streams
+LLAMA_SERVER_THROUGHPUT_SHARE = {1: 0.95, 8: 1.0, 32: 1.0}  # streams -> tokens/s >= this x llama-server's
+MACHINE_LIMIT_SHARE, MACHINE_LIMIT_AT = 0.85, 32  # tokens/s >= 0.85x llama-batched-bench's decode at 32
 LLAMA_CPP_PYTHON_FACTOR = 3.0  # tokens/s >= 3x llama_cpp.server's ...
 LLAMA_CPP_PYTHON_AT = 32  # ... at 32 streams
 TTFT_AT = 1  # TTFT p50 at 1 stream <= llama-server's + 10 ms
@@ -94,7 +103,7 @@ class Mode:
     max_window_s: float  # ... but never longer than this
 
 
-FULL = Mode(rounds=2, warmup_s=5.0, window_s=30.0, min_requests=2, max_window_s=90.0)
+FULL = Mode(rounds=3, warmup_s=5.0, window_s=30.0, min_requests=2, max_window_s=90.0)
 QUICK = Mode(rounds=1, warmup_s=2.0, window_s=8.0, min_requests=1, max_window_s=60.0)
 FOREIGN_CPUS_NOTED = 0.1  # other processes' load in a window worth a line in the report
 ROUND_SPREAD_NOTED = 0.15  # tok/s of one target and level differing this much between rounds: worth a line
@@ -492,6 +501,7 @@ class Settings:
     prefill_chunk: int
     max_tokens: int
     llama_server: str = ""
+    batched_bench: str = ""  # llama-batched-bench: the machine's limit measured beside the servers
     end_of_generation: tuple[int, ...] = ()
 
 
@@ -712,41 +722,26 @@ class OpenEngineTarget(Target):
         await super().stop()
 
 
+# llama-server with our engine's KV layout: one KV cache shared by the slots, flash attention on; --cache-ram 0:
+# its host-memory prompt cache saves and restores slots between requests, work cache_prompt=false makes useless.
+UNIFIED_LAYOUT = ("--kv-unified", "--flash-attn", "on", "--cache-ram", "0", "--threads-batch")
+
+
 class LlamaServerTarget(Target):
-    name = LLAMA_SERVER
+    def __init__(self, settings: Settings, logdir: Path, name: str = LLAMA_SERVER) -> None:
+        self.name = name
+        super().__init__(settings, logdir)
 
     async def start(self) -> None:
         s = self.settings
         self.port = free_port(HOST)
-        # Continuous batching is llama-server's default (--cont-batching); --parallel gives one slot per stream.
-        # --cache-ram 0: its host-memory prompt cache saves and restores slots between requests, work that
-        # cache_prompt=false (below) makes useless.
-        self._spawn(
-            [
-                s.llama_server,
-                "--model",
-                s.model,
-                "--host",
-                HOST,
-                "--port",
-                str(self.port),
-                "--parallel",
-                str(s.max_batch),
-                "--cont-batching",
-                "--ctx-size",
-                str(s.context_size),
-                "--kv-unified",
-                "--flash-attn",
-                "on",
-                "--threads",
-                str(s.threads),
-                "--threads-batch",
-                str(s.threads),
-                "--cache-ram",
-                "0",
-                "--no-webui",
-            ]
-        )
+        # As its users start it (-m MODEL -t T -c CTX -np N -cb): one slot per stream; the rest its defaults.
+        command = [s.llama_server, "--model", s.model, "--host", HOST, "--port", str(self.port)]
+        command += ["--threads", str(s.threads), "--ctx-size", str(s.context_size)]
+        command += ["--parallel", str(s.max_batch), "--cont-batching"]
+        if self.name == LLAMA_SERVER_UNIFIED:
+            command += [*UNIFIED_LAYOUT, str(s.threads)]
+        self._spawn(command)
         await self.wait_ready()
 
     async def ready(self) -> bool:
@@ -871,6 +866,73 @@ class LlamaCppPythonTarget(Target):
         return outcome
 
 
+# ---------------------------------------------------------------- the machine's limit
+
+BATCHED_BENCH_PROMPT_TOKENS = 16
+KV_LAYOUTS = {"separate": (), "unified": ("--kv-unified",)}  # llama-batched-bench's default first
+
+
+def batched_bench_command(settings: Settings, concurrency: Sequence[int], layout: str) -> list[str]:
+    return [
+        settings.batched_bench,
+        *("-m", settings.model, "-c", str(settings.context_size), "-t", str(settings.threads)),
+        *("-npp", str(BATCHED_BENCH_PROMPT_TOKENS), "-ntg", str(settings.max_tokens)),
+        *("-npl", ",".join(str(n) for n in concurrency), *KV_LAYOUTS[layout]),
+    ]
+
+
+def parse_batched_bench(output: str) -> dict[str, float]:
+    """llama-batched-bench's result table: batch size B -> S_TG t/s (decode tokens/s of the whole batch)."""
+    header: list[str] = []
+    out: dict[str, float] = {}
+    for line in output.splitlines():
+        if not line.lstrip().startswith("|"):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if "S_TG t/s" in cells and "B" in cells:
+            header = cells
+            continue
+        if len(cells) != len(header):
+            continue
+        with contextlib.suppress(ValueError):
+            row = dict(zip(header, (float(cell) for cell in cells), strict=True))
+            out[str(int(row["B"]))] = row["S_TG t/s"]
+    return out
+
+
+async def machine_limit(settings: Settings, concurrency: Sequence[int], logdir: Path) -> dict[str, Any]:
+    """llama-batched-bench's decode tokens/s at each concurrency, per KV layout (and the commands run)."""
+    out: dict[str, Any] = {"commands": {}}
+    logdir.mkdir(parents=True, exist_ok=True)
+    for layout in KV_LAYOUTS:
+        command = batched_bench_command(settings, concurrency, layout)
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        stdout, _ = await proc.communicate()
+        text = stdout.decode(errors="replace")
+        with open(logdir / "llama-batched-bench.log", "a") as log:
+            log.write(f"$ {' '.join(command)}\n{text}\n")
+        out["commands"][layout] = " ".join(command)
+        out[layout] = parse_batched_bench(text)
+        if proc.returncode != 0 or not out[layout]:
+            out[layout + "_error"] = f"exit {proc.returncode}: {text.strip().splitlines()[-1:] or ['no output']}"
+    return out
+
+
+def summarize_limit(rounds: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """KV layout -> concurrency -> median decode tokens/s of llama-batched-bench over the rounds."""
+    out: dict[str, dict[str, float | None]] = {}
+    for layout in KV_LAYOUTS:
+        values: dict[str, list[float]] = {}
+        for rnd in rounds:
+            for n, tok_s in rnd.get("machine_limit", {}).get(layout, {}).items():
+                values.setdefault(n, []).append(tok_s)
+        if values:
+            out[layout] = {n: median(v) for n, v in values.items()}
+    return out
+
+
 def make_target(name: str, settings: Settings, logdir: Path) -> Target:
     if name == GRPCIO:
         return OpenEngineTarget(settings, logdir, "grpcio", GRPCIO)
@@ -878,8 +940,8 @@ def make_target(name: str, settings: Settings, logdir: Path) -> Target:
         return OpenEngineTarget(settings, logdir, "pygrpc-native", NATIVE)
     if name == HTTP:
         return OpenEngineTarget(settings, logdir, "grpcio", HTTP, http=True)
-    if name == LLAMA_SERVER:
-        return LlamaServerTarget(settings, logdir)
+    if name in LLAMA_SERVERS:
+        return LlamaServerTarget(settings, logdir, name)
     if name == LLAMA_CPP_PYTHON:
         return LlamaCppPythonTarget(settings, logdir)
     raise ValueError(f"unknown target {name!r} (known: {', '.join(TARGETS)})")
@@ -1145,23 +1207,37 @@ def _cell(summary: dict, target: str, n: int, key: str) -> float | None:
     return summary.get(target, {}).get(str(n), {}).get(key)
 
 
-def verdicts(summary: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Each target of ours against each goal: met (True/False) or None when a figure is missing."""
+def verdicts(
+    summary: dict[str, dict[str, dict[str, Any]]], limit: dict[str, dict[str, float | None]] | None = None
+) -> list[dict[str, Any]]:
+    """Each target of ours against each goal: met (True/False) or None when a figure is missing. `limit`:
+    summarize_limit's llama-batched-bench figures."""
     out = []
     for ours in OURS:
         if ours not in summary:
             continue
-        for n in LLAMA_SERVER_THROUGHPUT_AT:
+        for n, share in LLAMA_SERVER_THROUGHPUT_SHARE.items():
             value, peer = _cell(summary, ours, n, "tok_s"), _cell(summary, LLAMA_SERVER, n, "tok_s")
             r = ratio(value, peer)
             out.append(
                 {
                     "target": ours,
-                    "goal": f"tokens/s >= {LLAMA_SERVER_THROUGHPUT_SHARE:g}x llama-server's at {n} streams",
-                    "met": None if r is None else r >= LLAMA_SERVER_THROUGHPUT_SHARE,
+                    "goal": f"tokens/s >= {share:g}x llama-server's at {streams(n)}",
+                    "met": None if r is None else r >= share,
                     "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
                 }
             )
+        n = MACHINE_LIMIT_AT
+        value, peer = _cell(summary, ours, n, "tok_s"), (limit or {}).get("separate", {}).get(str(n))
+        r = ratio(value, peer)
+        out.append(
+            {
+                "target": ours,
+                "goal": f"tokens/s >= {MACHINE_LIMIT_SHARE:g}x llama-batched-bench's decode at {streams(n)}",
+                "met": None if r is None else r >= MACHINE_LIMIT_SHARE,
+                "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
+            }
+        )
         n = LLAMA_CPP_PYTHON_AT
         value, peer = _cell(summary, ours, n, "tok_s"), _cell(summary, LLAMA_CPP_PYTHON, n, "tok_s")
         r = ratio(value, peer)
@@ -1258,6 +1334,27 @@ def render_report(doc: dict[str, Any]) -> str:
                 f"{fmt(cell['ttft_p99_ms'])} | {cell['requests']} | {cell['errors']} | {vs[0]} | {vs[1]} |"
             )
         lines.append("")
+    limit = doc.get("machine_limit") or {}
+    if limit:
+        levels = [str(n) for n in settings["concurrency"]]
+        lines += [
+            "## The machine's limit",
+            "",
+            f"`llama-batched-bench` from the same sources: decode tokens/s of a batch of N sequences "
+            f"({BATCHED_BENCH_PROMPT_TOKENS} prompt tokens, {settings['max_tokens']} generated each), no server; "
+            "medians over the rounds. Below it, each of ours as a share of the separate-KV figure.",
+            "",
+            "| | " + " | ".join(streams(n) for n in levels) + " |",
+            "| --- |" + " ---: |" * len(levels),
+        ]
+        for layout, label in (("separate", "a KV stream per sequence (its default)"), ("unified", "unified KV")):
+            if layout in limit:
+                lines.append(f"| {label} | " + " | ".join(fmt(limit[layout].get(n)) for n in levels) + " |")
+        for t in targets:
+            if t in summary:
+                shares = [ratio(_cell(summary, t, int(n), "tok_s"), limit.get("separate", {}).get(n)) for n in levels]
+                lines.append(f"| {LABELS[t]} | " + " | ".join("–" if v is None else f"{v:.2f}x" for v in shares) + " |")
+        lines.append("")
     lines += ["## Targets", ""]
     for v in doc["verdicts"]:
         state = {True: "**met**", False: "**missed**", None: "n/a"}[v["met"]]
@@ -1336,12 +1433,18 @@ def render_report(doc: dict[str, Any]) -> str:
                     f"{(max(values) - min(values)) / middle:.0%} of the median "
                     f"({', '.join(fmt(v) for v in values)})"
                 )
+    for rnd in rounds:
+        for layout in KV_LAYOUTS:
+            if error := rnd.get("machine_limit", {}).get(layout + "_error"):
+                problems.append(f"- round {rnd['round']}, llama-batched-bench ({layout} KV): {error}")
     if problems:
         lines += ["", "## Problems", "", *problems]
     lines += ["", "## How each target ran", ""]
     commands = doc.get("commands", {})
     for t in targets:
         lines.append(f"- {LABELS[t]}: `{commands.get(t, '(did not start)').replace(str(REPO) + '/', '')}`")
+    for layout, command in (rounds[0].get("machine_limit", {}).get("commands", {}) if rounds else {}).items():
+        lines.append(f"- llama-batched-bench ({layout} KV): `{command.replace(str(REPO) + '/', '')}`")
     lines += ["", *[f"- {note}" for note in doc.get("notes", [])], ""]
     return "\n".join(lines)
 
@@ -1517,8 +1620,11 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(default_model_path())
     llama_server = args.llama_server
-    if LLAMA_SERVER in targets and not llama_server:
+    if set(LLAMA_SERVERS) & set(targets) and not llama_server:
         llama_server = build_llama_server()
+    batched_bench = Path(llama_server).with_name("llama-batched-bench") if llama_server else None
+    if not (set(LLAMA_SERVERS) & set(targets) and batched_bench and batched_bench.is_file()):
+        batched_bench = None
     facts = vocabulary_facts(model)
     settings = Settings(
         model=model,
@@ -1528,6 +1634,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_chunk=args.prefill_chunk,
         max_tokens=args.max_tokens,
         llama_server=llama_server,
+        batched_bench=str(batched_bench or ""),
         end_of_generation=tuple(facts["eog"]),
     )
     info = build_info(llama_server) if llama_server else {}
@@ -1561,12 +1668,13 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": [],
         "commands": {},
         "notes": [
-            "llama-server: continuous batching on (its default, passed explicitly as --cont-batching), one slot "
-            f"per stream (--parallel {settings.max_batch}), its default batch sizes (-b 2048, -ub 512; ours "
-            f"prefills {settings.prefill_chunk} prompt tokens per step), its host-memory prompt cache off "
-            "(--cache-ram 0); requests to /completion with cache_prompt=false, as ours set "
-            "kv.bypass_prefix_cache (prefix reuse is measured by openengine_bench.features), ignore_eos=true, "
-            "stream=true.",
+            "llama-server: as its users start it: continuous batching (--cont-batching, its default), one slot "
+            f"per stream (--parallel {settings.max_batch}), the same --ctx-size and --threads, everything else its "
+            "defaults (a KV stream per slot, flash attention auto, -b 2048, -ub 512; ours prefills "
+            f"{settings.prefill_chunk} prompt tokens per step). llama-server (our KV layout) adds "
+            f"{' '.join(UNIFIED_LAYOUT)} {settings.threads}. Requests to /completion with cache_prompt=false, "
+            "as ours set kv.bypass_prefix_cache (prefix reuse is measured by openengine_bench.features), "
+            "ignore_eos=true, stream=true.",
             "llama_cpp.server: one request at a time (the rest wait for its lock); interrupt_requests=false "
             "(its default aborts a streaming request whenever another arrives), logits_all=false; it has no "
             f"ignore_eos, so a logit bias of -1e9 bans the end-of-generation tokens {list(settings.end_of_generation)} "
@@ -1588,6 +1696,12 @@ def main(argv: list[str] | None = None) -> int:
             order = target_order(targets, r)
             rnd: dict[str, Any] = {"round": r + 1, "order": order, "results": {}}
             doc["rounds"].append(rnd)
+            if settings.batched_bench:
+                print(f"round {r + 1}: llama-batched-bench", file=sys.stderr, flush=True)
+                if args.quiet_wait > 0:
+                    await wait_quiet(args.quiet_wait * 60)
+                rnd["machine_limit"] = await machine_limit(settings, concurrency, logdir)
+                write_json(output / "engines.json", doc)
             for name in order:
                 print(f"round {r + 1}: {name}", file=sys.stderr, flush=True)
                 before = await wait_quiet(args.quiet_wait * 60) if args.quiet_wait > 0 else None
@@ -1602,7 +1716,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run(run_all())
     doc["summary"] = summarize(doc["rounds"])
-    doc["verdicts"] = verdicts(doc["summary"])
+    doc["machine_limit"] = summarize_limit(doc["rounds"])
+    doc["verdicts"] = verdicts(doc["summary"], doc["machine_limit"])
     ours_eog = {
         tuple(r["results"][t].get("end_of_generation_token_ids") or ())
         for r in doc["rounds"]

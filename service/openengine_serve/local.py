@@ -18,7 +18,7 @@ import time
 
 from .client import NO_CREDENTIALS, Credentials, is_serving
 from .common.lifecycle import bind_address
-from .common.net import free_port
+from .common.net import free_port, port_in_use
 
 STOP_TIMEOUT_S = 40.0
 _PR_SET_PDEATHSIG = 1
@@ -91,6 +91,19 @@ def run_stack(args: argparse.Namespace) -> int:
         http_port=http_port,
     )
     plan.append(("frontend", frontend))
+    fixed = {"--port": args.port, "--http-port": http_port, "--coordinator-port": args.coordinator_port}
+    fixed |= {f"--node-port (node {i})": args.node_port + i for i in range(args.nodes) if args.node_port}
+    if args.metrics:
+        fixed |= {"--metrics (frontend)": 9091, "--metrics (coordinator)": 9092}
+        fixed |= {f"--metrics (node {i})": 9093 + i for i in range(args.nodes)}
+    busy = [f"{port} ({flag})" for flag, port in fixed.items() if port and port_in_use(host, port)]
+    if busy:
+        print(
+            f"openengine-serve up: port(s) already in use on {host}: {', '.join(busy)}; another stack or program "
+            "listens there: stop it, or choose other ports with the options named",
+            file=sys.stderr,
+        )
+        return 1
 
     procs: dict[str, subprocess.Popen] = {}
     stop_requested = False

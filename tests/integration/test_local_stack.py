@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -102,6 +103,24 @@ def test_two_stacks_side_by_side():
             proc.send_signal(signal.SIGINT)
         for proc in procs:
             assert proc.wait(timeout=60) == 0
+
+
+def test_up_refuses_a_port_another_listener_holds_even_with_so_reuseport():
+    """Our frontends bind with SO_REUSEPORT (workers share a port), so a second stack on the same port would
+    silently split the first one's traffic: `up` checks its fixed ports first and names the busy one."""
+    port = processes.free_port()
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a frontend worker of another stack
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--engine", "simulated"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1 and not done.stdout, done.stdout
+    assert f"port(s) already in use on 127.0.0.1: {port} (--port)" in done.stderr, done.stderr
 
 
 def test_a_killed_up_leaves_no_component_running():

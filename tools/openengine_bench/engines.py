@@ -722,6 +722,18 @@ class OpenEngineTarget(Target):
         await super().stop()
 
 
+def amx_cpu() -> bool:
+    """A CPU with AMX: llama.cpp's repacked AMX weights crash there (llama.cpp issue 20824), so our engine keeps
+    the weights as loaded (common/llama_library.py) and llama.cpp's tools get --no-repack, the same."""
+    with contextlib.suppress(OSError):
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    return False
+
+
+def cpu_workarounds() -> list[str]:
+    return ["--no-repack"] if amx_cpu() else []
+
+
 # llama-server with our engine's KV layout: one KV cache shared by the slots, flash attention on; --cache-ram 0:
 # its host-memory prompt cache saves and restores slots between requests, work cache_prompt=false makes useless.
 UNIFIED_LAYOUT = ("--kv-unified", "--flash-attn", "on", "--cache-ram", "0", "--threads-batch")
@@ -738,7 +750,7 @@ class LlamaServerTarget(Target):
         # As its users start it (-m MODEL -t T -c CTX -np N -cb): one slot per stream; the rest its defaults.
         command = [s.llama_server, "--model", s.model, "--host", HOST, "--port", str(self.port)]
         command += ["--threads", str(s.threads), "--ctx-size", str(s.context_size)]
-        command += ["--parallel", str(s.max_batch), "--cont-batching"]
+        command += ["--parallel", str(s.max_batch), "--cont-batching", *cpu_workarounds()]
         if self.name == LLAMA_SERVER_UNIFIED:
             command += [*UNIFIED_LAYOUT, str(s.threads)]
         self._spawn(command)
@@ -877,7 +889,7 @@ def batched_bench_command(settings: Settings, concurrency: Sequence[int], layout
         settings.batched_bench,
         *("-m", settings.model, "-c", str(settings.context_size), "-t", str(settings.threads)),
         *("-npp", str(BATCHED_BENCH_PROMPT_TOKENS), "-ntg", str(settings.max_tokens)),
-        *("-npl", ",".join(str(n) for n in concurrency), *KV_LAYOUTS[layout]),
+        *("-npl", ",".join(str(n) for n in concurrency), *KV_LAYOUTS[layout], *cpu_workarounds()),
     ]
 
 
@@ -1675,6 +1687,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{' '.join(UNIFIED_LAYOUT)} {settings.threads}. Requests to /completion with cache_prompt=false, "
             "as ours set kv.bypass_prefix_cache (prefix reuse is measured by openengine_bench.features), "
             "ignore_eos=true, stream=true.",
+            *(
+                [
+                    "This CPU has AMX: llama.cpp's tools run with --no-repack (at their defaults they crash here, "
+                    "llama.cpp issue 20824), as our engine keeps the weights as loaded."
+                ]
+                if amx_cpu()
+                else []
+            ),
             "llama_cpp.server: one request at a time (the rest wait for its lock); interrupt_requests=false "
             "(its default aborts a streaming request whenever another arrives), logits_all=false; it has no "
             f"ignore_eos, so a logit bias of -1e9 bans the end-of-generation tokens {list(settings.end_of_generation)} "

@@ -50,6 +50,25 @@ def test_greedy_chat_equals_generate_of_the_rendered_prompt(chat):
     assert answer.usage.completion_tokens == responses[-1].usage.completion_tokens  # the EOS counted too
 
 
+def test_cache_prompt_false_reads_the_prompt_whole_and_keeps_nothing(chat):
+    """llama-server's cache_prompt: by default a repeated prompt is found in the prefix cache; with false it is
+    neither found nor kept."""
+    client, _target = chat
+    salt = str(uuid.uuid4())
+
+    def cached(**extra) -> int:
+        answer = client.chat.completions.create(
+            model=REAL_MODEL, messages=MESSAGES, max_tokens=1, extra_body={"cache_salt": salt, **extra}
+        )
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_prompt=False) == 0
+    assert cached(cache_prompt=False) == 0, "the first request's KV was kept"
+    assert cached() == 0  # nothing kept so far: the default reads it whole and keeps it
+    assert cached() > 0
+    assert cached(cache_prompt=False) == 0
+
+
 def test_streamed_chat_with_usage_equals_the_whole_answer(chat):
     client, _target = chat
     whole = client.chat.completions.create(model=REAL_MODEL, messages=MESSAGES, max_tokens=12, temperature=0)

@@ -686,8 +686,8 @@ class OpenEngineTarget(Target):
         return outcome
 
     async def http_request(self, prompt: str, max_tokens: int, on_tokens: Callable[[int], None]) -> Outcome:
-        """The same request through /v1/completions: a fresh cache salt reads the prompt whole (as
-        bypass_prefix_cache does); continuous usage counts the tokens of a chunk that merged several."""
+        """The same request through /v1/completions, prefix cache bypassed (cache_prompt=false, as llama-server's
+        requests); continuous usage counts the tokens of a chunk that merged several."""
         outcome = Outcome()
 
         def on_event(data: str) -> bool:
@@ -706,7 +706,7 @@ class OpenEngineTarget(Target):
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
-                "cache_salt": uuid.uuid4().hex,
+                "cache_prompt": False,
                 "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             },

@@ -48,6 +48,7 @@ COMMON_FIELDS = {
     # llama-server / vLLM extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "cache_salt",
+    "cache_prompt",
 }  # fmt: skip
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "metadata", "store", "add_generation_prompt",
@@ -223,6 +224,8 @@ def _common(body: dict, request_id: str) -> G.GenerateRequest:
     salt = _optional(body, "cache_salt", str)
     if salt is not None:
         request.kv.cache_salt = salt
+    if _optional(body, "cache_prompt", bool) is False:  # llama-server's name: neither read nor kept in the cache
+        request.kv.bypass_prefix_cache = True
     _guide(body, request.guided)
     return request
 

@@ -29,16 +29,14 @@ from openengine_serve.common.net import free_port
 from . import processes
 from .conftest import SERVERS
 
-# One worker delivers ~8,000 tokens/s (docs/benchmarks.md); a stream at the 2 ms step takes 500/s: 16 streams
-# saturate it. The CI form measures TTFT there (the command runs the 64), then liveness at twice that.
-SATURATING_STREAMS = 16
+# The scenario of docs/robustness.md ("Overload"): 2 nodes at the 2 ms step offer 64 streams 32,000 tokens/s, more
+# than one frontend worker delivers (about 29,000): a new request's TTFT p99 stays under the 100 ms target, and
+# liveness answers within the chart's probe bound, at that load.
+SATURATING_STREAMS = 64
 LONG_TOKENS = 8000
 WINDOW_S = 5.0
-MIN_SAMPLES = 5  # probes are slower on a loaded machine: the window stretches (up to 4x) to take these
-# CI machines are shared and loaded: these bounds hold there with room, and fail on the old behaviour (a new
-# request waited behind the steps queued in the lane's transport: p99 0.45-0.8 s on grpcio at 16 streams,
-# 0.13 s with the credited lane at load ~15). docs/robustness.md has the figures of a quiet machine.
-TTFT_P99_BOUND_S = 0.5
+MIN_SAMPLES = 20  # probes are slower on a loaded machine: the window stretches (up to 4x) to take these
+TTFT_P99_BOUND_S = 0.1
 LIVENESS_P99_BOUND_S = 1.0
 NODE_RSS_GROWTH_BOUND_MB_PER_S = 0.5  # the unbounded lane grew a node ~1.2 MB/s in this scenario
 
@@ -54,29 +52,23 @@ def test_new_requests_and_liveness_stay_fast_while_long_streams_saturate_the_fro
             processes.wait_for(lambda: _running(frontend.target) >= SATURATING_STREAMS, 60, "the streams running")
             time.sleep(2.0)  # past the burst of their prefills
             sampler.start()
-            saturated = measure_window(frontend.target, duration_s=WINDOW_S, liveness=False, min_samples=MIN_SAMPLES)
+            saturated = measure_window(
+                frontend.target, duration_s=WINDOW_S, probe_timeout_s=5.0, min_samples=MIN_SAMPLES
+            )
             rss = series(sampler.stop(), "rss_mb")
-            # twice the saturating load: the liveness probe still answers fast
-            with Load(frontend.target, SATURATING_STREAMS, LONG_TOKENS):
-                processes.wait_for(
-                    lambda: _running(frontend.target) >= 2 * SATURATING_STREAMS, 60, "twice the streams running"
-                )
-                doubled = measure_window(
-                    frontend.target, duration_s=WINDOW_S, probe_timeout_s=5.0, min_samples=MIN_SAMPLES
-                )
     finally:
         frontend.stop()
     ttft = [s["ttft_s"] for s in saturated["ttft"]]
     assert len(ttft) >= MIN_SAMPLES and None not in ttft, ttft
     ttft_p99 = percentile(ttft, 99)
-    liveness = doubled["liveness"]
+    liveness = saturated["liveness"]
     assert len(liveness) >= MIN_SAMPLES and None not in liveness, liveness
     liveness_p99 = percentile(liveness, 99)
     growth = {name: growth_mb_per_s(points) for name, points in rss.items()}
     print(
         f"{server}: TTFT p50 {percentile(ttft, 50) * 1000:.1f} ms p99 {ttft_p99 * 1000:.1f} ms (n={len(ttft)}) "
-        f"beside {SATURATING_STREAMS} streams; liveness p99 {liveness_p99 * 1000:.1f} ms (n={len(liveness)}) "
-        f"beside {2 * SATURATING_STREAMS}; node RSS growth {growth} MB/s"
+        f"beside {SATURATING_STREAMS} streams; liveness p99 {liveness_p99 * 1000:.1f} ms (n={len(liveness)}); "
+        f"node RSS growth {growth} MB/s"
     )
     assert ttft_p99 < TTFT_P99_BOUND_S, ttft
     assert liveness_p99 < LIVENESS_P99_BOUND_S, liveness

@@ -159,12 +159,14 @@ def test_max_connection_age_moves_clients_on_grpcio():
 # - "service": every frontend on one address and port (SO_REUSEPORT: the kernel spreads new connections over
 #   the processes, as a ClusterIP Service's proxy spreads them over pods); clients use pick_first.
 # Fair share: at least FAIR_SHARE of the calls of a FAIR_WINDOW_S window (a third is 33 %), reached within
-# FAIR_WITHIN_S of the third being live: the README's "within about 1-2 s" (1.0-1.1 s measured on both servers
-# and both routes, on a shared machine under load).
+# FAIR_WITHIN_S[route] of the third being live (the README's figures). "headless": the clients re-resolve and
+# spread over every address at each reconnection, about one connection age. "service": the kernel puts each
+# reconnection on one of the 3 processes at random, so with these 7 connections a whole age can leave the third
+# with at most one of them (26 % of ages): within 5 ages it has its share but for about 1 run in 800.
 AGE_S = 1.0
 FAIR_SHARE = 0.20
 FAIR_WINDOW_S = 1.0
-FAIR_WITHIN_S = 2.0
+FAIR_WITHIN_S = {"headless": 2.0 * AGE_S, "service": 5.0 * AGE_S}
 # grpc-core re-resolves a name at most every 30 s by default; a test cannot wait for that (see docs/kubernetes.md)
 RESOLVE_OPTIONS = (("grpc.dns_min_time_between_resolutions_ms", 200),)
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)  # channels with equal options would share one
@@ -253,7 +255,7 @@ def test_third_frontend_gets_a_fair_share_under_steady_load(server, route):
                     and log.calls[-1][0] > joined + FAIR_WINDOW_S
                     and fair_share_after(log.calls, newcomer, joined) is not None
                 ),
-                FAIR_WITHIN_S + 2,
+                FAIR_WITHIN_S[route] + 2,
                 "a fair share for the third frontend",
             )
             log.stop.set()
@@ -277,7 +279,7 @@ def test_third_frontend_gets_a_fair_share_under_steady_load(server, route):
         f"{dict(served)} (third: {newcomer}); errors {dict(errors)} of {len(log.calls)} calls; "
         f"connections moved {moved:g}"
     )
-    assert after is not None and after <= FAIR_WITHIN_S, (after, served)
+    assert after is not None and after <= FAIR_WITHIN_S[route], (after, served)
     # clients with retries see no error; one without sees only retry-safe refusals
     assert not [key for key in errors if key[0] != "no-retries"], errors
     assert {outcome for _, outcome in errors} <= {"UNAVAILABLE"}, errors

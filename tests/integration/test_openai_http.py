@@ -305,7 +305,7 @@ def test_gateway_gauges_follow_the_nodes_load(slow_cluster, deployment, server):
     def gauge(name: str) -> float:
         return processes.metric(processes.scrape(metrics_port), f"openengine_frontend_nodes_{name}")
 
-    processes.wait_for(lambda: gauge("running_requests") == 0, 10, "an idle node")
+    processes.wait_for(lambda: gauge("running_requests") == 0, LOAD_NEWS_S, "an idle node")
     long = {"model": MODEL, "prompt": "x", "max_tokens": 8000, "stream": True, "ignore_eos": True}
     response = raw_post(url, "/v1/completions", long)
     response.readline()

@@ -1229,37 +1229,34 @@ def verdicts(
         if ours not in summary:
             continue
         for n, share in LLAMA_SERVER_THROUGHPUT_SHARE.items():
-            value, peer = _cell(summary, ours, n, "tok_s"), _cell(summary, LLAMA_SERVER, n, "tok_s")
-            r = ratio(value, peer)
             out.append(
-                {
-                    "target": ours,
-                    "goal": f"tokens/s >= {share:g}x llama-server's at {streams(n)}",
-                    "met": None if r is None else r >= share,
-                    "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
-                }
+                _throughput_verdict(
+                    ours,
+                    f"llama-server's at {streams(n)}",
+                    _cell(summary, ours, n, "tok_s"),
+                    _cell(summary, LLAMA_SERVER, n, "tok_s"),
+                    share,
+                )
             )
         n = MACHINE_LIMIT_AT
-        value, peer = _cell(summary, ours, n, "tok_s"), (limit or {}).get("separate", {}).get(str(n))
-        r = ratio(value, peer)
         out.append(
-            {
-                "target": ours,
-                "goal": f"tokens/s >= {MACHINE_LIMIT_SHARE:g}x llama-batched-bench's decode at {streams(n)}",
-                "met": None if r is None else r >= MACHINE_LIMIT_SHARE,
-                "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
-            }
+            _throughput_verdict(
+                ours,
+                f"llama-batched-bench's decode at {streams(n)}",
+                _cell(summary, ours, n, "tok_s"),
+                (limit or {}).get("separate", {}).get(str(n)),
+                MACHINE_LIMIT_SHARE,
+            )
         )
         n = LLAMA_CPP_PYTHON_AT
-        value, peer = _cell(summary, ours, n, "tok_s"), _cell(summary, LLAMA_CPP_PYTHON, n, "tok_s")
-        r = ratio(value, peer)
         out.append(
-            {
-                "target": ours,
-                "goal": f"tokens/s >= {LLAMA_CPP_PYTHON_FACTOR:g}x llama_cpp.server's at {n} streams",
-                "met": None if r is None else r >= LLAMA_CPP_PYTHON_FACTOR,
-                "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
-            }
+            _throughput_verdict(
+                ours,
+                f"llama_cpp.server's at {n} streams",
+                _cell(summary, ours, n, "tok_s"),
+                _cell(summary, LLAMA_CPP_PYTHON, n, "tok_s"),
+                LLAMA_CPP_PYTHON_FACTOR,
+            )
         )
         value, peer = _cell(summary, ours, TTFT_AT, "ttft_p50_ms"), _cell(summary, LLAMA_SERVER, TTFT_AT, "ttft_p50_ms")
         difference = None if value is None or peer is None else value - peer
@@ -1273,17 +1270,29 @@ def verdicts(
         )
     if HTTP in summary:
         for n in HTTP_THROUGHPUT_AT:
-            value, peer = _cell(summary, HTTP, n, "tok_s"), _cell(summary, GRPCIO, n, "tok_s")
-            r = ratio(value, peer)
             out.append(
-                {
-                    "target": HTTP,
-                    "goal": f"tokens/s >= {HTTP_THROUGHPUT_SHARE:g}x gRPC's (grpcio) at {n} streams",
-                    "met": None if r is None else r >= HTTP_THROUGHPUT_SHARE,
-                    "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
-                }
+                _throughput_verdict(
+                    HTTP,
+                    f"gRPC's (grpcio) at {n} streams",
+                    _cell(summary, HTTP, n, "tok_s"),
+                    _cell(summary, GRPCIO, n, "tok_s"),
+                    HTTP_THROUGHPUT_SHARE,
+                )
             )
     return out
+
+
+def _throughput_verdict(
+    target: str, peer_name: str, value: float | None, peer: float | None, share: float
+) -> dict[str, Any]:
+    """A goal of `share` times a peer's tokens/s: met (True/False), or None when a figure is missing."""
+    r = ratio(value, peer)
+    return {
+        "target": target,
+        "goal": f"tokens/s >= {share:g}x {peer_name}",
+        "met": None if r is None else r >= share,
+        "figures": f"{fmt(value, 1)} vs {fmt(peer, 1)} tok/s = {fmt(r, 2)}x",
+    }
 
 
 # ---------------------------------------------------------------- report

@@ -101,3 +101,78 @@ def test_the_cache_is_bounded(compiler):
 
     compiled = asyncio.run(run())
     assert len(compiled._outcomes) == 4 and compiler.runs.count("g0") == 2 and compiler.runs.count("g9") == 1
+
+
+# ---------------------------------------------------------------- the engine's matchers (GuideMatchers)
+
+
+class SlowMatcher(SlowCompiler):
+    """guides.matcher's stand-in: a compiled matcher is the grammar's name in a list (deep_copy copies it)."""
+
+    def __call__(self, grammar: str, tokenizer, limits):  # type: ignore[override]
+        super().__call__("grammar", grammar, tokenizer, limits)
+        return FakeMatcher(grammar)
+
+
+class FakeMatcher:
+    def __init__(self, grammar: str) -> None:
+        self.grammar = grammar
+
+    def deep_copy(self) -> FakeMatcher:
+        return FakeMatcher(self.grammar)
+
+
+@pytest.fixture
+def matcher_compiler(monkeypatch) -> SlowMatcher:
+    slow = SlowMatcher(0.05)
+    monkeypatch.setattr(guides, "matcher", slow)
+    return slow
+
+
+def test_the_engine_compiles_a_repeated_guide_once(matcher_compiler):
+    matchers = guides.GuideMatchers(object(), LIMITS)
+    waits = [matchers.join("g") for _ in range(5)]
+    assert all(w is waits[0] for w in waits), "concurrent requests share one compile"
+    assert waits[0].result(5).grammar == "g"
+    for wait in waits:
+        matchers.leave("g", wait)
+    again = matchers.join("g")
+    assert again.done() and again.result().grammar == "g"
+    matchers.leave("g", again)
+    assert matcher_compiler.runs == ["g"]
+    matchers.close()
+
+
+def test_the_engine_drops_the_compiles_of_requests_that_left_and_keeps_the_one_running(matcher_compiler):
+    matcher_compiler.seconds = 0.3
+    matchers = guides.GuideMatchers(object(), LIMITS, threads=1)
+    running = matchers.join("first")
+    time.sleep(0.05)
+    queued = [(f"q{i}", matchers.join(f"q{i}")) for i in range(5)]
+    shared = matchers.join("first")  # a second request with the running guide
+    for grammar, wait in queued:
+        matchers.leave(grammar, wait)  # their requests were cancelled
+    matchers.leave("first", running)  # the first request left; the second still waits
+    assert shared.result(5).grammar == "first"
+    matchers.leave("first", shared)
+    time.sleep(0.35)
+    assert matcher_compiler.runs == ["first"], "the compiles of requests that left never started"
+    kept = matchers.join("first")
+    assert kept.done(), "the running compile's matcher is kept for the next request"
+    matchers.close()
+
+
+def test_a_compile_whose_requests_all_left_while_it_ran_is_kept_and_nothing_leaks(matcher_compiler):
+    matcher_compiler.seconds = 0.1
+    matchers = guides.GuideMatchers(object(), LIMITS, threads=1, entries=2)
+    for i in range(4):
+        wait = matchers.join(f"g{i}")
+        time.sleep(0.02)
+        matchers.leave(f"g{i}", wait)  # left while it ran
+        wait.result(5)
+    other = matchers.join("other")
+    other.result(5)
+    matchers.leave("other", other)
+    assert not matchers._waiting and not matchers._running and not matchers._orphans
+    assert len(matchers._compiled) == 2, "the cache is bounded"
+    matchers.close()

@@ -231,3 +231,74 @@ def _outcome(kind: str, grammar: str, tokenizer, limits: Limits) -> str:
     except GuideError as exc:
         return str(exc)
     return ""
+
+
+CACHED_MATCHERS = 64  # compiled matchers an engine keeps (each holds its grammar's lexer: up to a few MB)
+
+
+class GuideMatchers:
+    """The engine's compiled matchers, by grammar: a repeated guide compiles once, and requests with the same
+    guide wait for one compile, in a bounded pool of its own off the step loop. The matcher a caller gets is
+    shared: each output samples with a `deep_copy()` of it. When every request waiting for a compile has left (`leave`),
+    a compile not started yet is dropped; one already running ends within llguidance's limits, its matcher kept."""
+
+    def __init__(self, tokenizer, limits: Limits, threads: int = 1, entries: int = CACHED_MATCHERS) -> None:
+        self.tokenizer, self.limits, self.entries = tokenizer, limits, entries
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="guide-compile")
+        self._compiled: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._running: dict[str, concurrent.futures.Future] = {}
+        self._waiting: collections.Counter[str] = collections.Counter()
+        self._orphans: list[str] = []  # running compiles no one waits for any more
+
+    def join(self, grammar: str) -> concurrent.futures.Future:
+        """The compile of `grammar` (done at once when it is kept); the caller waits for it until `leave`."""
+        self._settle_orphans()
+        compiled = self._compiled.get(grammar)
+        if compiled is not None:
+            self._compiled.move_to_end(grammar)
+            return compiled
+        running = self._running.get(grammar)
+        if running is None:
+            running = self._running[grammar] = self._pool.submit(matcher, grammar, self.tokenizer, self.limits)
+        self._waiting[grammar] += 1
+        return running
+
+    def leave(self, grammar: str, compile: concurrent.futures.Future) -> None:
+        """A caller of `join` stops waiting: its compile ended (kept when it succeeded) or its request left."""
+        self._settle_orphans()
+        if self._running.get(grammar) is not compile:
+            return  # a kept matcher, or a compile another caller settled
+        if compile.done():
+            self._settle(grammar)
+            return
+        self._waiting[grammar] -= 1
+        if self._waiting[grammar]:
+            return
+        del self._waiting[grammar]
+        if compile.cancel():
+            del self._running[grammar]
+        else:
+            self._orphans.append(grammar)  # running: kept once it ends, for the next request with this guide
+
+    def _settle(self, grammar: str) -> None:
+        compile = self._running.pop(grammar)
+        self._waiting.pop(grammar, None)
+        if not compile.cancelled() and compile.exception() is None:
+            self._compiled[grammar] = compile
+            while len(self._compiled) > self.entries:
+                self._compiled.popitem(last=False)
+
+    def _settle_orphans(self) -> None:
+        if not self._orphans:
+            return
+        still = []
+        for grammar in self._orphans:
+            compile = self._running.get(grammar)
+            if compile is not None and compile.done() and not self._waiting[grammar]:
+                self._settle(grammar)
+            elif compile is not None and not compile.done():
+                still.append(grammar)
+        self._orphans = still
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

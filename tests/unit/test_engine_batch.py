@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
@@ -117,6 +119,42 @@ def test_a_paused_request_gets_no_token_keeps_its_slot_and_resumes_where_it_stop
     expected = [e.tokens[0].token_id for number in (1, 2) for e in step(reference, number).events][2:]
     assert [e.tokens[0].token_id for e in fourth.events if e.request_id == "paused"] == expected
     assert batch.paused_tokens == 0
+
+
+def test_a_request_paused_past_the_grace_gives_its_slots_to_a_waiting_one_until_resumed(token_fields):
+    batch = make_batch(token_fields, max_batch=2)
+    batch.paused_slot_grace_s = 0.2
+    batch.enqueue(add("paused", sequences=2))
+    step(batch, 1)
+    pause(batch, "paused")
+    batch.enqueue(add("waiting"))
+    assert not step(batch, 2).events and batch.queued_request_ids == ["waiting"], "within the grace it keeps them"
+    time.sleep(0.2)
+    third = step(batch, 3)
+    assert [e.request_id for e in third.events] == ["waiting"] and third.running == 1
+    assert batch.running_request_ids == ["waiting"] and batch.paused_tokens == 0
+    pause(batch, "paused", resume=True)
+    batch.cancel(cluster_pb2.CancelRequest(request_id="waiting"), [])
+    fourth = step(batch, 4)
+    reference = make_batch(token_fields)
+    reference.enqueue(add("paused", sequences=2))
+    expected = [e.tokens[0].token_id for number in (1, 2) for e in step(reference, number).events][2:]
+    assert [e.tokens[0].token_id for e in fourth.events] == expected, "it went on where it stopped"
+
+
+def test_a_parked_request_can_be_cancelled(token_fields):
+    batch = make_batch(token_fields, max_batch=1)
+    batch.paused_slot_grace_s = 0
+    batch.enqueue(add("paused"))
+    step(batch, 1)
+    pause(batch, "paused")
+    batch.enqueue(add("waiting"))
+    step(batch, 2)
+    events: list[bytes] = []
+    batch.cancel(cluster_pb2.CancelRequest(request_id="paused"), events)
+    (cancelled,) = cluster_pb2.EngineStep.FromString(b"".join(events)).events
+    assert (cancelled.request_id, cancelled.finish) == ("paused", cluster_pb2.ENGINE_FINISH_CANCELLED)
+    assert (batch.running_sequences, batch.queued_sequences) == (1, 0) and not batch._parked
 
 
 def test_all_paused_is_idle_and_a_paused_request_can_be_cancelled(token_fields):

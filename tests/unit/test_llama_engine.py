@@ -10,11 +10,13 @@ batch invariance).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2 as C
 from openengine_serve.engine.config import WorkerConfig
-from openengine_serve.engine.llamacpp.engine import LlamaEngine
+from openengine_serve.engine.llamacpp.engine import PROMPT_LOGPROB_ROWS_PER_STEP, LlamaEngine
 from openengine_serve.engine.model_card import default_model_path
 
 from ..greedy_reference import end_of_generation_ids, first_beyond_near_tie, llama_reference, reference_model
@@ -207,6 +209,45 @@ def test_a_paused_request_gets_no_tokens_until_resumed(alone):
     assert outputs[("paused", 0)]["ids"] == alone["short"][1:], "it went on where it stopped"
 
 
+def test_a_request_paused_past_the_grace_gives_its_slot_to_a_waiting_one_and_resumes_from_the_cache(alone):
+    llama = cached_engine(max_batch=1)
+    llama.paused_slot_grace_s = 0.3
+    outputs: dict = {}
+    llama.enqueue(add("paused", max_tokens=40))
+    for _ in range(20):
+        record(outputs, step(llama))
+    llama.pause(C.PauseRequest(request_id="paused"))
+    llama.enqueue(add("waiting", max_tokens=8))
+    for _ in range(3):
+        assert not step(llama), "within the grace the paused request keeps its slot"
+    time.sleep(0.3)
+    run(llama, outputs)
+    assert outputs[("waiting", 0)]["ids"] == alone["short"][:8], "the waiting request ran in its slot"
+    assert len(outputs[("paused", 0)]["ids"]) == 20 and llama.running_sequences == 0, "the paused one left the batch"
+    llama.pause(C.PauseRequest(request_id="paused", resume=True))
+    read = 0
+    while not llama.idle:
+        record(outputs, step(llama))
+        read += llama.prefilled_tokens
+    assert outputs[("paused", 0)]["ids"] == alone["short"], "it went on where it stopped"
+    assert read == 0, "its prompt and output so far came back from the prefix cache"
+
+
+def test_a_parked_request_can_be_cancelled():
+    llama = engine(max_batch=1)
+    llama.paused_slot_grace_s = 0
+    llama.enqueue(add("paused", max_tokens=40))
+    step(llama)
+    llama.pause(C.PauseRequest(request_id="paused"))
+    llama.enqueue(add("waiting", max_tokens=2))
+    run(llama)
+    events: list[bytes] = []
+    llama.cancel(C.CancelRequest(request_id="paused"), events)
+    (event,) = C.EngineStep.FromString(b"".join(events)).events
+    assert event.request_id == "paused" and event.finish == C.ENGINE_FINISH_CANCELLED
+    assert not llama._parked and llama.idle and llama.load().queued == 0
+
+
 def test_priority_orders_admission_when_the_batch_is_full():
     llama = engine(max_batch=1)
     llama.enqueue(add("running", max_tokens=3))
@@ -226,6 +267,24 @@ def test_prompt_logprobs_cover_the_prompt_from_its_start_index():
     records = first.prompt_tokens
     assert [r.token_id for r in records] == PROMPT[2:]
     assert all(r.has_logprob and r.rank >= 1 and len(r.candidates) == 2 for r in records)
+
+
+def test_a_long_prompts_logprob_rows_are_spread_over_steps_while_a_stream_runs():
+    llama = engine(prefill_chunk=256)
+    llama.enqueue(add("stream", max_tokens=60))
+    step(llama)
+    prompt = list(range(1000, 1200))
+    llama.enqueue(add("rows", prompt, max_tokens=1, prompt_logprobs=True, prompt_candidates=C.Candidates(top_n=20)))
+    rows_per_step, stream_tokens, records = [], 0, None
+    while records is None:
+        events = step(llama)
+        rows_per_step.append(int(llama._batch.logits[: llama._batch.size].sum()))
+        stream_tokens += sum(len(e.tokens) for e in events if e.request_id == "stream")
+        records = next((e.prompt_tokens for e in events if e.request_id == "rows" and e.tokens), None)
+    assert [r.token_id for r in records] == prompt, "every prompt row is read, in order"
+    budget = PROMPT_LOGPROB_ROWS_PER_STEP + 1  # and the running stream's row
+    assert max(rows_per_step) <= budget, f"rows per step {rows_per_step}: at most {budget}"
+    assert stream_tokens == len(rows_per_step), "the stream got a token every step meanwhile"
 
 
 def run_events(llama: LlamaEngine) -> list[C.OutputEvent]:

@@ -8,6 +8,8 @@ of several owners are running or waiting, an owner's share is `max_batch / owner
   its share is admitted first; only when none does, the head of the queue (the batch is never left idle).
 - When the batch is full and such a request waits, the request admitted last by an owner above its share
   goes back to the queue (preempted: it resumes later where it stopped), as long as that owner keeps its share.
+- Before that, when the batch is full and any request waits, a request paused longer than PAUSED_SLOT_GRACE_S
+  (its client reads nothing) leaves the batch until resumed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
+
+# A request paused this long (its client reads nothing) gives its batch slot to a waiting request; resumed, it
+# rejoins the queue in its place.
+PAUSED_SLOT_GRACE_S = 2.0
 
 
 def share(max_batch: int, owners: int) -> int:

@@ -8,7 +8,8 @@ Python's work per step and per sequence rather than per token of a prompt:
 - Each step is one decode batch: one token for every running output, then
   chunks of the admitted prompts up to `prefill_chunk` tokens (chunked
   prefill: running streams keep getting a token every step while a long
-  prompt is read). Logits are computed only where a token is sampled, or, when
+  prompt is read; a prompt read for its logprobs gets at most
+  PROMPT_LOGPROB_ROWS_PER_STEP rows a step). Logits are computed only where a token is sampled, or, when
   prompt logprobs were asked, for the prompt's tokens.
 - A request with several outputs reads its prompt once: when the prompt is in,
   the other outputs share its KV cells and each samples its first token from
@@ -22,13 +23,20 @@ Python's work per step and per sequence rather than per token of a prompt:
   read its prompt and its output so far again (vLLM's recompute preemption);
   nothing it already streamed is sent again.
 - A finished, cancelled or failed output frees its sequence's KV cells at once;
-  a paused request keeps them and gets no tokens until resumed.
+  a paused request (its client reads nothing) keeps them and gets no tokens
+  until resumed. Paused past `PAUSED_SLOT_GRACE_S` while another request waits
+  for room in the batch, it is parked: it leaves the batch (a one-output
+  request's cells go to the prefix cache, kept while the KV budget allows) and
+  rejoins the queue in its place when resumed, reading again only what the
+  cache no longer holds.
 - Prefix cache (prefix_cache.py): an ended request's KV cells are kept, least
   recently used first within `prefix_cache_tokens`; a new prompt starting with
   the same tokens (under the same `cache_salt`) shares them and reads only the
   rest of its prompt.
 - Guided decoding (llguidance): a request's guide is compiled off the step
-  loop, in a thread (the request waits queued meanwhile); each step its outputs'
+  loop, in a thread, once per grammar (common/guides.py GuideMatchers: kept
+  by content; the request waits queued meanwhile, and a compile whose requests
+  all left is dropped before it starts); each step its outputs'
   logits are masked to what the grammar allows, at most
   `max_guided_sequences` guided outputs at once.
 """
@@ -38,7 +46,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -53,7 +62,7 @@ from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
 )
 from openengine_serve.common import guides
 from openengine_serve.engine.config import WorkerConfig
-from openengine_serve.engine.fair_share import FairQueue
+from openengine_serve.engine.fair_share import PAUSED_SLOT_GRACE_S, FairQueue
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
 from openengine_serve.engine.llamacpp.prefix_cache import PrefixCache
 from openengine_serve.engine.llamacpp.runtime import LlamaError, LlamaModel, TokenBatch
@@ -63,6 +72,9 @@ logger = logging.getLogger("openengine_serve.engine")
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 MAX_CACHED_PREFIXES = 64  # sequences the prefix cache may hold (within LLAMA_MAX_SEQ with the running ones)
+# Prompt logprob rows read per step, all requests together: each costs the step about 0.6 ms of Python and numpy
+# (SmolLM2's 49k vocabulary), so a long prompt's rows take many steps rather than stall one for every stream.
+PROMPT_LOGPROB_ROWS_PER_STEP = 32
 
 
 class _Output:
@@ -91,12 +103,14 @@ class _Request:
         "outputs",
         "order",
         "paused",
+        "paused_at",
         "forked",
         "prompt_cells",
         "prompt_records",
         "prompt_records_sent",
         "guide",
         "cached_prompt_tokens",
+        "shared_cells",
         "cache_reported",
         "cache_entry",
     )
@@ -114,12 +128,14 @@ class _Request:
         }
         self.order = order  # (-priority, arrival): the queue's order, kept when preempted
         self.paused = False
+        self.paused_at = 0.0  # time.monotonic() when paused
         self.forked = False  # the outputs beyond the first have taken the prompt's KV cells
         self.prompt_cells = 0  # KV cells of the prompt shared by the forked outputs
         self.prompt_records: list[cluster_pb2.TokenRecord] | None = [] if request.prompt_logprobs else None
         self.prompt_records_sent = False
         self.guide: Future | None = None  # the guide's compilation, while it runs
-        self.cached_prompt_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.cached_prompt_tokens = 0  # prompt tokens whose KV came from the prefix cache (when first admitted)
+        self.shared_cells = 0  # cells its leader shares with the prefix cache entry `cache_entry`
         self.cache_reported = False  # the first event told the frontend how many
         self.cache_entry = -1  # the prefix cache entry (sequence id) whose cells it shares
 
@@ -136,10 +152,10 @@ class _Request:
         """Before the fork, the output that reads the prompt."""
         return self.outputs[min(self.outputs)]
 
-    def reusable_prompt_tokens(self) -> int:
-        """Prompt tokens the prefix cache may supply: those before the first whose logits are needed (the
-        last one's for the output, and, while prompt logprobs are owed, the rows they are read from)."""
-        reusable = len(self.prompt) - 1
+    def reusable_tokens(self) -> int:
+        """Tokens the prefix cache may supply: those before the first whose logits are needed (the last one's for
+        the next token, and, while prompt logprobs are owed, the rows they are read from)."""
+        reusable = (len(self.leader.tokens) if self.forked else len(self.prompt)) - 1
         if self.prompt_records is not None and not self.prompt_records_sent:
             reusable = min(reusable, max(self.request.prompt_logprob_start, 1) - 1)
         return reusable
@@ -198,8 +214,9 @@ class LlamaEngine(Engine):
         self.prefix_cache = PrefixCache(self.model, config.prefix_cache_tokens, cached_prefixes)
         self.max_guided_sequences = config.max_guided_sequences
         self.guided_sequences = 0
-        self._guide_tokenizer = self.model.guide_tokenizer() if config.max_guided_sequences else None
-        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guide-compile")
+        self._matchers = (
+            guides.GuideMatchers(self.model.guide_tokenizer(), guides.Limits()) if config.max_guided_sequences else None
+        )
         self._compiling: list[_Request] = []  # their guide compiles; they join the queue once it has
         self._guide_mask = np.zeros((self.model.vocab_size + 31) // 32, np.int32)
         self.prefilled_tokens = 0  # in the last step
@@ -207,6 +224,8 @@ class LlamaEngine(Engine):
         self._queue: list[tuple[tuple[int, int], _Request]] = []  # heap; cancelled entries stay until popped
         self._queued: dict[str, _Request] = {}
         self._running: dict[str, _Request] = {}  # admitted, in admission order
+        self._parked: dict[str, _Request] = {}  # paused and out of the batch until resumed
+        self.paused_slot_grace_s = PAUSED_SLOT_GRACE_S
         self._arrivals = itertools.count()
         self._fair = FairQueue(
             self.max_batch,
@@ -231,7 +250,8 @@ class LlamaEngine(Engine):
             request, (-request.priority, next(self._arrivals)), self.model.vocab_size, self.model.end_of_generation
         )
         if state.guided:  # compiled off the step loop: a slow grammar delays only its own request
-            state.guide = self._compiler.submit(guides.matcher, request.guide, self._guide_tokenizer, guides.Limits())
+            assert self._matchers is not None  # the node refuses guides when max_guided_sequences is 0
+            state.guide = self._matchers.join(request.guide)
             self._compiling.append(state)
             self._queued[state.request_id] = state
             self.queued_sequences += len(state.outputs)
@@ -241,7 +261,7 @@ class LlamaEngine(Engine):
 
     def cancel(self, cancel: cluster_pb2.CancelRequest, events: list[bytes]) -> None:
         request_id = cancel.request_id
-        state = self._running.get(request_id) or self._queued.get(request_id)
+        state = self._running.get(request_id) or self._queued.get(request_id) or self._parked.get(request_id)
         if state is None:
             return
         indices = [cancel.output_index] if cancel.HasField("output_index") else sorted(state.outputs)
@@ -250,9 +270,16 @@ class LlamaEngine(Engine):
                 self._finish(state, state.outputs[index], ENGINE_FINISH_CANCELLED, events)
 
     def pause(self, pause: cluster_pb2.PauseRequest) -> None:
-        state = self._running.get(pause.request_id)
+        request_id = pause.request_id
+        parked = self._parked.pop(request_id, None) if pause.resume else None
+        if parked is not None:
+            parked.paused = False
+            self._push(parked)
+            return
+        state = self._running.get(request_id)
         if state is not None:
             state.paused = not pause.resume
+            state.paused_at = time.monotonic()
 
     def step(self, events: list[bytes]) -> bool:
         self.prefilled_tokens = self.cached_prompt_tokens = 0
@@ -296,8 +323,9 @@ class LlamaEngine(Engine):
         )
 
     def close(self) -> None:
-        self._compiler.shutdown(wait=False, cancel_futures=True)
-        for state in list(self._running.values()) + list(self._queued.values()):
+        if self._matchers is not None:
+            self._matchers.close()
+        for state in [*self._running.values(), *self._queued.values(), *self._parked.values()]:
             state.close()
         self.model.close()
 
@@ -322,6 +350,12 @@ class LlamaEngine(Engine):
             state = item[1]
             sequences = len(state.outputs)
             while self._running and self.running_sequences + sequences > self.max_batch:
+                idle = self._paused_past_grace()
+                if idle is not None:
+                    self._park(idle)
+                    running[idle.request.owner] -= len(idle.outputs)
+                    held = self._held_cells()
+                    continue
                 owners = len(set(running) | {s.request.owner for s in self._queued.values()})
                 victim = self._fair.victim(state, list(self._running.values()), running, owners)
                 if victim is None:
@@ -334,8 +368,10 @@ class LlamaEngine(Engine):
                 heapq.heappush(queue, item)
                 return
             entry, reused = None, 0
-            if not state.forked and not state.request.bypass_prefix_cache:
-                entry, reused = self.prefix_cache.lookup(state.salt, state.prompt, state.reusable_prompt_tokens())
+            if not state.request.bypass_prefix_cache and (not state.forked or len(state.outputs) == 1):
+                # a preempted or parked one-output request may find its own cells, output included
+                tokens = state.leader.tokens if state.forked else state.prompt
+                entry, reused = self.prefix_cache.lookup(state.salt, tokens, state.reusable_tokens())
             # Room for what it reads first, next to one more cell per running output; the prefix cache gives up
             # its least recently used entries first (not the one this request shares).
             needed = max(len(o.tokens) for o in state.outputs.values()) - reused
@@ -368,14 +404,16 @@ class LlamaEngine(Engine):
         leader = state.leader
         self.model.share_prefix(entry_seq_id, leader.seq_id, length)
         leader.cached = length
-        state.cached_prompt_tokens = length
+        state.shared_cells = length
         state.cache_entry = entry_seq_id
-        self.cached_prompt_tokens += length
+        if not state.forked:  # not its own cells, kept when it was preempted or parked
+            state.cached_prompt_tokens = length
+            self.cached_prompt_tokens += length
 
     def _held_cells(self) -> int:
         """KV cells in use: the admitted requests' and the prefix cache's, the cells they share counted once."""
         shared = sum(
-            state.cached_prompt_tokens
+            state.shared_cells
             for state in self._running.values()
             if state.cache_entry >= 0 and self.prefix_cache.holds(state.cache_entry)
         )
@@ -390,20 +428,23 @@ class LlamaEngine(Engine):
     def _take_compiled(self, events: list[bytes]) -> None:
         """Requests whose guide compiled join the queue (each output gets its own matcher); a failed one ends."""
         still = []
+        assert self._matchers is not None  # guided requests come only with matchers
         for state in self._compiling:
-            if state.request_id not in self._queued:  # cancelled meanwhile
-                continue
             assert state.guide is not None  # set while the guide compiles
+            if state.request_id not in self._queued:  # cancelled meanwhile: its compile ends unless another waits
+                self._matchers.leave(state.request.guide, state.guide)
+                continue
             if not state.guide.done():
                 still.append(state)
                 continue
+            self._matchers.leave(state.request.guide, state.guide)
             try:
                 compiled = state.guide.result()
             except guides.GuideError as exc:
                 self._fail(state, str(exc), events, retryable=False)
                 continue
-            for number, output in enumerate(state.outputs.values()):
-                output.sampler.guide = compiled if number == 0 else compiled.deep_copy()
+            for output in state.outputs.values():
+                output.sampler.guide = compiled.deep_copy()
             state.guide = None
             del self._queued[state.request_id]
             self.queued_sequences -= len(state.outputs)
@@ -441,22 +482,48 @@ class LlamaEngine(Engine):
     def _is_queued(self, state: _Request) -> bool:
         return self._queued.get(state.request_id) is state  # else cancelled while queued
 
+    def _paused_past_grace(self) -> _Request | None:
+        """The running request paused longest, if that is longer than the grace."""
+        now = time.monotonic()
+        paused = [s for s in self._running.values() if s.paused and now - s.paused_at >= self.paused_slot_grace_s]
+        return min(paused, key=lambda s: s.paused_at) if paused else None
+
+    def _park(self, state: _Request) -> None:
+        """A paused request leaves the batch until resumed (then it is queued in its place)."""
+        self._leave_batch(state)
+        self._parked[state.request_id] = state
+        logger.info("parked request_id=%s (paused, its batch slot needed)", state.request_id)
+
     def _requeue(self, state: _Request) -> None:
-        """A running request goes back to the queue in its place, its KV freed: admitted again, it reads its prompt
-        and its output so far again; nothing it already streamed is sent again."""
+        """A running request goes back to the queue in its place: admitted again, it reads its prompt and its output
+        so far again, but for what the prefix cache kept of a one-output request; nothing it already streamed is
+        sent again."""
+        self._leave_batch(state)
+        if state.paused:
+            self._parked[state.request_id] = state  # queued once its client reads again
+        else:
+            self._push(state)
+
+    def _leave_batch(self, state: _Request) -> None:
+        """A running request leaves the batch: a one-output request's cells go to the prefix cache, others' are
+        freed."""
         del self._running[state.request_id]
+        keep = len(state.outputs) == 1 and not state.request.bypass_prefix_cache
         for output in state.outputs.values():
+            if keep and output.cached:
+                self._keep_prefix(state, output)
             self._release_sequence(output)
             output.cached = 0
             output.shares_prompt = False
         state.prompt_cells = 0
+        state.cache_entry = -1
+        state.shared_cells = 0
         state.forked = True  # each output reads its own tokens again
         if state.guided:
             self.guided_sequences -= len(state.outputs)
         if not state.prompt_records_sent and state.prompt_records is not None:
             state.prompt_records = []
         self.running_sequences -= len(state.outputs)
-        self._push(state)
 
     def _keep_prefix(self, state: _Request, output: _Output) -> None:
         """The ended output's KV cells go to the prefix cache (the sequence is the cache's now)."""
@@ -498,13 +565,19 @@ class LlamaEngine(Engine):
                 else:
                     reading.append((state, output))
         budget = self.prefill_chunk
+        rows = PROMPT_LOGPROB_ROWS_PER_STEP
         for state, output in reading:
             if budget <= 0:
                 break
             pending = len(output.tokens) - output.cached
             count = min(pending, budget)
-            samples = count == pending
             logits_from = self._prompt_logits_from(state, output.cached, count)
+            if logits_from is not None:  # the run stops where the step's prompt logprob rows run out
+                count = min(count, logits_from + rows)
+                if not count:
+                    continue
+                rows -= count - logits_from
+            samples = count == pending
             if logits_from is None and samples:
                 logits_from = count - 1
             first = batch.add(
@@ -644,6 +717,7 @@ class LlamaEngine(Engine):
         del state.outputs[output.index]
         output.sampler.close()
         admitted = state.request_id in self._running
+        parked = state.request_id in self._parked
         if admitted:
             if state.guided:
                 self.guided_sequences -= 1
@@ -651,11 +725,13 @@ class LlamaEngine(Engine):
                 self._keep_prefix(state, output)
             self._release_sequence(output)
             self.running_sequences -= 1
-        else:
+        elif not parked:
             self.queued_sequences -= 1
             self.waiting_tokens -= len(state.prompt)
         if not state.outputs:
             if admitted:
                 del self._running[state.request_id]
+            elif parked:
+                del self._parked[state.request_id]
             else:
                 del self._queued[state.request_id]

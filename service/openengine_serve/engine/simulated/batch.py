@@ -6,7 +6,8 @@ batching arithmetic is tested on its own. `running` and `queued` count
 sequences (outputs), the unit `max_batch` limits; requests are admitted whole,
 by priority (higher first), then each API key's fair share of the batch (engine/fair_share.py), then FIFO; a
 request of a key above its share may be preempted for one within its share. A paused request (its client takes no
-output) keeps its slot but gets no token until it is resumed: the steps skip it.
+output) keeps its slot but gets no token until it is resumed: the steps skip it. Paused past PAUSED_SLOT_GRACE_S while
+a request waits for room, it is parked (out of the batch); resumed, it rejoins the queue in its place.
 
 EngineStep messages are assembled from pre-encoded pieces: building a protobuf
 object per token costs several microseconds, which at hundreds of running
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
@@ -29,7 +31,7 @@ from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
 from openengine_serve.common.vocab import VOCAB_SIZE
 from openengine_serve.common.wire.protobuf import field_tag, length_delimited, varint
 from openengine_serve.engine.config import WorkerConfig
-from openengine_serve.engine.fair_share import FairQueue
+from openengine_serve.engine.fair_share import PAUSED_SLOT_GRACE_S, FairQueue
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
 from openengine_serve.engine.simulated import model
 
@@ -48,11 +50,12 @@ class _RunningRequest:
     """A request in the batch with the encoded fields around the token of each output's events:
     request_id and output_index (fields 1, 2) before it, lane (field 9) after it."""
 
-    __slots__ = ("state", "event_heads", "event_tail", "held_tokens")
+    __slots__ = ("state", "event_heads", "event_tail", "held_tokens", "paused_at")
 
     def __init__(self, state: model.RequestState) -> None:
         self.state = state
         self.held_tokens = 0  # while paused: its tokens in the batch (they do not change until it resumes)
+        self.paused_at = 0.0  # time.monotonic() when paused
         self.event_heads = {
             index: cluster_pb2.OutputEvent(request_id=state.request_id, output_index=index).SerializeToString()
             for index in state.outputs
@@ -77,6 +80,8 @@ class Batch:
         self._running: dict[str, _RunningRequest] = {}
         self._paused: dict[str, _RunningRequest] = {}  # admitted, holding their slots, skipped by the steps
         self.paused_tokens = 0  # the running tokens of the paused requests
+        self._parked: dict[str, model.RequestState] = {}  # paused and out of the batch until resumed
+        self.paused_slot_grace_s = PAUSED_SLOT_GRACE_S
         self.running_sequences = 0  # paused ones included
         self._fair = FairQueue(
             max_batch,
@@ -120,6 +125,9 @@ class Batch:
         """Pauses or resumes an admitted request; a queued, unknown or finished one is left as it is (a request
         is paused once its client stopped taking output, so it has run)."""
         request_id = pause.request_id
+        if pause.resume and request_id in self._parked:
+            self._queue(self._parked.pop(request_id))
+            return
         if pause.resume:
             running = self._paused.pop(request_id, None)
             if running is not None:
@@ -129,6 +137,7 @@ class Batch:
         running = self._running.pop(request_id, None)
         if running is not None:
             running.held_tokens = _tokens_of(running.state)
+            running.paused_at = time.monotonic()
             self.paused_tokens += running.held_tokens
             self._paused[request_id] = running
 
@@ -136,7 +145,8 @@ class Batch:
         """Finishes the request (or one output) CANCELLED, appending the events; unknown ids are ignored."""
         request_id = cancel.request_id
         running = self._running.get(request_id) or self._paused.get(request_id)
-        state = running.state if running else self._queued.get(request_id)
+        parked = self._parked.get(request_id)
+        state = running.state if running else (self._queued.get(request_id) or parked)
         if state is None:
             return  # already finished, or never arrived
         indices = [cancel.output_index] if cancel.HasField("output_index") else list(state.outputs)
@@ -146,7 +156,7 @@ class Batch:
             events.append(self._event(state, index, ENGINE_FINISH_CANCELLED))
             if running:
                 self.running_sequences -= 1
-            else:
+            elif not parked:
                 self.queued_sequences -= 1
                 self.waiting_tokens -= state.prompt_length
         if running is not None and request_id in self._paused:  # what it holds shrank (to 0 once every output ended)
@@ -157,6 +167,8 @@ class Batch:
             if running:
                 self._running.pop(request_id, None)
                 self._paused.pop(request_id, None)
+            elif parked:
+                del self._parked[request_id]
             else:
                 del self._queued[request_id]
 
@@ -179,6 +191,11 @@ class Batch:
             sequences = len(state.outputs)
             # Whole requests only; one larger than the batch runs alone rather than never.
             while self.running_sequences and self.running_sequences + sequences > self.max_batch:
+                idle = self._paused_past_grace()
+                if idle is not None:
+                    self._park(idle)
+                    running[idle.state.request.owner] -= len(idle.state.outputs)
+                    continue
                 owners = len(set(running) | {s.request.owner for s in self._queued.values()})
                 admitted = [r.state for r in self._running.values()]
                 victim = self._fair.victim(state, admitted, running, owners)
@@ -196,6 +213,19 @@ class Batch:
 
     def _is_queued(self, state: model.RequestState) -> bool:
         return self._queued.get(state.request_id) is state  # else cancelled while queued
+
+    def _paused_past_grace(self) -> _RunningRequest | None:
+        """The request paused longest, if that is longer than the grace."""
+        now = time.monotonic()
+        paused = [r for r in self._paused.values() if now - r.paused_at >= self.paused_slot_grace_s]
+        return min(paused, key=lambda r: r.paused_at) if paused else None
+
+    def _park(self, running: _RunningRequest) -> None:
+        """A paused request leaves the batch until resumed (then it is queued in its place)."""
+        del self._paused[running.state.request_id]
+        self.paused_tokens -= running.held_tokens
+        self.running_sequences -= len(running.state.outputs)
+        self._parked[running.state.request_id] = running.state
 
     def _preempt(self, state: model.RequestState) -> None:
         """Back to the queue in its place; it continues where it stopped when admitted again."""

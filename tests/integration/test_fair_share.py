@@ -1,6 +1,6 @@
 """Fair share of the batch between API keys, on real processes: key A keeps 40 long streams open on a node whose
 batch holds 16 sequences, and key B's streams still start within a few engine steps of when B is alone (median of
-rounds), on both gRPC servers."""
+rounds), on both gRPC servers; a key of weight 3 takes 3/4 of the batch from a key of weight 1."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from openengine_serve.client import Client, Credentials
 from . import processes
 from .conftest import MODEL, SERVERS
 
-KEYS = {"tenant-a": "k-tenant-a-41f", "tenant-b": "k-tenant-b-9d2"}
+KEYS = {"tenant-a": "k-tenant-a-41f", "tenant-b": "k-tenant-b-9d2", "tenant-w": "k-tenant-w-77c"}
+OPTIONS = {"tenant-w": "share_weight=3"}
 MAX_BATCH, STEP_MS = 16, 20
 A_STREAMS, B_STREAMS, ROUNDS = 40, 4, 5
 
@@ -26,7 +27,7 @@ A_STREAMS, B_STREAMS, ROUNDS = 40, 4, 5
 @pytest.fixture(scope="module")
 def fair_cluster(tmp_path_factory):
     keys = tmp_path_factory.mktemp("fair-keys") / "api-keys"
-    keys.write_text("".join(f"user {name} {secret}\n" for name, secret in KEYS.items()))
+    keys.write_text("".join(f"user {name} {secret} {OPTIONS.get(name, '')}\n" for name, secret in KEYS.items()))
     deployment = processes.Deployment()
     try:
         coordinator = deployment.add(processes.coordinator(), 30)
@@ -117,6 +118,41 @@ def test_a_key_with_few_streams_starts_them_as_fast_next_to_a_key_filling_the_ba
         f"key B's TTFT p50 next to key A's {A_STREAMS} streams: {loaded_p50 * 1000:.0f} ms, over {bound * 1000:.0f} "
         f"(alone {alone_p50 * 1000:.0f} ms, batch of {MAX_BATCH}, {STEP_MS} ms steps)"
     )
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_keys_share_of_the_batch_follows_its_weight(fair_cluster, server):
+    """Key B (weight 1) fills the batch; key W (share_weight=3) then opens as many streams and takes its share,
+    12 of the 16 sequences, from B's: exactly 12 of W's streams start, the others wait (with equal weights: 8)."""
+    deployment, coordinator, keys = fair_cluster
+    frontend = deployment.add(
+        processes.frontend(
+            coordinator.target,
+            server,
+            OPENENGINE_API_KEYS_FILE=keys,
+            OPENENGINE_ALLOW_PLAINTEXT_KEYS="1",
+        ),
+        60,
+    )
+    clients = {name: client(frontend.target, name) for name in ("tenant-b", "tenant-w")}
+    calls = []
+    try:
+        started: dict[str, list] = {"tenant-b": [], "tenant-w": []}
+        for name, starting in (("tenant-b", MAX_BATCH), ("tenant-w", MAX_BATCH * 3 // 4)):
+            for _ in range(MAX_BATCH):
+                call = clients[name].inference.Generate(request(8000), timeout=120)
+                calls.append(call)
+                threading.Thread(target=drain, args=(call, started[name]), daemon=True).start()
+            processes.wait_for(lambda: len(started[name]) >= starting, 20, f"{starting} of {name}'s streams starting")  # noqa: B023
+        time.sleep(1.0)  # 50 steps: W's other streams would have started by now if W could hold more
+        assert all(s is True for s in started["tenant-w"]), started["tenant-w"][:1]
+        assert len(started["tenant-w"]) == MAX_BATCH * 3 // 4, f"{len(started['tenant-w'])} of W's streams started"
+    finally:
+        for call in calls:
+            call.cancel()
+        for c in clients.values():
+            c.close()
+        frontend.stop()
 
 
 def drain(call, started: list) -> None:

@@ -36,11 +36,19 @@ def test_parses_plain_and_hashed_secrets_comments_and_blank_lines(tmp_path):
 @pytest.mark.parametrize(
     ("text", "line", "message"),
     [
-        ("user alice\n", 1, "expected `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME]`"),
+        (
+            "user alice\n",
+            1,
+            "expected `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME] [share_weight=N]`",
+        ),
         ("# c\nroot alice k\n", 2, "role must be one of user, admin, got 'root'"),
         ("user a k1\n\nadmin b sha256:abc\n", 3, "a sha256: secret must be 64 hexadecimal digits"),
         ("user a same\nadmin b same\n", 2, "the same secret is already the key 'a'"),
-        ("user a k same\n", 1, "field 4 must be one of max_in_flight=..., max_priority=..., cache_group=..."),
+        (
+            "user a k same\n",
+            1,
+            "field 4 must be one of max_in_flight=..., max_priority=..., cache_group=..., share_weight=...",
+        ),
         ("user a k max_in_flight=0\n", 1, "max_in_flight=N needs N an integer in [1, 2147483647]"),
         ("user a k max_in_flight=-3\n", 1, "max_in_flight=N needs N an integer"),
         ("user a k max_in_flight=２\n", 1, "max_in_flight=N needs N an integer"),
@@ -48,7 +56,9 @@ def test_parses_plain_and_hashed_secrets_comments_and_blank_lines(tmp_path):
         ("user a k max_priority=2147483648\n", 1, "max_priority=N needs N an integer in [0, 2147483647]"),
         ("user a k max_priority=1 max_priority=2\n", 1, "max_priority= is given more than once"),
         ("user a k cache_group=a/b\n", 1, "cache_group= must be 1 to 64 of"),
-        ("user a k max_in_flight=1 max_priority=1 cache_group=g same\n", 1, "found 7"),
+        ("user a k share_weight=0\n", 1, "share_weight=N needs N an integer in [1, 1000]"),
+        ("user a k share_weight=1001\n", 1, "share_weight=N needs N an integer in [1, 1000]"),
+        ("user a k max_in_flight=1 max_priority=1 cache_group=g share_weight=2 same\n", 1, "found 8"),
     ],
 )
 def test_malformed_line_names_file_and_line_never_the_secret(tmp_path, text, line, message):
@@ -63,6 +73,11 @@ def test_malformed_line_names_file_and_line_never_the_secret(tmp_path, text, lin
 def test_an_optional_max_in_flight_per_key(tmp_path):
     path = write(tmp_path / "keys", "user alice k-a max_in_flight=3\nadmin ops k-o  # no limit of its own\n")
     assert [(k.name, k.max_in_flight) for k in auth.parse_keys(path)] == [("alice", 3), ("ops", 0)]
+
+
+def test_share_weight_is_one_unless_the_line_gives_it(tmp_path):
+    path = write(tmp_path / "keys", "user alice k-a share_weight=3\nuser bob k-b\n")
+    assert [(k.name, k.share_weight) for k in auth.parse_keys(path)] == [("alice", 3), ("bob", 1)]
 
 
 def test_priority_is_a_right_of_the_key(tmp_path):

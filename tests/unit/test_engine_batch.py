@@ -267,6 +267,18 @@ def test_a_second_key_gets_its_share_of_a_batch_one_key_filled(token_fields):
     assert not a3[0].first, "a preempted request continues its output"
 
 
+def test_a_keys_share_of_the_batch_follows_its_weight(token_fields):
+    batch = make_batch(token_fields, max_batch=8)
+    for i in range(8):
+        batch.enqueue(add(f"a{i}", owner="a", share_weight=3))
+    step(batch)
+    for i in range(8):
+        batch.enqueue(add(f"b{i}", owner="b"))
+    step(batch, 2)
+    running = batch.running_request_ids
+    assert (sum(r.startswith("a") for r in running), sum(r.startswith("b") for r in running)) == (6, 2), running
+
+
 def test_one_key_alone_and_priority_keep_their_order(token_fields):
     batch = make_batch(token_fields, max_batch=2)
     for i in range(3):

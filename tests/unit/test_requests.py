@@ -105,13 +105,15 @@ async def test_an_accepted_request_is_submitted_then_released(deployment: Deploy
 async def test_the_owner_goes_with_the_reservation(deployment: Deployment):
     """The API key name that starts a request reaches the coordinator (Abort is scoped by it), and scopes the
     internal id: the same id under two keys is two requests."""
-    async with deployment.requests.open(plan("r-owned"), owner="team-a") as accepted:
+    async with deployment.requests.open(plan("r-owned"), owner="team-a", share_weight=3) as accepted:
         assert accepted.owner == "team-a"
         accepted.ended = True
     async with deployment.requests.open(plan("r-anonymous")) as accepted:
         assert accepted.owner == ""
         accepted.ended = True
     await settle()
+    submitted = deployment.node_stubs["n1"].submitted
+    assert [(s.owner, s.share_weight) for s in submitted] == [("team-a", 3), ("", 1)], "the engine's fair share"
     assert [(r.request_id, r.owner) for r in deployment.coordinator_stub.reserved] == [
         ("team-a r-owned", "team-a"),
         ("r-anonymous", ""),

@@ -2,7 +2,8 @@
 
 Admission order is priority, then each owner's share of the batch, then arrival. An owner is the API key that
 started a request (EngineRequest.owner; "" when keys are off, so one owner and today's order). While requests
-of several owners are running or waiting, an owner's share is `max_batch / owners` sequences (rounded up):
+of several owners are running or waiting, an owner's share is `max_batch * weight / total weight` sequences
+(rounded up; EngineRequest.share_weight, the key file's `share_weight=N`, 1 by default: equal shares):
 
 - Among the waiting requests of the highest waiting priority, the first (by arrival) whose owner stays within
   its share is admitted first; only when none does, the head of the queue (the batch is never left idle).
@@ -24,14 +25,15 @@ from typing import Any
 PAUSED_SLOT_GRACE_S = 2.0
 
 
-def share(max_batch: int, owners: int) -> int:
-    """Each owner's share of the batch's sequences."""
-    return -(-max_batch // max(1, owners))
+def share(max_batch: int, weight: int, total_weight: int) -> int:
+    """An owner's share of the batch's sequences."""
+    return -(-max_batch * weight // max(1, total_weight))
 
 
 class FairQueue:
     """Fair picks over an engine's queue heap. `state_of(entry)`: a heap entry's request; `priority_of(entry)`:
-    its priority key (lower first); `owner_of(state)`, `sequences_of(state)`: its owner and open sequences."""
+    its priority key (lower first); `owner_of(state)`, `sequences_of(state)`, `weight_of(state)`: its owner, open
+    sequences and its owner's weight."""
 
     def __init__(
         self,
@@ -40,10 +42,11 @@ class FairQueue:
         priority_of: Callable[[Any], Any],
         owner_of: Callable[[Any], str],
         sequences_of: Callable[[Any], int],
+        weight_of: Callable[[Any], int],
     ) -> None:
         self.max_batch = max_batch
         self.state_of, self.priority_of = state_of, priority_of
-        self.owner_of, self.sequences_of = owner_of, sequences_of
+        self.owner_of, self.sequences_of, self.weight_of = owner_of, sequences_of, weight_of
 
     def running_by_owner(self, running: Iterable[Any]) -> Counter:
         counts: Counter = Counter()
@@ -51,17 +54,27 @@ class FairQueue:
             counts[self.owner_of(state)] += self.sequences_of(state)
         return counts
 
-    def pick(self, heap: list, live: Callable[[Any], bool], running: Counter, waiting: Iterable[Any]) -> Any:
+    def weights(self, states: Iterable[Any]) -> dict[str, int]:
+        """The weight of every owner with a request among `states` (the running and the waiting ones)."""
+        weights: dict[str, int] = {}
+        for state in states:
+            owner = self.owner_of(state)
+            weights[owner] = max(weights.get(owner, 1), self.weight_of(state))
+        return weights
+
+    def limit(self, owner: str, weights: dict[str, int]) -> int:
+        return share(self.max_batch, weights.get(owner, 1), sum(weights.values()))
+
+    def pick(self, heap: list, live: Callable[[Any], bool], running: Counter, weights: dict[str, int]) -> Any:
         """Pops and returns the entry to admit next (None when the heap holds no live entry). `live(state)`: not
-        cancelled while queued (dead entries met on the way are dropped); `waiting`: the queued requests."""
-        owners = set(running) | {self.owner_of(state) for state in waiting}
-        if len(owners) <= 1:
+        cancelled while queued (dead entries met on the way are dropped); `weights`: `weights()` of the running
+        and queued requests."""
+        if len(weights) <= 1:
             while heap:
                 entry = heapq.heappop(heap)
                 if live(self.state_of(entry)):
                     return entry
             return None
-        limit = share(self.max_batch, len(owners))
         skipped: list = []
         picked = None
         while heap:
@@ -72,7 +85,8 @@ class FairQueue:
             if skipped and self.priority_of(entry) != self.priority_of(skipped[0]):
                 skipped.append(entry)  # a lower priority: not before the head's
                 break
-            if running[self.owner_of(state)] + self.sequences_of(state) <= limit:
+            owner = self.owner_of(state)
+            if running[owner] + self.sequences_of(state) <= self.limit(owner, weights):
                 picked = entry
                 break
             skipped.append(entry)
@@ -82,19 +96,25 @@ class FairQueue:
             heapq.heappush(heap, entry)
         return picked
 
-    def victim(self, state: Any, running_states: list[Any], running: Counter, owners: int) -> Any:
+    def victim(self, state: Any, running_states: list[Any], running: Counter, weights: dict[str, int]) -> Any:
         """A running request to preempt so that `state` (within its owner's share) gets in: the one admitted last
         (`running_states` in admission order) by the owner furthest above its share, if that owner keeps its share
         without it; else None."""
-        limit = share(self.max_batch, owners)
         owner = self.owner_of(state)
-        if running[owner] + self.sequences_of(state) > limit:
+        if running[owner] + self.sequences_of(state) > self.limit(owner, weights):
             return None
-        over = [(count, name) for name, count in running.items() if name != owner and count > limit]
+        over = [
+            (count - self.limit(name, weights), name)
+            for name, count in running.items()
+            if name != owner and count > self.limit(name, weights)
+        ]
         if not over:
             return None
         _, greedy = max(over)
         for candidate in reversed(running_states):
-            if self.owner_of(candidate) == greedy and running[greedy] - self.sequences_of(candidate) >= limit:
+            if (
+                self.owner_of(candidate) == greedy
+                and running[greedy] - self.sequences_of(candidate) >= self.limit(greedy, weights)
+            ):
                 return candidate
         return None

@@ -9,7 +9,9 @@ starts a comment. Options, each at most once, in any order:
 - `max_priority=N`: the highest `openengine-priority` the key may send (a user key's default is 0, the
   default priority; an admin key may send any);
 - `cache_group=NAME`: keys naming the same group share one prefix-cache namespace (a team's common system
-  prompt); without it each key has a namespace of its own (`cache_namespace`).
+  prompt); without it each key has a namespace of its own (`cache_namespace`);
+- `share_weight=N`: the key's weight in each node's fair share of the batch between keys (1 by default: equal
+  shares; a key of weight 3 beside one of weight 1 holds up to 3/4 of the batch when both wait).
 
 Only SHA-256 digests are kept in memory; a presented key is hashed and compared
 with every stored digest in constant time. Secrets never reach a log or an error
@@ -67,8 +69,8 @@ USER_METHODS = frozenset(
 )
 NO_KEY_LABEL = "-"  # the key label of requests when keys are off
 _HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
-LINE_FORMAT = "`ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME]`"
-OPTIONS = ("max_in_flight", "max_priority", "cache_group")
+LINE_FORMAT = "`ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME] [share_weight=N]`"
+OPTIONS = ("max_in_flight", "max_priority", "cache_group", "share_weight")
 INT32_MAX = 2**31 - 1
 SCOPE_SEPARATOR = " "  # between a key's name and a request id; a name never holds whitespace (parse_keys)
 AUTH_FAILURE_LOG_INTERVAL_S = 10.0  # a flood of bad keys writes one log line per reason this often, not one per call
@@ -94,6 +96,7 @@ class ApiKey:
     max_in_flight: int = 0  # Generate streams open at once on one worker; 0: the default (api_key_max_in_flight)
     max_priority: int | None = None  # the highest openengine-priority it may send; None: admin any, user 0
     cache_group: str = ""  # keys of one group share a prefix-cache namespace; "": the key's own
+    share_weight: int = 1  # its weight in each node's fair share of the batch
 
     @property
     def priority_limit(self) -> int:
@@ -218,6 +221,7 @@ def parse_keys(path: str) -> tuple[ApiKey, ...]:
     return tuple(keys)
 
 
+MAX_SHARE_WEIGHT = 1000
 _GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -235,9 +239,10 @@ def _options(fields: list[str], where: str) -> dict:
                 raise ConfigError(f"{where}: cache_group= must be 1 to 64 of A-Z a-z 0-9 . _ -")
             options[name] = value
             continue
-        low = 1 if name == "max_in_flight" else 0
-        if not (value.isascii() and value.isdigit() and low <= int(value) <= INT32_MAX):
-            raise ConfigError(f"{where}: {name}=N needs N an integer in [{low}, {INT32_MAX}]")
+        low = 0 if name == "max_priority" else 1
+        high = MAX_SHARE_WEIGHT if name == "share_weight" else INT32_MAX
+        if not (value.isascii() and value.isdigit() and low <= int(value) <= high):
+            raise ConfigError(f"{where}: {name}=N needs N an integer in [{low}, {high}]")
         options[name] = int(value)
     return options
 

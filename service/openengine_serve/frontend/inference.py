@@ -168,7 +168,9 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             trace.set_attributes(**{"gen_ai.usage.input_tokens": len(plan.prompt_token_ids)})
             sink = None
             try:
-                async with self.requests.open(plan, owner=owner, trace=trace, admitted=True) as accepted:
+                async with self.requests.open(
+                    plan, owner=owner, share_weight=key.share_weight if key else 1, trace=trace, admitted=True
+                ) as accepted:
                     sink = accepted.sink
                     sink.owner = asyncio.current_task()
                     await self.stream(plan, accepted, started, write, send_now)

@@ -131,10 +131,15 @@ class Requests:
 
     @contextlib.asynccontextmanager
     async def open(
-        self, plan: GenerationPlan, owner: str = "", trace: RequestTrace = NO_TRACE, admitted: bool = False
+        self,
+        plan: GenerationPlan,
+        owner: str = "",
+        share_weight: int = 1,
+        trace: RequestTrace = NO_TRACE,
+        admitted: bool = False,
     ) -> AsyncIterator[OpenRequest]:
         """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
-        a user aborts only its own requests. `trace`: the call's span (request_trace.py). `admitted`: the caller
+        a user aborts only its own requests, and the engine shares its batch between owners by `share_weight`. `trace`: the call's span (request_trace.py). `admitted`: the caller
         already counted the request (`admit`) and releases it; else it is counted here, until the exit."""
         request_id = auth.internal_request_id(owner, plan.request_id)
         forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
@@ -157,7 +162,7 @@ class Requests:
                     conn = await self.nodes.connect(node)
                     with trace.call(SUBMIT_SPAN, forwarded, **{"openengine.node_id": node.node_id}) as metadata:
                         await self.nodes.submit(
-                            conn, engine_request(plan, attempt_id, self.frontend_id, owner), metadata
+                            conn, engine_request(plan, attempt_id, self.frontend_id, owner, share_weight), metadata
                         )
                 except (grpc.aio.AioRpcError, SubmitRefused, StreamBroken, ConnectionError, TimeoutError) as exc:
                     conn = None  # the node did not take the request: nothing to cancel
@@ -253,14 +258,15 @@ def submit_refusal(exc: Exception, node: cluster_pb2.NodeEntry, request_id: str)
 
 
 def engine_request(
-    plan: GenerationPlan, request_id: str, frontend_id: str, owner: str = ""
+    plan: GenerationPlan, request_id: str, frontend_id: str, owner: str = "", share_weight: int = 1
 ) -> cluster_pb2.EngineRequest:
     """The internal request a node runs (`request_id`: its attempt id), from the validated public one; `owner`: the
-    API key name (the engine shares its batch fairly between owners)."""
+    API key name, `share_weight` its weight (the engine shares its batch fairly between owners)."""
     req = cluster_pb2.EngineRequest(
         request_id=request_id,
         frontend_id=frontend_id,
         owner=owner,
+        share_weight=share_weight,
         prompt_token_ids=plan.prompt_token_ids,
         num_sequences=plan.num_sequences,
         max_tokens=plan.max_tokens,

@@ -233,6 +233,7 @@ class LlamaEngine(Engine):
             priority_of=lambda entry: entry[0][0],
             owner_of=lambda state: state.request.owner,
             sequences_of=lambda state: len(state.outputs),
+            weight_of=lambda state: state.request.share_weight or 1,
         )
         self.running_sequences = 0
         self.queued_sequences = 0
@@ -343,8 +344,9 @@ class LlamaEngine(Engine):
             return
         held = self._held_cells()
         running = self._fair.running_by_owner(self._running.values())
+        weights = self._fair.weights([*self._running.values(), *self._queued.values()])
         while queue:
-            item = self._fair.pick(queue, self._is_queued, running, self._queued.values())
+            item = self._fair.pick(queue, self._is_queued, running, weights)
             if item is None:
                 return
             state = item[1]
@@ -356,8 +358,7 @@ class LlamaEngine(Engine):
                     running[idle.request.owner] -= len(idle.outputs)
                     held = self._held_cells()
                     continue
-                owners = len(set(running) | {s.request.owner for s in self._queued.values()})
-                victim = self._fair.victim(state, list(self._running.values()), running, owners)
+                victim = self._fair.victim(state, list(self._running.values()), running, weights)
                 if victim is None:
                     heapq.heappush(queue, item)
                     return

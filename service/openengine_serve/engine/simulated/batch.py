@@ -89,6 +89,7 @@ class Batch:
             priority_of=lambda entry: entry[0],
             owner_of=lambda state: state.request.owner,
             sequences_of=lambda state: len(state.outputs),
+            weight_of=lambda state: state.request.share_weight or 1,
         )
 
     @property
@@ -180,11 +181,11 @@ class Batch:
         order = self._queue_order
         if not order:
             return
-        running = self._fair.running_by_owner(
-            [r.state for r in self._running.values()] + [r.state for r in self._paused.values()]
-        )
+        admitted = [r.state for r in self._running.values()] + [r.state for r in self._paused.values()]
+        running = self._fair.running_by_owner(admitted)
+        weights = self._fair.weights([*admitted, *self._queued.values()])
         while order:
-            entry = self._fair.pick(order, self._is_queued, running, self._queued.values())
+            entry = self._fair.pick(order, self._is_queued, running, weights)
             if entry is None:
                 return
             state = entry[2]
@@ -196,9 +197,7 @@ class Batch:
                     self._park(idle)
                     running[idle.state.request.owner] -= len(idle.state.outputs)
                     continue
-                owners = len(set(running) | {s.request.owner for s in self._queued.values()})
-                admitted = [r.state for r in self._running.values()]
-                victim = self._fair.victim(state, admitted, running, owners)
+                victim = self._fair.victim(state, [r.state for r in self._running.values()], running, weights)
                 if victim is None:
                     heapq.heappush(order, entry)
                     return

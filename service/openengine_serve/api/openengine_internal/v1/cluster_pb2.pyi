@@ -349,7 +349,7 @@ class Candidates(_message.Message):
     def __init__(self, top_n: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "guide", "bypass_prefix_cache", "cache_salt", "owner", "temperature", "top_p", "top_k", "seed", "has_seed", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
+    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "guide", "bypass_prefix_cache", "cache_salt", "owner", "share_weight", "temperature", "top_p", "top_k", "seed", "has_seed", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +363,7 @@ class EngineRequest(_message.Message):
     BYPASS_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    SHARE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +391,7 @@ class EngineRequest(_message.Message):
     bypass_prefix_cache: bool
     cache_salt: str
     owner: str
+    share_weight: int
     temperature: float
     top_p: float
     top_k: int
@@ -404,7 +406,7 @@ class EngineRequest(_message.Message):
     prompt_logprobs: bool
     prompt_candidates: Candidates
     prompt_logprob_start: int
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., guide: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., owner: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., guide: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., owner: _Optional[str] = ..., share_weight: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
 
 class LogProbEntry(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")

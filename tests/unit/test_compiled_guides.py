@@ -4,6 +4,7 @@ and a caller that stops waiting leaves its compile to end within llguidance's li
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -176,3 +177,10 @@ def test_a_compile_whose_requests_all_left_while_it_ran_is_kept_and_nothing_leak
     assert not matchers._waiting and not matchers._running and not matchers._orphans
     assert len(matchers._compiled) == 2, "the cache is bounded"
     matchers.close()
+
+
+def test_compile_threads_run_at_the_lowest_priority():
+    pool = guides.compile_pool(1)
+    niceness = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(5)
+    pool.shutdown()
+    assert niceness == guides.COMPILE_NICENESS

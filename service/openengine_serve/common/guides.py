@@ -22,7 +22,9 @@ import collections
 import concurrent.futures
 import hashlib
 import json
+import os
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -160,6 +162,23 @@ def matcher(grammar: str, tokenizer, limits: Limits):
     return compiled
 
 
+COMPILE_NICENESS = 19  # compile threads run only on CPU time the event loop and the engine leave
+
+
+def compile_pool(threads: int) -> ThreadPoolExecutor:
+    """A pool of compile threads at the lowest scheduling priority (Linux schedules each thread on its own, so
+    only these threads are niced): one key's flood of costly guides takes CPU time left over, not the serving
+    threads'."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="guide-compile", initializer=_lower_priority)
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except OSError:  # not Linux: the pool's bound alone
+        pass
+
+
 class GuideTimeout(GuideError):
     """The guide's compile did not end within the caller's time."""
 
@@ -177,7 +196,7 @@ class CompiledGuides:
 
     def __init__(self, threads: int = COMPILE_THREADS, entries: int = CACHED_OUTCOMES) -> None:
         self.entries = entries
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="guide-compile")
+        self._pool = compile_pool(threads)
         self._outcomes: collections.OrderedDict[bytes, str] = collections.OrderedDict()  # "" valid, else why not
         self._running: dict[bytes, tuple[concurrent.futures.Future[str], asyncio.Future[str]]] = {}
         self._waiting: collections.Counter[bytes] = collections.Counter()
@@ -244,7 +263,7 @@ class GuideMatchers:
 
     def __init__(self, tokenizer, limits: Limits, threads: int = 1, entries: int = CACHED_MATCHERS) -> None:
         self.tokenizer, self.limits, self.entries = tokenizer, limits, entries
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="guide-compile")
+        self._pool = compile_pool(threads)
         self._compiled: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self._running: dict[str, concurrent.futures.Future] = {}
         self._waiting: collections.Counter[str] = collections.Counter()

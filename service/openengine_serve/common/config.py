@@ -480,12 +480,12 @@ class FrontendConfig(CommonConfig):
     )
     api_keys_file: str = knob(
         "",
-        "API keys, one `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME]` a line "
-        "(ROLE user|admin, SECRET the key or sha256:<hex>; max_in_flight: this key's "
-        "api_key_max_in_flight; max_priority: the highest openengine-priority it may send, else 0 "
+        "API keys, one `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME] "
+        "[share_weight=N]` a line (ROLE user|admin, SECRET the key or sha256:<hex>; max_in_flight: this "
+        "key's api_key_max_in_flight; max_priority: the highest openengine-priority it may send, else 0 "
         "for a user, any for an admin; cache_group: keys of one group share a prefix-cache namespace, "
-        "else each key has its own); set: every call needs `authorization: Bearer <key>`; re-read "
-        "when it changes",
+        "else each key has its own; share_weight: its weight in each node's fair share of the batch, 1 by "
+        "default); set: every call needs `authorization: Bearer <key>`; re-read when it changes",
         unset="(none: off)",
     )
     api_key_max_in_flight: int = knob(

@@ -112,9 +112,8 @@ class FairQueue:
             return None
         _, greedy = max(over)
         for candidate in reversed(running_states):
-            if (
-                self.owner_of(candidate) == greedy
-                and running[greedy] - self.sequences_of(candidate) >= self.limit(greedy, weights)
+            if self.owner_of(candidate) == greedy and running[greedy] - self.sequences_of(candidate) >= self.limit(
+                greedy, weights
             ):
                 return candidate
         return None

@@ -139,8 +139,9 @@ class Requests:
         admitted: bool = False,
     ) -> AsyncIterator[OpenRequest]:
         """`owner`: the API key name starting the request ("" when keys are off); the coordinator keeps it so that
-        a user aborts only its own requests, and the engine shares its batch between owners by `share_weight`. `trace`: the call's span (request_trace.py). `admitted`: the caller
-        already counted the request (`admit`) and releases it; else it is counted here, until the exit."""
+        a user aborts only its own requests, and the engine shares its batch between owners by `share_weight`.
+        `trace`: the call's span (request_trace.py). `admitted`: the caller already counted the request (`admit`)
+        and releases it; else it is counted here, until the exit."""
         request_id = auth.internal_request_id(owner, plan.request_id)
         forwarded = trace_metadata(plan.metadata)  # the client's trace context, passed on while tracing is off
         opened_at = time.monotonic()

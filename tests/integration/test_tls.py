@@ -167,9 +167,8 @@ def test_malformed_key_file_stops_the_start_with_file_and_line(tmp_path):
     keys.write_text("# keys\nuser alice k1\nadmin ops\n")
     result = run_cli("frontend", "--port", str(processes.free_port()), "--api-keys-file", str(keys), timeout=30)
     assert result.returncode == 2
-    assert f"{keys}:3: expected `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME]`" in (
-        result.stderr
-    )
+    expected = "expected `ROLE NAME SECRET [max_in_flight=N] [max_priority=N] [cache_group=NAME] [share_weight=N]`"
+    assert f"{keys}:3: {expected}" in result.stderr
 
 
 def test_cli_calls_a_frontend_with_mutual_tls_and_an_api_key(cluster, tmp_path, deployment):

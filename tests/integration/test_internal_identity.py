@@ -31,12 +31,16 @@ class RolePki:
         self.ca_file = self.dir / "ca.pem"
         self.ca_file.write_bytes(self.ca.cert_pem.bytes())
 
-    def env(self, common_name: str, instance: str = "") -> dict[str, str]:
+    def issue(self, common_name: str, instance: str = "") -> trustme.LeafCert:
         """`instance`: the certificate also names this instance of the role (else it is role-wide)."""
         names = ["localhost", "127.0.0.1"]
         if instance:
             names.append(instance_name(common_name.removeprefix("openengine-"), instance))
-        cert = self.ca.issue_cert(*names, common_name=common_name)
+        return self.ca.issue_cert(*names, common_name=common_name)
+
+    def env(self, common_name: str, instance: str = "") -> dict[str, str]:
+        """A new certificate in the files of this name (those of a component started with them: a rotation)."""
+        cert = self.issue(common_name, instance)
         stem = f"{common_name}-{instance}" if instance else common_name
         cert_file, key_file = self.dir / f"{stem}.pem", self.dir / f"{stem}.key"
         cert_file.write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
@@ -56,11 +60,13 @@ class RolePki:
         )
 
     def channel(self, target: str, common_name: str, instance: str = "") -> grpc.Channel:
-        env = self.env(common_name, instance)
+        """A test client's channel, with a certificate of its own (the files of a component's name stay as they
+        are: rewriting them would rotate that component's certificate)."""
+        cert = self.issue(common_name, instance)
         credentials = grpc.ssl_channel_credentials(
-            self.ca_file.read_bytes(),
-            Path(env["OPENENGINE_INTERNAL_TLS_KEY_FILE"]).read_bytes(),
-            Path(env["OPENENGINE_INTERNAL_TLS_CERT_FILE"]).read_bytes(),
+            self.ca.cert_pem.bytes(),
+            cert.private_key_pem.bytes(),
+            b"".join(pem.bytes() for pem in cert.cert_chain_pems),
         )
         return grpc.secure_channel(target, credentials)
 

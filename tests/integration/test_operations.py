@@ -418,6 +418,26 @@ def test_coordinator_restart(deployment):
         )
 
 
+def test_after_a_long_coordinator_outage_its_node_and_frontend_register_within_seconds(deployment):
+    """gRPC's default reconnection backoff would leave them away for up to 120 s after such an outage (8-12 s
+    after this one); internal channels cap it (common/tls.py : INTERNAL_CHANNEL_OPTIONS)."""
+    coord, _ = small_cluster(deployment, nodes=1)
+    deployment.add(processes.frontend(coord.target, "grpcio"))
+    log = processes.LOG_DIR / f"{coord.name}-{coord.port}.log"
+    wait_for(lambda: 'event="frontend registered"' in log.read_text(errors="replace"), 10, "the frontend registered")
+    coord.stop()
+    time.sleep(30)
+    text = log.read_text(errors="replace")
+    before = {peer: text.count(f'event="{peer} registered"') for peer in ("node", "frontend")}
+    coord.start().wait_ready()
+    for peer, count in before.items():
+        wait_for(
+            lambda peer=peer, count=count: log.read_text(errors="replace").count(f'event="{peer} registered"') > count,
+            6,
+            f"the {peer} registered again",
+        )
+
+
 def test_frontend_worker_killed_is_restarted(cluster, deployment):
     coord, _ = cluster
     fe = deployment.add(processes.frontend(coord.target, "grpcio", "--workers", "2"))

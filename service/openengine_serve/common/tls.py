@@ -159,12 +159,17 @@ def add_internal_port(server, address: str, config) -> None:
         server.add_insecure_port(address)
 
 
+# gRPC's default reconnection backoff grows to 120 s: after a coordinator outage of a minute, its nodes and
+# frontends would come back up to a minute after it. Internal peers are few and close; they retry every 2 s at most.
+INTERNAL_CHANNEL_OPTIONS = (("grpc.max_reconnect_backoff_ms", 2_000),)
+
+
 def internal_channel(address: str, config, options=()) -> grpc.aio.Channel:
     """A grpc.aio channel to another component, presenting this component's certificate when internal TLS is on
     (re-read when its files change: `ReloadingChannel`)."""
+    options = [*INTERNAL_CHANNEL_OPTIONS, *options]
     if not internal_tls_enabled(config):
-        return grpc.aio.insecure_channel(address, options=list(options))
-    options = list(options)
+        return grpc.aio.insecure_channel(address, options=options)
     if config.internal_tls_server_name:
         options.append(("grpc.ssl_target_name_override", config.internal_tls_server_name))
 

@@ -49,7 +49,7 @@ def stubs() -> dict[str, FakeCoordinatorStub]:
 async def control(stubs) -> Control:
     nodes = NodeConnections("fe-test", BackgroundTasks(), connect_timeout_s=1.0, call_timeout_s=1.0)
     coordinator = coordinator_client(stubs[FIRST], nodes, more_shards={SECOND: stubs[SECOND]})
-    return Control(None, "fe-test", None, coordinator, None, None, None)  # Abort needs only the coordinator
+    return Control(None, "fe-test", None, coordinator, None, None, None, None)  # Abort needs only the coordinator
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ ALLOWED_ROLES: dict[str, frozenset[str]] = {
     "/openengine_internal.v1.Node/Cancel": frozenset((FRONTEND, COORDINATOR)),  # the coordinator's Abort
     "/openengine_internal.v1.Node/GetNodeLoad": ANY_ROLE,
     "/openengine_internal.v1.Node/GetModel": ANY_ROLE,
+    "/openengine_internal.v1.Node/KvEvents": frozenset((FRONTEND, COORDINATOR)),  # SubscribeKvEvents; routing
 }
 CHECKED_SERVICES = ("/openengine_internal.v1.Coordinator/", "/openengine_internal.v1.Node/")
 

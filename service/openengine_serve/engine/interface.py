@@ -10,7 +10,8 @@ owns its queue, its batch and its model:
   OutputEvents; finished outputs free their slot and KV cache;
 - `cancel`, `pause`: a request (or one output) ends CANCELLED, or is paused
   (it keeps its slot and KV cache but gets no tokens) and resumed;
-- `load`: the running and queued sequences and tokens the node reports.
+- `load`: the running and queued sequences and tokens the node reports;
+- `take_kv_events`: what its prefix cache stored and removed since the last call (common/kv_blocks.py).
 
 Events are appended already serialized as EngineStep's `events` field
 (`event_field`), so an engine may hand-encode the common shapes.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
+from openengine_serve.api.openengine.v1 import kv_pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.wire.protobuf import field_tag, length_delimited
 
@@ -36,6 +38,7 @@ class EngineLoad(NamedTuple):
     waiting_tokens: int = 0  # prompt tokens of the queued sequences
     prefilled_tokens: int = 0  # prompt tokens read in the last step
     cached_prompt_tokens: int = 0  # prompt tokens admitted in the last step with their KV from the prefix cache
+    cached_blocks: int = 0  # KV blocks the prefix cache holds
 
 
 class Engine(ABC):
@@ -67,6 +70,10 @@ class Engine(ABC):
     def load(self) -> EngineLoad:
         """The figures of the last step."""
 
+    def take_kv_events(self) -> list[kv_pb2.KvEvent]:
+        """The prefix cache's KV events since the last call (none without a prefix cache)."""
+        return []
+
     def close(self) -> None:  # noqa: B027 (optional: engines holding nothing native leave it empty)
         """Frees the model (the process is about to exit)."""
 
@@ -77,10 +84,15 @@ def event_field(event_payload: bytes) -> bytes:
 
 
 def step_message(
-    step: int, events: list[bytes], load: EngineLoad, step_seconds: float, worker_pids: list[int]
+    step: int,
+    events: list[bytes],
+    load: EngineLoad,
+    step_seconds: float,
+    worker_pids: list[int],
+    kv_events: list[kv_pb2.KvEvent] = (),  # type: ignore[assignment]  # read only
 ) -> bytes:
-    """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..11), in field order,
-    so the bytes equal protobuf's own serialization of the same message."""
+    """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..12) and the KV events
+    (13), in field order, so the bytes equal protobuf's own serialization of the same message."""
     figures = cluster_pb2.EngineStep(
         running=load.running,
         queued=load.queued,
@@ -90,5 +102,7 @@ def step_message(
         worker_pids=worker_pids,
         prefilled_tokens=load.prefilled_tokens,
         cached_prompt_tokens=load.cached_prompt_tokens,
+        cached_blocks=load.cached_blocks,
+        kv_events=kv_events,
     ).SerializeToString()
     return cluster_pb2.EngineStep(step=step).SerializeToString() + b"".join(events) + figures

@@ -104,10 +104,11 @@ class _Scheduler:
         self._step += 1
         self._broadcast_plan()
         stepped = self._engine.step(events)
-        if stepped or events:
-            self._steps.send(
-                step_message(self._step, events, self._engine.load(), time.monotonic() - started, self._worker_pids)
-            )
+        kv_events = self._engine.take_kv_events()
+        if stepped or events or kv_events:
+            load = self._engine.load()
+            seconds = time.monotonic() - started
+            self._steps.send(step_message(self._step, events, load, seconds, self._worker_pids, kv_events))
         else:
             self._step -= 1  # nothing sent: step numbers stay consecutive (only the simulated engine has followers,
             # and it always steps)

@@ -1,8 +1,10 @@
-"""openengine.v1 Control: server and model info, load, health, Abort; LoRA and KV events are not offered."""
+"""openengine.v1 Control: server and model info, load, health, Abort, KV events (frontend/kv_events.py); LoRA is not
+offered."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import NoReturn, Protocol
@@ -15,10 +17,12 @@ from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.config import FrontendConfig
 from ..common.grpc_server import ServerImplementation
 from ..common.health_service import Health
+from ..common.kv_blocks import BLOCK_SIZE as KV_BLOCK_SIZE
 from ..common.logging_setup import log_event
 from . import auth
 from .coordinator_client import AbortIncomplete, CoordinatorClient
 from .inference_probe import InferenceProbe
+from .kv_events import KvEventRelay
 from .refusal import InvalidRequest
 from .served_model import ServedModel
 from .validation import check_request_id, shown
@@ -59,8 +63,10 @@ class Control(openengine_pb2_grpc.ControlServicer):
         health: Health,
         probe: InferenceProbe,
         model: ServedModel,
+        kv_events: KvEventRelay,
     ) -> None:
         self.config = config
+        self.kv_events = kv_events
         self.model = model
         self.frontend_id = frontend_id
         self.implementation = implementation
@@ -87,6 +93,8 @@ class Control(openengine_pb2_grpc.ControlServicer):
         )
         if nodes:
             info.capacity.max_running_requests = sum(n.load.max_running_requests for n in nodes)
+        if self._kv_events_served():
+            info.capacity.kv_block_size = KV_BLOCK_SIZE  # the KV events' blocks
         info.extra.update({**self.implementation.describe(), "frontend_id": self.frontend_id})
         if loaded:
             info.extra.update({"engine": loaded.card.engine, "model": loaded.card.name})
@@ -327,16 +335,28 @@ class Control(openengine_pb2_grpc.ControlServicer):
     async def ListLoras(self, request, context: AbortingContext) -> lora_pb2.ListLorasResponse:
         await _lora_disabled(context)
 
+    def _kv_events_served(self) -> bool:
+        loaded = self.model.loaded
+        return loaded is not None and loaded.limits.prefix_cache
+
     async def GetKvEventSources(self, request, context) -> kv_pb2.GetKvEventSourcesResponse:
-        return kv_pb2.GetKvEventSourcesResponse()
+        if not self._kv_events_served():
+            return kv_pb2.GetKvEventSourcesResponse()
+        return kv_pb2.GetKvEventSourcesResponse(sources=self.kv_events.sources(request.data_parallel_ranks))
 
     async def SubscribeKvEvents(self, request, context):
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "KV events are not available: this engine has no KV connector (kv_connector.enabled=false)",
-        )
-        return
-        yield  # pragma: no cover - makes this an async generator like the other streaming handler
+        if not self._kv_events_served():
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "KV events are not available: the engine here has no prefix cache (or no node is ready yet)",
+            )
+        try:
+            nodes = self.kv_events.check(request)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        async with contextlib.aclosing(self.kv_events.subscribe(request, nodes)) as responses:
+            async for response in responses:
+                yield response
 
 
 async def _lora_disabled(context: AbortingContext) -> NoReturn:

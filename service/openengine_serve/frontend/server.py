@@ -27,6 +27,7 @@ from .coordinator_client import CoordinatorClient
 from .fallback_routing import FallbackRouter
 from .inference import Inference
 from .inference_probe import InferenceProbe
+from .kv_events import KvEventRelay
 from .nodes import LaneFailure, NodeConnections
 from .public_api import add_public_service
 from .ready_file import mark_worker_ready
@@ -103,9 +104,14 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
         max_connection_age_grace_s=config.drain_timeout_s,
         grpcio_options=limits.grpcio_transport_options(config),
     )
-    add_public_services(
-        server, inference, Control(config, frontend_id, implementation, coordinator, health, probe, model)
+    kv_events = KvEventRelay(
+        coordinator.ready_nodes,
+        functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS),
+        socket.gethostname(),
+        config.port,
     )
+    control = Control(config, frontend_id, implementation, coordinator, health, probe, model, kv_events)
+    add_public_services(server, inference, control)
     health.register(server)
     reflection.enable_server_reflection(REFLECTED_SERVICES, server, pool=public_descriptor_pool())
     add_public_port(server, bind_address(config.host, config.port), config)  # security hook: TLS

@@ -381,6 +381,7 @@ class EngineLink:
                 step.waiting_tokens,
                 step.prefilled_tokens,
                 step.cached_prompt_tokens,
+                step.cached_blocks,
             )
             if self._waiting_since:
                 self._note_first_tokens(step)

@@ -22,6 +22,11 @@ PREFIX_CACHE_HIT_TOKENS = Counter(
     "openengine_node_prefix_cache_hit_tokens",
     "prompt tokens whose KV cache came from the prefix cache instead of being read",
 )
+KV_CACHED_BLOCKS = Gauge(
+    "openengine_node_kv_cached_blocks",
+    "KV blocks (common/kv_blocks.py) the prefix cache holds, as its engine counts them: what a KV-event subscriber's "
+    "set must match",
+)
 LANE_BACKLOG = Gauge(
     "openengine_node_lane_backlog_steps",
     "engine steps waiting on a result lane, merged into one message (the largest of the lanes)",
@@ -43,6 +48,7 @@ def observe_step(step: cluster_pb2.EngineStep, max_batch: int) -> None:
     RUNNING.set(step.running)
     SLOT_USAGE.set(step.running / max_batch)
     QUEUED.set(step.queued)
+    KV_CACHED_BLOCKS.set(step.cached_blocks)
     if step.events:  # idle heartbeats are not steps
         BATCH_SIZE.set(step.running)
         STEP_SECONDS.observe(step.step_seconds)

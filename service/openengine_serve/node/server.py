@@ -35,6 +35,7 @@ from ..common.tracing import SUBMIT_SPAN
 from ..engine.model_card import without_tokenizer
 from . import metrics
 from .engine_link import EngineFull, EngineLink, EngineUnavailable
+from .kv_events import FellBehind, KvEventLog, ReplayUnavailable
 from .model import engine_options, load_card
 
 logger = logging.getLogger("openengine_serve.node")
@@ -235,11 +236,17 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
         self.wakes: dict[str, asyncio.Event] = {}  # per coordinator address; set: heartbeat it now
         self.drain_told: dict[str, asyncio.Event] = {}  # per coordinator address; set: it acknowledged the drain
         self.rank_assignment = asyncio.Lock()  # held by the registration that asks a coordinator for a rank
+        self.kv_events = KvEventLog(max(self.rank, 0))
+        self._kv_worker_restarts = 0  # the worker whose cache the KV events describe
 
     # ---------------------------------------------------------------- engine -> lanes
 
     def _on_step(self, step: cluster_pb2.EngineStep) -> None:
         metrics.observe_step(step, self.config.max_batch)
+        if self.link.restarts != self._kv_worker_restarts:  # a new worker: an empty cache
+            self._kv_worker_restarts = self.link.restarts
+            self.kv_events.clear()
+        self.kv_events.record(step.kv_events)
         if not step.events:
             return
         by_lane: dict[str, list[cluster_pb2.OutputEvent]] = {}
@@ -423,6 +430,26 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     async def GetModel(self, request, context) -> cluster_pb2.ModelCard:
         return self.card
 
+    async def KvEvents(self, request: cluster_pb2.KvEventsRequest, context):
+        if not self.card.prefix_cache:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, f"the {self.card.engine} engine here has no prefix cache: no KV events"
+            )
+        try:
+            subscription = self.kv_events.subscribe(request.include_snapshot, request.start_sequence_number)
+        except ReplayUnavailable as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        try:
+            while True:
+                try:
+                    yield await subscription.next()
+                except FellBehind as exc:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; subscribe again with include_snapshot"
+                    )
+        finally:
+            subscription.close()
+
     # ---------------------------------------------------------------- state
 
     def state(self) -> cluster_pb2.NodeState:
@@ -522,7 +549,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
                 await stack.enter_async_context(self.rank_assignment)
             request = cluster_pb2.RegisterNodeRequest(node=self.entry(), auto_rank=self.rank < 0)
             reply = await stub.RegisterNode(request, timeout=self.config.rpc_timeout_s)
-            self.rank = reply.assigned_rank
+            self.rank = self.kv_events.rank = reply.assigned_rank
         log_event(logger, "registered with coordinator", node_id=self.node_id, rank=self.rank, coordinator=address)
         return reply.heartbeat_interval_s
 

@@ -51,6 +51,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from openengine_serve.api.openengine.v1 import kv_pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
     ENGINE_FINISH_CANCELLED,
@@ -321,7 +322,11 @@ class LlamaEngine(Engine):
             self.waiting_tokens,
             self.prefilled_tokens,
             self.cached_prompt_tokens,
+            len(self.prefix_cache.blocks),
         )
+
+    def take_kv_events(self) -> list[kv_pb2.KvEvent]:
+        return self.prefix_cache.blocks.take_events()
 
     def close(self) -> None:
         if self._matchers is not None:

@@ -9,6 +9,9 @@ the one sharing the longest prefix with the new prompt; its cells are shared wit
 Entries are kept in least-recently-used order within `max_tokens` cells and `max_entries` sequences; the
 engine evicts them first when running requests need the cells. An entry is shared only where the model can go on
 from it (runtime.py: not past a sliding window's reused cells, never for recurrent state).
+
+The blocks the entries cover are counted in `blocks` (common/kv_blocks.py), which records the KV events a
+subscriber reads (`SubscribeKvEvents`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from openengine_serve.common.kv_blocks import BlockLedger
+
 MIN_REUSE_TOKENS = 16  # a shorter common prefix is read again: sharing it saves less than it costs to track
 
 
@@ -26,6 +31,7 @@ class Entry:
     seq_id: int
     salt: str
     tokens: np.ndarray  # int32
+    block_hashes: list[bytes]
 
 
 class PrefixCache:
@@ -35,6 +41,7 @@ class PrefixCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # seq id -> entry, least recently used first
         self.tokens = 0  # cells the entries hold
+        self.blocks = BlockLedger()
 
     @property
     def enabled(self) -> bool:
@@ -60,10 +67,11 @@ class PrefixCache:
         """Takes an ended sequence's cells (holding `tokens`); returns the sequence ids it frees: an entry
         this one covers, then the least recently used ones beyond the bounds (their cells already removed).
         A sequence too large for the cache is returned at once."""
-        entry = Entry(seq_id, salt, np.asarray(tokens, np.int32))
-        if not self.enabled or len(entry.tokens) > self.max_tokens:
+        if not self.enabled or len(tokens) > self.max_tokens:
             self._model.forget(seq_id)
             return [seq_id]
+        # Stored before the entries it covers are dropped: their blocks stay held (no removal, then storage).
+        entry = Entry(seq_id, salt, np.asarray(tokens, np.int32), self.blocks.store(salt, tokens))
         freed = [
             other.seq_id
             for other in self._entries.values()
@@ -97,6 +105,7 @@ class PrefixCache:
     def _drop(self, seq_id: int) -> None:
         entry = self._entries.pop(seq_id)
         self.tokens -= len(entry.tokens)
+        self.blocks.remove(entry.block_hashes)
         self._model.forget(seq_id)
 
 

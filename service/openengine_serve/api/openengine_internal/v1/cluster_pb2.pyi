@@ -1,3 +1,4 @@
+from openengine_serve.api.openengine.v1 import kv_pb2 as _kv_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -260,6 +261,14 @@ class ClusterLoad(_message.Message):
     live_reservations: int
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., live_reservations: _Optional[int] = ...) -> None: ...
 
+class KvEventsRequest(_message.Message):
+    __slots__ = ("include_snapshot", "start_sequence_number")
+    INCLUDE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    START_SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    include_snapshot: bool
+    start_sequence_number: int
+    def __init__(self, include_snapshot: _Optional[bool] = ..., start_sequence_number: _Optional[int] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
     __slots__ = ("request", "traceparent", "tracestate")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -479,7 +488,7 @@ class EngineCommand(_message.Message):
     def __init__(self, add: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., shutdown: _Optional[bool] = ..., pause: _Optional[_Union[PauseRequest, _Mapping]] = ...) -> None: ...
 
 class EngineStep(_message.Message):
-    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds", "worker_pids", "prefilled_tokens", "cached_prompt_tokens")
+    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds", "worker_pids", "prefilled_tokens", "cached_prompt_tokens", "cached_blocks", "kv_events")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -490,6 +499,8 @@ class EngineStep(_message.Message):
     WORKER_PIDS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     events: _containers.RepeatedCompositeFieldContainer[OutputEvent]
     running: int
@@ -500,4 +511,6 @@ class EngineStep(_message.Message):
     worker_pids: _containers.RepeatedScalarFieldContainer[int]
     prefilled_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ..., prefilled_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    cached_blocks: int
+    kv_events: _containers.RepeatedCompositeFieldContainer[_kv_pb2.KvEvent]
+    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ..., prefilled_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., kv_events: _Optional[_Iterable[_Union[_kv_pb2.KvEvent, _Mapping]]] = ...) -> None: ...

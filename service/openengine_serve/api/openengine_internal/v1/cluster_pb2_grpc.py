@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from openengine_serve.api.openengine.v1 import kv_pb2 as openengine_dot_v1_dot_kv__pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2 as openengine__internal_dot_v1_dot_cluster__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -498,6 +499,11 @@ class NodeStub:
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ModelCard.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/openengine_internal.v1.Node/KvEvents',
+                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=openengine_dot_v1_dot_kv__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -548,6 +554,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The blocks its prefix cache stores and removes (common/kv_blocks.py), one batch per engine step that
+        changed any, numbered from 1 since the node started; a new engine worker starts with AllBlocksCleared.
+        A start the node no longer holds: OUT_OF_RANGE. An engine without a prefix cache: UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -575,6 +590,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.GetModelRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ModelCard.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.KvEventsRequest.FromString,
+                    response_serializer=openengine_dot_v1_dot_kv__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -714,6 +734,33 @@ class Node:
             '/openengine_internal.v1.Node/GetModel',
             openengine__internal_dot_v1_dot_cluster__pb2.GetModelRequest.SerializeToString,
             openengine__internal_dot_v1_dot_cluster__pb2.ModelCard.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/openengine_internal.v1.Node/KvEvents',
+            openengine__internal_dot_v1_dot_cluster__pb2.KvEventsRequest.SerializeToString,
+            openengine_dot_v1_dot_kv__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

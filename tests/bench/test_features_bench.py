@@ -384,13 +384,16 @@ def fake_doc():
             "summary": f.isolation_summary(isolation_rounds()),
         },
         "routing": {
-            "stack": "openengine-serve up --nodes 2",
+            "stacks": {
+                "kv-events": "OPENENGINE_PREFIX_ROUTING=kv-events openengine-serve up --nodes 2",
+                "first-tokens": "OPENENGINE_PREFIX_ROUTING=first-tokens openengine-serve up --nodes 2",
+            },
             "notes": ["a routing note"],
             "workloads": [
                 {
                     "name": "K=4 x R=16",
                     "variants": {
-                        "prefix routing": {
+                        "by kv-events": {
                             "requests": 64,
                             "errors": 0,
                             "hit_rate": 0.9,
@@ -453,7 +456,7 @@ def test_problems_name_errors_and_foreign_load():
     assert any("isolation, round 1, with extra: 1 errors" in p for p in found)
     assert not any("round 1, plain" in p for p in found)
     assert any("random key: 2 errors, e.g. StreamError: x" in p for p in found)
-    assert any("prefix routing: processes this benchmark did not start kept 0.50 CPUs busy" in p for p in found)
+    assert any("by kv-events: processes this benchmark did not start kept 0.50 CPUs busy" in p for p in found)
     assert any("guided cost, round 1, 32 streams unguided: 1 errors" in p for p in found)
     assert not any("round 2, 32 streams unguided" in p for p in found)
 
@@ -473,8 +476,9 @@ def test_report_has_every_section_and_the_verdicts():
     assert "| with a plain ninth stream | – | 72.0 |" in report
     assert "ITL p99 with the huge-guide stream / alone: 1.50x; with a plain ninth stream / alone: 1.20x" in report
     assert "The huge-guide stream: 3 requests completed in the windows (stop 3), 1 errors" in report
-    assert "| K=4 x R=16 | prefix routing | 64 | 0.900 | 0.890 | 30 / 34 | 1000 / 2000 | 0.53 | prefix 64 |" in report
+    assert "| K=4 x R=16 | by kv-events | 64 | 0.900 | 0.890 | 30 / 34 | 1000 / 2000 | 0.53 | prefix 64 |" in report
     assert "| K=4 x R=16 | random key | 64 | 0.800 |" in report
+    assert "`OPENENGINE_PREFIX_ROUTING=kv-events openengine-serve up --nodes 2`; `OPENENGINE_PREFIX" in report
     assert "- a routing note" in report and "- a note" in report
     assert "**met**" in report and "**missed**" in report
     assert "## Problems" in report

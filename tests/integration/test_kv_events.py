@@ -1,6 +1,7 @@
 """KV events on the real model (llama.cpp engine), on both gRPC servers: a subscriber replays them into each
 node's set of cached blocks, which matches the node's own count, and finds a prompt's blocks under the hashes it
-computes itself (common/kv_blocks.py)."""
+computes itself (common/kv_blocks.py); the coordinator, following them, routes a prompt to the node that caches
+its prefix."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from openengine_serve.api.openengine.v1 import kv_pb2, server_pb2
 from openengine_serve.client import Client
 from openengine_serve.common.kv_blocks import BLOCK_SIZE, HASH_ENCODING, block_hashes
 
-from .conftest import SERVERS, generate, make_request, real_cluster_with
+from . import processes
+from .conftest import SERVERS, THREADS, generate, make_request, real_cluster_with
 from .processes import engine_worker_pids, wait_for
 
 CACHED_TOKENS = 256  # about three of this test's requests: older ones are evicted
@@ -155,3 +157,60 @@ def test_a_new_engine_worker_starts_its_subscribers_from_no_blocks(small_cache):
         assert not subscriber.errors
     finally:
         subscriber.close()
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A coordinator (routing by KV events, its default) with its metrics, two llama.cpp nodes with theirs, and a
+    frontend per gRPC server."""
+    deployment = processes.Deployment()
+    try:
+        coordinator, coordinator_metrics = processes.with_metrics(processes.coordinator())
+        deployment.add(coordinator)
+        node_metrics = []
+        for rank in (0, 1):
+            node, metrics_port = processes.with_metrics(
+                processes.node(coordinator.target, rank, "--engine", "llama.cpp", "--threads", str(THREADS))
+            )
+            deployment.add(node)
+            node_metrics.append(metrics_port)
+        frontends = {server: deployment.add(processes.frontend(coordinator.target, server)) for server in SERVERS}
+        yield frontends, coordinator_metrics, node_metrics
+    finally:
+        deployment.close()
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_the_coordinator_routes_a_prompt_to_the_node_caching_its_prefix(two_nodes, server):
+    """Four prompts, each first read on one node (alternately, by target rank), come back without a routing key
+    and each finds its prefix cached: it went to its node. Placed blindly (or by a hash of the first tokens), all
+    four would land on their node once in 16 runs."""
+    frontends, coordinator_metrics, node_metrics = two_nodes
+    target = frontends[server].target
+    salt = f"kv-routing-{uuid.uuid4()}"
+    systems = [[300 + i] * 3 * BLOCK_SIZE for i in range(4)]
+    for i, system in enumerate(systems):
+        with Client(target) as client:
+            request = make_request(system + [11, 12, 13], max_tokens=2, kv__cache_salt=salt)
+            list(client.generate(request, timeout=120, metadata=(("openengine-target-dp-rank", str(i % 2)),)))
+
+    def coordinator_follows() -> bool:
+        followed = [
+            value
+            for (name, _), value in processes.scrape(coordinator_metrics).items()
+            if name == "openengine_coordinator_kv_cached_blocks"
+        ]
+        cached = [processes.metric(processes.scrape(port), "openengine_node_kv_cached_blocks") for port in node_metrics]
+        return sorted(followed) == sorted(cached) and min(cached) > 0
+
+    wait_for(coordinator_follows, 15, "the coordinator's view of both nodes' blocks")
+    routed_before = processes.metric(
+        processes.scrape(coordinator_metrics), "openengine_coordinator_routing_decisions_total", reason="kv_blocks"
+    )
+    for system in systems:
+        responses = generate(target, make_request(system + [21, 22], max_tokens=2, kv__cache_salt=salt))
+        assert responses[-1].usage.cached_prompt_tokens >= len(system), "it went where its prefix is cached"
+    routed = processes.metric(
+        processes.scrape(coordinator_metrics), "openengine_coordinator_routing_decisions_total", reason="kv_blocks"
+    )
+    assert routed - routed_before == len(systems)

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from openengine_serve.api.openengine.v1 import kv_pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.coordinator.state import (
     FRONTEND_LOAD_REFRESH_S,
@@ -110,7 +111,13 @@ def test_a_routing_key_always_lands_on_its_rendezvous_node(state: ClusterState) 
     for i, (key, node_id) in enumerate(RENDEZVOUS_ABC.items()):
         assert reserve(state, f"r{i}", routing_key=key) == node_id
         assert reserve(state, f"again{i}", routing_key=key) == node_id
-    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 24, "prefix": 0, "least_loaded": 0}
+    assert state.snapshot()["routing_decisions"] == {
+        "target_rank": 0,
+        "affinity": 24,
+        "kv_blocks": 0,
+        "prefix": 0,
+        "least_loaded": 0,
+    }
 
 
 def test_a_key_leaves_a_node_that_is_not_ready_and_comes_back(state: ClusterState) -> None:
@@ -130,7 +137,13 @@ def test_a_key_overflows_from_its_full_node_and_returns(state: ClusterState) -> 
     key = "key-0"  # a's among a and b (see RENDEZVOUS_ABC)
     assert reserve(state, "r0", routing_key=key) == "a"
     assert reserve(state, "r1", routing_key=key) == "b"  # a is full: overflow to the least loaded
-    assert state.snapshot()["routing_decisions"] == {"target_rank": 0, "affinity": 1, "prefix": 0, "least_loaded": 1}
+    assert state.snapshot()["routing_decisions"] == {
+        "target_rank": 0,
+        "affinity": 1,
+        "kv_blocks": 0,
+        "prefix": 0,
+        "least_loaded": 1,
+    }
     state.release("r0", "fe-1")
     assert reserve(state, "r2", routing_key=key) == "a"
 
@@ -601,3 +614,46 @@ def test_a_node_of_another_model_is_refused_while_a_node_of_the_first_lives(
     clock.advance(4.0)
     state.expire()  # n0 and n1 silent past the expiry: DOWN
     assert state.register_node(cluster_pb2.NodeEntry(node_id="n2", address="n2:1", model=other), None).rank == 0
+
+
+# ------------------------------------------------------------------ routing by the nodes' KV events
+
+
+def stored(*chain: bytes) -> kv_pb2.KvEventBatch:
+    blocks = [kv_pb2.KvBlockHash(value=value) for value in chain]
+    return kv_pb2.KvEventBatch(events=[kv_pb2.KvEvent(block_stored=kv_pb2.BlockStored(block_hashes=blocks))])
+
+
+def test_a_request_goes_to_the_node_holding_the_longest_run_of_its_blocks(state: ClusterState) -> None:
+    for node_id in ("a", "b", "c"):
+        add_node(state, node_id)
+    state.kv_index.apply("a", stored(b"h1"))
+    state.kv_index.apply("b", stored(b"h1", b"h2"))
+    state.kv_index.apply("c", stored(b"h2", b"h3"))  # not from the first block: no run
+    assert reserve(state, "r0", block_hashes=[b"h1", b"h2", b"h3"]) == "b"
+    assert reserve(state, "r1", block_hashes=[b"h1", b"h2", b"h3"], routing_key="key-0") == "a", "a key wins"
+    assert state.snapshot()["routing_decisions"]["kv_blocks"] == 1
+    state.kv_index.forget("b")
+    assert reserve(state, "r2", block_hashes=[b"h1", b"h2"]) == "a"
+    state.kv_index.apply(
+        "a", kv_pb2.KvEventBatch(events=[kv_pb2.KvEvent(all_blocks_cleared=kv_pb2.AllBlocksCleared())])
+    )
+    reserve(state, "r3", block_hashes=[b"h1"])
+    assert state.snapshot()["routing_decisions"]["kv_blocks"] == 2, "held nowhere: the next rule decides"
+
+
+def test_the_node_with_the_blocks_is_passed_over_when_much_busier(state: ClusterState) -> None:
+    add_node(state, "a", running=6, max_running=8)  # 0.75 busier than b
+    add_node(state, "b")
+    state.kv_index.apply("a", stored(b"h1"))
+    assert reserve(state, "r0", block_hashes=[b"h1"]) == "b"
+    assert state.snapshot()["routing_decisions"]["kv_blocks"] == 0
+
+
+def test_among_nodes_holding_the_same_run_the_least_loaded_is_picked(state: ClusterState) -> None:
+    add_node(state, "a", running=1, max_running=8)
+    add_node(state, "b", running=0, max_running=8)
+    add_node(state, "c", running=0, max_running=8)
+    for node_id in ("a", "b"):
+        state.kv_index.apply(node_id, stored(b"h1", b"h2"))
+    assert reserve(state, "r0", block_hashes=[b"h1", b"h2"]) == "b"

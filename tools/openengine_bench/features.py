@@ -18,9 +18,10 @@ load comes from this process (AsyncClient, greedy requests). Four measurements:
 3. Isolation: inter-token latency p99 of 8 ordinary streams alone and next to one stream sending requests
    whose JSON schema is close to the frontend's 64 KiB limit (an anyOf of many closed objects of enums).
 4. Prefix routing with 2 nodes: K system prompts of ~500 tokens each shared by many requests, sent with some
-   concurrency, routed by the prompt's prefix (no routing key) or by a random routing key per request (which
-   takes precedence and places requests without regard to their prefix); the prefix cache hit rate from both
-   nodes' counters and how the requests spread.
+   concurrency, routed by the coordinator's rule for prefixes (no routing key; one stack per rule: the nodes' KV
+   events, or a hash of the first tokens) or by a random routing key per request (which takes precedence and
+   places requests without regard to their prefix); the prefix cache hit rate from both nodes' counters and how
+   the requests spread.
 
 Results: DIR/features.json and DIR/report.md (also printed); the components' logs in --logs.
 """
@@ -460,6 +461,7 @@ QUEUE_TIME = "openengine_node_request_queue_time_seconds"
 RUNNING = "openengine_node_running_requests"
 QUEUED = "openengine_node_queued_requests"
 ROUTING = "openengine_coordinator_routing_decisions_total"
+ROUTING_RULES = ("kv-events", "first-tokens")  # OPENENGINE_PREFIX_ROUTING of the coordinator
 
 
 def hit_rate(hits: float, prefilled: float) -> float | None:
@@ -1518,17 +1520,20 @@ def render_report(doc: dict[str, Any]) -> str:
 
     routing = doc.get("routing")
     if routing and routing.get("workloads"):
+        stacks = "`; `".join(routing.get("stacks", {}).values()) or routing.get("stack", "")
         lines += [
             "## 4. Prefix routing with 2 nodes",
             "",
-            f"`{routing['stack']}`. Each workload: K system prompts of ~{settings['routing_system_tokens']} "
+            f"`{stacks}`. Each workload: K system prompts of ~{settings['routing_system_tokens']} "
             f"tokens (each names its own organization first: their first 64 tokens, which name a prefix for "
             f"routing, differ), each shared by R requests with distinct short questions (8 output tokens), in "
             f"one shuffled order, {settings['routing_concurrency']} at a time, under a salt of each run's own. "
-            f"prefix routing: no routing key (the coordinator prefers the prefix's node); random key: an "
-            f"`openengine-routing-key` of its own per request, which takes precedence and places each request "
-            f"without regard to its prefix. Hit rate: hit / (hit + prefilled) prompt tokens over both nodes' "
-            f"counters.",
+            f"by kv-events: no routing key, the coordinator sends a request to the node whose prefix cache holds "
+            f"the longest run of its first KV blocks (it follows the nodes' KV events; a prefix cached nowhere "
+            f"yet goes by its first tokens); by first-tokens: no routing key, the node a hash of its first 64 "
+            f"tokens names; random key: an `openengine-routing-key` of its own per request, which takes "
+            f"precedence and places each request without regard to its prefix. Hit rate: hit / (hit + "
+            f"prefilled) prompt tokens over both nodes' counters.",
             "",
             "| workload | routing | requests | hit rate | client hit rate | requests per node | prefilled per node | "
             "busiest share | routing decisions | TTFT p50 (ms) | requests/s | errors |",
@@ -1761,44 +1766,55 @@ def main(argv: list[str] | None = None) -> int:
         return calibration_outputs, huge_output
 
     async def two_node() -> None:
-        stack = Stack(2, two_nodes, args.logs, "two-nodes")
-        doc["routing"] = {"stack": stack.describe(), "workloads": [], "notes": []}
-        try:
-            say("starting the stack (2 nodes)...")
-            await stack.start()
-            for _ in range(2):
-                await run_request(
-                    stack.client, make_request(stack.model, PROMPTS[0], max_tokens=8), Record(time.perf_counter())
-                )
-            for k, per_prompt in mode.routing:
-                prompts = system_prompts(k, count, args.routing_system_tokens)
-                plan = routing_plan(k, per_prompt)
-                workload: dict[str, Any] = {
-                    "name": f"K={k} x R={per_prompt}",
-                    "k": k,
-                    "per_prompt": per_prompt,
-                    "prompt_tokens": [count(chat(questions()[0], p)) for p in prompts],
-                    "variants": {},
-                }
-                doc["routing"]["workloads"].append(workload)
-                for variant in ("prefix routing", "random key"):
-                    await wait_quiet_note(workload, variant)
-                    say(f"  routing {workload['name']}: {variant}...")
-                    run = await routing_run(stack, prompts, plan, mode.routing_concurrency, variant == "random key")
-                    workload["variants"][variant] = run
-                    say(
-                        f"  routing {workload['name']}: {variant}: hit rate {fmt(run['hit_rate'], 3)}, per node "
-                        f"{[n['requests'] for n in run['nodes']]}, {run['routing_decisions']}, {run['errors']} errors"
+        """The routing workloads on one 2-node stack per coordinator rule (OPENENGINE_PREFIX_ROUTING); the blind
+        placement (a random key per request) on the first."""
+        doc["routing"] = {"stacks": {}, "workloads": [], "notes": []}
+        workloads: dict[tuple[int, int], dict[str, Any]] = {}
+        for rule in ROUTING_RULES:
+            env = {**two_nodes, "OPENENGINE_PREFIX_ROUTING": rule}
+            stack = Stack(2, env, args.logs, f"two-nodes-{rule}")
+            doc["routing"]["stacks"][rule] = stack.describe()
+            variants = [f"by {rule}"] + (["random key"] if rule == ROUTING_RULES[0] else [])
+            try:
+                say(f"starting the stack (2 nodes, routing by {rule})...")
+                await stack.start()
+                for _ in range(2):
+                    await run_request(
+                        stack.client, make_request(stack.model, PROMPTS[0], max_tokens=8), Record(time.perf_counter())
                     )
-                    await stack.drain()
-                write_json(output / "features.json", doc)
-            doc["routing"]["notes"] += ROUTING_NOTES
-        except Exception as exc:  # noqa: BLE001
-            doc["errors"].append(f"two-node stack: {type(exc).__name__}: {exc}")
-            say(f"FAILED: {doc['errors'][-1]}")
-        finally:
-            say("stopping the stack (2 nodes)...")
-            await stack.stop()
+                for k, per_prompt in mode.routing:
+                    prompts = system_prompts(k, count, args.routing_system_tokens)
+                    plan = routing_plan(k, per_prompt)
+                    workload = workloads.get((k, per_prompt))
+                    if workload is None:
+                        workload = workloads[(k, per_prompt)] = {
+                            "name": f"K={k} x R={per_prompt}",
+                            "k": k,
+                            "per_prompt": per_prompt,
+                            "prompt_tokens": [count(chat(questions()[0], p)) for p in prompts],
+                            "variants": {},
+                        }
+                        doc["routing"]["workloads"].append(workload)
+                    for variant in variants:
+                        await wait_quiet_note(workload, variant)
+                        say(f"  routing {workload['name']}: {variant}...")
+                        random_key = variant == "random key"
+                        run = await routing_run(stack, prompts, plan, mode.routing_concurrency, random_key)
+                        workload["variants"][variant] = run
+                        say(
+                            f"  routing {workload['name']}: {variant}: hit rate {fmt(run['hit_rate'], 3)}, per "
+                            f"node {[n['requests'] for n in run['nodes']]}, {run['routing_decisions']}, "
+                            f"{run['errors']} errors"
+                        )
+                        await stack.drain()
+                    write_json(output / "features.json", doc)
+            except Exception as exc:  # noqa: BLE001
+                doc["errors"].append(f"two-node stack ({rule}): {type(exc).__name__}: {exc}")
+                say(f"FAILED: {doc['errors'][-1]}")
+            finally:
+                say("stopping the stack (2 nodes)...")
+                await stack.stop()
+        doc["routing"]["notes"] += ROUTING_NOTES
 
     async def run_all() -> None:
         if QUIET_LIMIT_S[0] > 0:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 ENV_PREFIX = "OPENENGINE_"
 GRPC_SERVERS = ("grpcio", "pygrpc-native")
 ENGINES = ("llama.cpp", "simulated")
+PREFIX_ROUTINGS = ("kv-events", "first-tokens")
 # OPENENGINE_MAX_BATCH=0: the engine's own default
 DEFAULT_MAX_BATCH = {"llama.cpp": 32, "simulated": 256}
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -142,6 +143,14 @@ class CoordinatorConfig(CommonConfig):
     metrics_port: int = knob(9092, "Prometheus metrics HTTP port (0 disables)", minimum=0, maximum=65535)
     heartbeat_s: float = knob(1.0, "heartbeat interval the coordinator asks nodes and frontends for", minimum=0.05)
     node_expiry_s: float = knob(3.0, "a node or frontend silent this long is marked down", minimum=0.1)
+    prefix_routing: str = knob(
+        "kv-events",
+        "how a request without a routing key goes where its prompt's prefix is cached: kv-events (to the node "
+        "whose prefix cache holds the longest run of the prompt's first KV blocks, following the nodes' KV events; "
+        "a prefix cached nowhere yet as first-tokens) or first-tokens (to the node a hash of the prompt's first 64 "
+        "tokens and cache salt names); either only while that node is not much busier than the least loaded",
+        choices=PREFIX_ROUTINGS,
+    )
     rpc_timeout_s: float = _rpc_timeout_knob()
     stop_grace_s: float = _stop_grace_knob()
 

@@ -39,7 +39,14 @@ class CoordinatorCollector(Collector):
         )
         for peer, count in self.heartbeat_streams.items():
             streams.add_metric([peer], count)
-        yield from (nodes, frontends, routing, refusals, streams)
+        kv_blocks = GaugeMetricFamily(
+            "openengine_coordinator_kv_cached_blocks",
+            "KV blocks each node's prefix cache holds, as the coordinator follows them (its KV events)",
+            labels=["node_id"],
+        )
+        for node_id, count in self.state.kv_index.counts().items():
+            kv_blocks.add_metric([node_id], count)
+        yield from (nodes, frontends, routing, refusals, streams, kv_blocks)
         for key, help_text in _GAUGES.items():
             yield GaugeMetricFamily(f"openengine_coordinator_{key}", help_text, value=snapshot[key])
 

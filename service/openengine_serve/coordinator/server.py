@@ -25,6 +25,7 @@ from ..common.peer_identity import FRONTEND, NODE, InstanceCheck, role_checks
 from ..common.tls import add_internal_port, internal_channel
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
+from .kv_follow import KvFollower
 from .state import REFUSAL_STATUS, ClusterState, ModelMismatch, RankConflict, TableCursor
 
 logger = logging.getLogger("openengine_serve.coordinator")
@@ -212,10 +213,15 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
     await health.set_ready(True)  # accepting registrations
     freeze_startup_objects()  # a full collection paused every heartbeat and reservation waiting behind it
     log_event(logger, "coordinator listening", port=config.port, grpc_server="grpcio")
-    housekeeping = asyncio.create_task(service.housekeeping())
+    background = [asyncio.create_task(service.housekeeping())]
+    if config.prefix_routing == "kv-events":
+        follower = KvFollower(service.state, lambda address: internal_channel(address, config))
+        background.append(asyncio.create_task(follower.run()))
     await stop.wait()
     await health.start_drain()
-    housekeeping.cancel()
+    for task in background:
+        task.cancel()
+    await asyncio.gather(*background, return_exceptions=True)
     await server.stop(grace=config.stop_grace_s)
     for channel in service.node_channels.values():
         await channel.close()

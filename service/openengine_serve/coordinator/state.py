@@ -23,12 +23,13 @@ import collections
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
 from openengine_serve.common.routing import rendezvous_pick
 
+from .kv_index import KvIndex
 from .load_index import LeastLoadedIndex
 
 NodeState = cluster_pb2.NodeState
@@ -56,6 +57,7 @@ FORGET_AFTER_EXPIRIES = 10
 ROUTE_TARGET_RANK = "target_rank"
 ROUTE_AFFINITY = "affinity"
 ROUTE_PREFIX = "prefix"
+ROUTE_KV_BLOCKS = "kv_blocks"
 ROUTE_LEAST_LOADED = "least_loaded"
 
 LookupResult = tuple[Literal["live", "finished", "unknown"], cluster_pb2.NodeEntry | None]
@@ -210,6 +212,7 @@ class ClusterState:
         # Ids in the order they finished; the oldest are forgotten first.
         self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> owner
         self._least_loaded = LeastLoadedIndex()
+        self.kv_index = KvIndex()  # the nodes' cached KV blocks, fed by kv_follow.py
         # The READY nodes, by rank, and the routing keys' rendezvous nodes: rebuilt when the READY set changes.
         self._ready_changes = 0
         self._ready_view_at = -1
@@ -223,7 +226,9 @@ class ClusterState:
         self._table_changed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._structure_changed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._table_removal_at = 0
-        self._routing_decisions = {ROUTE_TARGET_RANK: 0, ROUTE_AFFINITY: 0, ROUTE_PREFIX: 0, ROUTE_LEAST_LOADED: 0}
+        self._routing_decisions = dict.fromkeys(
+            (ROUTE_TARGET_RANK, ROUTE_AFFINITY, ROUTE_KV_BLOCKS, ROUTE_PREFIX, ROUTE_LEAST_LOADED), 0
+        )
         self._refusals = {"duplicate": 0, "no_node": 0, "rank_not_found": 0, "deployment_full": 0}
 
     # ------------------------------------------------------------------ nodes
@@ -433,6 +438,9 @@ class ClusterState:
             node = self._pick_by_affinity(ready, request.routing_key)
             reason = ROUTE_AFFINITY
             if node is None:
+                node = self._pick_by_blocks(request.block_hashes)
+                reason = ROUTE_KV_BLOCKS
+            if node is None:
                 node = self._pick_by_prefix(ready, request.prefix_key)
                 reason = ROUTE_PREFIX
             if node is None:
@@ -581,6 +589,24 @@ class ClusterState:
                 self._affinity.clear()
             node = self._affinity[digest] = rendezvous_pick(routing_key, ready, _node_id)
         return None if node.is_full() else node
+
+    def _pick_by_blocks(self, hashes: Sequence[bytes]) -> _Node | None:
+        """Of the READY nodes with room whose prefix cache holds the longest run of the prompt's first KV blocks
+        (by their KV events, kv_index.py), the least loaded, unless its load score is more than PREFIX_LOAD_SLACK
+        above the least loaded node's; None then, or when no node holds the first block."""
+        if not hashes:
+            return None
+        node_ids, length = self.kv_index.longest_runs(hashes)
+        nodes = [
+            node
+            for node_id in node_ids
+            if (node := self._nodes.get(node_id)) is not None and node.entry.state == READY and not node.is_full()
+        ]
+        least = self._least_loaded.least_loaded()
+        if not length or not nodes or least is None:
+            return None
+        node = min(nodes, key=_Node.load_score)
+        return None if node.load_score() > self._nodes[least].load_score() + PREFIX_LOAD_SLACK else node
 
     def _pick_by_prefix(self, ready: list[_Node], prefix_key: str) -> _Node | None:
         """The prefix's node by the routing rule (where its prompt's KV is likely cached), unless its load score

@@ -202,10 +202,12 @@ class CoordinatorClient:
         trace: tuple[tuple[str, str], ...] = (),
         owner: str = "",
         prefix_key: str = "",
+        block_hashes: Sequence[bytes] = (),
     ) -> cluster_pb2.NodeEntry:
         """The node the id's coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API
         key name that starts the request, so that only it (or an admin) can abort it. `prefix_key`: its prompt's
-        prefix (requests.prefix_key), which the coordinator prefers to send where that prefix went.
+        prefix (requests.prefix_key), which the coordinator prefers to send where that prefix went; `block_hashes`:
+        its first KV blocks (requests.prefix_blocks), which it prefers to send where they are cached.
 
         Batched with the other reservations of this event-loop tick; the deadline is per reservation. `trace`
         (traceparent/tracestate pairs) rides in the reservation, since a batch has no per-request metadata.
@@ -214,6 +216,7 @@ class CoordinatorClient:
             request_id=request_id,
             routing_key=routing_key,
             prefix_key=prefix_key,
+            block_hashes=block_hashes,
             prompt_tokens=prompt_tokens,
             num_sequences=num_sequences,
             owner=owner,

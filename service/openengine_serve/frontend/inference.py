@@ -36,7 +36,7 @@ from .refusal import (
     Unsupported,
 )
 from .request_trace import RequestTrace
-from .requests import OpenRequest, Requests, prefix_key
+from .requests import OpenRequest, Requests, prefix_blocks, prefix_key
 from .served_model import LoadedModel, ServedModel
 from .stream import OutputStream, engine_error, prompt_output, serialize_response
 from .validation import GenerationPlan, RequestMetadata, parse_metadata, validate_generate
@@ -99,6 +99,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
             # The caller's key scopes the cache (auth.cache_namespace); routing by prefix follows the same salt.
             plan.cache_salt = auth.scoped_cache_salt(auth.cache_namespace(auth.caller()), plan.cache_salt)
             plan.prefix_key = prefix_key(plan)
+            plan.block_hashes = prefix_blocks(plan)
         return plan
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:

@@ -27,6 +27,8 @@ import grpc
 
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.attempts import AttemptIds
+from ..common.kv_blocks import BLOCK_SIZE as KV_BLOCK_SIZE
+from ..common.kv_blocks import block_hashes
 from ..common.logging_setup import log_event
 from ..common.tracing import RESERVE_SPAN, SUBMIT_SPAN
 from . import auth, metrics
@@ -212,6 +214,7 @@ class Requests:
                     call_metadata,
                     owner,
                     plan.prefix_key,
+                    plan.block_hashes,
                 )
         except DuplicateRequest as exc:  # the coordinator's message names the frontend that holds the id
             log_event(logger, "duplicate request id", request_id=request_id, detail=exc.message)
@@ -324,3 +327,15 @@ def trace_metadata(metadata: RequestMetadata) -> tuple[tuple[str, str], ...]:
         return ()
     pairs = (("traceparent", metadata.traceparent),)
     return pairs + ((("tracestate", metadata.tracestate),) if metadata.tracestate else ())
+
+
+ROUTING_BLOCKS = 64  # the prompt's first KV blocks (1,024 tokens) whose hashes the coordinator routes by
+
+
+def prefix_blocks(plan: GenerationPlan) -> list[bytes]:
+    """The hashes of the prompt's first KV blocks (common/kv_blocks.py): the coordinator sends the request to the
+    node whose prefix cache holds the longest run of them. None with a routing key or when the request bypasses
+    the cache."""
+    if plan.metadata.routing_key or plan.bypass_prefix_cache:
+        return []
+    return block_hashes(plan.cache_salt, plan.prompt_token_ids[: ROUTING_BLOCKS * KV_BLOCK_SIZE])

@@ -120,6 +120,7 @@ class GenerationPlan:
     bypass_prefix_cache: bool = False
     cache_salt: str = ""
     prefix_key: str = ""  # set by the frontend when the engine has a prefix cache (requests.prefix_key)
+    block_hashes: list[bytes] = field(default_factory=list)  # likewise (requests.prefix_blocks)
     min_p: float = 0.0  # 0 = disabled
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

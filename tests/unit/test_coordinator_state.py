@@ -634,7 +634,7 @@ def test_a_request_goes_to_the_node_holding_the_longest_run_of_its_blocks(state:
     assert reserve(state, "r1", block_hashes=[b"h1", b"h2", b"h3"], routing_key="key-0") == "a", "a key wins"
     assert state.snapshot()["routing_decisions"]["kv_blocks"] == 1
     state.kv_index.forget("b")
-    assert reserve(state, "r2", block_hashes=[b"h1", b"h2"]) == "a"
+    assert reserve(state, "r2", block_hashes=[b"h1"]) == "a"
     state.kv_index.apply(
         "a", kv_pb2.KvEventBatch(events=[kv_pb2.KvEvent(all_blocks_cleared=kv_pb2.AllBlocksCleared())])
     )
@@ -657,3 +657,26 @@ def test_among_nodes_holding_the_same_run_the_least_loaded_is_picked(state: Clus
     for node_id in ("a", "b"):
         state.kv_index.apply(node_id, stored(b"h1", b"h2"))
     assert reserve(state, "r0", block_hashes=[b"h1", b"h2"]) == "b"
+
+
+def test_a_run_of_half_the_blocks_or_less_does_not_decide(state: ClusterState) -> None:
+    add_node(state, "a", running=1, max_running=8)
+    add_node(state, "b")
+    state.kv_index.apply("a", stored(b"template", b"h2"))
+    assert reserve(state, "r0", block_hashes=[b"template", b"x2", b"x3"]) == "b", "the least loaded"
+    assert reserve(state, "r1", block_hashes=[b"template", b"h2", b"x3"]) == "a"
+    assert state.snapshot()["routing_decisions"]["kv_blocks"] == 1
+
+
+def test_routing_by_kv_events_a_new_prefix_goes_to_the_least_loaded_node_and_its_next_requests_follow(clock):
+    state = ClusterState(now=clock, prefix_routing="kv-events")
+    add_node(state, "a", running=1, max_running=8)
+    add_node(state, "b")
+    assert reserve(state, "r0", prefix_key="p1") == "b"
+    state.node_heartbeat("b", READY, load(running=1))
+    state.node_heartbeat("a", READY, load(running=0))
+    assert reserve(state, "r1", prefix_key="p1") == "b", "not cached yet: where the prefix went"
+    assert reserve(state, "r2", prefix_key="p2") == "a"
+    state.node_heartbeat("b", READY, load(running=7))  # far busier than a
+    assert reserve(state, "r3", prefix_key="p1") == "a"
+    assert state.snapshot()["routing_decisions"]["prefix"] == 1

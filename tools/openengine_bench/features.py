@@ -1607,6 +1607,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--routing-system-tokens", type=int, default=500, help="each routing system prompt (tokens, default 500)"
     )
     p.add_argument(
+        "--routing-rules",
+        default=",".join(ROUTING_RULES),
+        help=f"the coordinator rules to compare, each on its own stack, random keys on the first "
+        f"(default {','.join(ROUTING_RULES)})",
+    )
+    p.add_argument(
         "--quiet-wait",
         type=float,
         default=20.0,
@@ -1636,6 +1642,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         raise SystemExit(f"unknown part(s) {', '.join(unknown) or '(none)'}; known: {', '.join(PARTS)}")
+    rules = [r.strip() for r in args.routing_rules.split(",") if r.strip()]
+    if not rules or set(rules) - set(ROUTING_RULES):
+        raise SystemExit(f"--routing-rules: one or more of {', '.join(ROUTING_RULES)}, got {args.routing_rules!r}")
     QUIET_LIMIT_S[0] = args.quiet_wait * 60
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM too runs the finally blocks: stacks stop
 
@@ -1669,6 +1678,7 @@ def main(argv: list[str] | None = None) -> int:
         + (" --quick" if args.quick else "")
         + (f" --output {args.output}" if args.output != DEFAULT_OUTPUT else "")
         + (f" --parts {args.parts}" if parts != list(PARTS) else "")
+        + (f" --routing-rules {','.join(rules)}" if rules != list(ROUTING_RULES) else "")
     )
     doc: dict[str, Any] = {
         "machine": {
@@ -1770,11 +1780,11 @@ def main(argv: list[str] | None = None) -> int:
         placement (a random key per request) on the first."""
         doc["routing"] = {"stacks": {}, "workloads": [], "notes": []}
         workloads: dict[tuple[int, int], dict[str, Any]] = {}
-        for rule in ROUTING_RULES:
+        for rule in rules:
             env = {**two_nodes, "OPENENGINE_PREFIX_ROUTING": rule}
             stack = Stack(2, env, args.logs, f"two-nodes-{rule}")
             doc["routing"]["stacks"][rule] = stack.describe()
-            variants = [f"by {rule}"] + (["random key"] if rule == ROUTING_RULES[0] else [])
+            variants = [f"by {rule}"] + (["random key"] if rule == rules[0] else [])
             try:
                 say(f"starting the stack (2 nodes, routing by {rule})...")
                 await stack.start()

@@ -39,7 +39,11 @@ _UNKNOWN = cluster_pb2.HeartbeatReply(known=False)
 class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.state = ClusterState(node_expiry_s=config.node_expiry_s, frontend_expiry_s=config.node_expiry_s)
+        self.state = ClusterState(
+            node_expiry_s=config.node_expiry_s,
+            frontend_expiry_s=config.node_expiry_s,
+            prefix_routing=config.prefix_routing,
+        )
         self.node_channels: dict[str, grpc.aio.Channel] = {}
         self.heartbeat_streams = {"node": 0, "frontend": 0}  # open now, by peer kind (a metric)
 

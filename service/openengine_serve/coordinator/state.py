@@ -64,6 +64,9 @@ LookupResult = tuple[Literal["live", "finished", "unknown"], cluster_pb2.NodeEnt
 
 
 PREFIX_KEY_SPACE = "\0prefix:"  # prefix keys and routing keys share the affinity memory, never a key
+# Routing by KV events: the node each prefix went to lately, where its next requests go until the node's cache
+# holds it (the cache keeps ended requests only); at most this many prefixes, the least recently placed forgotten.
+PREFIX_PLACEMENTS_KEPT = 4096
 PREFIX_LOAD_SLACK = 0.25  # a prefix's node may be this much busier (fraction of its batch) than the least loaded
 
 
@@ -191,6 +194,7 @@ class ClusterState:
         frontend_expiry_s: float = 3.0,
         finished_memory: int = 100_000,
         frontend_load_refresh_s: float = FRONTEND_LOAD_REFRESH_S,
+        prefix_routing: str = "first-tokens",
     ) -> None:
         for name, value in (
             ("node_expiry_s", node_expiry_s),
@@ -213,6 +217,8 @@ class ClusterState:
         self._finished: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> owner
         self._least_loaded = LeastLoadedIndex()
         self.kv_index = KvIndex()  # the nodes' cached KV blocks, fed by kv_follow.py
+        self._prefix_routing = prefix_routing  # config.py: CoordinatorConfig.prefix_routing
+        self._prefix_placed: collections.OrderedDict[str, str] = collections.OrderedDict()  # prefix key -> node id
         # The READY nodes, by rank, and the routing keys' rendezvous nodes: rebuilt when the READY set changes.
         self._ready_changes = 0
         self._ready_view_at = -1
@@ -458,6 +464,11 @@ class ClusterState:
             self._touch_frontend(frontend)
 
         node_id = node.entry.node_id
+        if request.prefix_key and self._prefix_routing == "kv-events":
+            self._prefix_placed[request.prefix_key] = node_id
+            self._prefix_placed.move_to_end(request.prefix_key)
+            if len(self._prefix_placed) > PREFIX_PLACEMENTS_KEPT:
+                self._prefix_placed.popitem(last=False)
         self._live[request_id] = _Reservation(request.frontend_id, node_id, now, node.load_epoch, request.owner)
         self._finished.pop(request_id, None)  # an id may be reused once finished
         node.request_ids.add(request_id)
@@ -593,10 +604,14 @@ class ClusterState:
     def _pick_by_blocks(self, hashes: Sequence[bytes]) -> _Node | None:
         """Of the READY nodes with room whose prefix cache holds the longest run of the prompt's first KV blocks
         (by their KV events, kv_index.py), the least loaded, unless its load score is more than PREFIX_LOAD_SLACK
-        above the least loaded node's; None then, or when no node holds the first block."""
+        above the least loaded node's; None then, or when that run is not more than half the blocks looked at (a
+        run of the chat template's first block alone, which every node soon holds, must not pull every new
+        prompt to one node)."""
         if not hashes:
             return None
         node_ids, length = self.kv_index.longest_runs(hashes)
+        if length * 2 <= len(hashes):
+            return None
         nodes = [
             node
             for node_id in node_ids
@@ -609,12 +624,18 @@ class ClusterState:
         return None if node.load_score() > self._nodes[least].load_score() + PREFIX_LOAD_SLACK else node
 
     def _pick_by_prefix(self, ready: list[_Node], prefix_key: str) -> _Node | None:
-        """The prefix's node by the routing rule (where its prompt's KV is likely cached), unless its load score
-        is more than PREFIX_LOAD_SLACK above the least loaded node's (consistent hashing with bounded loads: a
-        popular prefix does not pile onto one node); None then, or without a key."""
+        """The prefix's node (where its prompt's KV is likely cached, or soon will be), unless its load score is
+        more than PREFIX_LOAD_SLACK above the least loaded node's (bounded loads: a popular prefix does not pile
+        onto one node); None then, or without a key. Routing by first tokens, the node the routing rule names
+        (consistent hashing); by KV events (whose blocks say where a prefix is cached), the node the prefix
+        last went to, if any: a new prefix goes to the least loaded node."""
         if not prefix_key:
             return None
-        node = self._pick_by_affinity(ready, PREFIX_KEY_SPACE + prefix_key)
+        if self._prefix_routing == "kv-events":
+            placed = self._nodes.get(self._prefix_placed.get(prefix_key, ""))
+            node = placed if placed is not None and placed.entry.state == READY and not placed.is_full() else None
+        else:
+            node = self._pick_by_affinity(ready, PREFIX_KEY_SPACE + prefix_key)
         least = self._least_loaded.least_loaded()
         if node is None or least is None or node.load_score() > self._nodes[least].load_score() + PREFIX_LOAD_SLACK:
             return None

@@ -354,6 +354,8 @@ class Control(openengine_pb2_grpc.ControlServicer):
             nodes = self.kv_events.check(request)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not nodes:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no node is ready: no KV events to follow; retry")
         async with contextlib.aclosing(self.kv_events.subscribe(request, nodes)) as responses:
             async for response in responses:
                 yield response

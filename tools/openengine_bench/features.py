@@ -1530,7 +1530,8 @@ def render_report(doc: dict[str, Any]) -> str:
             f"one shuffled order, {settings['routing_concurrency']} at a time, under a salt of each run's own. "
             f"by kv-events: no routing key, the coordinator sends a request to the node whose prefix cache holds "
             f"the longest run of its first KV blocks (it follows the nodes' KV events; a prefix cached nowhere "
-            f"yet goes by its first tokens); by first-tokens: no routing key, the node a hash of its first 64 "
+            f"yet goes where it went last, a new one to the least loaded node); by first-tokens: no routing key, "
+            f"the node a hash of its first 64 "
             f"tokens names; random key: an `openengine-routing-key` of its own per request, which takes "
             f"precedence and places each request without regard to its prefix. Hit rate: hit / (hit + "
             f"prefilled) prompt tokens over both nodes' counters.",

@@ -18,10 +18,6 @@ class KvIndex:
     def blocks(self, node_id: str) -> int:
         return len(self._blocks.get(node_id, ()))
 
-    def counts(self) -> dict[str, int]:
-        """Blocks per followed node."""
-        return {node_id: len(held) for node_id, held in self._blocks.items()}
-
     def apply(self, node_id: str, kv_batch: kv_pb2.KvEventBatch) -> None:
         held = self._blocks.setdefault(node_id, set())
         for event in kv_batch.events:

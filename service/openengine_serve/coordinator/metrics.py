@@ -44,8 +44,8 @@ class CoordinatorCollector(Collector):
             "KV blocks each node's prefix cache holds, as the coordinator follows them (its KV events)",
             labels=["node_id"],
         )
-        for node_id, count in self.state.kv_index.counts().items():
-            kv_blocks.add_metric([node_id], count)
+        for entry in self.state.node_entries():  # 0 for a node whose events it does not follow
+            kv_blocks.add_metric([entry.node_id], self.state.kv_index.blocks(entry.node_id))
         yield from (nodes, frontends, routing, refusals, streams, kv_blocks)
         for key, help_text in _GAUGES.items():
             yield GaugeMetricFamily(f"openengine_coordinator_{key}", help_text, value=snapshot[key])

@@ -20,6 +20,7 @@ Events are appended already serialized as EngineStep's `events` field
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from openengine_serve.api.openengine.v1 import kv_pb2
@@ -89,7 +90,7 @@ def step_message(
     load: EngineLoad,
     step_seconds: float,
     worker_pids: list[int],
-    kv_events: list[kv_pb2.KvEvent] = (),  # type: ignore[assignment]  # read only
+    kv_events: Sequence[kv_pb2.KvEvent] = (),
 ) -> bytes:
     """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..12) and the KV events
     (13), in field order, so the bytes equal protobuf's own serialization of the same message."""

@@ -74,6 +74,35 @@ def test_closed_connections_refuse_late_calls_then_are_forgotten():
     assert ages.open(PEER)  # the same address again later is a new connection
 
 
+def test_a_refusal_is_held_until_its_connection_is_closed():
+    """So that a client's retry goes on a new connection, however long the close takes."""
+    clock, ages = one_call_ended()
+    clock.now += 1.0
+    assert not ages.open(PEER)
+
+    async def run() -> tuple[bool, float, float]:
+        held = asyncio.create_task(ages.hold_refusal(PEER, hold_s=5.0))
+        await asyncio.sleep(0.2)
+        waiting = not held.done()
+        ages._mark_closed(PEER)
+        await asyncio.wait_for(held, 1.0)
+        closed, other = "ipv4:10.0.0.8:40000", "ipv4:10.0.0.9:40000"
+        ages.open(closed)
+        ages.open(other)
+        clock.now += 1.0
+        ages._mark_closed(closed)
+        assert not ages.open(closed) and not ages.open(other)
+        started = time.monotonic()
+        await ages.hold_refusal(closed, hold_s=5.0)  # a call on its way to a closed connection: answered at once
+        after_close = time.monotonic() - started
+        started = time.monotonic()
+        await ages.hold_refusal(other, hold_s=0.1)  # never closed (its socket not found): answered after the hold
+        return waiting, after_close, time.monotonic() - started
+
+    waiting, after_close, never_closed = asyncio.run(run())
+    assert waiting and after_close < 0.05 and 0.1 <= never_closed < 0.5
+
+
 @pytest.mark.parametrize(
     "peer, address",
     [

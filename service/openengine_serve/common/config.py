@@ -432,8 +432,8 @@ class FrontendConfig(CommonConfig):
         "spreads load over frontends added later (0: off). grpcio: GOAWAY, "
         "calls still open get OPENENGINE_DRAIN_TIMEOUT_S to finish. "
         "pygrpc-native: age from the connection's first call; new calls on "
-        "it are refused (UNAVAILABLE, not started) and it is closed once "
-        "its open calls have ended",
+        "it are refused (UNAVAILABLE, not started; answered when it closes, "
+        "at most 1 s later) and it is closed once its open calls have ended",
         minimum=0,
     )
     tls_cert_file: str = knob(

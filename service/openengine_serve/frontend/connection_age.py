@@ -5,7 +5,11 @@ idle timeout or per-connection close, so the frontend does it from Python, per c
 address):
 1. a connection is aged once its first call seen here is older than the age;
 2. from then on, new calls on it are refused with UNAVAILABLE before anything starts (retry-safe: the
-   client's retry, or the project's client reconnecting, goes elsewhere); calls already open run to their end;
+   client's retry, or the project's client reconnecting, goes elsewhere); calls already open run to their end.
+   A refusal is held until the connection is closed (at most REFUSAL_HOLD_S): answered at once, a client's
+   retry policy could spend all its attempts on this connection before step 3 closes it on a busy machine.
+   A refusal that is still held when the connection closes reaches its client as the connection's end
+   (UNAVAILABLE too);
 3. once it has no open call, QUIET_S without one, and no unread bytes of a call arriving, its socket is
    shut down. The client sees the connection end (no GOAWAY), reconnects, and is balanced anew (a
    Service's new connection, or a `dns:///` client re-resolving).
@@ -37,6 +41,7 @@ logger = logging.getLogger("openengine_serve.frontend")
 
 QUIET_S = 0.05  # no call on the connection this long: the last response has left the process
 RESCAN_S = 0.2  # a connection aged before the table knew it waits at most this for a fresh look
+REFUSAL_HOLD_S = 1.0  # a refused call waits at most this for its connection to close
 FORGET_CLOSED_S = 5.0  # a closed connection's calls that were already on their way are still refused this long
 REFUSAL = (
     "this connection is older than OPENENGINE_MAX_CONNECTION_AGE_S and is being closed; the call was "
@@ -50,6 +55,7 @@ class _Connection:
     last_activity: float
     open_calls: int = 0
     closed_at: float = 0.0
+    closed: asyncio.Event | None = None  # made when a refusal first waits for the close
 
 
 class ConnectionAges:
@@ -84,6 +90,16 @@ class ConnectionAges:
         connection.last_activity = now
         connection.open_calls += 1
         return True
+
+    async def hold_refusal(self, peer: str, hold_s: float = REFUSAL_HOLD_S) -> None:
+        """Waits until `peer`'s connection, whose call `open` refused, is closed (at most `hold_s`)."""
+        connection = self._connections.get(peer)
+        if connection is None or connection.closed_at:
+            return
+        if connection.closed is None:
+            connection.closed = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(connection.closed.wait(), hold_s)
 
     def close(self, peer: str) -> None:
         """The call `open` admitted has ended."""
@@ -160,7 +176,10 @@ class ConnectionAges:
             self._check_at(self._clock() + RESCAN_S, peer)
 
     def _mark_closed(self, peer: str) -> None:
-        self._connections[peer].closed_at = now = self._clock()
+        connection = self._connections[peer]
+        connection.closed_at = now = self._clock()
+        if connection.closed is not None:
+            connection.closed.set()  # the held refusals end
         self._check_at(now + FORGET_CLOSED_S, peer)
 
 

@@ -357,6 +357,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             if connections is not None:
                 connections.call_ended(peer)
             metrics.CONNECTION_AGE_REFUSALS.inc()
+            await self.ages.hold_refusal(peer)
             await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSAL)
         self.open_calls[peer] += 1
 

@@ -9,7 +9,17 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openengine_serve.common.kv_blocks import BLOCK_SIZE, HASH_ENCODING, BlockLedger, block_hashes, root_hash
+from openengine_serve.api.openengine.v1 import kv_pb2
+from openengine_serve.common.kv_blocks import (
+    BLOCK_SIZE,
+    HASH_ENCODING,
+    BlockChange,
+    BlockLedger,
+    block_changes,
+    block_hashes,
+    root_hash,
+    wire_hash,
+)
 
 
 def test_a_block_hash_is_blake2b_of_the_previous_hash_and_the_block_tokens():
@@ -17,6 +27,29 @@ def test_a_block_hash_is_blake2b_of_the_previous_hash_and_the_block_tokens():
     first = hashlib.blake2b(root_hash("") + struct.pack(f"<{BLOCK_SIZE}I", *tokens[:BLOCK_SIZE]), digest_size=16)
     second = hashlib.blake2b(first.digest() + struct.pack(f"<{BLOCK_SIZE}I", *tokens[BLOCK_SIZE:32]), digest_size=16)
     assert block_hashes("", tokens) == [first.digest(), second.digest()]  # the partial third block has none
+
+
+def test_events_read_as_changes_of_single_blocks_each_after_its_parent():
+    parent, first, second = b"p" * 16, b"a" * 16, b"b" * 16
+    events = [
+        kv_pb2.KvEvent(
+            block_stored=kv_pb2.BlockStored(
+                block_hashes=[wire_hash(first), wire_hash(second)],
+                parent_block_hash=wire_hash(parent),
+                token_ids=list(range(2 * BLOCK_SIZE)),
+                block_size=BLOCK_SIZE,
+            )
+        ),
+        kv_pb2.KvEvent(block_removed=kv_pb2.BlockRemoved(block_hashes=[wire_hash(second)])),
+        kv_pb2.KvEvent(all_blocks_cleared=kv_pb2.AllBlocksCleared()),
+    ]
+    changes = [change._replace(tokens=list(change.tokens)) for change in block_changes(events)]
+    assert changes == [
+        BlockChange(first, True, parent, list(range(BLOCK_SIZE))),
+        BlockChange(second, True, first, list(range(BLOCK_SIZE, 2 * BLOCK_SIZE))),
+        BlockChange(second, tokens=[]),
+        BlockChange(b"", tokens=[]),
+    ]
 
 
 def test_blocks_share_a_hash_only_after_the_same_tokens_in_the_same_namespace():

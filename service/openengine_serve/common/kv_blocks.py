@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 from openengine_serve.api.openengine.v1 import kv_pb2
 
@@ -108,3 +109,31 @@ def batch(sequence_number: int, rank: int, events: Sequence[kv_pb2.KvEvent]) -> 
         data_parallel_rank=rank,
         events=events,
     )
+
+
+class BlockChange(NamedTuple):
+    """One block's change in KV events: stored (after `parent`, b"" for a first block, holding `tokens`) or
+    removed; `block` b"": every block was cleared."""
+
+    block: bytes
+    stored: bool = False
+    parent: bytes = b""
+    tokens: Sequence[int] = ()
+
+
+def block_changes(events: Iterable[kv_pb2.KvEvent]) -> Iterator[BlockChange]:
+    """The events as changes of single blocks, in order (a BlockStored of a chain stores a parent before its
+    children)."""
+    for event in events:
+        kind = event.WhichOneof("event")
+        if kind == "block_stored":
+            stored = event.block_stored
+            parent, size = stored.parent_block_hash.value, stored.block_size
+            for index, block in enumerate(stored.block_hashes):
+                yield BlockChange(block.value, True, parent, stored.token_ids[index * size : (index + 1) * size])
+                parent = block.value
+        elif kind == "block_removed":
+            for block in event.block_removed.block_hashes:
+                yield BlockChange(block.value)
+        elif kind == "all_blocks_cleared":
+            yield BlockChange(b"")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from ..api.openengine.v1 import kv_pb2
+from ..common.kv_blocks import block_changes
 
 
 class KvIndex:
@@ -20,16 +21,14 @@ class KvIndex:
 
     def apply(self, node_id: str, kv_batch: kv_pb2.KvEventBatch) -> None:
         held = self._blocks.setdefault(node_id, set())
-        for event in kv_batch.events:
-            kind = event.WhichOneof("event")
-            if kind == "block_stored":
-                for block in event.block_stored.block_hashes:
-                    held.add(block.value)
-                    self._holders.setdefault(block.value, set()).add(node_id)
-            elif kind == "block_removed":
-                self._remove(node_id, held, (block.value for block in event.block_removed.block_hashes))
-            elif kind == "all_blocks_cleared":
+        for change in block_changes(kv_batch.events):
+            if not change.block:
                 self._remove(node_id, held, list(held))
+            elif change.stored:
+                held.add(change.block)
+                self._holders.setdefault(change.block, set()).add(node_id)
+            else:
+                self._remove(node_id, held, (change.block,))
 
     def forget(self, node_id: str) -> None:
         """The node's events stopped (gone, or its stream broke): nothing of it is known any more."""

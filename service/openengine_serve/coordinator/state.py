@@ -603,41 +603,40 @@ class ClusterState:
 
     def _pick_by_blocks(self, hashes: Sequence[bytes]) -> _Node | None:
         """Of the READY nodes with room whose prefix cache holds the longest run of the prompt's first KV blocks
-        (by their KV events, kv_index.py), the least loaded, unless its load score is more than PREFIX_LOAD_SLACK
-        above the least loaded node's; None then, or when that run is not more than half the blocks looked at (a
-        run of the chat template's first block alone, which every node soon holds, must not pull every new
-        prompt to one node)."""
+        (by their KV events, kv_index.py), the least loaded, unless it is too busy (`_within_slack`); None then,
+        or when that run is not more than half the blocks looked at (a run of the chat template's first block
+        alone, which every node soon holds, must not pull every new prompt to one node)."""
         if not hashes:
             return None
         node_ids, length = self.kv_index.longest_runs(hashes)
         if length * 2 <= len(hashes):
             return None
-        nodes = [
-            node
-            for node_id in node_ids
-            if (node := self._nodes.get(node_id)) is not None and node.entry.state == READY and not node.is_full()
-        ]
-        least = self._least_loaded.least_loaded()
-        if not length or not nodes or least is None:
-            return None
-        node = min(nodes, key=_Node.load_score)
-        return None if node.load_score() > self._nodes[least].load_score() + PREFIX_LOAD_SLACK else node
+        nodes = [node for node_id in node_ids if (node := self._available(node_id)) is not None]
+        return self._within_slack(min(nodes, key=_Node.load_score)) if nodes else None
 
     def _pick_by_prefix(self, ready: list[_Node], prefix_key: str) -> _Node | None:
-        """The prefix's node (where its prompt's KV is likely cached, or soon will be), unless its load score is
-        more than PREFIX_LOAD_SLACK above the least loaded node's (bounded loads: a popular prefix does not pile
-        onto one node); None then, or without a key. Routing by first tokens, the node the routing rule names
+        """The prefix's node (where its prompt's KV is likely cached, or soon will be), unless it is too busy
+        (`_within_slack`); None then, or without a key. Routing by first tokens, the node the routing rule names
         (consistent hashing); by KV events (whose blocks say where a prefix is cached), the node the prefix
         last went to, if any: a new prefix goes to the least loaded node."""
         if not prefix_key:
             return None
         if self._prefix_routing == "kv-events":
-            placed = self._nodes.get(self._prefix_placed.get(prefix_key, ""))
-            node = placed if placed is not None and placed.entry.state == READY and not placed.is_full() else None
+            node = self._available(self._prefix_placed.get(prefix_key, ""))
         else:
             node = self._pick_by_affinity(ready, PREFIX_KEY_SPACE + prefix_key)
+        return None if node is None else self._within_slack(node)
+
+    def _available(self, node_id: str) -> _Node | None:
+        """The node if it is READY and has room for another request."""
+        node = self._nodes.get(node_id)
+        return node if node is not None and node.entry.state == READY and not node.is_full() else None
+
+    def _within_slack(self, node: _Node) -> _Node | None:
+        """`node`, unless its load score is more than PREFIX_LOAD_SLACK above the least loaded node's (bounded
+        loads: a popular prefix does not pile onto one node)."""
         least = self._least_loaded.least_loaded()
-        if node is None or least is None or node.load_score() > self._nodes[least].load_score() + PREFIX_LOAD_SLACK:
+        if least is None or node.load_score() > self._nodes[least].load_score() + PREFIX_LOAD_SLACK:
             return None
         return node
 

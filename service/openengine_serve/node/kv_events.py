@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from openengine_serve.api.openengine.v1 import kv_pb2
-from openengine_serve.common.kv_blocks import KEPT_BATCHES, batch, wire_hash
+from openengine_serve.common.kv_blocks import KEPT_BATCHES, batch, block_changes, wire_hash
 
 SUBSCRIBER_BACKLOG = 4096
 KEPT_BYTES = 16 << 20
@@ -26,7 +26,7 @@ class ReplayUnavailable(LookupError):
 
 
 class FellBehind(Exception):
-    """The subscriber read too slowly: its backlog reached SUBSCRIBER_BACKLOG batches."""
+    """The subscriber read too slowly: its backlog reached SUBSCRIBER_BACKLOG batches or KEPT_BYTES."""
 
 
 class Subscription:
@@ -49,7 +49,9 @@ class Subscription:
         """The next batch; raises FellBehind once the backlog overflowed."""
         while not self._pending:
             if self.fell_behind:
-                raise FellBehind(f"the subscriber fell {SUBSCRIBER_BACKLOG} batches behind")
+                raise FellBehind(
+                    f"the subscriber fell {SUBSCRIBER_BACKLOG} batches or {KEPT_BYTES >> 20} MiB of events behind"
+                )
             self._arrived.clear()
             await self._arrived.wait()
         kv_batch, size = self._pending.popleft()
@@ -74,13 +76,11 @@ class KvEventLog:
     def blocks(self) -> int:
         return len(self._held)
 
-    def record(self, events: Iterable[kv_pb2.KvEvent]) -> None:
+    def record(self, events: Sequence[kv_pb2.KvEvent]) -> None:
         """One engine step's events (none: nothing happens)."""
-        events = list(events)
         if not events:
             return
-        for event in events:
-            self._apply(event)
+        self._apply(events)
         self.sequence_number += 1
         kv_batch = batch(self.sequence_number, self.rank, events)
         size = kv_batch.ByteSize()
@@ -128,17 +128,11 @@ class KvEventLog:
             )
         return [kv_batch for kv_batch, _ in list(self._kept)[start - oldest :]]
 
-    def _apply(self, event: kv_pb2.KvEvent) -> None:
-        kind = event.WhichOneof("event")
-        if kind == "block_stored":
-            stored = event.block_stored
-            parent = stored.parent_block_hash.value
-            size = stored.block_size
-            for index, block in enumerate(stored.block_hashes):
-                self._held[block.value] = (parent, list(stored.token_ids[index * size : (index + 1) * size]))
-                parent = block.value
-        elif kind == "block_removed":
-            for block in event.block_removed.block_hashes:
-                self._held.pop(block.value, None)
-        elif kind == "all_blocks_cleared":
-            self._held.clear()
+    def _apply(self, events: Sequence[kv_pb2.KvEvent]) -> None:
+        for change in block_changes(events):
+            if not change.block:
+                self._held.clear()
+            elif change.stored:
+                self._held[change.block] = (change.parent, list(change.tokens))
+            else:
+                self._held.pop(change.block, None)

@@ -94,7 +94,9 @@ def test_a_subscriber_rebuilds_the_nodes_cached_blocks(kv_target, small_cache):
         info = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5)
     assert [(s.data_parallel_rank, s.encoding, s.transport) for s in sources] == [(0, HASH_ENCODING, "grpc")]
     assert info.capacity.kv_block_size == BLOCK_SIZE
-    subscriber = Subscriber(kv_target)
+    endpoint = sources[0].endpoint_addr
+    assert f"{endpoint.host}:{endpoint.port}" == kv_target, "the address the frontend serves on"
+    subscriber = Subscriber(f"{endpoint.host}:{endpoint.port}")
     try:
         salt = f"kv-events-{uuid.uuid4()}"  # the namespace of the hashes: no API keys, so the salt alone
         prompts = [[100 + system] * 64 + list(range(500, 500 + user)) for system in range(3) for user in (5, 9)]

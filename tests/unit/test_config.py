@@ -1,6 +1,7 @@
 """Configuration: CLI flag over environment over default; invalid values name the variable and the allowed values."""
 
 import argparse
+import socket
 
 import pytest
 
@@ -83,6 +84,9 @@ def test_readme_documents_every_knob():
 def test_advertise_address_defaults():
     assert cfg.NodeConfig(host="127.0.0.1", port=7000).resolved_advertise_address() == "127.0.0.1:7000"
     assert cfg.NodeConfig(advertise_address="n1:1").resolved_advertise_address() == "n1:1"
+    assert cfg.NodeConfig(host="0.0.0.0", port=7000).resolved_advertise_address() == f"{socket.gethostname()}:7000"
+    assert cfg.FrontendConfig(host="::").reachable_host() == socket.gethostname()
+    assert cfg.FrontendConfig(host="10.0.0.5").reachable_host() == "10.0.0.5"
 
 
 def test_max_connection_age_on_both_servers():

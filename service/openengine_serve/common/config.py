@@ -136,6 +136,10 @@ class CommonConfig:
         """OPENENGINE_METRICS_HOST, else the gRPC server's host."""
         return self.metrics_host or self.host
 
+    def reachable_host(self) -> str:
+        """Where peers reach the gRPC server: its host, or this machine's name when it binds every address."""
+        return self.host if self.host not in ("0.0.0.0", "::", "[::]", "") else socket.gethostname()
+
 
 @dataclass(frozen=True)
 class CoordinatorConfig(CommonConfig):
@@ -286,10 +290,7 @@ class NodeConfig(CommonConfig):
         return coordinator_addresses(self.coordinator_address)
 
     def resolved_advertise_address(self) -> str:
-        if self.advertise_address:
-            return self.advertise_address
-        host = self.host if self.host not in ("0.0.0.0", "::", "[::]", "") else socket.gethostname()
-        return f"{host}:{self.port}"
+        return self.advertise_address or f"{self.reachable_host()}:{self.port}"
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     coordinator = CoordinatorClient(
         frontend_id,
         config.coordinators(),
-        f"{socket.gethostname()}:{config.port}",
+        f"{config.reachable_host()}:{config.port}",
         config.heartbeat_s,
         config.coordinator_timeout_s,
         live_requests=lambda: requests.open_count,
@@ -107,7 +107,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     kv_events = KvEventRelay(
         coordinator.ready_nodes,
         functools.partial(open_internal_channel, options=NODE_CHANNEL_OPTIONS),
-        socket.gethostname(),
+        config.reachable_host(),
         config.port,
     )
     control = Control(config, frontend_id, implementation, coordinator, health, probe, model, kv_events)

@@ -50,6 +50,24 @@ def test_system_prompts_differ_from_their_first_words():
         f.system_prompts(len(f.ORGANIZATIONS) + 1, words, 10)
 
 
+def test_system_prompts_after_a_shared_preamble_share_their_first_words_only():
+    prompts = f.system_prompts(4, words, 200, preamble_tokens=80)
+    first = [p.split()[:80] for p in prompts]
+    assert all(head == first[0] for head in first), "the same first 80 words: one first-tokens key for all"
+    assert len({p.split("You are the help desk assistant of ")[1].split(".")[0] for p in prompts}) == 4
+    assert all(words(p) >= 280 for p in prompts)
+
+
+def test_routing_workloads_parse_from_the_command_line():
+    assert f.RoutingWorkload.parse("8x8+200") == f.RoutingWorkload(8, 8, 200)
+    assert f.RoutingWorkload.parse(" 4x16") == f.RoutingWorkload(4, 16, 0)
+    assert str(f.RoutingWorkload(8, 8, 200)) == "8x8+200" and str(f.RoutingWorkload(4, 16)) == "4x16"
+    assert f.RoutingWorkload(8, 8, 200).name == "K=8 x R=8, after a shared 200-token preamble"
+    with pytest.raises(ValueError, match="KxR or KxR"):
+        f.RoutingWorkload.parse("8 by 8")
+    assert f.build_parser().parse_args(["--routing-workloads", "8x8+200"]).routing_workloads == "8x8+200"
+
+
 def test_routing_plan_gives_each_prompt_its_distinct_questions_in_a_fixed_shuffle():
     plan = f.routing_plan(3, 5)
     assert sorted(plan) == [(p, q) for p in range(3) for q in range(5)]

@@ -9,6 +9,7 @@ import pytest
 
 from openengine_serve.api.openengine.v1 import kv_pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.coordinator.kv_index import PREDICTED_TTL_S
 from openengine_serve.coordinator.state import (
     FRONTEND_LOAD_REFRESH_S,
     ClusterState,
@@ -619,12 +620,18 @@ def test_a_node_of_another_model_is_refused_while_a_node_of_the_first_lives(
 # ------------------------------------------------------------------ routing by the nodes' KV events
 
 
+@pytest.fixture
+def kv_state(clock: FakeClock) -> ClusterState:
+    return ClusterState(now=clock, node_expiry_s=3.0, frontend_expiry_s=3.0, prefix_routing="kv-events")
+
+
 def stored(*chain: bytes) -> kv_pb2.KvEventBatch:
     blocks = [kv_pb2.KvBlockHash(value=value) for value in chain]
     return kv_pb2.KvEventBatch(events=[kv_pb2.KvEvent(block_stored=kv_pb2.BlockStored(block_hashes=blocks))])
 
 
-def test_a_request_goes_to_the_node_holding_the_longest_run_of_its_blocks(state: ClusterState) -> None:
+def test_a_request_goes_to_the_node_holding_the_longest_run_of_its_blocks(kv_state: ClusterState) -> None:
+    state = kv_state
     for node_id in ("a", "b", "c"):
         add_node(state, node_id)
     state.kv_index.apply("a", stored(b"h1"))
@@ -642,7 +649,8 @@ def test_a_request_goes_to_the_node_holding_the_longest_run_of_its_blocks(state:
     assert state.snapshot()["routing_decisions"]["kv_blocks"] == 2, "held nowhere: the next rule decides"
 
 
-def test_the_node_with_the_blocks_is_passed_over_when_much_busier(state: ClusterState) -> None:
+def test_the_node_with_the_blocks_is_passed_over_when_much_busier(kv_state: ClusterState) -> None:
+    state = kv_state
     add_node(state, "a", running=6, max_running=8)  # 0.75 busier than b
     add_node(state, "b")
     state.kv_index.apply("a", stored(b"h1"))
@@ -650,7 +658,8 @@ def test_the_node_with_the_blocks_is_passed_over_when_much_busier(state: Cluster
     assert state.snapshot()["routing_decisions"]["kv_blocks"] == 0
 
 
-def test_among_nodes_holding_the_same_run_the_least_loaded_is_picked(state: ClusterState) -> None:
+def test_among_nodes_holding_the_same_run_the_least_loaded_is_picked(kv_state: ClusterState) -> None:
+    state = kv_state
     add_node(state, "a", running=1, max_running=8)
     add_node(state, "b", running=0, max_running=8)
     add_node(state, "c", running=0, max_running=8)
@@ -659,7 +668,8 @@ def test_among_nodes_holding_the_same_run_the_least_loaded_is_picked(state: Clus
     assert reserve(state, "r0", block_hashes=[b"h1", b"h2"]) == "b"
 
 
-def test_a_run_of_half_the_blocks_or_less_does_not_decide(state: ClusterState) -> None:
+def test_a_run_of_half_the_blocks_or_less_does_not_decide(kv_state: ClusterState) -> None:
+    state = kv_state
     add_node(state, "a", running=1, max_running=8)
     add_node(state, "b")
     state.kv_index.apply("a", stored(b"template", b"h2"))
@@ -668,15 +678,30 @@ def test_a_run_of_half_the_blocks_or_less_does_not_decide(state: ClusterState) -
     assert state.snapshot()["routing_decisions"]["kv_blocks"] == 1
 
 
-def test_routing_by_kv_events_a_new_prefix_goes_to_the_least_loaded_node_and_its_next_requests_follow(clock):
-    state = ClusterState(now=clock, prefix_routing="kv-events")
+def test_a_new_prompt_goes_to_the_least_loaded_node_and_its_next_requests_follow(kv_state, clock) -> None:
+    state = kv_state
     add_node(state, "a", running=1, max_running=8)
     add_node(state, "b")
-    assert reserve(state, "r0", prefix_key="p1") == "b"
+    doc1, doc2 = [b"preamble", b"d1-1", b"d1-2"], [b"preamble", b"d2-1", b"d2-2"]
+    assert reserve(state, "r0", block_hashes=doc1 + [b"q0"]) == "b"
     state.node_heartbeat("b", READY, load(running=1))
     state.node_heartbeat("a", READY, load(running=0))
-    assert reserve(state, "r1", prefix_key="p1") == "b", "not cached yet: where the prefix went"
-    assert reserve(state, "r2", prefix_key="p2") == "a"
+    assert reserve(state, "r1", block_hashes=doc1 + [b"q1"]) == "b", "not cached yet: where its first request went"
+    assert reserve(state, "r2", block_hashes=doc2 + [b"q2"]) == "a", "the same preamble only: the least loaded"
     state.node_heartbeat("b", READY, load(running=7))  # far busier than a
-    assert reserve(state, "r3", prefix_key="p1") == "a"
-    assert state.snapshot()["routing_decisions"]["prefix"] == 1
+    assert reserve(state, "r3", block_hashes=doc1 + [b"q3"]) == "a"
+    assert state.snapshot()["routing_decisions"]["kv_blocks"] == 1
+    state.node_heartbeat("b", READY, load(running=0))
+    state.node_heartbeat("a", READY, load(running=0))
+    clock.advance(PREDICTED_TTL_S)  # no event ever said the blocks were cached: the guess lapses
+    reserve(state, "r4", block_hashes=doc1 + [b"q4"])
+    assert state.snapshot()["routing_decisions"]["kv_blocks"] == 1
+
+
+def test_routing_by_first_tokens_ignores_the_blocks(state: ClusterState) -> None:
+    add_node(state, "a")
+    add_node(state, "b")
+    state.kv_index.apply("a", stored(b"h1", b"h2"))
+    reserve(state, "r0", block_hashes=[b"h1", b"h2"], prefix_key="p")
+    decisions = state.snapshot()["routing_decisions"]
+    assert decisions["kv_blocks"] == 0 and decisions["prefix"] == 1

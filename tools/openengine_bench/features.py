@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -93,12 +94,38 @@ FOREIGN_CPUS_NOTED = 0.1
 
 
 @dataclass(frozen=True)
+class RoutingWorkload:
+    """K system prompts, each with `per_prompt` requests (a question of their own), all starting with one shared
+    preamble of about `preamble_tokens` tokens (0: none; 64 or more: their first 64 tokens are the same)."""
+
+    k: int
+    per_prompt: int
+    preamble_tokens: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> RoutingWorkload:
+        """ "KxR" or "KxR+P" (P: the shared preamble's tokens)."""
+        match = re.fullmatch(r"(\d+)x(\d+)(?:\+(\d+))?", text.strip())
+        if not match:
+            raise ValueError(f"a routing workload is KxR or KxR+P (e.g. 8x8+200), got {text!r}")
+        return cls(int(match[1]), int(match[2]), int(match[3] or 0))
+
+    def __str__(self) -> str:
+        return f"{self.k}x{self.per_prompt}" + (f"+{self.preamble_tokens}" if self.preamble_tokens else "")
+
+    @property
+    def name(self) -> str:
+        shared = f", after a shared {self.preamble_tokens}-token preamble" if self.preamble_tokens else ""
+        return f"K={self.k} x R={self.per_prompt}{shared}"
+
+
+@dataclass(frozen=True)
 class Mode:
     rounds: int  # guided and isolation levels are run this many times, order alternated
     warmup_s: float  # uncounted load before each window; the streams' starts are spread over it
     window_s: float  # the measured window
     cache_pairs: int  # prefix cache: requests with the cache and without it, each
-    routing: tuple[tuple[int, int], ...]  # (system prompts K, requests per prompt) of each routing workload
+    routing: tuple[RoutingWorkload, ...]
     routing_concurrency: int
     mask_repeats: int  # in-process mask timing: passes over the generated outputs
 
@@ -108,12 +135,18 @@ FULL = Mode(
     warmup_s=5.0,
     window_s=25.0,
     cache_pairs=15,
-    routing=((4, 16), (8, 8)),
+    routing=(RoutingWorkload(4, 16), RoutingWorkload(8, 8), RoutingWorkload(8, 8, 200)),
     routing_concurrency=4,
     mask_repeats=30,
 )
 QUICK = Mode(
-    rounds=1, warmup_s=2.0, window_s=6.0, cache_pairs=5, routing=((4, 6),), routing_concurrency=4, mask_repeats=5
+    rounds=1,
+    warmup_s=2.0,
+    window_s=6.0,
+    cache_pairs=5,
+    routing=(RoutingWorkload(4, 6),),
+    routing_concurrency=4,
+    mask_repeats=5,
 )
 
 
@@ -247,16 +280,24 @@ def grow_text(head: str, sentences: Sequence[str], count_tokens: Callable[[str],
     return text
 
 
-def system_prompts(k: int, count_tokens: Callable[[str], int], target: int, seed: int = 0) -> list[str]:
+def system_prompts(
+    k: int, count_tokens: Callable[[str], int], target: int, seed: int = 0, preamble_tokens: int = 0
+) -> list[str]:
     """k distinct system prompts of about `target` tokens: each names its own organization first (so their
-    first tokens, which route a request, differ) and takes the rules in an order of its own."""
+    first tokens, which route a request, differ) and takes the rules in an order of its own. With
+    `preamble_tokens`, each starts with the same preamble of about that many tokens (the rules in their order)
+    and then its own part, of about `target` tokens too."""
     if k > len(ORGANIZATIONS):
         raise ValueError(f"at most {len(ORGANIZATIONS)} distinct system prompts, asked for {k}")
+    preamble = (
+        grow_text("Read the house rules first.", RULES, count_tokens, preamble_tokens) + " " if preamble_tokens else ""
+    )
     out = []
     for i in range(k):
         rules = list(RULES)
         random.Random(seed + i).shuffle(rules)
-        out.append(grow_text(f"You are the help desk assistant of {ORGANIZATIONS[i]}.", rules, count_tokens, target))
+        own = grow_text(f"You are the help desk assistant of {ORGANIZATIONS[i]}.", rules, count_tokens, target)
+        out.append(preamble + own)
     return out
 
 
@@ -1526,12 +1567,13 @@ def render_report(doc: dict[str, Any]) -> str:
             "",
             f"`{stacks}`. Each workload: K system prompts of ~{settings['routing_system_tokens']} "
             f"tokens (each names its own organization first: their first 64 tokens, which name a prefix for "
-            f"routing, differ), each shared by R requests with distinct short questions (8 output tokens), in "
+            f"routing, differ; after a shared preamble, the preamble's first 64 tokens are the same for all), "
+            f"each shared by R requests with distinct short questions (8 output tokens), in "
             f"one shuffled order, {settings['routing_concurrency']} at a time, under a salt of each run's own. "
             f"by kv-events: no routing key, the coordinator sends a request to the node whose prefix cache holds "
-            f"the longest run of its first KV blocks (it follows the nodes' KV events; a prefix cached nowhere "
-            f"yet goes where it went last, a new one to the least loaded node); by first-tokens: no routing key, "
-            f"the node a hash of its first 64 "
+            f"the longest run of its first KV blocks (it follows the nodes' KV events, and counts the blocks of a "
+            f"request it has just routed as on that node until they are cached), else to the least loaded node; "
+            f"by first-tokens: no routing key, the node a hash of its first 64 "
             f"tokens names; random key: an `openengine-routing-key` of its own per request, which takes "
             f"precedence and places each request without regard to its prefix. Hit rate: hit / (hit + "
             f"prefilled) prompt tokens over both nodes' counters.",
@@ -1614,6 +1656,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {','.join(ROUTING_RULES)})",
     )
     p.add_argument(
+        "--routing-workloads",
+        default="",
+        help="the routing workloads, comma list of KxR (K system prompts, R requests each) or KxR+P (after a "
+        f"shared P-token preamble) (default {','.join(map(str, FULL.routing))}; --quick "
+        f"{','.join(map(str, QUICK.routing))})",
+    )
+    p.add_argument(
         "--quiet-wait",
         type=float,
         default=20.0,
@@ -1646,6 +1695,14 @@ def main(argv: list[str] | None = None) -> int:
     rules = [r.strip() for r in args.routing_rules.split(",") if r.strip()]
     if not rules or set(rules) - set(ROUTING_RULES):
         raise SystemExit(f"--routing-rules: one or more of {', '.join(ROUTING_RULES)}, got {args.routing_rules!r}")
+    try:
+        routing_workloads = (
+            [RoutingWorkload.parse(w) for w in args.routing_workloads.split(",") if w.strip()]
+            if args.routing_workloads
+            else list(mode.routing)
+        )
+    except ValueError as exc:
+        raise SystemExit(f"--routing-workloads: {exc}") from None
     QUIET_LIMIT_S[0] = args.quiet_wait * 60
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM too runs the finally blocks: stacks stop
 
@@ -1780,7 +1837,7 @@ def main(argv: list[str] | None = None) -> int:
         """The routing workloads on one 2-node stack per coordinator rule (OPENENGINE_PREFIX_ROUTING); the blind
         placement (a random key per request) on the first."""
         doc["routing"] = {"stacks": {}, "workloads": [], "notes": []}
-        workloads: dict[tuple[int, int], dict[str, Any]] = {}
+        workloads: dict[RoutingWorkload, dict[str, Any]] = {}
         for rule in rules:
             env = {**two_nodes, "OPENENGINE_PREFIX_ROUTING": rule}
             stack = Stack(2, env, args.logs, f"two-nodes-{rule}")
@@ -1793,15 +1850,18 @@ def main(argv: list[str] | None = None) -> int:
                     await run_request(
                         stack.client, make_request(stack.model, PROMPTS[0], max_tokens=8), Record(time.perf_counter())
                     )
-                for k, per_prompt in mode.routing:
-                    prompts = system_prompts(k, count, args.routing_system_tokens)
-                    plan = routing_plan(k, per_prompt)
-                    workload = workloads.get((k, per_prompt))
+                for spec in routing_workloads:
+                    prompts = system_prompts(
+                        spec.k, count, args.routing_system_tokens, preamble_tokens=spec.preamble_tokens
+                    )
+                    plan = routing_plan(spec.k, spec.per_prompt)
+                    workload = workloads.get(spec)
                     if workload is None:
-                        workload = workloads[(k, per_prompt)] = {
-                            "name": f"K={k} x R={per_prompt}",
-                            "k": k,
-                            "per_prompt": per_prompt,
+                        workload = workloads[spec] = {
+                            "name": spec.name,
+                            "k": spec.k,
+                            "per_prompt": spec.per_prompt,
+                            "preamble_tokens": spec.preamble_tokens,
                             "prompt_tokens": [count(chat(questions()[0], p)) for p in prompts],
                             "variants": {},
                         }

@@ -150,8 +150,9 @@ class CoordinatorConfig(CommonConfig):
     prefix_routing: str = knob(
         "kv-events",
         "how a request without a routing key goes where its prompt's prefix is cached: kv-events (to the node "
-        "whose prefix cache holds the longest run of the prompt's first KV blocks, following the nodes' KV events; "
-        "a prefix cached nowhere yet to where it last went, a new one to the least loaded node) or first-tokens "
+        "whose prefix cache holds the longest run of the prompt's first KV blocks, following the nodes' KV events "
+        "and counting the blocks of requests just routed as on their node; else to the least loaded node) or "
+        "first-tokens "
         "(to the node a hash of the prompt's first 64 tokens and cache salt names); either only while that node "
         "is not much busier than the least loaded",
         choices=PREFIX_ROUTINGS,

@@ -64,9 +64,6 @@ LookupResult = tuple[Literal["live", "finished", "unknown"], cluster_pb2.NodeEnt
 
 
 PREFIX_KEY_SPACE = "\0prefix:"  # prefix keys and routing keys share the affinity memory, never a key
-# Routing by KV events: the node each prefix went to lately, where its next requests go until the node's cache
-# holds it (the cache keeps ended requests only); at most this many prefixes, the least recently placed forgotten.
-PREFIX_PLACEMENTS_KEPT = 4096
 PREFIX_LOAD_SLACK = 0.25  # a prefix's node may be this much busier (fraction of its batch) than the least loaded
 
 
@@ -218,7 +215,6 @@ class ClusterState:
         self._least_loaded = LeastLoadedIndex()
         self.kv_index = KvIndex()  # the nodes' cached KV blocks, fed by kv_follow.py
         self._prefix_routing = prefix_routing  # config.py: CoordinatorConfig.prefix_routing
-        self._prefix_placed: collections.OrderedDict[str, str] = collections.OrderedDict()  # prefix key -> node id
         # The READY nodes, by rank, and the routing keys' rendezvous nodes: rebuilt when the READY set changes.
         self._ready_changes = 0
         self._ready_view_at = -1
@@ -436,6 +432,7 @@ class ClusterState:
             self._refusals["no_node"] += 1
             raise NoNodeAvailable(f"no node is ready to take requests: {self._describe_nodes()}")
 
+        now = self._now()
         node: _Node | None
         if request.HasField("target_rank"):
             node = self._pick_target_rank(ready, request.target_rank)
@@ -443,17 +440,16 @@ class ClusterState:
         else:
             node = self._pick_by_affinity(ready, request.routing_key)
             reason = ROUTE_AFFINITY
-            if node is None:
-                node = self._pick_by_blocks(request.block_hashes)
+            if node is None and self._prefix_routing == "kv-events":
+                node = self._pick_by_blocks(request.block_hashes, now)
                 reason = ROUTE_KV_BLOCKS
-            if node is None:
+            if node is None and self._prefix_routing == "first-tokens":
                 node = self._pick_by_prefix(ready, request.prefix_key)
                 reason = ROUTE_PREFIX
             if node is None:
                 node = self._pick_least_loaded(ready)
                 reason = ROUTE_LEAST_LOADED
 
-        now = self._now()
         frontend = self._frontends.get(request.frontend_id)
         if frontend is None:
             # Reserve before registration: the coordinator restarted and the
@@ -464,11 +460,8 @@ class ClusterState:
             self._touch_frontend(frontend)
 
         node_id = node.entry.node_id
-        if request.prefix_key and self._prefix_routing == "kv-events":
-            self._prefix_placed[request.prefix_key] = node_id
-            self._prefix_placed.move_to_end(request.prefix_key)
-            if len(self._prefix_placed) > PREFIX_PLACEMENTS_KEPT:
-                self._prefix_placed.popitem(last=False)
+        if self._prefix_routing == "kv-events":
+            self.kv_index.predict(node_id, request.block_hashes, now)
         self._live[request_id] = _Reservation(request.frontend_id, node_id, now, node.load_epoch, request.owner)
         self._finished.pop(request_id, None)  # an id may be reused once finished
         node.request_ids.add(request_id)
@@ -601,30 +594,24 @@ class ClusterState:
             node = self._affinity[digest] = rendezvous_pick(routing_key, ready, _node_id)
         return None if node.is_full() else node
 
-    def _pick_by_blocks(self, hashes: Sequence[bytes]) -> _Node | None:
+    def _pick_by_blocks(self, hashes: Sequence[bytes], now: float) -> _Node | None:
         """Of the READY nodes with room whose prefix cache holds the longest run of the prompt's first KV blocks
-        (by their KV events, kv_index.py), the least loaded, unless it is too busy (`_within_slack`); None then,
-        or when that run is not more than half the blocks looked at (a run of the chat template's first block
-        alone, which every node soon holds, must not pull every new prompt to one node)."""
+        (by their KV events and the requests just routed, kv_index.py), the least loaded, unless it is too busy
+        (`_within_slack`); None then, or when that run is not more than half the blocks looked at (a run of the
+        chat template's first block alone, which every node soon holds, must not pull every new prompt to one
+        node)."""
         if not hashes:
             return None
-        node_ids, length = self.kv_index.longest_runs(hashes)
+        node_ids, length = self.kv_index.longest_runs(hashes, now)
         if length * 2 <= len(hashes):
             return None
         nodes = [node for node_id in node_ids if (node := self._available(node_id)) is not None]
         return self._within_slack(min(nodes, key=_Node.load_score)) if nodes else None
 
     def _pick_by_prefix(self, ready: list[_Node], prefix_key: str) -> _Node | None:
-        """The prefix's node (where its prompt's KV is likely cached, or soon will be), unless it is too busy
-        (`_within_slack`); None then, or without a key. Routing by first tokens, the node the routing rule names
-        (consistent hashing); by KV events (whose blocks say where a prefix is cached), the node the prefix
-        last went to, if any: a new prefix goes to the least loaded node."""
-        if not prefix_key:
-            return None
-        if self._prefix_routing == "kv-events":
-            node = self._available(self._prefix_placed.get(prefix_key, ""))
-        else:
-            node = self._pick_by_affinity(ready, PREFIX_KEY_SPACE + prefix_key)
+        """The node the routing rule names for the prompt's first tokens (consistent hashing: where its KV is
+        likely cached, or soon will be), unless it is too busy (`_within_slack`); None then, or without a key."""
+        node = self._pick_by_affinity(ready, PREFIX_KEY_SPACE + prefix_key) if prefix_key else None
         return None if node is None else self._within_slack(node)
 
     def _available(self, node_id: str) -> _Node | None:

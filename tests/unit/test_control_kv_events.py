@@ -3,12 +3,15 @@ a rank no ready node has."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from openengine_serve.api.openengine.v1 import kv_pb2
+from openengine_serve.frontend import kv_events
 from openengine_serve.frontend.control import Control
 from openengine_serve.frontend.kv_events import KvEventRelay
 
@@ -49,3 +52,39 @@ def test_the_sources_are_the_ready_nodes_asked_for():
     assert [s.data_parallel_rank for s in relay.sources([])] == [0, 1]
     assert [s.data_parallel_rank for s in relay.sources([1, 5])] == [1]
     assert relay.sources([1])[0].endpoint_addr.host == "frontend.test"
+
+
+def fake_reads(monkeypatch) -> None:
+    """Each node read sends one batch naming its rank (sequence number 1 when read from a snapshot), then waits."""
+
+    async def read(self, node, node_request, relayed) -> None:
+        batch = kv_pb2.KvEventBatch(data_parallel_rank=node.rank, sequence_number=int(node_request.include_snapshot))
+        await relayed.put(kv_pb2.SubscribeKvEventsResponse(batch=batch))
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(KvEventRelay, "_read", read)
+    monkeypatch.setattr(kv_events, "NEW_NODES_S", 0.01)
+
+
+@pytest.mark.parametrize("ranks", [[], [0]])
+async def test_a_subscription_without_ranks_also_reads_nodes_ready_later_from_their_snapshot(monkeypatch, ranks):
+    fake_reads(monkeypatch)
+    ready = [node_entry("n0")]
+    relay = KvEventRelay(lambda: list(ready), lambda address: None, "frontend.test", 50051)
+    request = kv_pb2.SubscribeKvEventsRequest(data_parallel_ranks=ranks)
+    stream = relay.subscribe(request, relay.check(request))
+    try:
+        assert (await anext(stream)).batch.data_parallel_rank == 0
+        ready.append(node_entry("n1", rank=1))
+        later = asyncio.ensure_future(anext(stream))
+        done, _ = await asyncio.wait([later], timeout=0.5)
+        if ranks:  # the ranks named are the ones read
+            assert not done
+            later.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await later
+        else:
+            assert done and later.result().batch.data_parallel_rank == 1
+            assert later.result().batch.sequence_number == 1, "read from its snapshot"
+    finally:
+        await stream.aclose()

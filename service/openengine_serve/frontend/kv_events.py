@@ -2,7 +2,9 @@
 
 Each ready node is one source, named by its rank (`data_parallel_rank`); its batches are numbered by the node
 (node/kv_events.py) and carry its rank. A subscription reads the nodes ready when it starts (or the ranks it
-names) and relays their batches as they come, interleaved; when one node's stream ends (the node left or
+names) and relays their batches as they come, interleaved; one that names no ranks also reads each node that
+becomes ready later, from its snapshot (its first batch clears and lists every block it holds). When one node's
+stream ends (the node left or
 restarted, or it no longer holds the `start_sequence_number` asked for), the call ends with one EngineError
 naming it, and the subscriber subscribes again (with `include_snapshot` to rebuild its view). The block hashes
 are common/kv_blocks.py's: a router computes a request's own and looks for them.
@@ -23,6 +25,7 @@ from .refusal import InvalidRequest
 
 SCHEMA_VERSION = 1
 RELAY_QUEUE = 64  # batches read from the nodes and not yet sent; a slow subscriber slows its node streams
+NEW_NODES_S = 1.0  # a subscription without ranks looks for nodes that became ready this often
 
 
 class KvEventRelay:
@@ -63,6 +66,8 @@ class KvEventRelay:
             include_snapshot=request.include_snapshot, start_sequence_number=request.start_sequence_number
         )
         readers = [asyncio.create_task(self._read(node, node_request, relayed)) for node in nodes]
+        if not request.data_parallel_ranks:
+            readers.append(asyncio.create_task(self._read_new_nodes({n.node_id for n in nodes}, readers, relayed)))
         try:
             while True:
                 response = await relayed.get()
@@ -74,6 +79,21 @@ class KvEventRelay:
                 reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*readers, return_exceptions=True)
+
+    async def _read_new_nodes(
+        self,
+        read: set[str],
+        readers: list[asyncio.Task],
+        relayed: asyncio.Queue[kv_pb2.SubscribeKvEventsResponse],
+    ) -> None:
+        """Adds a reader, from its snapshot, for each node that becomes ready after the subscription started."""
+        snapshot = cluster_pb2.KvEventsRequest(include_snapshot=True)
+        while True:
+            await asyncio.sleep(NEW_NODES_S)
+            for node in self._ready_nodes():
+                if node.node_id not in read:
+                    read.add(node.node_id)
+                    readers.append(asyncio.create_task(self._read(node, snapshot, relayed)))
 
     async def _read(
         self,

@@ -251,8 +251,9 @@ def open_async_channel(target: str, options=(), credentials: Credentials = NO_CR
 def check_health(
     target: str, service: str = "readiness", timeout: float = 1.0, credentials: Credentials = NO_CREDENTIALS
 ) -> int:
-    """One grpc.health.v1 Check: the ServingStatus, or grpc.RpcError when the target does not answer."""
-    with open_channel(target, credentials=credentials) as channel:
+    """One grpc.health.v1 Check on a connection of its own (processes sharing a port answer one each): the
+    ServingStatus, or grpc.RpcError when the target does not answer."""
+    with open_channel(target, [("grpc.use_local_subchannel_pool", 1)], credentials) as channel:
         return (
             health_pb2_grpc.HealthStub(channel)  # type: ignore[attr-defined]  # its stub declares no methods
             .Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

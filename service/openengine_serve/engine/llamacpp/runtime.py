@@ -108,6 +108,8 @@ class LlamaModel:
                 f"sequences (see its log above)"
             )
         self.context_size = lib.llama_n_ctx(self._context)
+        self._adapters: dict[str, object] = {}  # name -> llama_adapter_lora pointer
+        self._applied: tuple[tuple[str, float], ...] = ()  # the adapters the next decode applies, with scales
         self._memory = lib.llama_get_memory(self._context)
         self._logits_ith = lib.llama_get_logits_ith
         self._float_p = ctypes.POINTER(ctypes.c_float)
@@ -123,6 +125,35 @@ class LlamaModel:
         if status != 0:
             # 1: no KV slot for the batch (the engine's accounting keeps it from happening); <0: an error
             raise LlamaError(f"llama_decode failed with status {status} on a batch of {batch.size} tokens")
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Loads a GGUF LoRA adapter of this model under `name`. Raises LlamaError with llama.cpp's reason (not a
+        LoRA GGUF, another architecture, shapes of another model)."""
+        if name in self._adapters:
+            raise LlamaError(f"a LoRA adapter named {name!r} is loaded already")
+        take_errors()
+        adapter = self._lib.llama_adapter_lora_init(self._model, path.encode())
+        if not adapter:
+            raise LlamaError(f"llama.cpp could not load the LoRA adapter {path}: {take_errors() or 'no reason logged'}")
+        self._adapters[name] = adapter
+
+    def unload_adapter(self, name: str) -> None:
+        """Frees the adapter (the caller no longer decodes with it)."""
+        if any(applied == name for applied, _ in self._applied):
+            self.apply_adapters(())
+        self._lib.llama_adapter_lora_free(self._adapters.pop(name))
+
+    def apply_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """The adapters (name, scale) the next decodes apply; () for the base model. llama.cpp applies them to
+        the whole context, so one decode serves one set: the engine decodes each set's sequences apart."""
+        if adapters == self._applied:
+            return
+        lib = self._lib
+        pointers = (lib.llama_adapter_lora_p_ctypes * len(adapters))(*(self._adapters[n] for n, _ in adapters))
+        scales = (ctypes.c_float * len(adapters))(*(scale for _, scale in adapters))
+        if lib.llama_set_adapters_lora(self._context, pointers, len(adapters), scales) != 0:
+            raise LlamaError(f"llama.cpp could not apply the LoRA adapters {[n for n, _ in adapters]}")
+        self._applied = adapters
 
     def logits(self, batch_index: int) -> np.ndarray:
         """The logits row of the token at `batch_index` of the last decode (writable: masks apply in place)."""

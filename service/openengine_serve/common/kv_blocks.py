@@ -4,9 +4,10 @@
 The hash (`HASH_ENCODING`) of a block is BLAKE2b with a 16-byte digest of the previous block's hash followed by
 the block's token ids as little-endian uint32; the first block's previous hash is `root_hash(namespace)`, where
 the namespace is the prefix-cache salt of the request (the key's cache namespace, then the client's
-`kv.cache_salt`; "" without API keys and salt). So two blocks have one hash only when the same tokens follow the
-same prefix in the same namespace, and a router that knows a request's tokens computes the hashes of its
-blocks (`block_hashes`) and asks which node holds the longest run of them.
+`kv.cache_salt`; "" without API keys and salt), with its LoRA adapter when it names one (`cache_namespace`). So
+two blocks have one hash only when the same tokens follow the same prefix in the same namespace, and a router
+that knows a request's tokens computes the hashes of its blocks (`block_hashes`) and asks which node holds the
+longest run of them.
 
 The cache keeps whole sequences (a prompt and the output read after it); each covers its full blocks. A block is
 stored when the first sequence covering it enters the cache, and removed when the last one leaves
@@ -27,6 +28,12 @@ BLOCK_SIZE = 16
 KEPT_BATCHES = 4096  # event batches a node keeps for a subscriber who comes back (`start_sequence_number`)
 HASH_ENCODING = "openengine-blake2b128-chain-v1"
 _ROOT_PERSON = b"oe-kv-root"
+
+
+def cache_namespace(salt: str, lora_name: str) -> str:
+    """The prefix-cache namespace of a request: its salt, and its LoRA adapter (an adapter's KV differs from the
+    base model's for the same tokens). The NUL cannot occur in a name the frontend accepts."""
+    return f"{salt}\0lora:{lora_name}" if lora_name else salt
 
 
 def root_hash(namespace: str) -> bytes:

@@ -29,6 +29,7 @@ class WorkerConfig:
     threads: int = 1  # llama.cpp: CPU threads of the decode
     prefix_cache_tokens: int = 0  # llama.cpp: KV cells the prefix cache may keep (0: no prefix cache)
     max_guided_sequences: int = 32  # llama.cpp: guided outputs running at once
+    max_loras: int = 0  # llama.cpp: LoRA adapters held at once (0: LoRA off)
 
     def __post_init__(self) -> None:
         if (
@@ -40,11 +41,12 @@ class WorkerConfig:
             or self.threads < 1
             or self.prefix_cache_tokens < 0
             or self.max_guided_sequences < 0
+            or self.max_loras < 0
         ):
             raise ValueError(
                 f"invalid engine worker config: need max_batch >= 1, ranks >= 1, step_ms > 0, "
                 f"context_size >= 1, prefill_chunk >= 1, threads >= 1, prefix_cache_tokens >= 0 "
-                f"and max_guided_sequences >= 0, got {self}"
+                f"max_guided_sequences >= 0 and max_loras >= 0, got {self}"
             )
         if self.engine not in ("simulated", "llama.cpp"):
             raise ValueError(

@@ -40,6 +40,8 @@ class EngineLoad(NamedTuple):
     prefilled_tokens: int = 0  # prompt tokens read in the last step
     cached_prompt_tokens: int = 0  # prompt tokens admitted in the last step with their KV from the prefix cache
     cached_blocks: int = 0  # KV blocks the prefix cache holds
+    running_loras: Sequence[str] = ()  # LoRA adapters of the admitted requests
+    waiting_loras: Sequence[str] = ()  # LoRA adapters of the queued requests
 
 
 class Engine(ABC):
@@ -71,6 +73,14 @@ class Engine(ABC):
     def load(self) -> EngineLoad:
         """The figures of the last step."""
 
+    def set_lora(self, command: cluster_pb2.LoraCommand) -> cluster_pb2.LoraOutcome:
+        """Loads or unloads a LoRA adapter (the node checked its path)."""
+        return cluster_pb2.LoraOutcome(
+            adapter=command.adapter,
+            error="this engine has no LoRA adapters",
+            refusal_code=9,  # FAILED_PRECONDITION
+        )
+
     def take_kv_events(self) -> list[kv_pb2.KvEvent]:
         """The prefix cache's KV events since the last call (none without a prefix cache)."""
         return []
@@ -91,9 +101,11 @@ def step_message(
     step_seconds: float,
     worker_pids: list[int],
     kv_events: Sequence[kv_pb2.KvEvent] = (),
+    lora_outcomes: Sequence[cluster_pb2.LoraOutcome] = (),
 ) -> bytes:
-    """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..12) and the KV events
-    (13), in field order, so the bytes equal protobuf's own serialization of the same message."""
+    """The serialized EngineStep: `step` (field 1), the events (2), then the load fields (4..12), the KV events
+    (13) and the LoRA fields (14..16), in field order, so the bytes equal protobuf's own serialization of the same
+    message."""
     figures = cluster_pb2.EngineStep(
         running=load.running,
         queued=load.queued,
@@ -105,5 +117,8 @@ def step_message(
         cached_prompt_tokens=load.cached_prompt_tokens,
         cached_blocks=load.cached_blocks,
         kv_events=kv_events,
+        lora_outcomes=lora_outcomes,
+        running_loras=load.running_loras,
+        waiting_loras=load.waiting_loras,
     ).SerializeToString()
     return cluster_pb2.EngineStep(step=step).SerializeToString() + b"".join(events) + figures

@@ -68,6 +68,7 @@ class _Scheduler:
         self._step = 0
         self._plan = array.array("q", [0, 0, 0])
         self._shutdown = False
+        self._lora_outcomes: list[cluster_pb2.LoraOutcome] = []  # sent with the next step
 
     def run(self) -> None:
         while not self._shutdown:
@@ -105,10 +106,13 @@ class _Scheduler:
         self._broadcast_plan()
         stepped = self._engine.step(events)
         kv_events = self._engine.take_kv_events()
-        if stepped or events or kv_events:
+        if stepped or events or kv_events or self._lora_outcomes:
             load = self._engine.load()
             seconds = time.monotonic() - started
-            self._steps.send(step_message(self._step, events, load, seconds, self._worker_pids, kv_events))
+            self._steps.send(
+                step_message(self._step, events, load, seconds, self._worker_pids, kv_events, self._lora_outcomes)
+            )
+            self._lora_outcomes = []
         else:
             self._step -= 1  # nothing sent: step numbers stay consecutive (only the simulated engine has followers,
             # and it always steps)
@@ -136,6 +140,8 @@ class _Scheduler:
                 self._engine.cancel(command.cancel, events)
             elif kind == "pause":
                 self._engine.pause(command.pause)
+            elif kind == "lora":
+                self._lora_outcomes.append(self._engine.set_lora(command.lora))
             elif kind == "shutdown":
                 self._shutdown = True
                 return

@@ -39,6 +39,10 @@ Python's work per step and per sequence rather than per token of a prompt:
   all left is dropped before it starts); each step its outputs'
   logits are masked to what the grammar allows, at most
   `max_guided_sequences` guided outputs at once.
+- LoRA adapters (lora.py): llama.cpp applies adapters to the whole context, so a step decodes the running
+  outputs of each adapter (and of the base model) in a batch of their own, one after the other, and samples each
+  batch before the next decode overwrites the logits; the prompt chunk budget is shared. The prefix cache and the
+  KV block hashes keep each adapter's KV apart (common/kv_blocks.py `cache_namespace`).
 """
 
 from __future__ import annotations
@@ -62,9 +66,11 @@ from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
     ENGINE_FINISH_STOP_TOKEN,
 )
 from openengine_serve.common import guides
+from openengine_serve.common.kv_blocks import cache_namespace
 from openengine_serve.engine.config import WorkerConfig
 from openengine_serve.engine.fair_share import PAUSED_SLOT_GRACE_S, FairQueue
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
+from openengine_serve.engine.llamacpp.lora import Adapters, LoraError
 from openengine_serve.engine.llamacpp.prefix_cache import PrefixCache
 from openengine_serve.engine.llamacpp.runtime import LlamaError, LlamaModel, TokenBatch
 from openengine_serve.engine.llamacpp.sampling import OutputSampler, log_softmax, token_record
@@ -146,7 +152,12 @@ class _Request:
 
     @property
     def salt(self) -> str:
-        return self.request.cache_salt
+        """The prefix cache's namespace of its KV: its cache salt and its adapter."""
+        return cache_namespace(self.request.cache_salt, self.request.lora_name)
+
+    @property
+    def lora(self) -> str:
+        return self.request.lora_name
 
     @property
     def leader(self) -> _Output:
@@ -213,6 +224,7 @@ class LlamaEngine(Engine):
         self._batch = TokenBatch(config.max_batch + config.prefill_chunk)
         self._free_seq_ids = list(range(sequences - 1, -1, -1))
         self.prefix_cache = PrefixCache(self.model, config.prefix_cache_tokens, cached_prefixes)
+        self.adapters = Adapters(self.model, config.max_loras)
         self.max_guided_sequences = config.max_guided_sequences
         self.guided_sequences = 0
         self._matchers = (
@@ -287,15 +299,30 @@ class LlamaEngine(Engine):
         self.prefilled_tokens = self.cached_prompt_tokens = 0
         if self._compiling:
             self._take_compiled(events)
-        self._admit()
-        runs = self._plan()
+        self._admit(events)
+        if not self.adapters.users:
+            stepped = self._decode(None, events)
+        else:  # one decode per adapter: llama.cpp applies an adapter to the whole batch
+            stepped = False
+            for lora in sorted({state.lora for state in self._running.values()}):
+                stepped = self._decode(lora, events) or stepped
+        self.cells = sum(state.cells() for state in self._running.values())
+        return stepped
+
+    def _decode(self, lora: str | None, events: list[bytes]) -> bool:
+        """Decodes the running outputs of one adapter (`lora`; "" the base model, None every output: no adapter
+        runs) and samples their next tokens; False when none had anything to read."""
+        budget = self.prefill_chunk - self.prefilled_tokens
+        runs = self._plan(lora, budget)
         while runs and self._cells_after(runs) > self.context_size:
             if not self._preempt_one(events):
                 break
-            runs = self._plan()
+            runs = self._plan(lora, budget)
         if not runs:
             return False
         try:
+            if lora is not None:
+                self.adapters.apply(lora)
             self.model.decode(self._batch)
         except LlamaError as exc:
             logger.error("decode failed: %s", exc)
@@ -311,7 +338,6 @@ class LlamaEngine(Engine):
         for run in runs:
             if run.samples and run.output.index in run.request.outputs:
                 self._sample(run, events)
-        self.cells = sum(state.cells() for state in self._running.values())
         return True
 
     def load(self) -> EngineLoad:
@@ -323,7 +349,21 @@ class LlamaEngine(Engine):
             self.prefilled_tokens,
             self.cached_prompt_tokens,
             len(self.prefix_cache.blocks),
+            self.adapters.running(),
+            sorted({state.lora for state in self._queued.values() if state.lora}) if self.adapters.paths else (),
         )
+
+    def set_lora(self, command: cluster_pb2.LoraCommand) -> cluster_pb2.LoraOutcome:
+        outcome = cluster_pb2.LoraOutcome(adapter=command.adapter)
+        name = command.adapter.lora_name
+        if command.unload:
+            self.adapters.unload(name)
+            return outcome
+        try:
+            outcome.already_loaded = self.adapters.load(name, command.adapter.source_path)
+        except LoraError as exc:
+            outcome.error, outcome.refusal_code = str(exc), exc.code
+        return outcome
 
     def take_kv_events(self) -> list[kv_pb2.KvEvent]:
         return self.prefix_cache.blocks.take_events()
@@ -343,7 +383,7 @@ class LlamaEngine(Engine):
         self.queued_sequences += len(state.outputs)
         self.waiting_tokens += len(state.prompt) * len(state.outputs)
 
-    def _admit(self) -> None:
+    def _admit(self, events: list[bytes]) -> None:
         queue = self._queue
         if not queue:
             return
@@ -355,6 +395,8 @@ class LlamaEngine(Engine):
             if item is None:
                 return
             state = item[1]
+            if state.lora and state.lora not in self.adapters.paths and not self._load_adapter(state, events):
+                continue
             sequences = len(state.outputs)
             while self._running and self.running_sequences + sequences > self.max_batch:
                 idle = self._paused_past_grace()
@@ -400,10 +442,22 @@ class LlamaEngine(Engine):
                 output.seq_id = self._free_seq_ids.pop()
             self._running[state.request_id] = state
             self.running_sequences += sequences
+            if state.lora:
+                self.adapters.acquire(state.lora)
             if state.guided:
                 self.guided_sequences += sequences
             if entry is not None:
                 self._share_prefix(state, entry.seq_id, reused)
+
+    def _load_adapter(self, state: _Request, events: list[bytes]) -> bool:
+        """Loads the adapter a queued request names (a node started after its LoadLora); False, the request
+        failed, when it cannot be."""
+        try:
+            self.adapters.load(state.lora, state.request.lora_path)
+            return True
+        except LoraError as exc:
+            self._fail(state, f"the LoRA adapter {state.lora!r} could not be loaded: {exc}", events, retryable=False)
+            return False
 
     def _share_prefix(self, state: _Request, entry_seq_id: int, length: int) -> None:
         """The new request's leader shares the first `length` cells of a prefix cache entry."""
@@ -514,6 +568,8 @@ class LlamaEngine(Engine):
         """A running request leaves the batch: a one-output request's cells go to the prefix cache, others' are
         freed."""
         del self._running[state.request_id]
+        if state.lora:
+            self.adapters.release(state.lora)
         keep = len(state.outputs) == 1 and not state.request.bypass_prefix_cache
         for output in state.outputs.values():
             if keep and output.cached:
@@ -546,14 +602,15 @@ class LlamaEngine(Engine):
 
     # ------------------------------------------------------------ a step
 
-    def _plan(self) -> list[_Run]:
-        """The step's batch: one token for every decoding output, then prompt chunks within the budget."""
+    def _plan(self, lora: str | None, budget: int) -> list[_Run]:
+        """The batch of one adapter's outputs (None: every output): one token for every decoding output, then
+        prompt chunks within the budget of prompt tokens."""
         batch = self._batch
         batch.clear()
         runs: list[_Run] = []
         reading: list[tuple[_Request, _Output]] = []
         for state in self._running.values():
-            if state.paused:
+            if state.paused or (lora is not None and state.lora != lora):
                 continue
             for output in state.outputs.values() if state.forked else (state.leader,):
                 pending = len(output.tokens) - output.cached
@@ -570,7 +627,6 @@ class LlamaEngine(Engine):
                     )
                 else:
                     reading.append((state, output))
-        budget = self.prefill_chunk
         rows = PROMPT_LOGPROB_ROWS_PER_STEP
         for state, output in reading:
             if budget <= 0:
@@ -737,6 +793,8 @@ class LlamaEngine(Engine):
         if not state.outputs:
             if admitted:
                 del self._running[state.request_id]
+                if state.lora:
+                    self.adapters.release(state.lora)
             elif parked:
                 del self._parked[state.request_id]
             else:

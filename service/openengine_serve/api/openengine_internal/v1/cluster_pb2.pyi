@@ -1,4 +1,5 @@
 from openengine_serve.api.openengine.v1 import kv_pb2 as _kv_pb2
+from openengine_serve.api.openengine.v1 import lora_pb2 as _lora_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -82,7 +83,7 @@ class NodeEntry(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., rank: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., load: _Optional[_Union[NodeLoad, _Mapping]] = ..., model: _Optional[_Union[ModelCard, _Mapping]] = ...) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("name", "aliases", "engine", "context_length", "max_output_tokens", "tokenizer", "tokenizer_digest", "tokenizer_data", "guided_decoding", "prefix_cache")
+    __slots__ = ("name", "aliases", "engine", "context_length", "max_output_tokens", "tokenizer", "tokenizer_digest", "tokenizer_data", "guided_decoding", "prefix_cache", "max_loras")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +94,7 @@ class ModelCard(_message.Message):
     TOKENIZER_DATA_FIELD_NUMBER: _ClassVar[int]
     GUIDED_DECODING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
     engine: str
@@ -103,7 +105,8 @@ class ModelCard(_message.Message):
     tokenizer_data: bytes
     guided_decoding: bool
     prefix_cache: bool
-    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., tokenizer_data: _Optional[bytes] = ..., guided_decoding: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
+    max_loras: int
+    def __init__(self, name: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., context_length: _Optional[int] = ..., max_output_tokens: _Optional[int] = ..., tokenizer: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., tokenizer_data: _Optional[bytes] = ..., guided_decoding: _Optional[bool] = ..., prefix_cache: _Optional[bool] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("node", "auto_rank")
@@ -154,14 +157,16 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., assigned_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "nodes", "full_table")
+    __slots__ = ("known", "nodes", "full_table", "loras")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     FULL_TABLE_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
     full_table: bool
-    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[_lora_pb2.LoraAdapter]
+    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ..., loras: _Optional[_Iterable[_Union[_lora_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner", "traceparent", "tracestate", "prefix_key", "block_hashes")
@@ -263,6 +268,26 @@ class ClusterLoad(_message.Message):
     live_reservations: int
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., live_reservations: _Optional[int] = ...) -> None: ...
 
+class LoraCommand(_message.Message):
+    __slots__ = ("adapter", "unload")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    adapter: _lora_pb2.LoraAdapter
+    unload: bool
+    def __init__(self, adapter: _Optional[_Union[_lora_pb2.LoraAdapter, _Mapping]] = ..., unload: _Optional[bool] = ...) -> None: ...
+
+class LoraOutcome(_message.Message):
+    __slots__ = ("adapter", "error", "already_loaded", "refusal_code")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_CODE_FIELD_NUMBER: _ClassVar[int]
+    adapter: _lora_pb2.LoraAdapter
+    error: str
+    already_loaded: bool
+    refusal_code: int
+    def __init__(self, adapter: _Optional[_Union[_lora_pb2.LoraAdapter, _Mapping]] = ..., error: _Optional[str] = ..., already_loaded: _Optional[bool] = ..., refusal_code: _Optional[int] = ...) -> None: ...
+
 class KvEventsRequest(_message.Message):
     __slots__ = ("include_snapshot", "start_sequence_number")
     INCLUDE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
@@ -360,7 +385,7 @@ class Candidates(_message.Message):
     def __init__(self, top_n: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., all: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "guide", "bypass_prefix_cache", "cache_salt", "owner", "share_weight", "temperature", "top_p", "top_k", "seed", "has_seed", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
+    __slots__ = ("request_id", "frontend_id", "prompt_token_ids", "num_sequences", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "priority", "guide", "bypass_prefix_cache", "cache_salt", "owner", "share_weight", "lora_name", "lora_path", "temperature", "top_p", "top_k", "seed", "has_seed", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "output_logprobs", "output_candidates", "prompt_logprobs", "prompt_candidates", "prompt_logprob_start")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +400,8 @@ class EngineRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     SHARE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +430,8 @@ class EngineRequest(_message.Message):
     cache_salt: str
     owner: str
     share_weight: int
+    lora_name: str
+    lora_path: str
     temperature: float
     top_p: float
     top_k: int
@@ -417,7 +446,7 @@ class EngineRequest(_message.Message):
     prompt_logprobs: bool
     prompt_candidates: Candidates
     prompt_logprob_start: int
-    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., guide: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., owner: _Optional[str] = ..., share_weight: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., frontend_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_sequences: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., guide: _Optional[str] = ..., bypass_prefix_cache: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., owner: _Optional[str] = ..., share_weight: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., output_logprobs: _Optional[bool] = ..., output_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_candidates: _Optional[_Union[Candidates, _Mapping]] = ..., prompt_logprob_start: _Optional[int] = ...) -> None: ...
 
 class LogProbEntry(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
@@ -478,19 +507,21 @@ class StepResults(_message.Message):
     def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ...) -> None: ...
 
 class EngineCommand(_message.Message):
-    __slots__ = ("add", "cancel", "shutdown", "pause")
+    __slots__ = ("add", "cancel", "shutdown", "pause", "lora")
     ADD_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     add: EngineRequest
     cancel: CancelRequest
     shutdown: bool
     pause: PauseRequest
-    def __init__(self, add: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., shutdown: _Optional[bool] = ..., pause: _Optional[_Union[PauseRequest, _Mapping]] = ...) -> None: ...
+    lora: LoraCommand
+    def __init__(self, add: _Optional[_Union[EngineRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., shutdown: _Optional[bool] = ..., pause: _Optional[_Union[PauseRequest, _Mapping]] = ..., lora: _Optional[_Union[LoraCommand, _Mapping]] = ...) -> None: ...
 
 class EngineStep(_message.Message):
-    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds", "worker_pids", "prefilled_tokens", "cached_prompt_tokens", "cached_blocks", "kv_events")
+    __slots__ = ("step", "events", "running", "queued", "running_tokens", "waiting_tokens", "step_seconds", "worker_pids", "prefilled_tokens", "cached_prompt_tokens", "cached_blocks", "kv_events", "lora_outcomes", "running_loras", "waiting_loras")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -503,6 +534,9 @@ class EngineStep(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_LORAS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_LORAS_FIELD_NUMBER: _ClassVar[int]
     step: int
     events: _containers.RepeatedCompositeFieldContainer[OutputEvent]
     running: int
@@ -515,4 +549,7 @@ class EngineStep(_message.Message):
     cached_prompt_tokens: int
     cached_blocks: int
     kv_events: _containers.RepeatedCompositeFieldContainer[_kv_pb2.KvEvent]
-    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ..., prefilled_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., kv_events: _Optional[_Iterable[_Union[_kv_pb2.KvEvent, _Mapping]]] = ...) -> None: ...
+    lora_outcomes: _containers.RepeatedCompositeFieldContainer[LoraOutcome]
+    running_loras: _containers.RepeatedScalarFieldContainer[str]
+    waiting_loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., events: _Optional[_Iterable[_Union[OutputEvent, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., worker_pids: _Optional[_Iterable[int]] = ..., prefilled_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., kv_events: _Optional[_Iterable[_Union[_kv_pb2.KvEvent, _Mapping]]] = ..., lora_outcomes: _Optional[_Iterable[_Union[LoraOutcome, _Mapping]]] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -82,6 +82,11 @@ class CoordinatorStub:
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.GetClusterLoadRequest.SerializeToString,
                 response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.ClusterLoad.FromString,
                 _registered_method=True)
+        self.SetLora = channel.unary_unary(
+                '/openengine_internal.v1.Coordinator/SetLora',
+                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.LoraCommand.SerializeToString,
+                response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.LoraOutcome.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -158,6 +163,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetLora(self, request, context):
+        """The deployment's LoRA adapters (a frontend's LoadLora and UnloadLora): loading one loads it on every ready
+        node first and lists it only when all of them did; unloading unlists it, then unloads it from the nodes.
+        The list reaches frontends in every HeartbeatReply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -205,6 +219,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetClusterLoad,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.GetClusterLoadRequest.FromString,
                     response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.ClusterLoad.SerializeToString,
+            ),
+            'SetLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLora,
+                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.LoraCommand.FromString,
+                    response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.LoraOutcome.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -462,6 +481,33 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SetLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/openengine_internal.v1.Coordinator/SetLora',
+            openengine__internal_dot_v1_dot_cluster__pb2.LoraCommand.SerializeToString,
+            openengine__internal_dot_v1_dot_cluster__pb2.LoraOutcome.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class NodeStub:
     """---------------------------------------------------------------- node
@@ -503,6 +549,11 @@ class NodeStub:
                 '/openengine_internal.v1.Node/KvEvents',
                 request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.KvEventsRequest.SerializeToString,
                 response_deserializer=openengine_dot_v1_dot_kv__pb2.KvEventBatch.FromString,
+                _registered_method=True)
+        self.SetLora = channel.unary_unary(
+                '/openengine_internal.v1.Node/SetLora',
+                request_serializer=openengine__internal_dot_v1_dot_cluster__pb2.LoraCommand.SerializeToString,
+                response_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.LoraOutcome.FromString,
                 _registered_method=True)
 
 
@@ -563,6 +614,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetLora(self, request, context):
+        """Loads a LoRA adapter into the engine (or unloads one once no running request uses it). The path must lie
+        under the node's OPENENGINE_LORA_DIR: INVALID_ARGUMENT otherwise, or for a file llama.cpp refuses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -595,6 +654,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.KvEvents,
                     request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.KvEventsRequest.FromString,
                     response_serializer=openengine_dot_v1_dot_kv__pb2.KvEventBatch.SerializeToString,
+            ),
+            'SetLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLora,
+                    request_deserializer=openengine__internal_dot_v1_dot_cluster__pb2.LoraCommand.FromString,
+                    response_serializer=openengine__internal_dot_v1_dot_cluster__pb2.LoraOutcome.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -761,6 +825,33 @@ class Node:
             '/openengine_internal.v1.Node/KvEvents',
             openengine__internal_dot_v1_dot_cluster__pb2.KvEventsRequest.SerializeToString,
             openengine_dot_v1_dot_kv__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/openengine_internal.v1.Node/SetLora',
+            openengine__internal_dot_v1_dot_cluster__pb2.LoraCommand.SerializeToString,
+            openengine__internal_dot_v1_dot_cluster__pb2.LoraOutcome.FromString,
             options,
             channel_credentials,
             insecure,

@@ -234,6 +234,18 @@ class NodeConfig(CommonConfig):
         minimum=0,
         maximum=256,
     )
+    lora_dir: str = knob(
+        "",
+        "llama.cpp: the directory of the GGUF LoRA adapters LoadLora may load (no file outside it is "
+        "read; empty: LoRA off)",
+        unset="(LoRA off)",
+    )
+    max_loras: int = knob(
+        8,
+        "llama.cpp: LoRA adapters the node holds at once (LoadLora beyond it is refused until one is unloaded)",
+        minimum=1,
+        maximum=64,
+    )
     step_ms: float = knob(2.0, "simulated engine step: every running sequence gets one token per step", minimum=0.1)
     max_batch: int = knob(
         0, "sequences running at once in the engine (0: 32 for llama.cpp, 256 for simulated)", minimum=0
@@ -286,6 +298,8 @@ class NodeConfig(CommonConfig):
                 f"OPENENGINE_MAX_BATCH must be at most 256 with the llama.cpp engine (its sequence "
                 f"limit), got {self.max_batch}"
             )
+        if self.lora_dir and not os.path.isdir(self.lora_dir):
+            raise ConfigError(f"OPENENGINE_LORA_DIR must be a directory, got {self.lora_dir!r}")
 
     def coordinators(self) -> tuple[str, ...]:
         return coordinator_addresses(self.coordinator_address)

@@ -37,12 +37,14 @@ ALLOWED_ROLES: dict[str, frozenset[str]] = {
     "/openengine_internal.v1.Coordinator/Reservations": frozenset((FRONTEND,)),
     "/openengine_internal.v1.Coordinator/Abort": frozenset((FRONTEND,)),
     "/openengine_internal.v1.Coordinator/GetClusterLoad": ANY_ROLE,
+    "/openengine_internal.v1.Coordinator/SetLora": frozenset((FRONTEND,)),  # LoadLora, UnloadLora
     "/openengine_internal.v1.Node/Submissions": frozenset((FRONTEND,)),
     "/openengine_internal.v1.Node/Lane": frozenset((FRONTEND,)),
     "/openengine_internal.v1.Node/Cancel": frozenset((FRONTEND, COORDINATOR)),  # the coordinator's Abort
     "/openengine_internal.v1.Node/GetNodeLoad": ANY_ROLE,
     "/openengine_internal.v1.Node/GetModel": ANY_ROLE,
     "/openengine_internal.v1.Node/KvEvents": frozenset((FRONTEND, COORDINATOR)),  # SubscribeKvEvents; routing
+    "/openengine_internal.v1.Node/SetLora": frozenset((COORDINATOR,)),  # the deployment's LoadLora, UnloadLora
 }
 CHECKED_SERVICES = ("/openengine_internal.v1.Coordinator/", "/openengine_internal.v1.Node/")
 

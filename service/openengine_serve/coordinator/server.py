@@ -26,11 +26,13 @@ from ..common.tls import add_internal_port, internal_channel
 from ..common.tracing import RESERVE_SPAN
 from . import metrics
 from .kv_follow import KvFollower
+from .loras import LoraTable
 from .state import REFUSAL_STATUS, ClusterState, ModelMismatch, RankConflict, TableCursor
 
 logger = logging.getLogger("openengine_serve.coordinator")
 
 REFUSAL_CODES = {kind: STATUS_BY_NUMBER[number] for kind, number in REFUSAL_STATUS.items()}
+LORA_LOAD_TIMEOUT_S = 60.0  # a node reads the adapter file in its engine's step loop
 # A node's heartbeat replies carry nothing else: shared, never mutated.
 _KNOWN = cluster_pb2.HeartbeatReply(known=True)
 _UNKNOWN = cluster_pb2.HeartbeatReply(known=False)
@@ -45,6 +47,7 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
             prefix_routing=config.prefix_routing,
         )
         self.node_channels: dict[str, grpc.aio.Channel] = {}
+        self.loras = LoraTable()
         self.heartbeat_streams = {"node": 0, "frontend": 0}  # open now, by peer kind (a metric)
 
     async def RegisterNode(self, request, context) -> cluster_pb2.RegisterReply:
@@ -93,7 +96,9 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                 await caller.require(context, heartbeat.frontend_id)
                 known = self.state.frontend_heartbeat(heartbeat.frontend_id, heartbeat.live_requests)
                 full, nodes = self.state.node_table_since(cursor)
-                yield cluster_pb2.HeartbeatReply(known=known, nodes=nodes, full_table=full)
+                yield cluster_pb2.HeartbeatReply(
+                    known=known, nodes=nodes, full_table=full, loras=self.loras.adapters.values()
+                )
 
     @contextlib.contextmanager
     def _open_stream(self, peer: str):
@@ -176,11 +181,8 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
     async def _cancel_on_node(self, request_id: str, node: cluster_pb2.NodeEntry) -> cluster_pb2.CancelReply:
         """The node cancels the request, or holds the cancel for when it arrives (see CancelRequest.hold); an
         empty reply when the node cannot be reached."""
-        channel = self.node_channels.get(node.address)
-        if channel is None:
-            channel = self.node_channels[node.address] = internal_channel(node.address, self.config)
         try:
-            return await cluster_pb2_grpc.NodeStub(channel).Cancel(
+            return await self._node(node).Cancel(
                 cluster_pb2.CancelRequest(request_id=request_id, hold=True), timeout=self.config.rpc_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
@@ -193,6 +195,56 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                 code=exc.code().name,
             )
             return cluster_pb2.CancelReply()
+
+    def _node(self, node: cluster_pb2.NodeEntry) -> cluster_pb2_grpc.NodeStub:
+        channel = self.node_channels.get(node.address)
+        if channel is None:
+            channel = self.node_channels[node.address] = internal_channel(node.address, self.config)
+        return cluster_pb2_grpc.NodeStub(channel)
+
+    async def SetLora(self, request: cluster_pb2.LoraCommand, context) -> cluster_pb2.LoraOutcome:
+        name = request.adapter.lora_name
+        if request.unload:
+            adapter = self.loras.remove(name)
+            if adapter is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, self.loras.not_found(name))
+            await self._on_ready_nodes(request)  # best effort: a node that misses it frees it on restart
+            log_event(logger, "LoRA adapter unloaded", lora_name=name)
+            return cluster_pb2.LoraOutcome(adapter=adapter)
+        listed = self.loras.adapters.get(name)
+        if listed is not None and listed.source_path != request.adapter.source_path:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a LoRA adapter named {name!r} is loaded from {listed.source_path!r}; unload it first",
+            )
+        nodes = [node for node in self.state.node_entries() if node.state == cluster_pb2.NODE_STATE_READY]
+        if not nodes:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no node is ready to load the adapter; retry")
+        failures = [(node, exc) for node, exc in await self._on_ready_nodes(request, nodes) if exc is not None]
+        if failures:
+            node, exc = failures[0]
+            if not self.loras.holds(request.adapter):  # not listed: the nodes that loaded it unload it
+                await self._on_ready_nodes(cluster_pb2.LoraCommand(adapter=request.adapter, unload=True), nodes)
+            await context.abort(exc.code(), f"node {node.node_id}: {exc.details()}")
+        adapter, already = self.loras.add(request.adapter)
+        log_event(logger, "LoRA adapter loaded", lora_name=name, source_path=adapter.source_path)
+        return cluster_pb2.LoraOutcome(adapter=adapter, already_loaded=already)
+
+    async def _on_ready_nodes(
+        self, command: cluster_pb2.LoraCommand, nodes: list[cluster_pb2.NodeEntry] | None = None
+    ) -> list[tuple[cluster_pb2.NodeEntry, grpc.aio.AioRpcError | None]]:
+        """Sends the command to each node (every ready one by default) at once; each node's error or None."""
+        if nodes is None:
+            nodes = [node for node in self.state.node_entries() if node.state == cluster_pb2.NODE_STATE_READY]
+
+        async def send(node: cluster_pb2.NodeEntry) -> grpc.aio.AioRpcError | None:
+            try:
+                await self._node(node).SetLora(command, timeout=LORA_LOAD_TIMEOUT_S)
+                return None
+            except grpc.aio.AioRpcError as exc:
+                return exc
+
+        return list(zip(nodes, await asyncio.gather(*(send(node) for node in nodes)), strict=True))
 
     async def GetClusterLoad(self, request, context) -> cluster_pb2.ClusterLoad:
         return self.state.cluster_load()

@@ -25,7 +25,7 @@ from .inference_probe import InferenceProbe
 from .kv_events import KvEventRelay
 from .refusal import InvalidRequest
 from .served_model import ServedModel
-from .validation import check_request_id, shown
+from .validation import check_request_id, lora_name_problem, shown
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -95,6 +95,8 @@ class Control(openengine_pb2_grpc.ControlServicer):
             info.capacity.max_running_requests = sum(n.load.max_running_requests for n in nodes)
         if self._kv_events_served():
             info.capacity.kv_block_size = KV_BLOCK_SIZE  # the KV events' blocks
+        if loaded and loaded.limits.max_loras:
+            info.capacity.max_loras = loaded.limits.max_loras
         info.extra.update({**self.implementation.describe(), "frontend_id": self.frontend_id})
         if loaded:
             info.extra.update({"engine": loaded.card.engine, "model": loaded.card.name})
@@ -145,7 +147,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
                 supports_cache_salt=limits.prefix_cache,
                 supports_prefix_cache_bypass=limits.prefix_cache,
             ),
-            supports_lora=False,
+            supports_lora=limits.max_loras > 0,
             supports_multimodal=False,
         )
         info.extra.update(
@@ -326,14 +328,55 @@ class Control(openengine_pb2_grpc.ControlServicer):
         )
         return cluster_pb2.ClusterAbortReply(outcome=outcome, aborted=sum(reply.aborted for reply in replies))
 
-    async def LoadLora(self, request, context: AbortingContext) -> lora_pb2.LoadLoraResponse:
-        await _lora_disabled(context)
+    async def LoadLora(self, request: lora_pb2.LoadLoraRequest, context: AbortingContext) -> lora_pb2.LoadLoraResponse:
+        await self._check_lora_served(context)
+        adapter = request.adapter
+        problem = lora_name_problem(adapter.lora_name)
+        if problem is None and not adapter.source_path:
+            problem = "adapter.source_path is required: the adapter's GGUF file in the nodes' OPENENGINE_LORA_DIR"
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        # the coordinator's table keeps the name and file only (lora_id is its own)
+        named = lora_pb2.LoraAdapter(lora_name=adapter.lora_name, source_path=adapter.source_path)
+        outcome = await self._set_lora(cluster_pb2.LoraCommand(adapter=named), context)
+        return lora_pb2.LoadLoraResponse(adapter=outcome.adapter, already_loaded=outcome.already_loaded)
 
-    async def UnloadLora(self, request, context: AbortingContext) -> lora_pb2.UnloadLoraResponse:
-        await _lora_disabled(context)
+    async def UnloadLora(
+        self, request: lora_pb2.UnloadLoraRequest, context: AbortingContext
+    ) -> lora_pb2.UnloadLoraResponse:
+        await self._check_lora_served(context)
+        if not request.lora_name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora_name is required")
+        named = lora_pb2.LoraAdapter(lora_name=request.lora_name)
+        outcome = await self._set_lora(cluster_pb2.LoraCommand(adapter=named, unload=True), context)
+        return lora_pb2.UnloadLoraResponse(adapter=outcome.adapter)
 
     async def ListLoras(self, request, context: AbortingContext) -> lora_pb2.ListLorasResponse:
-        await _lora_disabled(context)
+        await self._check_lora_served(context)
+        adapters = list(self.coordinator.loras.values())
+        adapters.sort(key=lambda adapter: adapter.lora_id)
+        return lora_pb2.ListLorasResponse(adapters=adapters)
+
+    async def _check_lora_served(self, context: AbortingContext) -> None:
+        loaded = self.model.loaded
+        if loaded is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet (no ready node); retry")
+        elif not loaded.limits.max_loras:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"LoRA is not enabled on this deployment ({loaded.card.engine} engine; the llama.cpp nodes serve "
+                f"adapters with OPENENGINE_LORA_DIR set)",
+            )
+
+    async def _set_lora(self, command: cluster_pb2.LoraCommand, context: AbortingContext) -> cluster_pb2.LoraOutcome:
+        try:
+            return await self.coordinator.set_lora(command)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                code = grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, exc.details() or code.name)
+            raise  # context.abort raises
 
     def _kv_events_served(self) -> bool:
         loaded = self.model.loaded
@@ -359,7 +402,3 @@ class Control(openengine_pb2_grpc.ControlServicer):
         async with contextlib.aclosing(self.kv_events.subscribe(request, nodes)) as responses:
             async for response in responses:
                 yield response
-
-
-async def _lora_disabled(context: AbortingContext) -> NoReturn:
-    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is not enabled on this deployment")

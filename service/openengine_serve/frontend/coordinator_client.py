@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from ..api.openengine.v1 import lora_pb2
 from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common.heartbeat_stream import HeartbeatStream, PeerHeartbeats
 from ..common.logging_setup import log_event
@@ -31,6 +32,7 @@ from .reservation_stream import ReservationBatcher, ReservationRefused, StreamBr
 logger = logging.getLogger("openengine_serve.frontend")
 
 READY = cluster_pb2.NODE_STATE_READY
+SET_LORA_TIMEOUT_S = 90.0  # the coordinator loads the adapter on every node first
 UNREACHABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # The coordinator's refusals of a Reserve (coordinator/server.py REFUSAL_CODES), back to their kind.
 RESERVE_REFUSALS: dict[grpc.StatusCode, type[Refusal]] = {
@@ -66,6 +68,7 @@ class CoordinatorShard:
         self.address = address
         self.reachable = False
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}
+        self.loras: list[lora_pb2.LoraAdapter] = []  # the deployment's LoRA adapters it last listed
         self.channel = open_channel(address)
         self.stub = cluster_pb2_grpc.CoordinatorStub(self.channel)
         # The stub is looked up at each stream opening (unit tests replace it).
@@ -103,6 +106,7 @@ class CoordinatorClient:
         self.heartbeat_s = heartbeat_s
         self.call_timeout_s = call_timeout_s
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}  # the last known table
+        self.loras: dict[str, lora_pb2.LoraAdapter] = {}  # the LoRA adapters served, by name, as last listed
         self.table_updated = asyncio.Event()  # set at each node table a coordinator sends (readiness follows it)
         self.shards = [
             CoordinatorShard(frontend_id, address, open_channel, call_timeout_s) for address in self.addresses
@@ -160,6 +164,7 @@ class CoordinatorClient:
     def _heartbeat_answered(self, shard: CoordinatorShard, reply: cluster_pb2.HeartbeatReply) -> None:
         self._set_reachable(shard, True)
         self._set_nodes(shard, reply.nodes, merge=not reply.full_table)
+        self._set_loras(shard, reply.loras)
         shard.reservations.flush()  # releases kept since a broken stream, when no request came since
 
     def _set_reachable(
@@ -191,6 +196,29 @@ class CoordinatorClient:
                 self.nodes.update(other.nodes)
         self._on_node_table(self.nodes)
         self.table_updated.set()
+
+    def _set_loras(self, shard: CoordinatorShard, adapters) -> None:
+        shard.loras = list(adapters)
+        self._merge_loras()
+
+    def _merge_loras(self) -> None:
+        # With several coordinators, an adapter listed by any (a coordinator that restarted lists none until the
+        # next LoadLora); for a name listed by several, the first listed coordinator's entry.
+        self.loras = {a.lora_name: a for other in reversed(self.shards) for a in other.loras}
+
+    async def set_lora(self, command: cluster_pb2.LoraCommand) -> cluster_pb2.LoraOutcome:
+        """LoadLora or UnloadLora on every coordinator; the first one's outcome. Raises the first gRPC error."""
+        replies = await self._each_shard(lambda stub: stub.SetLora(command, timeout=SET_LORA_TIMEOUT_S))
+        for reply in replies:
+            if isinstance(reply, grpc.aio.AioRpcError):
+                raise reply
+        outcome = replies[0]
+        # This frontend's list follows at once (the other frontends' at their next heartbeat).
+        name = command.adapter.lora_name
+        for shard, reply in zip(self.shards, replies, strict=True):
+            shard.loras = [a for a in shard.loras if a.lora_name != name] + ([] if command.unload else [reply.adapter])
+        self._merge_loras()
+        return outcome
 
     async def reserve(
         self,

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 
-from ..api.openengine.v1 import error_pb2, generation_pb2, openengine_pb2_grpc
+from ..api.openengine.v1 import error_pb2, generation_pb2, lora_pb2, openengine_pb2_grpc
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..api.openengine_internal.v1.cluster_pb2 import ENGINE_FINISH_ERROR, ENGINE_FINISH_NONE
 from ..common import guides
@@ -39,7 +39,7 @@ from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests, prefix_blocks, prefix_key
 from .served_model import LoadedModel, ServedModel
 from .stream import OutputStream, engine_error, prompt_output, serialize_response
-from .validation import GenerationPlan, RequestMetadata, parse_metadata, validate_generate
+from .validation import GenerationPlan, RequestMetadata, parse_metadata, shown, validate_generate
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -73,8 +73,10 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         requests: Requests,
         health: Health,
         server_implementation: str = "",
+        loras: Callable[[], Mapping[str, lora_pb2.LoraAdapter]] = dict,
     ) -> None:
         self.model = model
+        self.loras = loras  # the deployment's LoRA adapters, by name
         self.server_implementation = server_implementation  # for the request span
         self.requests = requests
         self.health = health
@@ -95,6 +97,12 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         """The validated request; raises a Refusal naming what is wrong."""
         loaded = self.loaded()
         plan = validate_generate(request, metadata, loaded.limits, loaded.tokenizer.encode)
+        if plan.lora_name:
+            adapter = self.loras().get(plan.lora_name)
+            if adapter is None:
+                listed = ", ".join(repr(name) for name in sorted(self.loras())) or "none"
+                raise NotServed(f"no LoRA adapter named {shown(plan.lora_name)} is loaded (loaded: {listed})")
+            plan.lora_path = adapter.source_path
         if loaded.limits.prefix_cache:
             # The caller's key scopes the cache (auth.cache_namespace); routing by prefix follows the same salt.
             plan.cache_salt = auth.scoped_cache_salt(auth.cache_namespace(auth.caller()), plan.cache_salt)

@@ -28,7 +28,7 @@ import grpc
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common.attempts import AttemptIds
 from ..common.kv_blocks import BLOCK_SIZE as KV_BLOCK_SIZE
-from ..common.kv_blocks import block_hashes
+from ..common.kv_blocks import block_hashes, cache_namespace
 from ..common.logging_setup import log_event
 from ..common.tracing import RESERVE_SPAN, SUBMIT_SPAN
 from . import auth, metrics
@@ -293,6 +293,8 @@ def engine_request(
         guide=plan.guide,
         bypass_prefix_cache=plan.bypass_prefix_cache,
         cache_salt=plan.cache_salt,
+        lora_name=plan.lora_name,
+        lora_path=plan.lora_path,
     )
     for target, selection in (
         (req.output_candidates, plan.output_candidates),
@@ -318,7 +320,7 @@ def prefix_key(plan: GenerationPlan) -> str:
     if plan.metadata.routing_key or plan.bypass_prefix_cache or len(tokens) <= PREFIX_ROUTING_TOKENS:
         return ""
     head = struct.pack(f"<{PREFIX_ROUTING_TOKENS}I", *tokens[:PREFIX_ROUTING_TOKENS])
-    return hashlib.blake2b(head + plan.cache_salt.encode(), digest_size=8).hexdigest()
+    return hashlib.blake2b(head + cache_namespace(plan.cache_salt, plan.lora_name).encode(), digest_size=8).hexdigest()
 
 
 def trace_metadata(metadata: RequestMetadata) -> tuple[tuple[str, str], ...]:
@@ -338,4 +340,5 @@ def prefix_blocks(plan: GenerationPlan) -> list[bytes]:
     the cache."""
     if plan.metadata.routing_key or plan.bypass_prefix_cache:
         return []
-    return block_hashes(plan.cache_salt, plan.prompt_token_ids[: ROUTING_BLOCKS * KV_BLOCK_SIZE])
+    namespace = cache_namespace(plan.cache_salt, plan.lora_name)
+    return block_hashes(namespace, plan.prompt_token_ids[: ROUTING_BLOCKS * KV_BLOCK_SIZE])

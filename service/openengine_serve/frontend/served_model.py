@@ -144,6 +144,7 @@ class ServedModel:
             engine=card.engine,
             guided_decoding=card.guided_decoding,
             prefix_cache=card.prefix_cache,
+            max_loras=card.max_loras,
             max_guide_bytes=config.max_guide_bytes,
             max_prompt_bytes=config.max_prompt_bytes or min(PROMPT_BYTES_PER_TOKEN * context, DEFAULT_MAX_PROMPT_BYTES),
         )

@@ -74,6 +74,7 @@ class ModelLimits:
     engine: str = "simulated"  # the nodes' engine, named when a feature it lacks is asked
     guided_decoding: bool = False  # the engine serves `guided`
     prefix_cache: bool = False  # the engine serves `kv.bypass_prefix_cache` and `kv.cache_salt`
+    max_loras: int = 0  # LoRA adapters a node holds at once (0: the deployment serves no `lora_name`)
     max_guide_bytes: int = 65536
     max_prompt_bytes: int = 1 << 20
 
@@ -119,6 +120,8 @@ class GenerationPlan:
     guide: str = ""  # its llguidance grammar (common/guides.py), not compiled yet
     bypass_prefix_cache: bool = False
     cache_salt: str = ""
+    lora_name: str = ""  # the LoRA adapter ("": the base model)
+    lora_path: str = ""  # its file, as LoadLora named it (set by the frontend from the adapters listed)
     prefix_key: str = ""  # set by the frontend when the engine has a prefix cache (requests.prefix_key)
     block_hashes: list[bytes] = field(default_factory=list)  # likewise (requests.prefix_blocks)
     min_p: float = 0.0  # 0 = disabled
@@ -171,6 +174,20 @@ def parse_metadata(pairs: Sequence[tuple[str, str | bytes]]) -> RequestMetadata:
 def _ascii_or_empty(value: str | bytes) -> str:
     text = value.decode("latin-1") if isinstance(value, bytes) else value
     return text if text.isascii() else ""
+
+
+MAX_LORA_NAME_BYTES = 128
+
+
+def lora_name_problem(name: str) -> str | None:
+    """What is wrong with a LoRA adapter name (LoadLora), or None."""
+    if not name:
+        return "adapter.lora_name is required"
+    if len(name.encode()) > MAX_LORA_NAME_BYTES:
+        return f"adapter.lora_name must be at most {MAX_LORA_NAME_BYTES} bytes, got {len(name.encode())}"
+    if any(not character.isprintable() or character.isspace() for character in name):
+        return f"adapter.lora_name {shown(name)} must be printable and hold no whitespace"
+    return None
 
 
 def shown(value: str | bytes) -> str:
@@ -267,6 +284,7 @@ def validate_generate(
         guide=guide,
         bypass_prefix_cache=request.kv.bypass_prefix_cache,
         cache_salt=request.kv.cache_salt,
+        lora_name=request.lora_name,
         min_p=sampling.min_p,
         frequency_penalty=sampling.frequency_penalty,
         presence_penalty=sampling.presence_penalty,
@@ -438,8 +456,11 @@ def _check_supported_features(request: generation_pb2.GenerateRequest, limits: M
         size = len(kv.cache_salt.encode())
         if size > MAX_CACHE_SALT_BYTES:
             raise InvalidRequest(f"kv.cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, got {size}")
-    if request.lora_name:
-        raise Unsupported(f"LoRA is not enabled (lora_name {shown(request.lora_name)}); leave lora_name empty")
+    if request.lora_name and not limits.max_loras:
+        raise Unsupported(
+            f"LoRA is not enabled on this deployment (lora_name {shown(request.lora_name)}; the nodes' "
+            f"OPENENGINE_LORA_DIR is not set); leave lora_name empty"
+        )
     if request.HasField("response"):
         for candidates_field in ("prompt_candidates", "output_candidates"):
             if getattr(request.response, candidates_field).WhichOneof("selection") == "all":

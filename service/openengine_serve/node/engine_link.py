@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import cast
 
@@ -157,6 +157,7 @@ class EngineLink:
         self._last_step_at = 0.0
         self._last_step = 0
         self._load = EngineLoad()
+        self._lora_waiters: deque[asyncio.Future] = deque()  # LoraCommands sent, answered in order
 
     # ------------------------------------------------------------ state
 
@@ -289,6 +290,19 @@ class EngineLink:
         if self._held_cancels and self._held_cancels.pop(request_id_of(request.request_id)):
             self.cancel(request.request_id)  # aborted before it arrived: it ends CANCELLED at once
 
+    async def set_lora(self, command: cluster_pb2.LoraCommand) -> cluster_pb2.LoraOutcome:
+        """Loads or unloads an adapter in the worker; its outcome. Raises EngineUnavailable (no worker, or it was
+        lost before it answered)."""
+        if not self.ready:
+            raise EngineUnavailable("the engine worker is not ready (starting or restarting)")
+        try:
+            self._send(cluster_pb2.EngineCommand(lora=command))
+        except zmq.Again as error:
+            raise EngineUnavailable("the engine worker is not connected") from error
+        answered: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._lora_waiters.append(answered)
+        return await answered
+
     def cancel(self, request_id: str, output_index: int | None = None) -> bool:
         """Asks the worker to cancel a request (or one output); False when it is not open here.
 
@@ -382,12 +396,19 @@ class EngineLink:
                 step.prefilled_tokens,
                 step.cached_prompt_tokens,
                 step.cached_blocks,
+                tuple(step.running_loras),
+                tuple(step.waiting_loras),
             )
             if self._waiting_since:
                 self._note_first_tokens(step)
             for event in step.events:
                 if event.finish:
                     self._close_output(event.request_id, event.output_index)
+            for outcome in step.lora_outcomes:
+                if self._lora_waiters:
+                    waiter = self._lora_waiters.popleft()
+                    if not waiter.done():
+                        waiter.set_result(outcome)
             self._deliver(step)
 
     def _note_first_tokens(self, step: cluster_pb2.EngineStep) -> None:
@@ -579,6 +600,10 @@ class EngineLink:
         self._set_ready(False)
         self._failed_in_worker.clear()  # the next worker never heard of them
         self._load = EngineLoad()
+        while self._lora_waiters:
+            waiter = self._lora_waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(EngineUnavailable("the engine worker was lost before it answered; retry"))
         if incarnation.receiver:
             incarnation.receiver.cancel()
         if incarnation.launcher.returncode is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from ..api.openengine_internal.v1 import cluster_pb2
@@ -42,9 +44,19 @@ QUEUE_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 SLOT_USAGE = Gauge("openengine_node_batch_slot_usage", "running sequences / max batch (0..1) of the last step")
+# vLLM's lora_requests_info, which LoRA-aware gateways read: one series, its labels the adapters of the running
+# and of the queued requests (comma-separated) and the most the node holds; its value the time they last changed.
+LORA_REQUESTS_INFO = Gauge(
+    "openengine_node_lora_requests_info",
+    "LoRA adapters of the running and the waiting requests (labels); value: when they last changed (unix time)",
+    ("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+)
+_lora_labels: tuple[str, str, str] | None = None
 
 
-def observe_step(step: cluster_pb2.EngineStep, max_batch: int) -> None:
+def observe_step(step: cluster_pb2.EngineStep, max_batch: int, max_loras: int = 0) -> None:
+    if max_loras:
+        _observe_loras(step, max_loras)
     RUNNING.set(step.running)
     SLOT_USAGE.set(step.running / max_batch)
     QUEUED.set(step.queued)
@@ -56,3 +68,14 @@ def observe_step(step: cluster_pb2.EngineStep, max_batch: int) -> None:
         PREFILL_TOKENS.inc(step.prefilled_tokens)
     if step.cached_prompt_tokens:
         PREFIX_CACHE_HIT_TOKENS.inc(step.cached_prompt_tokens)
+
+
+def _observe_loras(step: cluster_pb2.EngineStep, max_loras: int) -> None:
+    global _lora_labels
+    labels = (",".join(step.running_loras), ",".join(step.waiting_loras), str(max_loras))
+    if labels == _lora_labels:
+        return
+    if _lora_labels is not None:
+        LORA_REQUESTS_INFO.remove(*_lora_labels)
+    LORA_REQUESTS_INFO.labels(*labels).set(time.time())
+    _lora_labels = labels

@@ -48,6 +48,7 @@ def load_card(config: NodeConfig) -> cluster_pb2.ModelCard:
     _check_llama_loads(path)
     card.guided_decoding = config.max_guided_sequences > 0
     card.prefix_cache = config.prefix_cache_tokens > 0
+    card.max_loras = config.max_loras if config.lora_dir else 0
     return card
 
 
@@ -79,4 +80,5 @@ def engine_options(config: NodeConfig, card: cluster_pb2.ModelCard) -> dict:
         "threads": threads,
         "prefix_cache_tokens": config.prefix_cache_tokens,
         "max_guided_sequences": config.max_guided_sequences,
+        "max_loras": card.max_loras,
     }

@@ -24,7 +24,7 @@ from ..api.openengine_internal.v1 import cluster_pb2, cluster_pb2_grpc
 from ..common import tracing
 from ..common.attempts import request_id_of
 from ..common.config import NodeConfig
-from ..common.grpc_server import create_internal_server
+from ..common.grpc_server import STATUS_BY_NUMBER, create_internal_server
 from ..common.health_service import Health
 from ..common.heartbeat_stream import HeartbeatFailed, HeartbeatStream, PeerHeartbeats
 from ..common.lifecycle import bind_address, start_metrics
@@ -36,6 +36,7 @@ from ..engine.model_card import without_tokenizer
 from . import metrics
 from .engine_link import EngineFull, EngineLink, EngineUnavailable
 from .kv_events import FellBehind, KvEventLog, ReplayUnavailable
+from .lora_files import LoraFileError, lora_file
 from .model import engine_options, load_card
 
 logger = logging.getLogger("openengine_serve.node")
@@ -242,7 +243,7 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     # ---------------------------------------------------------------- engine -> lanes
 
     def _on_step(self, step: cluster_pb2.EngineStep) -> None:
-        metrics.observe_step(step, self.config.max_batch)
+        metrics.observe_step(step, self.config.max_batch, self.card.max_loras)
         if self.link.restarts != self._kv_worker_restarts:  # a new worker: an empty cache
             self._kv_worker_restarts = self.link.restarts
             self.kv_events.clear()
@@ -348,7 +349,11 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
     def _submit(self, engine_request: cluster_pb2.EngineRequest, span) -> tuple[grpc.StatusCode, str] | None:
         """Hands the request to the engine; the refusal (code, message) when it does not take it."""
         try:
+            if engine_request.lora_name:  # the engine loads it from here if it has not yet
+                engine_request.lora_path = lora_file(self.config.lora_dir, engine_request.lora_path)
             self.link.submit(engine_request)
+        except LoraFileError as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except EngineFull as exc:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         except EngineUnavailable as exc:
@@ -375,6 +380,29 @@ class NodeService(cluster_pb2_grpc.NodeServicer):
             return self.link.abort(request.request_id)
         output_index = request.output_index if request.HasField("output_index") else None
         return cluster_pb2.CancelReply(found=self.link.cancel(request.request_id, output_index))
+
+    async def SetLora(self, request: cluster_pb2.LoraCommand, context) -> cluster_pb2.LoraOutcome:
+        command = cluster_pb2.LoraCommand()
+        command.CopyFrom(request)
+        if not command.unload:
+            try:
+                command.adapter.source_path = lora_file(self.config.lora_dir, request.adapter.source_path)
+            except LoraFileError as exc:
+                await context.abort(exc.code, str(exc))
+        try:
+            outcome = await self.link.set_lora(command)
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if outcome.error:
+            await context.abort(STATUS_BY_NUMBER[outcome.refusal_code], outcome.error)
+        outcome.adapter.source_path = request.adapter.source_path  # as the caller named it
+        log_event(
+            logger,
+            "LoRA adapter unloaded" if command.unload else "LoRA adapter loaded",
+            lora_name=command.adapter.lora_name,
+            source_path=command.adapter.source_path,
+        )
+        return outcome
 
     async def Lane(self, request_iterator, context):
         opening = await anext(aiter(request_iterator), None)

@@ -1,0 +1,39 @@
+"""The deployment's LoRA adapters as the coordinator lists them: name, id and file (LoadLora's source_path).
+
+Frontends read the list from every heartbeat reply and accept a request's `lora_name` only when it is on it; the
+request carries the file, so a node that started after the adapter was loaded loads it on first use.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from ..api.openengine.v1 import lora_pb2
+
+
+class LoraTable:
+    def __init__(self) -> None:
+        self.adapters: dict[str, lora_pb2.LoraAdapter] = {}
+        self._ids = itertools.count(1)
+
+    def holds(self, adapter: lora_pb2.LoraAdapter) -> bool:
+        """Listed under its name with its file."""
+        listed = self.adapters.get(adapter.lora_name)
+        return listed is not None and listed.source_path == adapter.source_path
+
+    def add(self, adapter: lora_pb2.LoraAdapter) -> tuple[lora_pb2.LoraAdapter, bool]:
+        """Lists the adapter with an id of its own; returns it, and True when it was listed already."""
+        if self.holds(adapter):
+            return self.adapters[adapter.lora_name], True
+        listed = lora_pb2.LoraAdapter(
+            lora_id=next(self._ids), lora_name=adapter.lora_name, source_path=adapter.source_path
+        )
+        self.adapters[adapter.lora_name] = listed
+        return listed, False
+
+    def remove(self, name: str) -> lora_pb2.LoraAdapter | None:
+        return self.adapters.pop(name, None)
+
+    def not_found(self, name: str) -> str:
+        listed = ", ".join(repr(n) for n in sorted(self.adapters)) or "none"
+        return f"no LoRA adapter named {name!r} is loaded (loaded: {listed})"

@@ -16,8 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from openengine_serve.api.openengine.v1 import lora_pb2, model_pb2, server_pb2
+from openengine_serve.api.openengine.v1 import kv_pb2, lora_pb2, model_pb2, server_pb2
 from openengine_serve.client import AsyncClient, Client
+from openengine_serve.common.kv_blocks import block_hashes, cache_namespace
 from openengine_serve.engine.model_card import default_model_path
 
 from ..greedy_reference import first_beyond_near_tie, llama_reference, reference_model
@@ -136,6 +137,18 @@ def test_the_prefix_cache_keeps_an_adapters_kv_apart(lora_target, adapter, refer
     assert cached(adapter.adapter.lora_name) == 0
     assert cached("") == 0, "the base model must not read the adapter's KV"
     assert cached(adapter.adapter.lora_name) > 0
+    # KV events name the adapter, and its blocks' hashes are those of its namespace
+    salt, name = f"lora-test-{adapter.adapter.lora_id}", adapter.adapter.lora_name
+    with Client(lora_target, retries=False) as client:
+        snapshot = next(iter(client.control.SubscribeKvEvents(kv_pb2.SubscribeKvEventsRequest(include_snapshot=True))))
+    stored = {
+        (event.block_stored.lora_name, hash_.value)
+        for event in snapshot.batch.events
+        if event.HasField("block_stored")
+        for hash_ in event.block_stored.block_hashes
+    }
+    assert {(name, h) for h in block_hashes(cache_namespace(salt, name), ids)} <= stored
+    assert {("", h) for h in block_hashes(salt, ids)} <= stored
 
 
 def test_unloaded_and_unknown_adapters_are_refused_naming_those_loaded(lora_target, adapter):

@@ -69,9 +69,10 @@ class BlockLedger:
         """Blocks held: the node's own count, which a subscriber's set must match."""
         return len(self._holders)
 
-    def store(self, namespace: str, tokens: Sequence[int]) -> list[bytes]:
-        """A sequence entered the cache; returns its block hashes (what `remove` takes when it leaves). Its new
-        blocks are a suffix of its chain (a block is held only with every block before it): one BlockStored."""
+    def store(self, namespace: str, tokens: Sequence[int], lora_name: str = "") -> list[bytes]:
+        """A sequence entered the cache (computed with the LoRA adapter `lora_name`, "" none); returns its block
+        hashes (what `remove` takes when it leaves). Its new blocks are a suffix of its chain (a block is held only
+        with every block before it): one BlockStored."""
         hashes = block_hashes(namespace, tokens, self.block_size)
         first_new = len(hashes)
         for index, value in enumerate(hashes):
@@ -84,6 +85,7 @@ class BlockLedger:
                 block_hashes=[wire_hash(value) for value in hashes[first_new:]],
                 token_ids=tokens[first_new * self.block_size : len(hashes) * self.block_size],
                 block_size=self.block_size,
+                lora_name=lora_name,
             )  # medium unset: the engine's own KV memory (llama.cpp's cache, in host memory on CPU)
             if first_new:
                 stored.parent_block_hash.CopyFrom(wire_hash(hashes[first_new - 1]))
@@ -120,12 +122,13 @@ def batch(sequence_number: int, rank: int, events: Sequence[kv_pb2.KvEvent]) -> 
 
 class BlockChange(NamedTuple):
     """One block's change in KV events: stored (after `parent`, b"" for a first block, holding `tokens`) or
-    removed; `block` b"": every block was cleared."""
+    removed; `block` b"": every block was cleared. `lora_name`: the adapter a stored block's KV was computed with."""
 
     block: bytes
     stored: bool = False
     parent: bytes = b""
     tokens: Sequence[int] = ()
+    lora_name: str = ""
 
 
 def block_changes(events: Iterable[kv_pb2.KvEvent]) -> Iterator[BlockChange]:
@@ -137,7 +140,8 @@ def block_changes(events: Iterable[kv_pb2.KvEvent]) -> Iterator[BlockChange]:
             stored = event.block_stored
             parent, size = stored.parent_block_hash.value, stored.block_size
             for index, block in enumerate(stored.block_hashes):
-                yield BlockChange(block.value, True, parent, stored.token_ids[index * size : (index + 1) * size])
+                tokens = stored.token_ids[index * size : (index + 1) * size]
+                yield BlockChange(block.value, True, parent, tokens, stored.lora_name)
                 parent = block.value
         elif kind == "block_removed":
             for block in event.block_removed.block_hashes:

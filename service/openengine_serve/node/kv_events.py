@@ -70,7 +70,7 @@ class KvEventLog:
         self._kept: deque[tuple[kv_pb2.KvEventBatch, int]] = deque()  # with their sizes, the oldest first
         self._kept_bytes = 0
         # block hash -> (its parent's hash or b"", its tokens), in the order stored: a parent before its children
-        self._held: dict[bytes, tuple[bytes, list[int]]] = {}
+        self._held: dict[bytes, tuple[bytes, list[int], str]] = {}  # block -> (parent, tokens, LoRA adapter)
 
     @property
     def blocks(self) -> int:
@@ -112,8 +112,10 @@ class KvEventLog:
         """One batch that, applied to any state, leaves the blocks held now: AllBlocksCleared, then every block
         stored (a parent before its children). Numbered as the last batch, whose state it is."""
         events = [kv_pb2.KvEvent(all_blocks_cleared=kv_pb2.AllBlocksCleared())]
-        for value, (parent, tokens) in self._held.items():
-            stored = kv_pb2.BlockStored(block_hashes=[wire_hash(value)], token_ids=tokens, block_size=len(tokens))
+        for value, (parent, tokens, lora_name) in self._held.items():
+            stored = kv_pb2.BlockStored(
+                block_hashes=[wire_hash(value)], token_ids=tokens, block_size=len(tokens), lora_name=lora_name
+            )
             if parent:
                 stored.parent_block_hash.CopyFrom(wire_hash(parent))
             events.append(kv_pb2.KvEvent(block_stored=stored))
@@ -133,6 +135,6 @@ class KvEventLog:
             if not change.block:
                 self._held.clear()
             elif change.stored:
-                self._held[change.block] = (change.parent, list(change.tokens))
+                self._held[change.block] = (change.parent, list(change.tokens), change.lora_name)
             else:
                 self._held.pop(change.block, None)

@@ -592,7 +592,9 @@ class LlamaEngine(Engine):
         if not self.prefix_cache.enabled:
             return
         seq_id, output.seq_id = output.seq_id, -1
-        self._free_seq_ids.extend(self.prefix_cache.keep(seq_id, state.salt, output.tokens[: output.cached]))
+        self._free_seq_ids.extend(
+            self.prefix_cache.keep(seq_id, state.salt, output.tokens[: output.cached], state.lora)
+        )
 
     def _release_sequence(self, output: _Output) -> None:
         if output.seq_id >= 0:

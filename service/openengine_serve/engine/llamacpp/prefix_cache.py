@@ -63,7 +63,7 @@ class PrefixCache:
         self._entries.move_to_end(best.seq_id)
         return best, best_length
 
-    def keep(self, seq_id: int, salt: str, tokens: list[int]) -> list[int]:
+    def keep(self, seq_id: int, salt: str, tokens: list[int], lora_name: str = "") -> list[int]:
         """Takes an ended sequence's cells (holding `tokens`); returns the sequence ids it frees: an entry
         this one covers, then the least recently used ones beyond the bounds (their cells already removed).
         A sequence too large for the cache is returned at once."""
@@ -71,7 +71,7 @@ class PrefixCache:
             self._model.forget(seq_id)
             return [seq_id]
         # Stored before the entries it covers are dropped: their blocks stay held (no removal, then storage).
-        entry = Entry(seq_id, salt, np.asarray(tokens, np.int32), self.blocks.store(salt, tokens))
+        entry = Entry(seq_id, salt, np.asarray(tokens, np.int32), self.blocks.store(salt, tokens, lora_name))
         freed = [
             other.seq_id
             for other in self._entries.values()

@@ -120,6 +120,8 @@ def _generate(args: argparse.Namespace) -> int:
             request.guided.regex = args.regex
         elif args.choice:
             request.guided.choice.choices.extend(args.choice)
+        if args.lora:
+            request.lora_name = args.lora
         return _print_stream(client, request, args.timeout)
 
 
@@ -181,6 +183,32 @@ def _info(args: argparse.Namespace) -> int:
             return 2
     print("# ServerInfo\n" + text_format.MessageToString(server))
     print("# ModelInfo\n" + text_format.MessageToString(model))
+    return 0
+
+
+def _lora(args: argparse.Namespace) -> int:
+    """LoadLora, UnloadLora or ListLoras; prints the adapters as ListLoras names them."""
+    import grpc
+
+    from .api.openengine.v1 import lora_pb2
+    from .client import Client
+
+    with Client(args.target, credentials=credentials(args)) as client:
+        try:
+            if args.action == "load":
+                adapter = lora_pb2.LoraAdapter(lora_name=args.name, source_path=args.file)
+                loaded = client.control.LoadLora(lora_pb2.LoadLoraRequest(adapter=adapter), timeout=args.timeout)
+                adapters = [loaded.adapter]
+            elif args.action == "unload":
+                request = lora_pb2.UnloadLoraRequest(lora_name=args.name)
+                adapters = [client.control.UnloadLora(request, timeout=args.timeout).adapter]
+            else:
+                adapters = list(client.control.ListLoras(lora_pb2.ListLorasRequest(), timeout=args.timeout).adapters)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    for adapter in adapters:
+        print(f"{adapter.lora_name}\tid={adapter.lora_id}\t{adapter.source_path}")
     return 0
 
 
@@ -297,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     guide.add_argument("--regex", help="structured output: a regular expression the whole answer matches")
     guide.add_argument("--choice", action="append", default=[], help="structured output: one of these (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--lora", default=None, metavar="NAME", help="a LoRA adapter loaded with `lora load`")
     gen.add_argument("--request-id", default=None)
     gen.add_argument(
         "--timeout",
@@ -312,6 +341,19 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--timeout", type=float, default=10.0)
     add_credential_arguments(info)
     info.set_defaults(func=_info)
+
+    lora = sub.add_parser("lora", help="load, unload or list the deployment's LoRA adapters (an admin's calls)")
+    lora.set_defaults(func=_lora)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default="127.0.0.1:50051")
+    common.add_argument("--timeout", type=float, default=120.0)
+    add_credential_arguments(common)
+    actions = lora.add_subparsers(dest="action", required=True)
+    load = actions.add_parser("load", parents=[common], help="load an adapter on every node (LoadLora)")
+    load.add_argument("name", help="the name requests use (lora_name)")
+    load.add_argument("file", help="the adapter's GGUF file, in the nodes' OPENENGINE_LORA_DIR")
+    actions.add_parser("unload", parents=[common], help="unload an adapter (UnloadLora)").add_argument("name")
+    actions.add_parser("list", parents=[common], help="the adapters loaded (ListLoras)")
 
     _add_health_arguments(sub.add_parser("health", help=HEALTH_HELP))
     return parser

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -103,6 +104,8 @@ def test_greedy_output_with_the_adapter_follows_llama_cpp_python_with_lora_path(
     assert adapted != base, "the adapter changes what the model says"
     assert first_beyond_near_tie(lora_reference, ids, adapted) is None
     assert first_beyond_near_tie(base_reference, ids, base) is None
+    after = output_ids(generate(lora_target, make_request(ids, max_tokens=TOKENS)))
+    assert first_beyond_near_tie(base_reference, ids, after) is None, "the adapter must not outlast its requests"
 
 
 def test_requests_with_and_without_the_adapter_run_together_without_mixing(lora_target, adapter, references):
@@ -237,3 +240,24 @@ def test_a_new_engine_worker_loads_a_listed_adapter_when_a_request_names_it(
 
     adapted = wait_for(served, 60, "the new worker to serve the adapter")
     assert first_beyond_near_tie(references[1], ids, adapted) is None
+
+
+def test_the_command_line_loads_lists_uses_and_unloads_an_adapter(lora_target, references):
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "openengine_serve", *args, "--target", lora_target],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    assert cli("lora", "load", name, "sea.gguf").startswith(f"{name}\tid=")
+    assert f"{name}\t" in cli("lora", "list")
+    generate_args = ("generate", "--prompt", PROMPT, "--max-tokens", "8", "--temperature", "0")
+    with_adapter = cli(*generate_args, "--lora", name)
+    assert with_adapter and with_adapter != cli(*generate_args)
+    cli("lora", "unload", name)
+    assert f"{name}\t" not in cli("lora", "list")

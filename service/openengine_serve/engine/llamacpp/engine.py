@@ -321,8 +321,7 @@ class LlamaEngine(Engine):
         if not runs:
             return False
         try:
-            if lora is not None:
-                self.adapters.apply(lora)
+            self.adapters.apply(lora or "")  # None: no adapter runs (an earlier step's may still be applied)
             self.model.decode(self._batch)
         except LlamaError as exc:
             logger.error("decode failed: %s", exc)

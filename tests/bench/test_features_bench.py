@@ -510,3 +510,27 @@ def test_report_leaves_out_what_did_not_run():
     report = f.render_report(doc)
     assert "## 1." not in report and "## 2." not in report and "## 3." not in report and "## 4." not in report
     assert "(no measurement ran)" in report and "## Problems" not in report
+
+
+def test_lora_summary_takes_medians_over_rounds_relative_to_the_base_model():
+    def cell(tok_s: float, errors: int = 0) -> dict:
+        return {"tok_s": tok_s, "step_ms": 100.0, "itl_p50_ms": 90.0, "itl_p99_ms": 150.0, "errors": errors}
+
+    rounds = [{name: cell(100.0 * (1 + r) / (1 + n)) for n, name in enumerate(f.LORA_MIXES)} for r in range(3)]
+    rounds[1]["four adapters"]["errors"] = 2
+    summary = f.lora_summary(rounds)
+    assert summary["base model only"]["tok_s"] == 200.0 and summary["base model only"]["vs_base"] == 1.0
+    assert summary["one adapter"]["vs_base"] == pytest.approx(0.5)
+    assert summary["four adapters"]["errors"] == 2
+    assert [f.LORA_MIXES[name](i) for name in f.LORA_MIXES for i in range(4)] == [
+        *[""] * 4,
+        *["a0"] * 4,
+        "",
+        "a0",
+        "",
+        "a0",
+        "a0",
+        "a1",
+        "a2",
+        "a3",
+    ]

@@ -22,6 +22,9 @@ load comes from this process (AsyncClient, greedy requests). Four measurements:
    events, or a hash of the first tokens) or by a random routing key per request (which takes precedence and
    places requests without regard to their prefix); the prefix cache hit rate from both nodes' counters and how
    the requests spread.
+5. LoRA mixing: output tokens/s of 16 streams (64 tokens each, end of generation ignored) with no adapter, all
+   with one adapter, half with one and half without, and spread over four adapters (tools/make_test_lora.py
+   adapters for the model): a step decodes each adapter's outputs apart, so mixing costs decodes.
 
 Results: DIR/features.json and DIR/report.md (also printed); the components' logs in --logs.
 """
@@ -33,6 +36,7 @@ import asyncio
 import contextlib
 import ctypes
 import datetime
+import functools
 import json
 import os
 import platform
@@ -74,7 +78,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = REPO / "docs" / "bench" / "features"
 DEFAULT_LOGS = REPO / "bench-results" / "features-logs"
 
-PARTS = ("guided", "cache", "isolation", "routing")
+PARTS = ("guided", "cache", "isolation", "routing", "lora")
 PR_SET_PDEATHSIG = 1  # prctl(2)
 
 # The targets (judged on the medians over the rounds).
@@ -370,6 +374,7 @@ def make_request(
     schema: str = "",
     salt: str | None = None,
     bypass: bool = False,
+    lora: str = "",
 ):
     from openengine_serve.api.openengine.v1 import generation_pb2 as g
 
@@ -386,6 +391,7 @@ def make_request(
         request.kv.cache_salt = salt
     if bypass:
         request.kv.bypass_prefix_cache = True
+    request.lora_name = lora
     return request
 
 
@@ -902,6 +908,79 @@ async def guided_levels(stack: Stack, schema: str, unguided_tokens: int, mode: M
             rnd["levels"][str(n)] = level
         rounds.append(rnd)
     return rounds
+
+
+# ---------------------------------------------------------------- 5. LoRA mixing
+
+LORA_STREAMS = 16
+LORA_MAX_TOKENS = 64
+LORA_ADAPTERS = 4
+# each mix: the adapter of stream i ("" the base model)
+LORA_MIXES: dict[str, Callable[[int], str]] = {
+    "base model only": lambda i: "",
+    "one adapter": lambda i: "a0",
+    "half base, half one adapter": lambda i: "a0" if i % 2 else "",
+    "four adapters": lambda i: f"a{i % LORA_ADAPTERS}",
+}
+
+
+def write_adapters(model: str, directory: Path) -> None:
+    """LORA_ADAPTERS deterministic adapters a0.gguf... for the model (tools/make_test_lora.py, seeds 0...)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_test_lora import write_adapter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for n in range(LORA_ADAPTERS):
+        write_adapter(Path(model), directory / f"a{n}.gguf", seed=n)
+
+
+async def lora_mixes(stack: Stack, mode: Mode) -> dict[str, Any]:
+    """Loads the adapters, then runs each mix for a window per round (the order reversed every other round)."""
+    from openengine_serve.api.openengine.v1 import lora_pb2
+
+    assert stack.client is not None, "started"
+    for n in range(LORA_ADAPTERS):
+        adapter = lora_pb2.LoraAdapter(lora_name=f"a{n}", source_path=f"a{n}.gguf")
+        await stack.client.control.LoadLora(lora_pb2.LoadLoraRequest(adapter=adapter), timeout=120)
+    rounds = []
+    for r in range(mode.rounds):
+        names = list(LORA_MIXES) if r % 2 == 0 else list(reversed(LORA_MIXES))
+        rnd: dict[str, Any] = {"round": r + 1, "order": names}
+        for name in names:
+            await wait_quiet_note(rnd, name)
+            group = Group("lora", LORA_STREAMS, functools.partial(lora_request, stack.model, LORA_MIXES[name]))
+            say(f"  LoRA mixing, round {r + 1}: {name}...")
+            window = await run_window(stack, [group], mode)
+            stats = window["groups"]["lora"]
+            rnd[name] = {**stats, **{k: v for k, v in window.items() if k != "groups"}}
+            say(
+                f"  LoRA mixing, round {r + 1}: {name}: {fmt(stats['tok_s'])} tok/s, step {fmt(window['step_ms'])} "
+                f"ms, ITL p50 {fmt(stats['itl_p50_ms'])} ms, {stats['errors']} errors"
+            )
+        rounds.append(rnd)
+    return {"rounds": rounds, "summary": lora_summary(rounds)}
+
+
+def lora_request(model: str, choose: Callable[[int], str], i: int, k: int):
+    """Stream i's k-th request of a mix: a greedy 64-token request with the adapter the mix gives stream i."""
+    prompt = PROMPTS[(i + k) % len(PROMPTS)]
+    return make_request(model, prompt, max_tokens=LORA_MAX_TOKENS, ignore_eos=True, lora=choose(i))
+
+
+def lora_summary(rounds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per mix: the medians over rounds of tok/s, step and ITL p50, and tok/s relative to the base model only."""
+    summary: dict[str, dict[str, Any]] = {}
+    for name in LORA_MIXES:
+        cells = [rnd[name] for rnd in rounds if name in rnd]
+        summary[name] = {
+            key: median([c[key] for c in cells if c.get(key) is not None])
+            for key in ("tok_s", "step_ms", "itl_p50_ms", "itl_p99_ms")
+        }
+        summary[name]["errors"] = sum(c.get("errors", 0) for c in cells)
+    base = summary.get("base model only", {}).get("tok_s")
+    for cell in summary.values():
+        cell["vs_base"] = ratio(cell["tok_s"], base)
+    return summary
 
 
 QUIET_LIMIT_S = [0.0]  # set by main from --quiet-wait
@@ -1598,6 +1677,26 @@ def render_report(doc: dict[str, Any]) -> str:
             lines.append(f"- {note}")
         lines.append("")
 
+    lora = doc.get("lora")
+    if lora and lora.get("summary"):
+        lines += [
+            "## 5. LoRA mixing",
+            "",
+            f"`{lora['stack']}`, {LORA_ADAPTERS} adapters loaded (tools/make_test_lora.py, rank 8 on attn_q and "
+            f"attn_v). {LORA_STREAMS} streams sending requests back to back ({LORA_MAX_TOKENS} output tokens, end "
+            f"of generation ignored), each with the adapter its mix gives it. A step decodes the outputs of each "
+            f"adapter (the base model counting as one) in a batch of their own.",
+            "",
+            "| mix | tok/s | vs base model only | step (ms) | ITL p50 (ms) | ITL p99 (ms) | errors |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, cell in lora["summary"].items():
+            lines.append(
+                f"| {name} | {fmt(cell['tok_s'])} | {fmt(cell['vs_base'], 2)} | {fmt(cell['step_ms'], 1)} | "
+                f"{fmt(cell['itl_p50_ms'])} | {fmt(cell['itl_p99_ms'])} | {cell['errors']} |"
+            )
+        lines.append("")
+
     found = doc.get("problems", [])
     if found:
         lines += ["## Problems", "", *[f"- {p}" for p in found], ""]
@@ -1887,6 +1986,27 @@ def main(argv: list[str] | None = None) -> int:
                 await stack.stop()
         doc["routing"]["notes"] += ROUTING_NOTES
 
+    async def lora_node() -> None:
+        lora_dir = args.logs / "loras"
+        write_adapters(model, lora_dir)
+        env = {**one_node, "OPENENGINE_LORA_DIR": str(lora_dir), "OPENENGINE_MAX_LORAS": str(LORA_ADAPTERS)}
+        stack = Stack(1, env, args.logs, "lora")
+        doc["lora"] = {"stack": stack.describe()}
+        try:
+            say("starting the stack (1 node, LoRA)...")
+            await stack.start()
+            await run_request(
+                stack.client, make_request(stack.model, PROMPTS[0], max_tokens=8), Record(time.perf_counter())
+            )
+            doc["lora"].update(await lora_mixes(stack, mode))
+            write_json(output / "features.json", doc)
+        except Exception as exc:  # noqa: BLE001
+            doc["errors"].append(f"LoRA stack: {type(exc).__name__}: {exc}")
+            say(f"FAILED: {doc['errors'][-1]}")
+        finally:
+            say("stopping the stack (LoRA)...")
+            await stack.stop()
+
     async def run_all() -> None:
         if QUIET_LIMIT_S[0] > 0:
             doc["foreign_cpus_at_start"] = await wait_quiet(QUIET_LIMIT_S[0])
@@ -1944,6 +2064,8 @@ def main(argv: list[str] | None = None) -> int:
             write_json(output / "features.json", doc)
         if "routing" in parts:
             await two_node()
+        if "lora" in parts:
+            await lora_node()
 
     from openengine_serve.common.lifecycle import run
 

@@ -601,20 +601,49 @@ def test_a_heartbeat_that_changes_nothing_leaves_the_table_and_the_index_alone(
     assert reserve(state, "r2") != picked
 
 
-def test_a_node_of_another_model_is_refused_while_a_node_of_the_first_lives(
+def test_a_node_serving_a_live_models_name_with_another_tokenizer_is_refused_while_it_lives(
     state: ClusterState, clock: FakeClock
 ) -> None:
     smol = cluster_pb2.ModelCard(name="SmolLM2-135M-Instruct", engine="llama.cpp", tokenizer_digest="a" * 64)
+    rebuilt = cluster_pb2.ModelCard(name="SmolLM2-135M-Instruct", engine="llama.cpp", tokenizer_digest="b" * 64)
     other = cluster_pb2.ModelCard(name="Qwen/Qwen3-0.6B", engine="simulated", tokenizer_digest="b" * 64)
     state.register_node(cluster_pb2.NodeEntry(node_id="n0", address="n0:1", model=smol), None)
     state.register_node(cluster_pb2.NodeEntry(node_id="n1", address="n1:1", model=smol), None)
+    assert state.register_node(cluster_pb2.NodeEntry(node_id="n2", address="n2:1", model=other), None).rank == 2
     with pytest.raises(
-        ModelMismatch, match="node 'n2' serves 'Qwen/Qwen3-0.6B'.*live node 'n0' serves 'SmolLM2-135M-Instruct'"
+        ModelMismatch, match="node 'n3' serves 'SmolLM2-135M-Instruct'.*live node 'n0' serves a model of that name"
     ):
-        state.register_node(cluster_pb2.NodeEntry(node_id="n2", address="n2:1", model=other), None)
+        state.register_node(cluster_pb2.NodeEntry(node_id="n3", address="n3:1", model=rebuilt), None)
     clock.advance(4.0)
-    state.expire()  # n0 and n1 silent past the expiry: DOWN
-    assert state.register_node(cluster_pb2.NodeEntry(node_id="n2", address="n2:1", model=other), None).rank == 0
+    state.expire()  # every node silent past the expiry: DOWN
+    assert state.register_node(cluster_pb2.NodeEntry(node_id="n3", address="n3:1", model=rebuilt), None).rank == 0
+
+
+def add_model_node(state: ClusterState, node_id: str, model: str, **limits) -> None:
+    card = cluster_pb2.ModelCard(name=model, tokenizer_digest=model * 8)
+    state.register_node(
+        cluster_pb2.NodeEntry(node_id=node_id, address=f"{node_id}:1", model=card, load=load(**limits)), None
+    )
+    assert state.node_heartbeat(node_id, READY, None)
+
+
+def test_with_several_models_a_request_goes_to_a_node_of_its_model(state: ClusterState) -> None:
+    add_model_node(state, "a0", "A")
+    add_model_node(state, "a1", "A")
+    add_model_node(state, "b0", "B", running=7)  # busier than the A nodes: least loaded alone would avoid it
+    assert {reserve(state, f"b{i}", model="B") for i in range(4)} == {"b0"}
+    assert {reserve(state, f"a{i}", model="A") for i in range(4)} == {"a0", "a1"}
+    key = {reserve(state, f"k{i}", model="B", routing_key="user-7") for i in range(3)}
+    assert key == {"b0"}, "a routing key picks among its model's nodes"
+    with pytest.raises(RankNotFound, match="rank 2 serves model 'B'"):
+        reserve(state, "r", model="A", target_rank=2)
+    with pytest.raises(NoNodeAvailable, match="no node serving 'C' is ready"):
+        reserve(state, "c", model="C")
+
+
+def test_with_one_model_the_models_name_is_not_needed(state: ClusterState) -> None:
+    add_model_node(state, "a0", "A")
+    assert reserve(state, "r0") == "a0" and reserve(state, "r1", model="A") == "a0"
 
 
 # ------------------------------------------------------------------ routing by the nodes' KV events

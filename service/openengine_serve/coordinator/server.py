@@ -217,9 +217,9 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"a LoRA adapter named {name!r} is loaded from {listed.source_path!r}; unload it first",
             )
-        nodes = [node for node in self.state.node_entries() if node.state == cluster_pb2.NODE_STATE_READY]
+        nodes = self._lora_nodes()
         if not nodes:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no node is ready to load the adapter; retry")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no node serving LoRA is ready to load the adapter; retry")
         failures = [(node, exc) for node, exc in await self._on_ready_nodes(request, nodes) if exc is not None]
         if failures:
             node, exc = failures[0]
@@ -233,9 +233,10 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
     async def _on_ready_nodes(
         self, command: cluster_pb2.LoraCommand, nodes: list[cluster_pb2.NodeEntry] | None = None
     ) -> list[tuple[cluster_pb2.NodeEntry, grpc.aio.AioRpcError | None]]:
-        """Sends the command to each node (every ready one by default) at once; each node's error or None."""
+        """Sends the command to each node (every ready one serving LoRA by default) at once; each node's error or
+        None."""
         if nodes is None:
-            nodes = [node for node in self.state.node_entries() if node.state == cluster_pb2.NODE_STATE_READY]
+            nodes = self._lora_nodes()
 
         async def send(node: cluster_pb2.NodeEntry) -> grpc.aio.AioRpcError | None:
             try:
@@ -245,6 +246,10 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                 return exc
 
         return list(zip(nodes, await asyncio.gather(*(send(node) for node in nodes)), strict=True))
+
+    def _lora_nodes(self) -> list[cluster_pb2.NodeEntry]:
+        """The ready nodes whose engine serves LoRA adapters (of several models, those with OPENENGINE_LORA_DIR)."""
+        return [n for n in self.state.node_entries() if n.state == cluster_pb2.NODE_STATE_READY and n.model.max_loras]
 
     async def GetClusterLoad(self, request, context) -> cluster_pb2.ClusterLoad:
         return self.state.cluster_load()

@@ -76,7 +76,7 @@ class RankConflict(CoordinatorError):
 
 
 class ModelMismatch(CoordinatorError):
-    """A node serves another model (tokenizer) than the live nodes of the deployment."""
+    """A node serves a model under the name of a live node's model, with another tokenizer."""
 
 
 class DuplicateRequest(CoordinatorError):
@@ -220,6 +220,7 @@ class ClusterState:
         self._ready_view_at = -1
         self._ready: list[_Node] = []
         self._ready_by_rank: dict[int, _Node] = {}
+        self._several_models = False  # the READY nodes serve more than one model: requests go by their model
         self._affinity: dict[bytes, _Node] = {}  # by the routing key's digest
         # The node table's version: bumped at every change of an entry. Node ids by their last change (and by their
         # last change of anything but the load figures), oldest first, so the changes since a version are found
@@ -283,17 +284,23 @@ class ClusterState:
         return _copy(stored)
 
     def _check_model(self, entry: cluster_pb2.NodeEntry) -> None:
-        """One model per deployment: frontends tokenize with the nodes' tokenizer, so a node whose model differs
-        from a live node's is refused until those are gone (a rollout to another model replaces every node)."""
+        """Nodes may serve different models, told apart by name; frontends tokenize a model's requests with its
+        nodes' tokenizer, so a node serving a model under a live node's model name with another tokenizer is
+        refused until those are gone (a rollout of a new build under the same name replaces every node)."""
         model = entry.model
         for node_id, node in self._nodes.items():
             other = node.entry.model
-            if node.is_live and node_id != entry.node_id and other.tokenizer_digest != model.tokenizer_digest:
+            if (
+                node.is_live
+                and node_id != entry.node_id
+                and other.name == model.name
+                and other.tokenizer_digest != model.tokenizer_digest
+            ):
                 raise ModelMismatch(
                     f"node {entry.node_id!r} serves {model.name or 'no model'!r} ({model.engine or 'unknown'} "
                     f"engine, tokenizer {model.tokenizer_digest[:12] or 'none'}), but live node {node_id!r} serves "
-                    f"{other.name!r} ({other.engine} engine, tokenizer {other.tokenizer_digest[:12]}); every node "
-                    f"of a deployment serves the same model"
+                    f"a model of that name with another tokenizer ({other.engine} engine, tokenizer "
+                    f"{other.tokenizer_digest[:12]}); give the new model a name of its own, or replace every node"
                 )
 
     def node_heartbeat(self, node_id: str, state: NodeState, load: cluster_pb2.NodeLoad | None) -> bool:
@@ -428,26 +435,30 @@ class ClusterState:
                 f"{owner.frontend_id!r}); use an id that is not in flight"
             )
         ready = self._ready_nodes()
+        model = request.model if self._several_models else ""  # one model: every node serves it (no filter)
+        if model:
+            ready = [node for node in ready if node.entry.model.name == model]
         if not ready:
             self._refusals["no_node"] += 1
-            raise NoNodeAvailable(f"no node is ready to take requests: {self._describe_nodes()}")
+            wanted = f" serving {model!r}" if model else ""
+            raise NoNodeAvailable(f"no node{wanted} is ready to take requests: {self._describe_nodes()}")
 
         now = self._now()
         node: _Node | None
         if request.HasField("target_rank"):
-            node = self._pick_target_rank(ready, request.target_rank)
+            node = self._pick_target_rank(ready, request.target_rank, model)
             reason = ROUTE_TARGET_RANK
         else:
-            node = self._pick_by_affinity(ready, request.routing_key)
+            node = self._pick_by_affinity(ready, request.routing_key, model)
             reason = ROUTE_AFFINITY
             if node is None and self._prefix_routing == "kv-events":
-                node = self._pick_by_blocks(request.block_hashes, now)
+                node = self._pick_by_blocks(request.block_hashes, now, model)
                 reason = ROUTE_KV_BLOCKS
             if node is None and self._prefix_routing == "first-tokens":
-                node = self._pick_by_prefix(ready, request.prefix_key)
+                node = self._pick_by_prefix(ready, request.prefix_key, model)
                 reason = ROUTE_PREFIX
             if node is None:
-                node = self._pick_least_loaded(ready)
+                node = self._pick_least_loaded(ready, model)
                 reason = ROUTE_LEAST_LOADED
 
         frontend = self._frontends.get(request.frontend_id)
@@ -557,12 +568,19 @@ class ClusterState:
         if self._ready_view_at != self._ready_changes:
             self._ready = [node for node in self._nodes.values() if node.entry.state == READY]
             self._ready_by_rank = {node.entry.rank: node for node in self._ready}
+            self._several_models = len({node.entry.model.name for node in self._ready}) > 1
             self._affinity.clear()
             self._ready_view_at = self._ready_changes
         return self._ready
 
-    def _pick_target_rank(self, ready: list[_Node], rank: int) -> _Node:
+    def _pick_target_rank(self, ready: list[_Node], rank: int, model: str = "") -> _Node:
         node = self._ready_by_rank.get(rank)
+        if node is not None and model and node.entry.model.name != model:
+            self._refusals["rank_not_found"] += 1
+            raise RankNotFound(
+                f"rank {rank} serves model {node.entry.model.name!r}; ready ranks of this model: "
+                f"{sorted(n.entry.rank for n in ready)}"
+            )
         if node is None:
             self._refusals["rank_not_found"] += 1
             not_ready = next((n for n in self._nodes.values() if n.entry.rank == rank), None)
@@ -575,7 +593,7 @@ class ClusterState:
             raise DeploymentFull(f"node rank {rank} is at capacity ({self._describe_capacity(node)}); retry later")
         return node
 
-    def _pick_by_affinity(self, ready: list[_Node], routing_key: str) -> _Node | None:
+    def _pick_by_affinity(self, ready: list[_Node], routing_key: str, model: str = "") -> _Node | None:
         """The key's node by the shared routing rule (rendezvous hashing over the READY nodes,
         common/routing.py), or None without a key or when that node is full.
 
@@ -586,7 +604,8 @@ class ClusterState:
         """
         if not routing_key:
             return None
-        digest = hashlib.blake2b(routing_key.encode(), digest_size=AFFINITY_DIGEST_BYTES).digest()
+        scoped = f"{model}\0{routing_key}" if model else routing_key  # `ready` holds that model's nodes only
+        digest = hashlib.blake2b(scoped.encode(), digest_size=AFFINITY_DIGEST_BYTES).digest()
         node = self._affinity.get(digest)
         if node is None:  # O(ready nodes) hashes: remembered until the READY set changes
             if len(self._affinity) >= AFFINITY_MEMORY:
@@ -594,7 +613,7 @@ class ClusterState:
             node = self._affinity[digest] = rendezvous_pick(routing_key, ready, _node_id)
         return None if node.is_full() else node
 
-    def _pick_by_blocks(self, hashes: Sequence[bytes], now: float) -> _Node | None:
+    def _pick_by_blocks(self, hashes: Sequence[bytes], now: float, model: str = "") -> _Node | None:
         """Of the READY nodes with room whose prefix cache holds the longest run of the prompt's first KV blocks
         (by their KV events and the requests just routed, kv_index.py), the least loaded, unless it is too busy
         (`_within_slack`); None then, or when that run is not more than half the blocks looked at (a run of the
@@ -605,31 +624,44 @@ class ClusterState:
         node_ids, length = self.kv_index.longest_runs(hashes, now)
         if length * 2 <= len(hashes):
             return None
-        nodes = [node for node_id in node_ids if (node := self._available(node_id)) is not None]
-        return self._within_slack(min(nodes, key=_Node.load_score)) if nodes else None
+        nodes = [
+            node
+            for node_id in node_ids
+            if (node := self._available(node_id)) is not None and (not model or node.entry.model.name == model)
+        ]
+        return self._within_slack(min(nodes, key=_Node.load_score), model) if nodes else None
 
-    def _pick_by_prefix(self, ready: list[_Node], prefix_key: str) -> _Node | None:
+    def _pick_by_prefix(self, ready: list[_Node], prefix_key: str, model: str = "") -> _Node | None:
         """The node the routing rule names for the prompt's first tokens (consistent hashing: where its KV is
         likely cached, or soon will be), unless it is too busy (`_within_slack`); None then, or without a key."""
-        node = self._pick_by_affinity(ready, PREFIX_KEY_SPACE + prefix_key) if prefix_key else None
-        return None if node is None else self._within_slack(node)
+        node = self._pick_by_affinity(ready, PREFIX_KEY_SPACE + prefix_key, model) if prefix_key else None
+        return None if node is None else self._within_slack(node, model)
 
     def _available(self, node_id: str) -> _Node | None:
         """The node if it is READY and has room for another request."""
         node = self._nodes.get(node_id)
         return node if node is not None and node.entry.state == READY and not node.is_full() else None
 
-    def _within_slack(self, node: _Node) -> _Node | None:
-        """`node`, unless its load score is more than PREFIX_LOAD_SLACK above the least loaded node's (bounded
-        loads: a popular prefix does not pile onto one node)."""
-        least = self._least_loaded.least_loaded()
-        if least is None or node.load_score() > self._nodes[least].load_score() + PREFIX_LOAD_SLACK:
+    def _within_slack(self, node: _Node, model: str = "") -> _Node | None:
+        """`node`, unless its load score is more than PREFIX_LOAD_SLACK above the least loaded node's of its model
+        (bounded loads: a popular prefix does not pile onto one node)."""
+        least = self._least_loaded_of(model)
+        if least is None or node.load_score() > least.load_score() + PREFIX_LOAD_SLACK:
             return None
         return node
 
-    def _pick_least_loaded(self, ready: list[_Node]) -> _Node:
-        # The load index (load_index.py) holds exactly the READY nodes with room, by score; ties take turns.
-        node_id = self._least_loaded.least_loaded()
+    def _least_loaded_of(self, model: str) -> _Node | None:
+        """The READY node with room with the lowest load score (of `model`'s nodes; "" any)."""
+        if not model:  # the load index (load_index.py) holds exactly the READY nodes with room, by score
+            node_id = self._least_loaded.least_loaded()
+            return None if node_id is None else self._nodes[node_id]
+        nodes = [node for node in self._ready_nodes() if node.entry.model.name == model and not node.is_full()]
+        return min(nodes, key=_Node.load_score) if nodes else None
+
+    def _pick_least_loaded(self, ready: list[_Node], model: str = "") -> _Node:
+        # One model: the load index, whose ties take turns. Several: the least loaded of the model's nodes.
+        least = self._least_loaded_of(model)
+        node_id = None if least is None else least.entry.node_id
         if node_id is None:
             self._refusals["deployment_full"] += 1
             raise DeploymentFull(

@@ -293,6 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the nodes' engine [OPENENGINE_ENGINE, default llama.cpp: SmolLM2-135M-Instruct, or "
         "OPENENGINE_MODEL_PATH]",
     )
+    up.add_argument(
+        "--model-path",
+        action="append",
+        default=[],
+        metavar="GGUF",
+        help="llama.cpp: a GGUF model for node 0, again for node 1 and so on (the last one for the nodes after); "
+        "nodes of different models serve each under its own name [default OPENENGINE_MODEL_PATH, or SmolLM2]",
+    )
     up.add_argument("--coordinator-port", type=int, default=0, help="default: a free port")
     up.add_argument(
         "--node-port", type=int, default=0, help="first node's port, further nodes count up (default: free ports)"

@@ -75,6 +75,7 @@ def run_stack(args: argparse.Namespace) -> int:
             coordinator_address=coordinator,
             metrics_port=metrics_port(9093 + i),
             engine=args.engine or None,
+            model_path=args.model_path[min(i, len(args.model_path) - 1)] if args.model_path else None,
         )
         plan.append((f"node-{i}", node))
     http_port = up_http_port(args)

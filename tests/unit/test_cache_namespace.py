@@ -24,7 +24,8 @@ def planned(key: str | None, salt: str | None = None) -> tuple[str, str]:
     """(cache salt, prefix routing key) of one long prompt planned as `key`'s call."""
     inference = Inference.__new__(Inference)
     tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 1000 for c in text])
-    inference.model = SimpleNamespace(loaded=SimpleNamespace(limits=LIMITS, tokenizer=tokenizer))
+    loaded = SimpleNamespace(limits=LIMITS, tokenizer=tokenizer, card=SimpleNamespace(name="m"))
+    inference.model = SimpleNamespace(loaded=loaded, for_name=lambda name: loaded, names=lambda: ["m"])
     request = G.GenerateRequest(request_id="r", model="m", prompt="a shared system prompt " * 8)
     if salt is not None:
         request.kv.cache_salt = salt

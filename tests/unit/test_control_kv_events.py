@@ -20,7 +20,8 @@ from .test_control_abort import Aborted, FakeContext
 
 
 def control_with(ready_nodes) -> Control:
-    model = SimpleNamespace(loaded=SimpleNamespace(limits=SimpleNamespace(prefix_cache=True)))
+    loaded = SimpleNamespace(limits=SimpleNamespace(prefix_cache=True))
+    model = SimpleNamespace(loaded=loaded, models={"m": loaded})
     relay = KvEventRelay(lambda: ready_nodes, lambda address: None, "frontend.test", 50051)
     return Control(None, "fe-test", None, None, None, None, model, relay)
 

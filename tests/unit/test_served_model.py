@@ -116,7 +116,10 @@ async def test_nodes_of_another_model_make_the_frontend_load_it(node):
     nodes = table(address, other, node_id="n1")
     assert not model.ready_on(nodes.values()), "the ready node serves a model this frontend has not loaded"
     model.on_node_table(nodes)
+    assert model.loaded is None, "no node in the table serves the first model any more: forgotten"
     await loaded(model)
+    while model.loaded is None:
+        await loaded(model)
     assert model.loaded.limits.served_model_name == "other-model" and model.ready_on(nodes.values())
 
 
@@ -130,5 +133,41 @@ async def test_a_model_card_beyond_the_bound_is_refused_before_it_is_kept(node, 
     servicer.card = big
     model = ServedModel(FrontendConfig(), grpc.aio.insecure_channel)
     model.on_node_table(table(address, big))
-    await asyncio.wait_for(model._loading, 30)
+    await asyncio.wait_for(model._loading[big.name][1], 30)
     assert servicer.calls == 1 and model.loaded is None
+
+
+@pytest.fixture
+async def other_node():
+    card = cluster_pb2.ModelCard()
+    card.CopyFrom(simulated_card())
+    card.name, card.tokenizer_digest, card.context_length = "other-model", "f" * 64, 1024
+    del card.aliases[:]
+    servicer = FakeNode(card)
+    server = grpc.aio.server()
+    cluster_pb2_grpc.add_NodeServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    await server.stop(None)
+
+
+async def test_nodes_of_two_models_make_two_models_each_with_its_limits(node, other_node):
+    (first, first_address), (second, second_address) = node, other_node
+    model = ServedModel(FrontendConfig(model="renamed", max_output_tokens=64), grpc.aio.insecure_channel)
+    nodes = table(first_address, first.card)
+    model.on_node_table(nodes)
+    await loaded(model)
+    assert model.names() == ["renamed", "qwen3"], "the operator's name applies to a deployment of one model"
+    nodes |= table(second_address, second.card, node_id="n1")
+    model.on_node_table(nodes)
+    while len(model.models) < 2:
+        await loaded(model)
+    assert model.names() == ["Qwen/Qwen3-0.6B", "qwen3", "other-model"], "with several, each keeps its card's"
+    assert model.for_name("qwen3") is model.models["Qwen/Qwen3-0.6B"] is model.loaded
+    other = model.for_name("other-model")
+    assert other is not None and other.limits.max_context_length == 1024 and other.limits.max_output_tokens == 64
+    assert model.for_name("renamed") is None
+    model.on_node_table(table(second_address, second.card, node_id="n1"))  # the first model's node left the table
+    assert model.loaded is not None and model.loaded.card.name == "other-model"
+    assert model.names() == ["renamed"], "one model again: the operator's name is its name"

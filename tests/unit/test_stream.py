@@ -186,9 +186,8 @@ async def _stream_one_event_at_a_time(ids, send_now):
             self.trace = NO_TRACE
 
     inference = Inference.__new__(Inference)
-    inference.model = SimpleNamespace(
-        loaded=SimpleNamespace(tokenizer=ENC, strings=STRINGS, limits=SimpleNamespace(prefix_cache=False))
-    )
+    loaded = SimpleNamespace(tokenizer=ENC, strings=STRINGS, limits=SimpleNamespace(prefix_cache=False))
+    inference.model = SimpleNamespace(loaded=loaded, for_name=lambda name: loaded)
     accepted, out, direct, written = Accepted(), [], [], []
 
     async def write(message):

@@ -82,7 +82,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
             engine_version=__version__,
             engine_role=server_pb2.ENGINE_ROLE_AGGREGATED,
             instance_id=self.frontend_id,
-            supported_models=list(loaded.limits.served_names) if loaded else [],
+            supported_models=self.model.names(),
             schema_revision=SCHEMA_REVISION,
             minimum_client_revision=SCHEMA_REVISION,
             schema_release=SCHEMA_RELEASE,
@@ -95,28 +95,29 @@ class Control(openengine_pb2_grpc.ControlServicer):
             info.capacity.max_running_requests = sum(n.load.max_running_requests for n in nodes)
         if self._kv_events_served():
             info.capacity.kv_block_size = KV_BLOCK_SIZE  # the KV events' blocks
-        if loaded and loaded.limits.max_loras:
-            info.capacity.max_loras = loaded.limits.max_loras
+        max_loras = max((m.limits.max_loras for m in self.model.models.values()), default=0)
+        if max_loras:
+            info.capacity.max_loras = max_loras
         info.extra.update({**self.implementation.describe(), "frontend_id": self.frontend_id})
         if loaded:
             info.extra.update({"engine": loaded.card.engine, "model": loaded.card.name})
         return info
 
     async def GetModelInfo(self, request, context: AbortingContext) -> model_pb2.ModelInfo:
-        loaded = self.model.loaded
-        if loaded is None:
+        if self.model.loaded is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet (no ready node); retry")
             return
-        limits = loaded.limits
-        names = limits.served_names
+        names = self.model.names()
         if not request.model:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model is required; served: {', '.join(names)}")
             return
-        if request.model not in names:
+        loaded = self.model.for_name(request.model)
+        if loaded is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"model {shown(request.model)} is not served; served: {', '.join(names)}"
             )
             return
+        limits = loaded.limits
         logprobs = model_pb2.LogprobCapabilities(
             supported=True,
             max_top_n=limits.max_top_n,
@@ -224,8 +225,8 @@ class Control(openengine_pb2_grpc.ControlServicer):
                 message=f"{len(ready_nodes)} ready nodes of {len(coordinator.nodes)} known",
             )
         )
-        loaded = self.model.loaded
-        if loaded is None:
+        models = list(self.model.models.values())
+        if not models:
             checks.append(
                 lifecycle_pb2.HealthCheck(
                     name="model", state=lifecycle_pb2.HEALTH_STATE_STARTING, message="waiting for a ready node's model"
@@ -236,7 +237,9 @@ class Control(openengine_pb2_grpc.ControlServicer):
                 lifecycle_pb2.HealthCheck(
                     name="model",
                     state=READY,
-                    message=f"{loaded.name} ({loaded.card.engine}): tokenizer {loaded.tokenizer.mode} loaded",
+                    message="; ".join(
+                        f"{m.name} ({m.card.engine}): tokenizer {m.tokenizer.mode} loaded" for m in models
+                    ),
                 )
             )
         return checks
@@ -361,7 +364,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
         loaded = self.model.loaded
         if loaded is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet (no ready node); retry")
-        elif not loaded.limits.max_loras:
+        elif not any(m.limits.max_loras for m in self.model.models.values()):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"LoRA is not enabled on this deployment ({loaded.card.engine} engine; the llama.cpp nodes serve "
@@ -379,8 +382,7 @@ class Control(openengine_pb2_grpc.ControlServicer):
             raise  # context.abort raises
 
     def _kv_events_served(self) -> bool:
-        loaded = self.model.loaded
-        return loaded is not None and loaded.limits.prefix_cache
+        return any(m.limits.prefix_cache for m in self.model.models.values())
 
     async def GetKvEventSources(self, request, context) -> kv_pb2.GetKvEventSourcesResponse:
         if not self._kv_events_served():

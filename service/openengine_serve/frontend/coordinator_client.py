@@ -231,11 +231,13 @@ class CoordinatorClient:
         owner: str = "",
         prefix_key: str = "",
         block_hashes: Sequence[bytes] = (),
+        model: str = "",
     ) -> cluster_pb2.NodeEntry:
         """The node the id's coordinator picked; raises a Refusal, or CoordinatorUnreachable. `owner`: the API
         key name that starts the request, so that only it (or an admin) can abort it. `prefix_key`: its prompt's
         prefix (requests.prefix_key), which the coordinator prefers to send where that prefix went; `block_hashes`:
-        its first KV blocks (requests.prefix_blocks), which it prefers to send where they are cached.
+        its first KV blocks (requests.prefix_blocks), which it prefers to send where they are cached; `model`: the
+        card name of the nodes that may take it ("" any).
 
         Batched with the other reservations of this event-loop tick; the deadline is per reservation. `trace`
         (traceparent/tracestate pairs) rides in the reservation, since a batch has no per-request metadata.
@@ -248,6 +250,7 @@ class CoordinatorClient:
             prompt_tokens=prompt_tokens,
             num_sequences=num_sequences,
             owner=owner,
+            model=model,
         )
         for key, value in trace:
             if key in ("traceparent", "tracestate"):

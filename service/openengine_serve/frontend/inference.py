@@ -86,17 +86,19 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         self.guide_compile_timeout_s = config.guide_compile_timeout_s
         self.guides = guides.CompiledGuides()  # by content, in a pool of their own
 
-    def loaded(self) -> LoadedModel:
-        """The served model; Unavailable while no node has told this frontend its model yet."""
-        loaded = self.model.loaded
+    def loaded(self, name: str = "") -> LoadedModel:
+        """The model served under `name` (the default model for "" or a name not served: validation refuses the
+        latter); Unavailable while no node has told this frontend its model yet."""
+        loaded = (self.model.for_name(name) if name else None) or self.model.loaded
         if loaded is None:
             raise Unavailable("this frontend has not loaded the model's tokenizer yet (no ready node); retry")
         return loaded
 
     def plan(self, request: generation_pb2.GenerateRequest, metadata: RequestMetadata) -> GenerationPlan:
         """The validated request; raises a Refusal naming what is wrong."""
-        loaded = self.loaded()
-        plan = validate_generate(request, metadata, loaded.limits, loaded.tokenizer.encode)
+        loaded = self.loaded(request.model)
+        plan = validate_generate(request, metadata, loaded.limits, loaded.tokenizer.encode, self.model.names())
+        plan.model_card = loaded.card.name
         if plan.lora_name:
             adapter = self.loras().get(plan.lora_name)
             if adapter is None:
@@ -214,7 +216,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         """Compiles the request's guide against the model's vocabulary (once per guide: guides.CompiledGuides), off
         the event loop and bounded in time, before anything is reserved, while the request already counts against
         its caps: an invalid guide is refused with the compiler's message."""
-        tokenizer = self.loaded().guide_tokenizer
+        tokenizer = self.loaded(plan.model).guide_tokenizer
         try:
             await self.guides.check(
                 plan.guide_kind, plan.guide, tokenizer, guides.Limits(), self.guide_compile_timeout_s
@@ -271,7 +273,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         slowly)."""
         request_id = plan.request_id
         sink = accepted.sink
-        loaded = self.loaded()
+        loaded = self.loaded(plan.model)
         strings = loaded.strings
         outputs = [OutputStream(i, plan, loaded.tokenizer, strings) for i in range(plan.num_sequences)]
         open_outputs = plan.num_sequences

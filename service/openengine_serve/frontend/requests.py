@@ -215,6 +215,7 @@ class Requests:
                     owner,
                     plan.prefix_key,
                     plan.block_hashes,
+                    plan.model_card,
                 )
         except DuplicateRequest as exc:  # the coordinator's message names the frontend that holds the id
             log_event(logger, "duplicate request id", request_id=request_id, detail=exc.message)
@@ -225,7 +226,7 @@ class Requests:
             if request_id in self._open_ids:
                 raise duplicate(plan) from None
             return self.router.choose(
-                self.coordinator.ready_nodes(),
+                [n for n in self.coordinator.ready_nodes() if not plan.model_card or n.model.name == plan.model_card],
                 metadata.routing_key or plan.prefix_key,
                 metadata.target_rank,
                 self.nodes.in_flight,

@@ -1,20 +1,24 @@
-"""The model this frontend serves, learned from the nodes: its names, limits and tokenizer.
+"""The models this frontend serves, learned from the nodes: their names, limits and tokenizers.
 
 The frontend holds no model of its own. Every node's entry in the node table
-names its model (ModelCard, without the tokenizer); once a ready node is known,
-the frontend asks that node for the full card (Node.GetModel: the tokenizer as a
-vocabulary-only GGUF, or the name of the built-in Qwen3 one) and builds the
-tokenizer off the event loop. Until then the frontend is not ready. A node
-table whose ready nodes all serve another tokenizer (every node replaced by
-nodes of another model) makes the frontend load that one.
+names its model (ModelCard, without the tokenizer); once a ready node of a model
+is known, the frontend asks that node for the full card (Node.GetModel: the
+tokenizer as a vocabulary-only GGUF, or the name of the built-in Qwen3 one) and
+builds the tokenizer off the event loop. Until one model is loaded the frontend
+is not ready. Nodes may serve different models (by the card's name): each model
+gets its own tokenizer and limits, and a request names its model. A model whose
+ready nodes serve another tokenizer (its nodes replaced by nodes of another
+build) is loaded again; a model no node in the table serves is forgotten.
 
-The operator's settings (OPENENGINE_MODEL, _MODEL_ALIASES, _MAX_CONTEXT_LENGTH,
-_MAX_OUTPUT_TOKENS) override the card's; the context can only shrink.
+The operator's settings (_MAX_CONTEXT_LENGTH, _MAX_OUTPUT_TOKENS) cap every
+model's; the context can only shrink. OPENENGINE_MODEL and _MODEL_ALIASES rename
+the model of a one-model deployment (with several, each keeps its card's names).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from .validation import ModelLimits
 logger = logging.getLogger("openengine_serve.frontend")
 
 READY = cluster_pb2.NODE_STATE_READY
+DOWN = cluster_pb2.NODE_STATE_DOWN
 MAX_TOP_N = 20
 MAX_CANDIDATE_TOKEN_IDS = 20  # asked candidate ids per selection, at most (as many as top_n)
 MAX_STOP_CONDITIONS = 16
@@ -62,30 +67,61 @@ class LoadedModel:
 
 
 class ServedModel:
+    """The deployment's models as this frontend serves them: one LoadedModel per model the ready nodes serve (by
+    the card's name), each with the tokenizer of a node of that model."""
+
     def __init__(self, config: FrontendConfig, open_channel: Callable[..., grpc.aio.Channel]) -> None:
         self._config = config
         self._open_channel = open_channel
-        self.loaded: LoadedModel | None = None
-        self.changed = asyncio.Event()  # set when `loaded` changes (readiness follows it)
-        self._loading: asyncio.Task | None = None
-        self._loading_digest = ""
+        self.models: dict[str, LoadedModel] = {}  # by card name
+        self.changed = asyncio.Event()  # set when `models` changes (readiness follows it)
+        self._loading: dict[str, tuple[str, asyncio.Task]] = {}  # card name -> (tokenizer digest, its load)
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        """The default model: the only one, or of several the first by name (GetServerInfo names it first)."""
+        return self.models[min(self.models)] if self.models else None
+
+    def names(self) -> list[str]:
+        """Every served name and alias, the default model's first."""
+        ordered = sorted(self.models.values(), key=lambda m: m is not self.loaded)
+        return [name for model in ordered for name in model.limits.served_names]
+
+    def for_name(self, name: str) -> LoadedModel | None:
+        """The model served under `name` (its served name or an alias)."""
+        return next((m for m in self.models.values() if name in m.limits.served_names), None)
 
     def on_node_table(self, nodes: dict[str, cluster_pb2.NodeEntry]) -> None:
-        """Called at every node table: starts loading a ready node's model when none of them serves ours."""
-        ready = [n for n in nodes.values() if n.state == READY and n.model.tokenizer_digest]
-        if not ready or (self.loaded is not None and any(self.loaded.serves(n) for n in ready)):
-            return
-        if self._loading is not None and not self._loading.done():
-            if any(n.model.tokenizer_digest == self._loading_digest for n in ready):
-                return
-            self._loading.cancel()
-        self._loading_digest = ready[0].model.tokenizer_digest
-        self._loading = asyncio.create_task(self._load(ready[0]), name="load-model")
+        """Called at every node table: loads each model a ready node serves and this frontend does not (or serves
+        with another tokenizer: its nodes were replaced); forgets a model no node in the table serves."""
+        ready: dict[str, cluster_pb2.NodeEntry] = {}
+        for node in nodes.values():
+            if node.state == READY and node.model.tokenizer_digest:
+                ready.setdefault(node.model.name, node)
+        for name, node in ready.items():
+            loaded = self.models.get(name)
+            if loaded is not None and loaded.serves(node):
+                continue
+            loading = self._loading.get(name)
+            if loading is not None and not loading[1].done():
+                if loading[0] == node.model.tokenizer_digest:
+                    continue
+                loading[1].cancel()
+            self._loading[name] = (
+                node.model.tokenizer_digest,
+                asyncio.create_task(self._load(node), name="load-model"),
+            )
+        known = {node.model.name for node in nodes.values() if node.state != DOWN}
+        gone = [name for name in self.models if name not in known]
+        for name in gone:
+            del self.models[name]
+            log_event(logger, "model forgotten", model=name)
+        if gone:
+            self._relimit()
 
     def ready_on(self, nodes) -> bool:
         """A model is loaded and some ready node serves it."""
-        loaded = self.loaded
-        return loaded is not None and any(n.state == READY and loaded.serves(n) for n in nodes)
+        return any(n.state == READY and any(m.serves(n) for m in self.models.values()) for n in nodes)
 
     async def _load(self, node: cluster_pb2.NodeEntry) -> None:
         try:
@@ -113,27 +149,35 @@ class ServedModel:
             )
             return
         card.ClearField("tokenizer_data")
-        self.loaded = LoadedModel(
+        self.models[card.name] = LoadedModel(
             card, tokenizer, self._limits(card, tokenizer), TokenStrings(tokenizer), node.node_id, guide_tokenizer
         )
-        self.changed.set()
+        self._relimit()
+        loaded = self.models[card.name]
         log_event(
             logger,
             "model loaded",
-            model=self.loaded.name,
+            model=loaded.name,
             engine=card.engine,
             tokenizer=tokenizer.mode,
             vocab_size=tokenizer.n_vocab,
-            context_length=self.loaded.limits.max_context_length,
+            context_length=loaded.limits.max_context_length,
             from_node=node.node_id,
         )
+
+    def _relimit(self) -> None:
+        """The limits of every model again: the operator's name and aliases apply to a deployment of one model."""
+        for name, model in self.models.items():
+            self.models[name] = dataclasses.replace(model, limits=self._limits(model.card, model.tokenizer))
+        self.changed.set()
 
     def _limits(self, card: cluster_pb2.ModelCard, tokenizer: Tokenizer) -> ModelLimits:
         config = self._config
         context = min(config.max_context_length or card.context_length, card.context_length)
+        single = len(self.models) <= 1  # OPENENGINE_MODEL and _MODEL_ALIASES name the model of a one-model deployment
         return ModelLimits(
-            served_model_name=config.model or card.name,
-            aliases=config.aliases() if config.model_aliases else tuple(card.aliases),
+            served_model_name=(single and config.model) or card.name,
+            aliases=config.aliases() if single and config.model_aliases else tuple(card.aliases),
             max_context_length=context,
             max_output_tokens=min(config.max_output_tokens or card.max_output_tokens, context),
             max_num_sequences=config.max_num_sequences,

@@ -120,6 +120,7 @@ class GenerationPlan:
     guide: str = ""  # its llguidance grammar (common/guides.py), not compiled yet
     bypass_prefix_cache: bool = False
     cache_salt: str = ""
+    model_card: str = ""  # its nodes' name for the model (ModelCard.name), which routing goes by (set by the frontend)
     lora_name: str = ""  # the LoRA adapter ("": the base model)
     lora_path: str = ""  # its file, as LoadLora named it (set by the frontend from the adapters listed)
     prefix_key: str = ""  # set by the frontend when the engine has a prefix cache (requests.prefix_key)
@@ -236,11 +237,14 @@ def validate_generate(
     metadata: RequestMetadata,
     limits: ModelLimits,
     encode: Callable[[str], list[int]],
+    served_names: Sequence[str] = (),
 ) -> GenerationPlan:
-    """Checks a Generate request in the order of the module docstring and normalizes it."""
+    """Checks a Generate request in the order of the module docstring and normalizes it. `limits`: the requested
+    model's (of several, the one `request.model` names); `served_names`: every model's names, for the refusal of
+    a model not served (default: those of `limits`)."""
     check_request_id(request.request_id)
     input_kind = _check_input_shape(request, limits)
-    model = _resolve_model(request.model, limits)
+    model = _resolve_model(request.model, limits, served_names or limits.served_names)
     guide_kind, guide = _check_supported_features(request, limits)
 
     # Unset sampling/response messages (most requests) have nothing to check: their defaults directly.
@@ -423,10 +427,10 @@ def _check_input_shape(request: generation_pb2.GenerateRequest, limits: ModelLim
     return input_kind
 
 
-def _resolve_model(requested: str, limits: ModelLimits) -> str:
+def _resolve_model(requested: str, limits: ModelLimits, served_names: Sequence[str]) -> str:
     if requested in limits.served_names:
         return limits.served_model_name
-    served = ", ".join(repr(name) for name in limits.served_names)
+    served = ", ".join(repr(name) for name in served_names)
     problem = "model must be set" if not requested else f"model {shown(requested)} is not served here"
     raise NotServed(f"{problem}; served models: {served}")
 

@@ -103,17 +103,22 @@ class OpenAIApi:
     # ---- the API
     async def models(self, request: Request) -> Response:
         self._authenticate(request)
-        loaded = self._loaded()
+        self._loaded()  # 503 before the first model is loaded
         owned = {"object": "model", "created": 0, "owned_by": "openengine-serve"}
-        data = [{"id": loaded.name, **owned, "max_model_len": loaded.limits.max_context_length}]
-        data += [{"id": alias, **owned, "root": loaded.name} for alias in loaded.limits.aliases]
+        data = []
+        for name in self.inference.model.names():
+            loaded = self._loaded(name)
+            if name == loaded.name:
+                data.append({"id": name, **owned, "max_model_len": loaded.limits.max_context_length})
+            else:
+                data.append({"id": name, **owned, "root": loaded.name})
         return JSONResponse({"object": "list", "data": data})
 
     async def chat(self, request: Request) -> Response:
         self._authenticate(request)
         body = await _json_body(request)
         lowered = _lowering(openai.lower_chat, body, request, "chatcmpl")
-        loaded = self._loaded()
+        loaded = self._loaded(lowered.request.model)
         template = loaded.tokenizer.chat_template
         if not template:
             raise HttpError(
@@ -146,7 +151,7 @@ class OpenAIApi:
         text = body.get("prompt", body.get("content"))
         if not isinstance(text, str):
             raise HttpError(400, "prompt (or content) must be a string", "prompt")
-        loaded = self._loaded()
+        loaded = self._loaded(str(body.get("model", "")))
         if len(text.encode()) > loaded.limits.max_prompt_bytes:
             raise HttpError(400, f"prompt is longer than {loaded.limits.max_prompt_bytes} bytes", "prompt")
         tokens = await asyncio.to_thread(loaded.tokenizer.encode, text)
@@ -157,7 +162,7 @@ class OpenAIApi:
         self._authenticate(request)
         body = await _json_body(request)
         tokens = body.get("tokens")
-        loaded = self._loaded()
+        loaded = self._loaded(str(body.get("model", "")))
         vocab = loaded.limits.vocab_size
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
             raise HttpError(400, f"tokens must be an array of token ids (0 to {vocab - 1})", "tokens")
@@ -178,9 +183,10 @@ class OpenAIApi:
             raise HttpError(401, "the API key is not valid", code="invalid_api_key")
         bind_caller(key, self.keys)
 
-    def _loaded(self):
+    def _loaded(self, name: str = ""):
+        """The model `name` names (the default model for "" or an unknown name: validation refuses the latter)."""
         try:
-            return self.inference.loaded()
+            return self.inference.loaded(name)
         except Unavailable as exc:
             raise HttpError(503, exc.message, code="unavailable") from None
 
@@ -227,8 +233,8 @@ class Generation(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         inference = self.api.inference
-        loaded = self.api._loaded()
         request = self.lowered.request
+        loaded = self.api._loaded(request.model)
         shaper = Shaper(self.lowered, request.model, self.chat, lambda ids: loaded.tokenizer.decode_bytes(ids).decode(
             "utf-8", "replace"))  # fmt: skip
         if request.model != loaded.name and request.model in loaded.limits.aliases:

@@ -257,6 +257,42 @@ def test_the_openai_sdk_lists_chats_and_streams_on_the_published_http_port(stack
     assert chunks[-1].usage.completion_tokens >= 1
 
 
+def test_second_model_profile_serves_a_second_model_through_the_same_frontend(stack: Stack):
+    """The profile as documented: Gemma 3 270M from OPENENGINE_MODEL_DIR beside the stack's SmolLM2; the frontend
+    serves both under their names, and each model's request runs on its own node."""
+    import sys
+
+    from openengine_serve.api.openengine.v1 import generation_pb2, server_pb2
+    from openengine_serve.client import Client
+
+    gemma = "gemma-3-270m-q4_k_m.gguf"
+    models = os.path.join(sys.prefix, "models")
+    assert os.path.isfile(os.path.join(models, gemma)), "run scripts/bootstrap.sh dev (it assembles Gemma 3 270M)"
+    env = {"OPENENGINE_MODEL_DIR": models, "OPENENGINE_SECOND_MODEL_PATH": f"/models/{gemma}"}
+    try:
+        stack.compose("--profile", "second-model", "up", "-d", "--wait", "--no-deps", "node-second-model", env=env,
+                      timeout=300)  # fmt: skip
+
+        def both_served() -> bool:
+            with Client(stack.target) as client:
+                names = client.control.GetServerInfo(server_pb2.GetServerInfoRequest(), timeout=5).supported_models
+            return {"SmolLM2-135M-Instruct", "gemma-3-270m"} <= set(names)
+
+        wait_for(both_served, 60, "the frontend to serve both models")
+        with Client(stack.target) as client:
+            for model in ("gemma-3-270m", "SmolLM2-135M-Instruct"):
+                request = generation_pb2.GenerateRequest(
+                    request_id=f"two-models-{model}-{time.time_ns()}",
+                    model=model,
+                    prompt="The capital of France is",
+                    stopping=generation_pb2.StoppingOptions(max_tokens=4),
+                )
+                responses = list(client.generate(request, timeout=120))
+                assert responses[-1].usage.completion_tokens >= 1, (model, responses[-1])
+    finally:
+        stack.compose("--profile", "second-model", "rm", "-sf", "node-second-model", check=False, env=env)
+
+
 def test_metrics_answer_on_the_frontends_port_and_inside_the_internal_components(stack: Stack):
     (frontend,) = stack.container_ids("frontend")
     (coordinator,) = stack.container_ids("coordinator")

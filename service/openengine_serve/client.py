@@ -138,12 +138,15 @@ class Attempts:
         return wait if left is None else max(0.0, min(wait, left))
 
 
+# A connection of the channel's own: channels must not share one through gRPC's global subchannel pool, or a
+# reconnect (a health check meant for another process behind the port) would reuse it.
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+
+
 def channel_options(retries: bool = True, target: str = "") -> list[tuple[str, object]]:
     options: list[tuple[str, object]] = [
         ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-        # its own connection: channels must not share one through the
-        # global subchannel pool, or a reconnect would reuse it
-        ("grpc.use_local_subchannel_pool", 1),
+        OWN_CONNECTION,
     ]
     if target.startswith("dns:"):
         # a name with one address per frontend (a headless Service): a connection to each, calls spread over them
@@ -253,7 +256,7 @@ def check_health(
 ) -> int:
     """One grpc.health.v1 Check on a connection of its own (processes sharing a port answer one each): the
     ServingStatus, or grpc.RpcError when the target does not answer."""
-    with open_channel(target, [("grpc.use_local_subchannel_pool", 1)], credentials) as channel:
+    with open_channel(target, [OWN_CONNECTION], credentials) as channel:
         return (
             health_pb2_grpc.HealthStub(channel)  # type: ignore[attr-defined]  # its stub declares no methods
             .Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

@@ -4,10 +4,9 @@ Each ready node is one source, named by its rank (`data_parallel_rank`); its bat
 (node/kv_events.py) and carry its rank. A subscription reads the nodes ready when it starts (or the ranks it
 names) and relays their batches as they come, interleaved; one that names no ranks also reads each node that
 becomes ready later, from its snapshot (its first batch clears and lists every block it holds). When one node's
-stream ends (the node left or
-restarted, or it no longer holds the `start_sequence_number` asked for), the call ends with one EngineError
-naming it, and the subscriber subscribes again (with `include_snapshot` to rebuild its view). The block hashes
-are common/kv_blocks.py's: a router computes a request's own and looks for them.
+stream ends (the node left or restarted, or it no longer holds the `start_sequence_number` asked for), the call
+ends with one EngineError naming it, and the subscriber subscribes again (with `include_snapshot` to rebuild its
+view). The block hashes are common/kv_blocks.py's: a router computes a request's own and looks for them.
 """
 
 from __future__ import annotations

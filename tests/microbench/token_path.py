@@ -165,11 +165,10 @@ def frontend_lane_settings() -> dict:
 async def run(args) -> dict:
     encoding = load_encoding()
     inference = Inference.__new__(Inference)  # only what `stream` uses: the served model's tokenizer
-    inference.model = SimpleNamespace(
-        loaded=SimpleNamespace(
-            tokenizer=encoding, strings=TokenStrings(encoding), limits=SimpleNamespace(prefix_cache=False)
-        )
+    loaded = SimpleNamespace(
+        tokenizer=encoding, strings=TokenStrings(encoding), limits=SimpleNamespace(prefix_cache=False)
     )
+    inference.model = SimpleNamespace(loaded=loaded, for_name=lambda name: loaded)
     lane = Lane(encoding, args.tokens)
     nodes = NodeConnections("token-path", BackgroundTasks(), 5.0, 5.0, **frontend_lane_settings())
     entry = cluster_pb2.NodeEntry(node_id="node-0", address="127.0.0.1:1")

@@ -644,6 +644,8 @@ def test_with_several_models_a_request_goes_to_a_node_of_its_model(state: Cluste
 def test_with_one_model_the_models_name_is_not_needed(state: ClusterState) -> None:
     add_model_node(state, "a0", "A")
     assert reserve(state, "r0") == "a0" and reserve(state, "r1", model="A") == "a0"
+    with pytest.raises(NoNodeAvailable, match="no node serving 'B' is ready"):
+        reserve(state, "r2", model="B")  # a model whose nodes are gone: never another model's node
 
 
 # ------------------------------------------------------------------ routing by the nodes' KV events

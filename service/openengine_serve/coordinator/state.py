@@ -435,9 +435,11 @@ class ClusterState:
                 f"{owner.frontend_id!r}); use an id that is not in flight"
             )
         ready = self._ready_nodes()
-        model = request.model if self._several_models else ""  # one model: every node serves it (no filter)
-        if model:
+        model = request.model
+        if model and (self._several_models or (ready and ready[0].entry.model.name != model)):
             ready = [node for node in ready if node.entry.model.name == model]
+        else:
+            model = ""  # the ready nodes serve one model, the request's: every rule's one-model path
         if not ready:
             self._refusals["no_node"] += 1
             wanted = f" serving {model!r}" if model else ""

@@ -8,7 +8,7 @@ builds the tokenizer off the event loop. Until one model is loaded the frontend
 is not ready. Nodes may serve different models (by the card's name): each model
 gets its own tokenizer and limits, and a request names its model. A model whose
 ready nodes serve another tokenizer (its nodes replaced by nodes of another
-build) is loaded again; a model no node in the table serves is forgotten.
+build) is loaded again; a model stays listed while none of its nodes is ready.
 
 The operator's settings (_MAX_CONTEXT_LENGTH, _MAX_OUTPUT_TOKENS) cap every
 model's; the context can only shrink. OPENENGINE_MODEL and _MODEL_ALIASES rename
@@ -36,7 +36,6 @@ from .validation import ModelLimits
 logger = logging.getLogger("openengine_serve.frontend")
 
 READY = cluster_pb2.NODE_STATE_READY
-DOWN = cluster_pb2.NODE_STATE_DOWN
 MAX_TOP_N = 20
 MAX_CANDIDATE_TOKEN_IDS = 20  # asked candidate ids per selection, at most (as many as top_n)
 MAX_STOP_CONDITIONS = 16
@@ -93,7 +92,8 @@ class ServedModel:
 
     def on_node_table(self, nodes: dict[str, cluster_pb2.NodeEntry]) -> None:
         """Called at every node table: loads each model a ready node serves and this frontend does not (or serves
-        with another tokenizer: its nodes were replaced); forgets a model no node in the table serves."""
+        with another tokenizer: its nodes were replaced). A model stays while no node serves it (a coordinator
+        that restarted sends an empty table first; a model's nodes may all be restarting)."""
         ready: dict[str, cluster_pb2.NodeEntry] = {}
         for node in nodes.values():
             if node.state == READY and node.model.tokenizer_digest:
@@ -111,13 +111,6 @@ class ServedModel:
                 node.model.tokenizer_digest,
                 asyncio.create_task(self._load(node), name="load-model"),
             )
-        known = {node.model.name for node in nodes.values() if node.state != DOWN}
-        gone = [name for name in self.models if name not in known]
-        for name in gone:
-            del self.models[name]
-            log_event(logger, "model forgotten", model=name)
-        if gone:
-            self._relimit()
 
     def ready_on(self, nodes) -> bool:
         """A model is loaded and some ready node serves it."""

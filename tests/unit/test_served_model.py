@@ -4,6 +4,7 @@ loopback, with the operator's overrides, reloaded when every ready node serves a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -31,15 +32,24 @@ class FakeNode(cluster_pb2_grpc.NodeServicer):
         return self.card
 
 
-@pytest.fixture
-async def node():
-    servicer = FakeNode(simulated_card())
+@contextlib.asynccontextmanager
+async def serving(card: cluster_pb2.ModelCard):
+    """A fake node answering GetModel with `card` on a loopback port: (its servicer, its address)."""
+    servicer = FakeNode(card)
     server = grpc.aio.server()
     cluster_pb2_grpc.add_NodeServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    await server.stop(None)
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+@pytest.fixture
+async def node():
+    async with serving(simulated_card()) as served:
+        yield served
 
 
 def table(address: str, card: cluster_pb2.ModelCard, state=READY, node_id="n0") -> dict:
@@ -140,13 +150,8 @@ async def other_node():
     card.CopyFrom(simulated_card())
     card.name, card.tokenizer_digest, card.context_length = "other-model", "f" * 64, 1024
     del card.aliases[:]
-    servicer = FakeNode(card)
-    server = grpc.aio.server()
-    cluster_pb2_grpc.add_NodeServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    await server.stop(None)
+    async with serving(card) as served:
+        yield served
 
 
 async def test_nodes_of_two_models_make_two_models_each_with_its_limits(node, other_node):

@@ -116,6 +116,7 @@ def test_a_routing_key_always_lands_on_its_rendezvous_node(state: ClusterState) 
         "target_rank": 0,
         "affinity": 24,
         "kv_blocks": 0,
+        "new_prefix": 0,
         "prefix": 0,
         "least_loaded": 0,
     }
@@ -142,6 +143,7 @@ def test_a_key_overflows_from_its_full_node_and_returns(state: ClusterState) -> 
         "target_rank": 0,
         "affinity": 1,
         "kv_blocks": 0,
+        "new_prefix": 0,
         "prefix": 0,
         "least_loaded": 1,
     }
@@ -727,6 +729,23 @@ def test_a_new_prompt_goes_to_the_least_loaded_node_and_its_next_requests_follow
     clock.advance(PREDICTED_TTL_S)  # no event ever said the blocks were cached: the guess lapses
     reserve(state, "r4", block_hashes=doc1 + [b"q4"])
     assert state.snapshot()["routing_decisions"]["kv_blocks"] == 1
+
+
+def test_a_new_prompt_goes_to_the_node_holding_the_fewest_distinct_blocks(kv_state, clock) -> None:
+    state = kv_state
+    add_node(state, "a")
+    add_node(state, "b", running=1, max_running=8)  # a little busier, within the slack
+    state.kv_index.apply("a", stored(b"template", b"p1-1", b"p1-2"))
+    state.kv_index.apply("b", stored(b"template"))
+    assert reserve(state, "r0", block_hashes=[b"template", b"p2-1", b"p2-2"]) == "b", "b keeps fewer prefixes"
+    assert state.kv_index.held("b", clock()) == 3, "the routed request's blocks count as on b"
+    assert reserve(state, "r1", block_hashes=[b"template", b"p3-1", b"p3-2", b"p3-3"]) == "a", "now a has fewer"
+    assert state.snapshot()["routing_decisions"]["new_prefix"] == 2
+    clock.advance(PREDICTED_TTL_S)
+    assert state.kv_index.held("b", clock()) == 1, "predictions lapse"
+    state.node_heartbeat("b", READY, load(running=7))  # far busier: the least loaded instead
+    assert reserve(state, "r2", block_hashes=[b"template", b"p4-1", b"p4-2"]) == "a"
+    assert state.snapshot()["routing_decisions"]["least_loaded"] == 1
 
 
 def test_routing_by_first_tokens_ignores_the_blocks(state: ClusterState) -> None:

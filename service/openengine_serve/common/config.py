@@ -151,7 +151,8 @@ class CoordinatorConfig(CommonConfig):
         "kv-events",
         "how a request without a routing key goes where its prompt's prefix is cached: kv-events (to the node "
         "whose prefix cache holds the longest run of the prompt's first KV blocks, following the nodes' KV events "
-        "and counting the blocks of requests just routed as on their node; else to the least loaded node) or "
+        "and counting the blocks of requests just routed as on their node; a prompt no node holds to the node "
+        "holding the fewest distinct blocks) or "
         "first-tokens "
         "(to the node a hash of the prompt's first 64 tokens and cache salt names); either only while that node "
         "is not much busier than the least loaded",

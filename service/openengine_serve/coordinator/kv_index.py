@@ -27,10 +27,17 @@ class KvIndex:
         # (node id, block hash) -> when the prediction lapses, the oldest first; and block hash -> those node ids
         self._predicted: collections.OrderedDict[tuple[str, bytes], float] = collections.OrderedDict()
         self._predicted_holders: dict[bytes, set[str]] = {}
+        self._predicted_on: collections.Counter[str] = collections.Counter()  # node id -> its predictions
 
     def blocks(self, node_id: str) -> int:
         """The blocks the node's events say its cache holds (predictions not counted)."""
         return len(self._blocks.get(node_id, ()))
+
+    def held(self, node_id: str, now: float) -> int:
+        """The distinct blocks the node holds or is predicted to hold: blocks that several prompts share count
+        once, so this grows with the distinct prefixes the node's cache keeps."""
+        self._lapse(now)
+        return len(self._blocks.get(node_id, ())) + self._predicted_on[node_id]
 
     def apply(self, node_id: str, kv_batch: kv_pb2.KvEventBatch) -> None:
         held = self._blocks.setdefault(node_id, set())
@@ -52,6 +59,8 @@ class KvIndex:
             if value in held:
                 continue
             key = (node_id, value)
+            if key not in self._predicted:
+                self._predicted_on[node_id] += 1
             self._predicted[key] = now + PREDICTED_TTL_S
             self._predicted.move_to_end(key)
             self._predicted_holders.setdefault(value, set()).add(node_id)
@@ -88,6 +97,9 @@ class KvIndex:
     def _unpredict(self, node_id: str, value: bytes) -> None:
         if self._predicted.pop((node_id, value), None) is None:
             return
+        self._predicted_on[node_id] -= 1
+        if not self._predicted_on[node_id]:
+            del self._predicted_on[node_id]
         holders = self._predicted_holders[value]
         holders.discard(node_id)
         if not holders:

@@ -58,6 +58,7 @@ ROUTE_TARGET_RANK = "target_rank"
 ROUTE_AFFINITY = "affinity"
 ROUTE_PREFIX = "prefix"
 ROUTE_KV_BLOCKS = "kv_blocks"
+ROUTE_NEW_PREFIX = "new_prefix"
 ROUTE_LEAST_LOADED = "least_loaded"
 
 LookupResult = tuple[Literal["live", "finished", "unknown"], cluster_pb2.NodeEntry | None]
@@ -230,7 +231,7 @@ class ClusterState:
         self._structure_changed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._table_removal_at = 0
         self._routing_decisions = dict.fromkeys(
-            (ROUTE_TARGET_RANK, ROUTE_AFFINITY, ROUTE_KV_BLOCKS, ROUTE_PREFIX, ROUTE_LEAST_LOADED), 0
+            (ROUTE_TARGET_RANK, ROUTE_AFFINITY, ROUTE_KV_BLOCKS, ROUTE_NEW_PREFIX, ROUTE_PREFIX, ROUTE_LEAST_LOADED), 0
         )
         self._refusals = {"duplicate": 0, "no_node": 0, "rank_not_found": 0, "deployment_full": 0}
 
@@ -456,6 +457,9 @@ class ClusterState:
             if node is None and self._prefix_routing == "kv-events":
                 node = self._pick_by_blocks(request.block_hashes, now, model)
                 reason = ROUTE_KV_BLOCKS
+                if node is None and request.block_hashes:
+                    node = self._pick_for_new_prefix(now, model)
+                    reason = ROUTE_NEW_PREFIX
             if node is None and self._prefix_routing == "first-tokens":
                 node = self._pick_by_prefix(ready, request.prefix_key, model)
                 reason = ROUTE_PREFIX
@@ -632,6 +636,20 @@ class ClusterState:
             if (node := self._available(node_id)) is not None and (not model or node.entry.model.name == model)
         ]
         return self._within_slack(min(nodes, key=_Node.load_score), model) if nodes else None
+
+    def _pick_for_new_prefix(self, now: float, model: str = "") -> _Node | None:
+        """For a prompt whose prefix no node holds: the READY node with room whose cache holds the fewest distinct
+        blocks (so the fewest distinct prefixes: each node keeps an even share of them, which its cache can hold,
+        instead of the share that the instantaneous load happens to give), the least loaded among equals, unless
+        it is too busy (`_within_slack`); None then."""
+        nodes = [
+            node for node in self._ready_nodes() if not node.is_full() and (not model or node.entry.model.name == model)
+        ]
+        if not nodes:
+            return None
+        return self._within_slack(
+            min(nodes, key=lambda node: (self.kv_index.held(_node_id(node), now), node.load_score())), model
+        )
 
     def _pick_by_prefix(self, ready: list[_Node], prefix_key: str, model: str = "") -> _Node | None:
         """The node the routing rule names for the prompt's first tokens (consistent hashing: where its KV is

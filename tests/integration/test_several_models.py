@@ -1,20 +1,24 @@
 """Several models in one deployment: `openengine-serve up --nodes 2` with SmolLM2 on node 0 and Gemma 3 270M on
 node 1, on both gRPC servers. One frontend answers both models, each tokenized with its own tokenizer and run on
 its own node (greedy output equals llama-cpp-python's on that model's file); ServerInfo, ModelInfo and the HTTP
-API's model list name both; an unknown model gets NOT_FOUND naming both."""
+API's model list name both; an unknown model gets NOT_FOUND naming both. A LoRA adapter made for SmolLM2 serves
+SmolLM2's requests only (Gemma's node refuses its file)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import openai
 import pytest
+from google.protobuf import json_format
 
-from openengine_serve.api.openengine.v1 import model_pb2, server_pb2
+from openengine_serve.api.openengine.v1 import lora_pb2, model_pb2, server_pb2
 from openengine_serve.client import Client
 from openengine_serve.engine.model_card import default_model_path
 
@@ -23,6 +27,9 @@ from . import processes
 from .conftest import REAL_MODEL, SERVERS, generate, make_request, output_ids
 from .test_architectures import GEMMA, GEMMA_PATH
 from .test_local_stack import first_line
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from make_test_lora import write_adapter  # noqa: E402
 
 MAX_TOKENS = 12
 
@@ -38,6 +45,8 @@ def two_models(request, tmp_path_factory):
     assert GEMMA_PATH.is_file(), f"{GEMMA_PATH} is missing: run scripts/bootstrap.sh dev"
     port, http_port = processes.free_port(), processes.free_port()
     log = (tmp_path_factory.mktemp("up") / "up.log").open("w")
+    lora_dir = tmp_path_factory.mktemp("loras")
+    write_adapter(Path(default_model_path()), lora_dir / "sea.gguf")  # SmolLM2's shapes
     proc = subprocess.Popen(
         [sys.executable, "-m", "openengine_serve", "up", "--port", str(port), "--http-port", str(http_port)]
         + ["--nodes", "2", "--grpc-server", request.param]
@@ -45,6 +54,7 @@ def two_models(request, tmp_path_factory):
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
+        env=os.environ | {"OPENENGINE_LORA_DIR": str(lora_dir)},
     )
     try:
         assert "ready on" in first_line(proc)
@@ -104,6 +114,13 @@ def test_server_and_model_info_name_both_and_an_unknown_model_is_refused_naming_
             assert model_info.served_model_name == model
             vocab[model] = model_info.extra["vocab_size"]
         assert vocab == {REAL_MODEL: 49152, GEMMA: 262144}
+        load = client.control.GetLoad(server_pb2.GetLoadRequest(), timeout=5)
+        per_model = json_format.MessageToDict(load.attributes)["models"]
+        assert {model: figures["data_parallel_ranks"] for model, figures in per_model.items()} == {
+            REAL_MODEL: [0],
+            GEMMA: [1],
+        }, "GetLoad per model: node i serves --model-path i"
+        assert sum(figures["running_requests"] for figures in per_model.values()) == load.running_requests
         req = make_request("Hello", max_tokens=2)
         req.model = "no-such-model"
         with pytest.raises(grpc.RpcError) as err:
@@ -119,3 +136,23 @@ def test_the_http_api_lists_and_serves_both_models(two_models):
     for model in (REAL_MODEL, GEMMA):
         answer = sdk.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
         assert answer.model == model and answer.usage.completion_tokens >= 1
+
+
+def test_an_adapter_serves_only_the_model_it_was_made_for(two_models):
+    """The adapter loads on SmolLM2's node and is listed for SmolLM2; Gemma's node refuses its file, which only
+    leaves Gemma out: a Gemma request naming it gets NOT_FOUND naming the model it serves."""
+    with Client(two_models.target) as client:
+        adapter = lora_pb2.LoraAdapter(lora_name="sea", source_path="sea.gguf")
+        client.control.LoadLora(lora_pb2.LoadLoraRequest(adapter=adapter), timeout=60)
+        try:
+            assert "sea" in [a.lora_name for a in client.control.ListLoras(lora_pb2.ListLorasRequest()).adapters]
+            req = make_request("Once upon a time", max_tokens=4)
+            req.model, req.lora_name = REAL_MODEL, "sea"
+            assert output_ids(generate(two_models.target, req))
+            req.model = GEMMA
+            with pytest.raises(grpc.RpcError) as err:
+                list(client.generate(req, timeout=30))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert f"serves the model(s) {REAL_MODEL}, not {GEMMA!r}" in err.value.details()
+        finally:
+            client.control.UnloadLora(lora_pb2.UnloadLoraRequest(lora_name="sea"), timeout=60)

@@ -97,7 +97,11 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
                 known = self.state.frontend_heartbeat(heartbeat.frontend_id, heartbeat.live_requests)
                 full, nodes = self.state.node_table_since(cursor)
                 yield cluster_pb2.HeartbeatReply(
-                    known=known, nodes=nodes, full_table=full, loras=self.loras.adapters.values()
+                    known=known,
+                    nodes=nodes,
+                    full_table=full,
+                    loras=self.loras.adapters.values(),
+                    lora_models=self.loras.served_models(),
                 )
 
     @contextlib.contextmanager
@@ -220,15 +224,21 @@ class CoordinatorService(cluster_pb2_grpc.CoordinatorServicer):
         nodes = self._lora_nodes()
         if not nodes:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no node serving LoRA is ready to load the adapter; retry")
-        failures = [(node, exc) for node, exc in await self._on_ready_nodes(request, nodes) if exc is not None]
-        if failures:
-            node, exc = failures[0]
-            if not self.loras.holds(request.adapter):  # not listed: the nodes that loaded it unload it
-                await self._on_ready_nodes(cluster_pb2.LoraCommand(adapter=request.adapter, unload=True), nodes)
+        results = await self._on_ready_nodes(request, nodes)
+        fits, failure = adapter_fits(results)
+        if failure is not None:  # a failure other than a model refusing the file, or no model took it
+            fits = set()
+        listed_for = fits | self.loras.models.get(name, set())
+        loaded_elsewhere = [node for node, exc in results if exc is None and node.model.name not in listed_for]
+        if loaded_elsewhere:  # the nodes that loaded it for a model it is not listed for unload it again
+            await self._on_ready_nodes(cluster_pb2.LoraCommand(adapter=request.adapter, unload=True), loaded_elsewhere)
+        if failure is not None:
+            node, exc = failure
             await context.abort(exc.code(), f"node {node.node_id}: {exc.details()}")
-        adapter, already = self.loras.add(request.adapter)
-        log_event(logger, "LoRA adapter loaded", lora_name=name, source_path=adapter.source_path)
-        return cluster_pb2.LoraOutcome(adapter=adapter, already_loaded=already)
+        adapter, already = self.loras.add(request.adapter, fits)
+        models = sorted(self.loras.models[name])
+        log_event(logger, "LoRA adapter loaded", lora_name=name, source_path=adapter.source_path, models=models)
+        return cluster_pb2.LoraOutcome(adapter=adapter, already_loaded=already, models=models)
 
     async def _on_ready_nodes(
         self, command: cluster_pb2.LoraCommand, nodes: list[cluster_pb2.NodeEntry] | None = None
@@ -288,3 +298,21 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event) -> int:
         await channel.close()
     log_event(logger, "coordinator stopped")
     return 0
+
+
+def adapter_fits(
+    results: list[tuple[cluster_pb2.NodeEntry, grpc.aio.AioRpcError | None]],
+) -> tuple[set[str], tuple[cluster_pb2.NodeEntry, grpc.aio.AioRpcError] | None]:
+    """What a load on the nodes came to: the models all of whose nodes loaded the adapter, and the failure that
+    fails the whole load (None: it stands). An adapter fits one base model, so the nodes of another refusing its
+    file (INVALID_ARGUMENT) only leave that model out; any other failure (a node at its adapter limit, or not
+    answering), or no model taking it, fails the load."""
+    by_model: dict[str, list[grpc.aio.AioRpcError | None]] = {}
+    for node, exc in results:
+        by_model.setdefault(node.model.name, []).append(exc)
+    fits = {model for model, errors in by_model.items() if not any(errors)}
+    failures = [(node, exc) for node, exc in results if exc is not None]
+    other = [(node, exc) for node, exc in failures if exc.code() != grpc.StatusCode.INVALID_ARGUMENT]
+    if other:
+        return fits, other[0]
+    return fits, (failures[0] if not fits else None)

@@ -177,6 +177,10 @@ class Control(openengine_pb2_grpc.ControlServicer):
             waiting_tokens=sum(n.load.waiting_tokens for n in live),
             decode_batch_size=sum(n.load.decode_batch_size for n in live),
         )
+        by_model: dict[str, list[cluster_pb2.NodeEntry]] = {}
+        for n in live:
+            by_model.setdefault(n.model.name, []).append(n)
+        info.attributes.update({"models": {model: model_load(nodes) for model, nodes in sorted(by_model.items())}})
         if request.include_per_rank:
             for n in sorted(live, key=lambda n: n.rank):
                 info.ranks.add(
@@ -404,3 +408,15 @@ class Control(openengine_pb2_grpc.ControlServicer):
         async with contextlib.aclosing(self.kv_events.subscribe(request, nodes)) as responses:
             async for response in responses:
                 yield response
+
+
+def model_load(nodes: list[cluster_pb2.NodeEntry]) -> dict[str, object]:
+    """GetLoad's figures over one model's nodes (LoadInfo.attributes["models"][name]), with the ranks serving it."""
+    return {
+        "running_requests": sum(n.load.running_requests for n in nodes),
+        "queued_requests": sum(n.load.queued_requests for n in nodes),
+        "running_tokens": sum(n.load.running_tokens for n in nodes),
+        "waiting_tokens": sum(n.load.waiting_tokens for n in nodes),
+        "decode_batch_size": sum(n.load.decode_batch_size for n in nodes),
+        "data_parallel_ranks": sorted(n.rank for n in nodes),
+    }

@@ -28,6 +28,7 @@ from ..common.logging_setup import log_event
 from ..common.routing import owning_coordinator
 from .refusal import DuplicateRequest, NotServed, Overloaded, Refusal, Unavailable
 from .reservation_stream import ReservationBatcher, ReservationRefused, StreamBroken
+from .validation import shown
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -69,6 +70,7 @@ class CoordinatorShard:
         self.reachable = False
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}
         self.loras: list[lora_pb2.LoraAdapter] = []  # the deployment's LoRA adapters it last listed
+        self.lora_models: dict[str, frozenset[str]] = {}  # and the models each serves
         self.channel = open_channel(address)
         self.stub = cluster_pb2_grpc.CoordinatorStub(self.channel)
         # The stub is looked up at each stream opening (unit tests replace it).
@@ -107,6 +109,7 @@ class CoordinatorClient:
         self.call_timeout_s = call_timeout_s
         self.nodes: dict[str, cluster_pb2.NodeEntry] = {}  # the last known table
         self.loras: dict[str, lora_pb2.LoraAdapter] = {}  # the LoRA adapters served, by name, as last listed
+        self.lora_models: dict[str, frozenset[str]] = {}  # the models each serves (absent: any)
         self.table_updated = asyncio.Event()  # set at each node table a coordinator sends (readiness follows it)
         self.shards = [
             CoordinatorShard(frontend_id, address, open_channel, call_timeout_s) for address in self.addresses
@@ -164,7 +167,7 @@ class CoordinatorClient:
     def _heartbeat_answered(self, shard: CoordinatorShard, reply: cluster_pb2.HeartbeatReply) -> None:
         self._set_reachable(shard, True)
         self._set_nodes(shard, reply.nodes, merge=not reply.full_table)
-        self._set_loras(shard, reply.loras)
+        self._set_loras(shard, reply.loras, reply.lora_models)
         shard.reservations.flush()  # releases kept since a broken stream, when no request came since
 
     def _set_reachable(
@@ -197,14 +200,32 @@ class CoordinatorClient:
         self._on_node_table(self.nodes)
         self.table_updated.set()
 
-    def _set_loras(self, shard: CoordinatorShard, adapters) -> None:
+    def _set_loras(self, shard: CoordinatorShard, adapters, lora_models) -> None:
         shard.loras = list(adapters)
+        shard.lora_models = {entry.lora_name: frozenset(entry.models) for entry in lora_models}
         self._merge_loras()
 
     def _merge_loras(self) -> None:
         # With several coordinators, an adapter listed by any (a coordinator that restarted lists none until the
         # next LoadLora); for a name listed by several, the first listed coordinator's entry.
         self.loras = {a.lora_name: a for other in reversed(self.shards) for a in other.loras}
+        self.lora_models = {}
+        for other in self.shards:
+            for name, models in other.lora_models.items():
+                self.lora_models[name] = self.lora_models.get(name, frozenset()) | models
+
+    def lora_for(self, name: str, model: str) -> lora_pb2.LoraAdapter:
+        """The adapter a request names, for its model. Raises NotServed naming what is loaded."""
+        adapter = self.loras.get(name)
+        if adapter is None:
+            listed = ", ".join(repr(n) for n in sorted(self.loras)) or "none"
+            raise NotServed(f"no LoRA adapter named {shown(name)} is loaded (loaded: {listed})")
+        models = self.lora_models.get(name)
+        if models is not None and model not in models:
+            raise NotServed(
+                f"the LoRA adapter {shown(name)} serves the model(s) {', '.join(sorted(models))}, not {shown(model)}"
+            )
+        return adapter
 
     async def set_lora(self, command: cluster_pb2.LoraCommand) -> cluster_pb2.LoraOutcome:
         """LoadLora or UnloadLora on every coordinator; the first one's outcome. Raises the first gRPC error."""
@@ -217,6 +238,9 @@ class CoordinatorClient:
         name = command.adapter.lora_name
         for shard, reply in zip(self.shards, replies, strict=True):
             shard.loras = [a for a in shard.loras if a.lora_name != name] + ([] if command.unload else [reply.adapter])
+            shard.lora_models.pop(name, None)
+            if not command.unload and reply.models:
+                shard.lora_models[name] = frozenset(reply.models)
         self._merge_loras()
         return outcome
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -65,6 +65,10 @@ OUTPUT_EVENT = cluster_pb2.OutputEvent
 Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
 
 
+def no_adapters(name: str, model: str) -> lora_pb2.LoraAdapter:
+    raise NotServed(f"no LoRA adapter named {shown(name)} is loaded (loaded: none)")
+
+
 class Inference(openengine_pb2_grpc.InferenceServicer):
     def __init__(
         self,
@@ -73,10 +77,10 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         requests: Requests,
         health: Health,
         server_implementation: str = "",
-        loras: Callable[[], Mapping[str, lora_pb2.LoraAdapter]] = dict,
+        lora_for: Callable[[str, str], lora_pb2.LoraAdapter] = no_adapters,
     ) -> None:
         self.model = model
-        self.loras = loras  # the deployment's LoRA adapters, by name
+        self.lora_for = lora_for  # the deployment's LoRA adapter of a name, for a model (CoordinatorClient)
         self.server_implementation = server_implementation  # for the request span
         self.requests = requests
         self.health = health
@@ -100,11 +104,7 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         plan = validate_generate(request, metadata, loaded.limits, loaded.tokenizer.encode, self.model.names())
         plan.model_card = loaded.card.name
         if plan.lora_name:
-            adapter = self.loras().get(plan.lora_name)
-            if adapter is None:
-                listed = ", ".join(repr(name) for name in sorted(self.loras())) or "none"
-                raise NotServed(f"no LoRA adapter named {shown(plan.lora_name)} is loaded (loaded: {listed})")
-            plan.lora_path = adapter.source_path
+            plan.lora_path = self.lora_for(plan.lora_name, loaded.card.name).source_path
         if loaded.limits.prefix_cache:
             # The caller's key scopes the cache (auth.cache_namespace); routing by prefix follows the same salt.
             plan.cache_salt = auth.scoped_cache_salt(auth.cache_namespace(auth.caller()), plan.cache_salt)

@@ -81,7 +81,7 @@ async def serve(config: FrontendConfig, implementation: ServerImplementation, st
     )
     requests = Requests(frontend_id, coordinator, nodes, FallbackRouter())
     health = Health(readiness_aliases=PUBLIC_SERVICES)
-    inference = Inference(config, model, requests, health, implementation.name, loras=lambda: coordinator.loras)
+    inference = Inference(config, model, requests, health, implementation.name, lora_for=coordinator.lora_for)
     probe = InferenceProbe(frontend_id, inference, config.probe_timeout_s)
 
     # grpcio sends GOAWAY at the maximum connection age itself; pygrpc-native cannot (connection_age.py)

@@ -157,16 +157,26 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., assigned_rank: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "nodes", "full_table", "loras")
+    __slots__ = ("known", "nodes", "full_table", "loras", "lora_models")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     FULL_TABLE_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_MODELS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     nodes: _containers.RepeatedCompositeFieldContainer[NodeEntry]
     full_table: bool
     loras: _containers.RepeatedCompositeFieldContainer[_lora_pb2.LoraAdapter]
-    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ..., loras: _Optional[_Iterable[_Union[_lora_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
+    lora_models: _containers.RepeatedCompositeFieldContainer[LoraModels]
+    def __init__(self, known: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeEntry, _Mapping]]] = ..., full_table: _Optional[bool] = ..., loras: _Optional[_Iterable[_Union[_lora_pb2.LoraAdapter, _Mapping]]] = ..., lora_models: _Optional[_Iterable[_Union[LoraModels, _Mapping]]] = ...) -> None: ...
+
+class LoraModels(_message.Message):
+    __slots__ = ("lora_name", "models")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_name: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "frontend_id", "routing_key", "target_rank", "prompt_tokens", "num_sequences", "owner", "traceparent", "tracestate", "prefix_key", "block_hashes", "model")
@@ -279,16 +289,18 @@ class LoraCommand(_message.Message):
     def __init__(self, adapter: _Optional[_Union[_lora_pb2.LoraAdapter, _Mapping]] = ..., unload: _Optional[bool] = ...) -> None: ...
 
 class LoraOutcome(_message.Message):
-    __slots__ = ("adapter", "error", "already_loaded", "refusal_code")
+    __slots__ = ("adapter", "error", "already_loaded", "refusal_code", "models")
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
     REFUSAL_CODE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     adapter: _lora_pb2.LoraAdapter
     error: str
     already_loaded: bool
     refusal_code: int
-    def __init__(self, adapter: _Optional[_Union[_lora_pb2.LoraAdapter, _Mapping]] = ..., error: _Optional[str] = ..., already_loaded: _Optional[bool] = ..., refusal_code: _Optional[int] = ...) -> None: ...
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter: _Optional[_Union[_lora_pb2.LoraAdapter, _Mapping]] = ..., error: _Optional[str] = ..., already_loaded: _Optional[bool] = ..., refusal_code: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ("include_snapshot", "start_sequence_number")

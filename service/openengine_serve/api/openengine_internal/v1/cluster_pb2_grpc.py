@@ -165,7 +165,9 @@ class CoordinatorServicer:
 
     def SetLora(self, request, context):
         """The deployment's LoRA adapters (a frontend's LoadLora and UnloadLora): loading one loads it on every ready
-        node first and lists it only when all of them did; unloading unlists it, then unloads it from the nodes.
+        node first and lists it for each model all of whose nodes did (an adapter fits one base model: the nodes of
+        another refuse its file, INVALID_ARGUMENT, and unload it again); unloading unlists it, then unloads it from
+        the nodes.
         The list reaches frontends in every HeartbeatReply.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

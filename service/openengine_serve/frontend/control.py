@@ -168,15 +168,9 @@ class Control(openengine_pb2_grpc.ControlServicer):
     async def GetLoad(self, request, context) -> server_pb2.LoadInfo:
         load = await self.coordinator.cluster_load()
         live = [n for n in load.nodes if n.state in (cluster_pb2.NODE_STATE_READY, cluster_pb2.NODE_STATE_DRAINING)]
-        info = server_pb2.LoadInfo(
-            instance_id=self.frontend_id,
-            timestamp_unix_nanos=time.time_ns(),
-            running_requests=sum(n.load.running_requests for n in live),
-            queued_requests=sum(n.load.queued_requests for n in live),
-            running_tokens=sum(n.load.running_tokens for n in live),
-            waiting_tokens=sum(n.load.waiting_tokens for n in live),
-            decode_batch_size=sum(n.load.decode_batch_size for n in live),
-        )
+        info = server_pb2.LoadInfo(instance_id=self.frontend_id, timestamp_unix_nanos=time.time_ns())
+        for figure, value in load_sums(live).items():
+            setattr(info, figure, value)
         by_model: dict[str, list[cluster_pb2.NodeEntry]] = {}
         for n in live:
             by_model.setdefault(n.model.name, []).append(n)
@@ -410,13 +404,14 @@ class Control(openengine_pb2_grpc.ControlServicer):
                 yield response
 
 
+LOAD_SUMS = ("running_requests", "queued_requests", "running_tokens", "waiting_tokens", "decode_batch_size")
+
+
+def load_sums(nodes: list[cluster_pb2.NodeEntry]) -> dict[str, int]:
+    """GetLoad's figures, each summed over the nodes."""
+    return {figure: sum(getattr(n.load, figure) for n in nodes) for figure in LOAD_SUMS}
+
+
 def model_load(nodes: list[cluster_pb2.NodeEntry]) -> dict[str, object]:
     """GetLoad's figures over one model's nodes (LoadInfo.attributes["models"][name]), with the ranks serving it."""
-    return {
-        "running_requests": sum(n.load.running_requests for n in nodes),
-        "queued_requests": sum(n.load.queued_requests for n in nodes),
-        "running_tokens": sum(n.load.running_tokens for n in nodes),
-        "waiting_tokens": sum(n.load.waiting_tokens for n in nodes),
-        "decode_batch_size": sum(n.load.decode_batch_size for n in nodes),
-        "data_parallel_ranks": sorted(n.rank for n in nodes),
-    }
+    return {**load_sums(nodes), "data_parallel_ranks": sorted(n.rank for n in nodes)}

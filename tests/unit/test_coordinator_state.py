@@ -9,6 +9,7 @@ import pytest
 
 from openengine_serve.api.openengine.v1 import kv_pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.routing import rendezvous_pick
 from openengine_serve.coordinator.kv_index import PREDICTED_TTL_S
 from openengine_serve.coordinator.state import (
     FRONTEND_LOAD_REFRESH_S,
@@ -691,14 +692,19 @@ def test_the_node_with_the_blocks_is_passed_over_when_much_busier(kv_state: Clus
     assert state.snapshot()["routing_decisions"]["kv_blocks"] == 0
 
 
-def test_among_nodes_holding_the_same_run_the_least_loaded_is_picked(kv_state: ClusterState) -> None:
+def test_among_nodes_holding_the_same_run_the_one_its_last_block_names_is_picked(kv_state: ClusterState) -> None:
     state = kv_state
-    add_node(state, "a", running=1, max_running=8)
-    add_node(state, "b", running=0, max_running=8)
-    add_node(state, "c", running=0, max_running=8)
+    for node_id in ("a", "b", "c"):
+        add_node(state, node_id, running=0, max_running=8)
     for node_id in ("a", "b"):
         state.kv_index.apply(node_id, stored(b"h1", b"h2"))
-    assert reserve(state, "r0", block_hashes=[b"h1", b"h2"]) == "b"
+    named = rendezvous_pick(b"h2".hex(), ["a", "b"], lambda node_id: node_id)
+    other = ({"a", "b"} - {named}).pop()
+    state.node_heartbeat(named, READY, load(running=1))  # a little busier than the other holder: still its node
+    assert reserve(state, "r0", block_hashes=[b"h1", b"h2"]) == named
+    state.node_heartbeat(named, READY, load(running=7))  # far busier: the least loaded holder
+    assert reserve(state, "r1", block_hashes=[b"h1", b"h2"]) == other
+    assert state.snapshot()["routing_decisions"]["kv_blocks"] == 2
 
 
 def test_a_run_of_half_the_blocks_or_less_does_not_decide(kv_state: ClusterState) -> None:

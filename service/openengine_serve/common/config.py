@@ -150,7 +150,8 @@ class CoordinatorConfig(CommonConfig):
     prefix_routing: str = knob(
         "kv-events",
         "how a request without a routing key goes where its prompt's prefix is cached: kv-events (to the node "
-        "whose prefix cache holds the longest run of the prompt's first KV blocks, following the nodes' KV events "
+        "whose prefix cache holds the longest run of the prompt's first KV blocks, of several the one a hash of the "
+        "run names, following the nodes' KV events "
         "and counting the blocks of requests just routed as on their node; a prompt no node holds to the node "
         "holding the fewest distinct blocks) or "
         "first-tokens "

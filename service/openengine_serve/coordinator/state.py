@@ -621,10 +621,13 @@ class ClusterState:
 
     def _pick_by_blocks(self, hashes: Sequence[bytes], now: float, model: str = "") -> _Node | None:
         """Of the READY nodes with room whose prefix cache holds the longest run of the prompt's first KV blocks
-        (by their KV events and the requests just routed, kv_index.py), the least loaded, unless it is too busy
-        (`_within_slack`); None then, or when that run is not more than half the blocks looked at (a run of the
-        chat template's first block alone, which every node soon holds, must not pull every new prompt to one
-        node)."""
+        (by their KV events and the requests just routed, kv_index.py), the one the run's last block names by
+        rendezvous hashing, unless it is too busy (`_within_slack`): then the least loaded of them, if it is not.
+        None then, or when that run is not more than half the blocks looked at (a run of the chat template's
+        first block alone, which every node soon holds, must not pull every new prompt to one node).
+
+        The hash keeps a prefix that two nodes hold (one took an overflow) on one of them, so the other's copy
+        ages out of its cache instead of both caches spending room on it."""
         if not hashes:
             return None
         node_ids, length = self.kv_index.longest_runs(hashes, now)
@@ -635,7 +638,10 @@ class ClusterState:
             for node_id in node_ids
             if (node := self._available(node_id)) is not None and (not model or node.entry.model.name == model)
         ]
-        return self._within_slack(min(nodes, key=_Node.load_score), model) if nodes else None
+        if not nodes:
+            return None
+        named = rendezvous_pick(hashes[length - 1].hex(), nodes, _node_id)
+        return self._within_slack(named, model) or self._within_slack(min(nodes, key=_Node.load_score), model)
 
     def _pick_for_new_prefix(self, now: float, model: str = "") -> _Node | None:
         """For a prompt whose prefix no node holds: the READY node with room whose cache holds the fewest distinct

@@ -141,6 +141,10 @@ class _Node:
         # A node that never reported its limits (capacity 0) is not refused.
         return capacity > 0 and self.in_flight() >= capacity
 
+    def serves(self, model: str) -> bool:
+        """Serves the model card named `model` ("" any)."""
+        return not model or self.entry.model.name == model
+
     def load_score(self) -> float:
         return self.in_flight() / max(1, self.entry.load.max_running_requests)
 
@@ -438,7 +442,7 @@ class ClusterState:
         ready = self._ready_nodes()
         model = request.model
         if model and (self._several_models or (ready and ready[0].entry.model.name != model)):
-            ready = [node for node in ready if node.entry.model.name == model]
+            ready = [node for node in ready if node.serves(model)]
         else:
             model = ""  # the ready nodes serve one model, the request's: every rule's one-model path
         if not ready:
@@ -633,11 +637,7 @@ class ClusterState:
         node_ids, length = self.kv_index.longest_runs(hashes, now)
         if length * 2 <= len(hashes):
             return None
-        nodes = [
-            node
-            for node_id in node_ids
-            if (node := self._available(node_id)) is not None and (not model or node.entry.model.name == model)
-        ]
+        nodes = [node for node_id in node_ids if (node := self._available(node_id)) is not None and node.serves(model)]
         if not nodes:
             return None
         named = rendezvous_pick(hashes[length - 1].hex(), nodes, _node_id)
@@ -648,9 +648,7 @@ class ClusterState:
         blocks (so the fewest distinct prefixes: each node keeps an even share of them, which its cache can hold,
         instead of the share that the instantaneous load happens to give), the least loaded among equals, unless
         it is too busy (`_within_slack`); None then."""
-        nodes = [
-            node for node in self._ready_nodes() if not node.is_full() and (not model or node.entry.model.name == model)
-        ]
+        nodes = self._with_room(model)
         if not nodes:
             return None
         return self._within_slack(
@@ -681,8 +679,12 @@ class ClusterState:
         if not model:  # the load index (load_index.py) holds exactly the READY nodes with room, by score
             node_id = self._least_loaded.least_loaded()
             return None if node_id is None else self._nodes[node_id]
-        nodes = [node for node in self._ready_nodes() if node.entry.model.name == model and not node.is_full()]
+        nodes = self._with_room(model)
         return min(nodes, key=_Node.load_score) if nodes else None
+
+    def _with_room(self, model: str) -> list[_Node]:
+        """The READY nodes with room for another request (of `model`'s nodes; "" any)."""
+        return [node for node in self._ready_nodes() if not node.is_full() and node.serves(model)]
 
     def _pick_least_loaded(self, ready: list[_Node], model: str = "") -> _Node:
         # One model: the load index, whose ties take turns. Several: the least loaded of the model's nodes.

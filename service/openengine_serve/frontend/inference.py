@@ -39,7 +39,7 @@ from .request_trace import RequestTrace
 from .requests import OpenRequest, Requests, prefix_blocks, prefix_key
 from .served_model import LoadedModel, ServedModel
 from .stream import OutputStream, engine_error, prompt_output, serialize_response
-from .validation import GenerationPlan, RequestMetadata, parse_metadata, shown, validate_generate
+from .validation import GenerationPlan, RequestMetadata, parse_metadata, validate_generate
 
 logger = logging.getLogger("openengine_serve.frontend")
 
@@ -65,10 +65,6 @@ OUTPUT_EVENT = cluster_pb2.OutputEvent
 Write = Callable[[bytes | generation_pb2.GenerateResponse], Awaitable[None]]
 
 
-def no_adapters(name: str, model: str) -> lora_pb2.LoraAdapter:
-    raise NotServed(f"no LoRA adapter named {shown(name)} is loaded (loaded: none)")
-
-
 class Inference(openengine_pb2_grpc.InferenceServicer):
     def __init__(
         self,
@@ -76,8 +72,8 @@ class Inference(openengine_pb2_grpc.InferenceServicer):
         model: ServedModel,
         requests: Requests,
         health: Health,
-        server_implementation: str = "",
-        lora_for: Callable[[str, str], lora_pb2.LoraAdapter] = no_adapters,
+        server_implementation: str,
+        lora_for: Callable[[str, str], lora_pb2.LoraAdapter],
     ) -> None:
         self.model = model
         self.lora_for = lora_for  # the deployment's LoRA adapter of a name, for a model (CoordinatorClient)

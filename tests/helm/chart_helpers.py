@@ -37,6 +37,27 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # cert-manager issues one internal certificate per component (with the release's own CA).
     "internal-cert-manager": {"internalTls": {"certManager": {"enabled": True}}},
     "nodes3": {"node": {"replicas": 3}},
+    # A node group per model: Gemma 3 from a PVC beside the default SmolLM2, and an autoscaled simulated group.
+    "node-groups": {
+        "node": {
+            "groups": [
+                {
+                    "name": "gemma",
+                    "replicas": 2,
+                    "model": {
+                        "path": "/models/gemma-3-270m-q4_k_m.gguf",
+                        "volume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+                    },
+                    "contextSize": 8192,
+                    "resources": {"limits": {"memory": "3Gi"}},
+                    "podDisruptionBudget": {"enabled": False},
+                },
+                {"name": "sim", "engine": "simulated", "autoscaling": {"enabled": True, "maxReplicas": 4}},
+            ]
+        },
+        "networkPolicy": {"enabled": True},
+        "metrics": {"podMonitor": {"enabled": True}},
+    },
     "simulated": {"node": {"engine": "simulated", "stepMs": 0.5, "maxBatch": 512}},
     # A GGUF of the user's own on a PVC, mounted read-only.
     "own-model": {
@@ -216,6 +237,29 @@ class Rendered:
 
     def env(self, component: str) -> dict[str, Any]:
         return {e["name"]: e.get("value", e.get("valueFrom")) for e in self.container(component)["env"]}
+
+
+def node_groups(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The node groups of merged chart values, by component label: "node" and "node-<group>" with the
+    group's settings over node's (maps merge key by key, model.volume and other values are replaced)."""
+
+    def overlay(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        merged = dict(base)
+        for key, value in over.items():
+            both_maps = isinstance(value, dict) and isinstance(base.get(key), dict) and key != "volume"
+            merged[key] = overlay(base[key], value) if both_maps else value
+        return merged
+
+    base = {k: v for k, v in values["node"].items() if k != "groups"}
+    groups = {"node": base}
+    for group in values["node"]["groups"]:
+        groups[f"node-{group['name']}"] = overlay(base, {k: v for k, v in group.items() if k != "name"})
+    return groups
+
+
+def role(component: str) -> str:
+    """frontend, coordinator or node: the component a node group's pods ("node-<group>") are."""
+    return "node" if component.startswith("node-") else component
 
 
 def name(component: str) -> str:

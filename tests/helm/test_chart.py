@@ -25,7 +25,9 @@ from .chart_helpers import (
     YAMLLINT_CONFIG,
     chart_kube_version_floor,
     name,
+    node_groups,
     require,
+    role,
 )
 
 pytestmark = pytest.mark.helm
@@ -232,6 +234,11 @@ def test_client_dry_run_install(helm, yaml, variant: str) -> None:
         ),
         ({"node": {"model": {"mountPath": "models"}}}, "/node/model/mountPath"),
         ({"node": {"modelPath": "/models/x.gguf"}}, "'modelPath' not allowed"),
+        ({"node": {"groups": [{"name": "Gemma"}]}}, "/node/groups/0/name"),
+        ({"node": {"groups": [{"name": "a-name-too-long-for-dns"}]}}, "/node/groups/0/name"),
+        ({"node": {"groups": [{"replicas": 2}]}}, "missing property 'name'"),
+        ({"node": {"groups": [{"name": "g", "port": 50054}]}}, "'port' not allowed"),
+        ({"node": {"groups": [{"name": "g", "contextSize": 0}]}}, "/node/groups/0/contextSize"),
     ],
 )
 def test_schema_rejects(helm, chart, values: dict[str, Any], complaint: str) -> None:
@@ -284,6 +291,32 @@ def test_schema_accepts_both_engines_and_their_batch_limits(chart) -> None:
         (
             {"node": {"model": {"path": "/models-old/m.gguf", "volume": {"hostPath": {"path": "/m"}}}}},
             "node.model.path /models-old/m.gguf is not in node.model.mountPath /models",
+        ),
+        (
+            {"node": {"groups": [{"name": "gemma", "model": {"volume": {"hostPath": {"path": "/m"}}}}]}},
+            "node.groups[gemma].model.volume is set but node.groups[gemma].model.path is empty",
+        ),
+        (
+            {"node": {"groups": [{"name": "big", "autoscaling": {"enabled": True, "minReplicas": 9}}]}},
+            "node.groups[big].autoscaling.minReplicas (9) is greater than node.groups[big].autoscaling.maxReplicas (8)",
+        ),
+        (
+            {"node": {"groups": [{"name": "gemma"}, {"name": "gemma", "replicas": 2}]}},
+            "node.groups has two groups named gemma",
+        ),
+        (
+            {
+                "node": {"groups": [{"name": "sim", "autoscaling": {"enabled": True}}]},
+                "autoscaling": {"node": {"enabled": True}},
+            },
+            "autoscaling.node.enabled and node.groups[sim].autoscaling.enabled are both true",
+        ),
+        (
+            {
+                "node": {"groups": [{"name": "sim"}]},
+                "autoscaling": {"provider": "hpa", "hpa": {"metricType": "External"}, "node": {"enabled": True}},
+            },
+            "cannot scale each of node.groups on its own load",
         ),
     ],
 )
@@ -537,7 +570,8 @@ def test_grace_period_arithmetic_custom(render) -> None:
 @pytest.mark.parametrize("variant", VARIANT_IDS)
 def test_security_context(render, variant: str) -> None:
     r = render(VARIANTS[variant])
-    assert len(pods(r)) == 4  # three Deployments and the test Pod
+    groups = VARIANTS[variant].get("node", {}).get("groups", [])
+    assert len(pods(r)) == 4 + len(groups)  # a Deployment per component and node group, and the test Pod
     for doc in pods(r):
         spec = pod_spec(doc)
         what = doc["metadata"]["name"]
@@ -586,7 +620,8 @@ def test_services(render, chart, variant: str) -> None:
     assert r.get("Service", name("coordinator"))["spec"]["type"] == "ClusterIP"
     assert r.get("Service", name("node"))["spec"]["clusterIP"] == "None"
     assert r.get("Service", name("frontend-metrics"))["spec"]["clusterIP"] == "None"
-    metrics_services = {name("frontend-metrics"): "frontend", name("coordinator"): "coordinator", name("node"): "node"}
+    metrics_services = {name("frontend-metrics"): "frontend", name("coordinator"): "coordinator"}
+    metrics_services |= {name(group): group for group in node_groups(values)}
     for svc in r.of_kind("Service"):
         component = svc["spec"]["selector"]["app.kubernetes.io/component"]
         deployment = r.deployment(component)
@@ -596,10 +631,10 @@ def test_services(render, chart, variant: str) -> None:
             assert port["targetPort"] in container_ports, (svc["metadata"]["name"], port)
         if svc["metadata"]["name"] in metrics_services:
             metrics = [p for p in svc["spec"]["ports"] if p["name"] == "metrics"]
-            assert metrics and metrics[0]["port"] == PORTS[component][1]
+            assert metrics and metrics[0]["port"] == PORTS[role(component)][1]
         else:
             assert svc["metadata"]["name"] == name("frontend")  # the only Service without metrics
-    assert len(r.of_kind("Service")) == 4
+    assert len(r.of_kind("Service")) == 3 + len(node_groups(values))
     for component in COMPONENTS:
         expected = {"grpc", "http", "metrics"} if component == "frontend" else {"grpc", "metrics"}
         assert {p["name"] for p in r.container(component)["ports"]} == expected
@@ -645,9 +680,10 @@ def test_replicas_hpa_and_pdb(render, chart, variant: str) -> None:
     r = render(VARIANTS[variant])
     values = chart.merge_values(VARIANTS[variant])
     hpas = {h["metadata"]["name"]: h for h in r.of_kind("HorizontalPodAutoscaler")}
-    for component in ("frontend", "node"):
+    settings = {"frontend": values["frontend"]} | node_groups(values)
+    for component in settings:
         spec = r.deployment(component)["spec"]
-        autoscaling = values[component]["autoscaling"]
+        autoscaling = settings[component]["autoscaling"]
         if autoscaling["enabled"]:
             assert "replicas" not in spec, "the HPA owns the replica count"
             hpa = hpas[name(component)]
@@ -660,19 +696,89 @@ def test_replicas_hpa_and_pdb(render, chart, variant: str) -> None:
                 assert hpa["spec"]["metrics"] == autoscaling["metrics"]
             else:
                 assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
-        elif values["autoscaling"][component]["enabled"]:  # on load: test_monitoring.py checks the scaler
+        elif values["autoscaling"][role(component)]["enabled"]:  # on load: test_monitoring.py checks the scaler
             assert "replicas" not in spec, "the load autoscaler owns the replica count"
         else:
-            assert spec["replicas"] == values[component]["replicas"]
+            assert spec["replicas"] == settings[component]["replicas"]
             assert name(component) not in hpas
-    assert name("coordinator") not in hpas
+    assert set(hpas) <= {name(c) for c in settings}  # none for the single coordinator
     pdbs = {p["metadata"]["name"]: p for p in r.of_kind("PodDisruptionBudget")}
-    assert set(pdbs) == {name("frontend"), name("node")}  # none for the single coordinator
-    for component in ("frontend", "node"):
+    with_pdb = [c for c in settings if settings[c]["podDisruptionBudget"]["enabled"]]
+    assert set(pdbs) == {name(c) for c in with_pdb}  # none for the single coordinator
+    deployments = r.of_kind("Deployment")
+    for component in with_pdb:
         pdb = pdbs[name(component)]
-        assert pdb["spec"]["maxUnavailable"] == values[component]["podDisruptionBudget"]["maxUnavailable"]
-        assert selects(pdb["spec"]["selector"], pod_labels(r.deployment(component)))
-        assert not selects(pdb["spec"]["selector"], pod_labels(r.deployment("coordinator")))
+        assert pdb["spec"]["maxUnavailable"] == settings[component]["podDisruptionBudget"]["maxUnavailable"]
+        # its own pods, no other Deployment's (a node group's pods are not the first group's)
+        covered = [d["metadata"]["name"] for d in deployments if selects(pdb["spec"]["selector"], pod_labels(d))]
+        assert covered == [name(component)]
+
+
+def test_node_groups(render, chart) -> None:
+    """A Deployment, headless Service, HPA and PDB per node group, each selecting its own pods only; the
+    group's settings over the node's; the network policies and the PodMonitor cover every group."""
+    r = render(VARIANTS["node-groups"])
+    groups = node_groups(chart.merge_values(VARIANTS["node-groups"]))
+    assert list(groups) == ["node", "node-gemma", "node-sim"]
+    deployments = r.of_kind("Deployment")
+    for doc in deployments + r.of_kind("HorizontalPodAutoscaler") + r.of_kind("PodDisruptionBudget"):
+        selector = doc["spec"]["selector"] if doc["kind"] != "HorizontalPodAutoscaler" else None
+        if selector is None:  # an HPA counts the pods of its target's selector
+            selector = r.get("Deployment", doc["spec"]["scaleTargetRef"]["name"])["spec"]["selector"]
+        covered = [d["metadata"]["name"] for d in deployments if selects(selector, pod_labels(d))]
+        assert covered == [doc["metadata"]["name"]], (doc["kind"], doc["metadata"]["name"])
+    for component in groups:
+        labels = pod_labels(r.deployment(component))
+        assert labels["app.kubernetes.io/component"] == component
+        service = r.get("Service", name(component))
+        assert service["spec"]["clusterIP"] == "None"
+        assert [d["metadata"]["name"] for d in deployments if selects(service["spec"], labels)]
+    gemma, sim, first = r.env("node-gemma"), r.env("node-sim"), r.env("node")
+    assert gemma["OPENENGINE_MODEL_PATH"] == "/models/gemma-3-270m-q4_k_m.gguf"
+    assert gemma["OPENENGINE_CONTEXT_SIZE"] == "8192" and first["OPENENGINE_CONTEXT_SIZE"] == "16384"
+    assert "OPENENGINE_MODEL_PATH" not in first and "OPENENGINE_MODEL_PATH" not in sim
+    assert (sim["OPENENGINE_ENGINE"], first["OPENENGINE_ENGINE"]) == ("simulated", "llama.cpp")
+    assert gemma["OPENENGINE_COORDINATOR_ADDRESS"] == first["OPENENGINE_COORDINATOR_ADDRESS"]
+    assert r.deployment("node-gemma")["spec"]["replicas"] == 2
+    assert "replicas" not in r.deployment("node-sim")["spec"]  # its HPA owns it
+    assert r.container("node-gemma")["resources"] == {  # the limit is the group's, the requests node's
+        "requests": {"cpu": "1", "memory": "1Gi"},
+        "limits": {"memory": "3Gi"},
+    }
+    assert _volumes("node-gemma", r)["model"] == {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    }
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in r.container("node-gemma")["volumeMounts"]
+    assert "model" not in _volumes("node", r) and "model" not in _volumes("node-sim", r)
+    # the node policy holds every group's pods; frontends and the coordinator reach each group and back
+    policies = {p["metadata"]["name"]: p["spec"] for p in r.of_kind("NetworkPolicy")}
+    assert set(policies) == {name(c) for c in COMPONENTS}
+    node_policy = policies[name("node")]
+    assert [d["metadata"]["name"] for d in deployments if selects(node_policy["podSelector"], pod_labels(d))] == [
+        name(c) for c in groups
+    ]
+    callers = {c: pod_labels(r.deployment(c)) for c in ("frontend", "coordinator")}
+    for component in groups:
+        labels = pod_labels(r.deployment(component))
+        for caller, caller_labels in callers.items():
+            assert _admits(node_policy["ingress"], "from", caller_labels, ("grpc",)), (caller, component)
+            assert _admits(policies[name(caller)]["egress"], "to", labels, (PORTS["node"][0],)), (caller, component)
+        assert _admits(policies[name("coordinator")]["ingress"], "from", labels, ("grpc",)), component
+    assert "node-gemma  2 replica(s), engine llama.cpp, model /models/gemma-3-270m-q4_k_m.gguf" in r.notes
+    assert "node-sim    1-4 (HPA) replica(s), engine simulated" in r.notes
+    (monitor,) = r.of_kind("PodMonitor")
+    monitored = [d["metadata"]["name"] for d in deployments if selects(monitor["spec"]["selector"], pod_labels(d))]
+    assert sorted(monitored) == sorted(name(c) for c in ("frontend", "coordinator", *groups))
+
+
+def test_a_node_groups_model_volume_replaces_the_nodes(render) -> None:
+    first = {"path": "/models/a.gguf", "volume": {"hostPath": {"path": "/srv/models"}}}
+    group = {"name": "b", "model": {"path": "/models/b.gguf", "volume": {"persistentVolumeClaim": {"claimName": "b"}}}}
+    r = render({"node": {"model": first, "groups": [group]}})
+    assert _volumes("node", r)["model"] == {"name": "model", "hostPath": {"path": "/srv/models"}}
+    assert _volumes("node-b", r)["model"] == {"name": "model", "persistentVolumeClaim": {"claimName": "b"}}
+    assert r.env("node-b")["OPENENGINE_MODEL_PATH"] == "/models/b.gguf"
 
 
 def test_three_nodes(render) -> None:

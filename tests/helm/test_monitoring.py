@@ -251,6 +251,24 @@ def test_keda_scaled_objects(render, chart) -> None:
             assert trigger["authenticationRef"] == {"name": "prometheus-auth"}
 
 
+@pytest.mark.parametrize("provider", ["keda", "hpa"])
+def test_load_autoscaling_scales_each_node_group_on_its_own_pods(render, provider: str) -> None:
+    values = {
+        "node": {"groups": [{"name": "gemma"}]},
+        "autoscaling": {"provider": provider, "node": {"enabled": True}},
+    }
+    r = render(values)
+    kind = "ScaledObject" if provider == "keda" else "HorizontalPodAutoscaler"
+    scalers = {o["spec"]["scaleTargetRef"]["name"]: o for o in r.of_kind(kind)}
+    assert set(scalers) == {name("node"), name("node-gemma")}
+    for component, other in (("node", "node-gemma"), ("node-gemma", "node")):
+        assert "replicas" not in r.get("Deployment", name(component))["spec"]
+        if provider == "keda":
+            for trigger in scalers[name(component)]["spec"]["triggers"]:
+                assert query_selects(trigger["metadata"]["query"], pod_name(component))
+                assert not query_selects(trigger["metadata"]["query"], pod_name(other))
+
+
 @pytest.mark.parametrize("variant", ["adapter-pods", "adapter-external"])
 def test_prometheus_adapter_hpa(render, chart, variant: str) -> None:
     r = render(VARIANTS[variant])

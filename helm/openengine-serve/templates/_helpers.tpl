@@ -49,11 +49,21 @@ app.kubernetes.io/part-of: openengine-serve
 {{- end }}
 
 {{/*
+A component's objects and pods. Helpers take (dict "root" $ "component" <name>); a node group other
+than the first adds "group" (its name) and "values" (the node settings with the group's on top,
+from oes.nodeGroups). The group's pods get the component label "node-<group>" so that no two
+Deployments, autoscalers or disruption budgets select the same pods.
+*/}}
+{{- define "oes.componentId" -}}
+{{ .component }}{{ with .group }}-{{ . }}{{ end }}
+{{- end }}
+
+{{/*
 Component selector labels. Usage: include "oes.selectorLabels" (dict "root" $ "component" "frontend")
 */}}
 {{- define "oes.selectorLabels" -}}
 {{ include "oes.releaseSelectorLabels" .root }}
-app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/component: {{ include "oes.componentId" . }}
 {{- end }}
 
 {{/*
@@ -61,14 +71,78 @@ Component labels (common + component). Same arguments as oes.selectorLabels.
 */}}
 {{- define "oes.componentLabels" -}}
 {{ include "oes.labels" .root }}
-app.kubernetes.io/component: {{ .component }}
+app.kubernetes.io/component: {{ include "oes.componentId" . }}
 {{- end }}
 
 {{/*
 Object name of a component. Usage: include "oes.componentName" (dict "root" $ "component" "node")
 */}}
 {{- define "oes.componentName" -}}
-{{- printf "%s-%s" (include "oes.fullname" .root) .component }}
+{{- printf "%s-%s" (include "oes.fullname" .root) (include "oes.componentId" .) }}
+{{- end }}
+
+{{/*
+The node groups, as helper arguments: the first is `node` itself, then one per `node.groups` entry
+with the entry's settings over `node`'s (maps merge key by key, other values and model.volume are
+replaced). Sets .out.groups. Usage:
+  {{- $nodes := dict }}{{- include "oes.nodeGroups" (dict "root" $ "out" $nodes) }}
+  {{- range $nodes.groups }} ... include "oes.deployment" . ... {{- end }}
+*/}}
+{{- define "oes.nodeGroups" -}}
+{{- $root := .root }}
+{{- $base := omit $root.Values.node "groups" }}
+{{- $groups := list (dict "root" $root "component" "node" "values" $base) }}
+{{- range $root.Values.node.groups }}
+{{- $values := deepCopy $base }}
+{{- include "oes.overlay" (dict "dst" $values "src" (omit . "name")) }}
+{{- if hasKey (default dict .model) "volume" }}
+{{- $_ := set $values.model "volume" .model.volume }}
+{{- end }}
+{{- $groups = append $groups (dict "root" $root "component" "node" "group" .name "values" $values) }}
+{{- end }}
+{{- $_ := set .out "groups" $groups }}
+{{- end }}
+
+{{/* The component labels of the node groups' pods, comma-separated: node, node-<group>, ... */}}
+{{- define "oes.nodeComponentIds" -}}
+{{- $nodes := dict }}
+{{- include "oes.nodeGroups" (dict "root" . "out" $nodes) }}
+{{- $ids := list }}
+{{- range $nodes.groups }}
+{{- $ids = append $ids (include "oes.componentId" .) }}
+{{- end }}
+{{- join ", " $ids }}
+{{- end }}
+
+{{/* Where a group's settings are written in values.yaml: node, or node.groups[<name>]. */}}
+{{- define "oes.groupPath" -}}
+{{ .component }}{{ with .group }}.groups[{{ . }}]{{ end }}
+{{- end }}
+
+{{/*
+A label selector (matchLabels, matchExpressions) of a component's pods in every node group.
+Usage: include "oes.podsOf" (dict "root" $ "component" "node")
+*/}}
+{{- define "oes.podsOf" -}}
+matchLabels:
+  {{- include (ternary "oes.releaseSelectorLabels" "oes.selectorLabels" (eq .component "node")) (ternary .root . (eq .component "node")) | nindent 2 }}
+{{- if eq .component "node" }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: [{{ include "oes.nodeComponentIds" .root }}]
+{{- end }}
+{{- end }}
+
+{{/* Sets every key of .src in .dst, merging maps into maps key by key. */}}
+{{- define "oes.overlay" -}}
+{{- range $key, $value := .src }}
+{{- if and (kindIs "map" $value) (kindIs "map" (index $.dst $key)) }}
+{{- include "oes.overlay" (dict "dst" (index $.dst $key) "src" $value) }}
+{{- else }}
+{{- $_ := set $.dst $key $value }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "oes.serviceAccountName" -}}
@@ -84,7 +158,7 @@ Image reference of a component; the tag defaults to the chart's appVersion.
 Usage: include "oes.image" (dict "root" $ "component" "frontend")
 */}}
 {{- define "oes.image" -}}
-{{- $image := (index .root.Values .component).image }}
+{{- $image := (.values | default (index .root.Values .component)).image }}
 {{- printf "%s:%s" $image.repository (default .root.Chart.AppVersion $image.tag) }}
 {{- end }}
 
@@ -102,7 +176,7 @@ Usage: include "oes.terminationGracePeriodSeconds" (dict "root" $ "component" "n
 */}}
 {{- define "oes.terminationGracePeriodSeconds" -}}
 {{- $lc := .root.Values.lifecycle }}
-{{- $c := index .root.Values .component }}
+{{- $c := .values | default (index .root.Values .component) }}
 {{- add (int $lc.preStopSleepSeconds) (int $c.drainTimeoutSeconds) (int $lc.terminationMarginSeconds) }}
 {{- end }}
 
@@ -125,19 +199,30 @@ Chart-level consistency checks the JSON schema cannot express readably.
 {{- if and .Values.frontend.service.headless (ne .Values.frontend.service.type "ClusterIP") }}
 {{- fail (printf "frontend.service.headless needs frontend.service.type ClusterIP, not %s (a headless Service has no cluster IP to expose)" .Values.frontend.service.type) }}
 {{- end }}
-{{- range $component := list "frontend" "node" }}
-{{- $hpa := (index $.Values $component).autoscaling }}
+{{- $groupNames := list }}
+{{- range .Values.node.groups }}
+{{- if has .name $groupNames }}
+{{- fail (printf "node.groups has two groups named %s: each group is a Deployment of its own and needs its own name" .name) }}
+{{- end }}
+{{- $groupNames = append $groupNames .name }}
+{{- end }}
+{{- $nodes := dict }}
+{{- include "oes.nodeGroups" (dict "root" . "out" $nodes) }}
+{{- range $args := prepend $nodes.groups (dict "root" $ "component" "frontend") }}
+{{- $at := include "oes.groupPath" $args }}
+{{- $c := $args.values | default (index $.Values $args.component) }}
+{{- $hpa := $c.autoscaling }}
 {{- if and $hpa.enabled (gt (int $hpa.minReplicas) (int $hpa.maxReplicas)) }}
-{{- fail (printf "%s.autoscaling.minReplicas (%d) is greater than %s.autoscaling.maxReplicas (%d)" $component (int $hpa.minReplicas) $component (int $hpa.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is greater than %s.autoscaling.maxReplicas (%d)" $at (int $hpa.minReplicas) $at (int $hpa.maxReplicas)) }}
 {{- end }}
-{{- end }}
-{{- $model := .Values.node.model }}
-{{- if $model.volume }}
+{{- $model := $c.model }}
+{{- if and (eq $args.component "node") $model.volume }}
 {{- if not $model.path }}
-{{- fail (printf "node.model.volume is set but node.model.path is empty: set node.model.path to the GGUF file in the volume, e.g. %s/<file>.gguf (an empty path serves the embedded default model)" (trimSuffix "/" $model.mountPath)) }}
+{{- fail (printf "%s.model.volume is set but %s.model.path is empty: set %s.model.path to the GGUF file in the volume, e.g. %s/<file>.gguf (an empty path serves the embedded default model)" $at $at $at (trimSuffix "/" $model.mountPath)) }}
 {{- end }}
 {{- if not (hasPrefix (printf "%s/" (trimSuffix "/" $model.mountPath)) $model.path) }}
-{{- fail (printf "node.model.path %s is not in node.model.mountPath %s, where node.model.volume is mounted" $model.path $model.mountPath) }}
+{{- fail (printf "%s.model.path %s is not in %s.model.mountPath %s, where %s.model.volume is mounted" $at $model.path $at $model.mountPath $at) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- include "oes.validateSecurity" . }}
@@ -153,8 +238,8 @@ their mounts in the container.
 {{- define "oes.deployment" -}}
 {{- $root := .root }}
 {{- $component := .component }}
-{{- $c := index $root.Values $component }}
-{{- $args := dict "root" $root "component" $component }}
+{{- $c := .values | default (index $root.Values $component) }}
+{{- $args := . }}
 {{- $loadScaled := and (hasKey $root.Values.autoscaling $component) (index $root.Values.autoscaling $component).enabled }}
 {{- $autoscaled := or (and (hasKey $c "autoscaling") $c.autoscaling.enabled) $loadScaled }}
 apiVersion: apps/v1
@@ -322,7 +407,7 @@ spec:
 PodDisruptionBudget of a component. Usage: include "oes.pdb" (dict "root" $ "component" "frontend")
 */}}
 {{- define "oes.pdb" -}}
-{{- $c := index .root.Values .component }}
+{{- $c := .values | default (index .root.Values .component) }}
 {{- if $c.podDisruptionBudget.enabled }}
 apiVersion: policy/v1
 kind: PodDisruptionBudget
@@ -343,7 +428,7 @@ spec:
 HorizontalPodAutoscaler of a component. Usage: include "oes.hpa" (dict "root" $ "component" "node")
 */}}
 {{- define "oes.hpa" -}}
-{{- $hpa := (index .root.Values .component).autoscaling }}
+{{- $hpa := (.values | default (index .root.Values .component)).autoscaling }}
 {{- if $hpa.enabled }}
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler

@@ -351,6 +351,68 @@ def test_a_shared_prefix_is_read_once_and_gives_the_same_greedy_output(reference
     assert first_beyond_near_tie(reference, other_prompt, other[0], ignore_eos=True) is None
 
 
+def test_a_running_requests_prompt_cells_are_shared_as_far_as_it_has_read_them(reference):
+    """Requests sent together with one prefix: a later one shares the cells a running one has read (the whole
+    prefix once it is in, the chunks read so far before), not under another salt, and its greedy output is
+    unchanged. The cells they share are counted once, before and after the first one ends."""
+    llama = cached_engine(context_size=448)  # below 512 cells (see the module docstring)
+    prefix = SYSTEM[:120]
+    llama.enqueue(add("first", prefix + [11, 12, 13], max_tokens=40))
+    outputs: dict = {}
+    first_events: dict[str, C.OutputEvent] = {}
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            for event in record(outputs, step(llama)):
+                if event.first:
+                    first_events[event.request_id] = event
+
+    steps(2)  # 64 of its 123 prompt tokens read (chunks of 32)
+    llama.enqueue(add("early", prefix + [21, 22], max_tokens=8))
+    llama.enqueue(add("other-salt", prefix + [21, 22], max_tokens=8, cache_salt="tenant-b"))
+    steps(4)  # first has read its prompt
+    llama.enqueue(add("late", prefix + [31, 32, 33], max_tokens=60))
+    steps(1)
+    running = llama._running
+    assert {"first", "late"} <= set(running)
+    shares = {"late": 120, "early": 64}  # the cells each shares with first, held by first too
+    physical = sum(state.cells() - shares.get(request_id, 0) for request_id, state in running.items())
+    assert llama._held_cells() == physical + llama.prefix_cache.tokens, "shared cells counted once"
+    while "first" in llama._running:
+        steps(1)
+    late = llama._running["late"]
+    assert llama.prefix_cache.holds(late.shared_from), "first's cells went to the cache, late still shares them"
+    assert llama._held_cells() == late.cells() - 120 + llama.prefix_cache.tokens
+    while not llama.idle:
+        steps(1)
+    for request_id in ("first", "early", "other-salt", "late"):
+        finish = outputs[(request_id, 0)]["finish"]
+        assert finish is not None and finish.finish == C.ENGINE_FINISH_LENGTH, request_id
+    cached = {request_id: event.cached_prompt_tokens for request_id, event in first_events.items()}
+    assert cached == {"first": 0, "early": 64, "other-salt": 0, "late": 120}, cached
+    assert llama._held_cells() == llama.prefix_cache.tokens, "nothing counted for the ended requests"
+    for request_id, prompt in (("late", prefix + [31, 32, 33]), ("early", prefix + [21, 22])):
+        beyond = first_beyond_near_tie(reference, prompt, outputs[(request_id, 0)]["ids"], ignore_eos=True)
+        assert beyond is None, f"{request_id}: not a greedy continuation at {beyond}"
+
+
+def test_a_request_sharing_a_running_ones_cells_holds_them_alone_once_that_one_frees_them():
+    # room for one of two's outputs in the cache: the first kept is evicted when the second ends
+    llama = cached_engine(context_size=448, prefix_cache_tokens=130)
+    prefix = SYSTEM[:120]
+    llama.enqueue(add("two", prefix + [11], max_tokens=6, num_sequences=2))
+    while not llama._running or llama._running["two"].leader.cached < 120:
+        step(llama)
+    llama.enqueue(add("sharer", prefix + [21], max_tokens=30))
+    while "two" in llama._running or "sharer" not in llama._running:
+        step(llama)
+    sharer = llama._running["sharer"]
+    assert sharer.cached_prompt_tokens == 120 and len(llama.prefix_cache) == 1
+    assert sharer.shared_from == -1, "the sequence it shared from is gone"
+    assert llama._held_cells() == sharer.cells() + llama.prefix_cache.tokens
+    run(llama)
+
+
 def test_cache_salts_never_share_and_the_cache_is_bounded():
     llama = cached_engine(prefix_cache_tokens=450)
     served(llama, add("a", SYSTEM + [1], max_tokens=4, cache_salt="tenant-a"))

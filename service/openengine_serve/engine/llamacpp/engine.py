@@ -32,7 +32,8 @@ Python's work per step and per sequence rather than per token of a prompt:
 - Prefix cache (prefix_cache.py): an ended request's KV cells are kept, least
   recently used first within `prefix_cache_tokens`; a new prompt starting with
   the same tokens (under the same `cache_salt`) shares them and reads only the
-  rest of its prompt.
+  rest of its prompt. A running request's cells are shared the same way, as far
+  as it has read them: requests sent together with one system prompt read it once.
 - Guided decoding (llguidance): a request's guide is compiled off the step
   loop, in a thread, once per grammar (common/guides.py GuideMatchers: kept
   by content; the request waits queued meanwhile, and a compile whose requests
@@ -71,7 +72,7 @@ from openengine_serve.engine.config import WorkerConfig
 from openengine_serve.engine.fair_share import PAUSED_SLOT_GRACE_S, FairQueue
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
 from openengine_serve.engine.llamacpp.lora import Adapters, LoraError
-from openengine_serve.engine.llamacpp.prefix_cache import PrefixCache
+from openengine_serve.engine.llamacpp.prefix_cache import MIN_REUSE_TOKENS, PrefixCache, common_prefix
 from openengine_serve.engine.llamacpp.runtime import LlamaError, LlamaModel, TokenBatch
 from openengine_serve.engine.llamacpp.sampling import OutputSampler, log_softmax, token_record
 
@@ -119,7 +120,7 @@ class _Request:
         "cached_prompt_tokens",
         "shared_cells",
         "cache_reported",
-        "cache_entry",
+        "shared_from",
     )
 
     def __init__(
@@ -142,9 +143,9 @@ class _Request:
         self.prompt_records_sent = False
         self.guide: Future | None = None  # the guide's compilation, while it runs
         self.cached_prompt_tokens = 0  # prompt tokens whose KV came from the prefix cache (when first admitted)
-        self.shared_cells = 0  # cells its leader shares with the prefix cache entry `cache_entry`
+        self.shared_cells = 0  # cells its leader shares with the sequence `shared_from`
         self.cache_reported = False  # the first event told the frontend how many
-        self.cache_entry = -1  # the prefix cache entry (sequence id) whose cells it shares
+        self.shared_from = -1  # the sequence (a prefix cache entry or a running output) whose cells it shares
 
     @property
     def guided(self) -> bool:
@@ -414,15 +415,19 @@ class LlamaEngine(Engine):
             if state.guided and self.guided_sequences and self.guided_sequences + sequences > self.max_guided_sequences:
                 heapq.heappush(queue, item)
                 return
-            entry, reused = None, 0
+            source, reused = -1, 0  # the sequence whose first `reused` cells it shares
             if not state.request.bypass_prefix_cache and (not state.forked or len(state.outputs) == 1):
                 # a preempted or parked one-output request may find its own cells, output included
                 tokens = state.leader.tokens if state.forked else state.prompt
                 entry, reused = self.prefix_cache.lookup(state.salt, tokens, state.reusable_tokens())
+                source = entry.seq_id if entry else -1
+                running_source, running_reused = self._running_prefix(state.salt, tokens, state.reusable_tokens())
+                if running_reused > reused:
+                    source, reused = running_source, running_reused
             # Room for what it reads first, next to one more cell per running output; the prefix cache gives up
             # its least recently used entries first (not the one this request shares).
             needed = max(len(o.tokens) for o in state.outputs.values()) - reused
-            keep = entry.seq_id if entry else -1
+            keep = source if self.prefix_cache.holds(source) else -1
             while (
                 self._running
                 and held + self.running_sequences + needed > self.context_size
@@ -445,8 +450,8 @@ class LlamaEngine(Engine):
                 self.adapters.acquire(state.lora)
             if state.guided:
                 self.guided_sequences += sequences
-            if entry is not None:
-                self._share_prefix(state, entry.seq_id, reused)
+            if source >= 0:
+                self._share_prefix(state, source, reused)
 
     def _load_adapter(self, state: _Request, events: list[bytes]) -> bool:
         """Loads the adapter a queued request names (a node started after its LoadLora); False, the request
@@ -458,31 +463,54 @@ class LlamaEngine(Engine):
             self._fail(state, f"the LoRA adapter {state.lora!r} could not be loaded: {exc}", events, retryable=False)
             return False
 
-    def _share_prefix(self, state: _Request, entry_seq_id: int, length: int) -> None:
-        """The new request's leader shares the first `length` cells of a prefix cache entry."""
+    def _running_prefix(self, salt: str, tokens: list[int], reusable: int) -> tuple[int, int]:
+        """The running output (its sequence id) whose cells read so far share the longest prefix with `tokens`
+        under `salt`, and how many can be reused (at most `reusable`); (-1, 0) when none shares
+        MIN_REUSE_TOKENS."""
+        best, best_length = -1, 0
+        prompt = None
+        for state in self._running.values():
+            leader = state.leader
+            if state.salt != salt or state.request.bypass_prefix_cache or leader.cached <= best_length:
+                continue
+            if not leader.tokens or not tokens or leader.tokens[0] != tokens[0]:
+                continue
+            prompt = np.asarray(tokens, np.int32) if prompt is None else prompt
+            cells = np.asarray(leader.tokens[: leader.cached], np.int32)
+            length = common_prefix(cells, prompt, reusable)
+            if length > best_length and self.model.can_share_prefix(leader.seq_id, length):
+                best, best_length = leader.seq_id, length
+        return (best, best_length) if best_length >= MIN_REUSE_TOKENS else (-1, 0)
+
+    def _share_prefix(self, state: _Request, source_seq_id: int, length: int) -> None:
+        """The new request's leader shares the first `length` cells of a prefix cache entry or a running output."""
         leader = state.leader
-        self.model.share_prefix(entry_seq_id, leader.seq_id, length)
+        self.model.share_prefix(source_seq_id, leader.seq_id, length)
         leader.cached = length
         state.shared_cells = length
-        state.cache_entry = entry_seq_id
+        state.shared_from = source_seq_id
         if not state.forked:  # not its own cells, kept when it was preempted or parked
             state.cached_prompt_tokens = length
             self.cached_prompt_tokens += length
 
     def _held_cells(self) -> int:
         """KV cells in use: the admitted requests' and the prefix cache's, the cells they share counted once."""
-        shared = sum(
-            state.shared_cells
-            for state in self._running.values()
-            if state.cache_entry >= 0 and self.prefix_cache.holds(state.cache_entry)
-        )
+        shared = sum(state.shared_cells for state in self._running.values() if state.shared_from >= 0)
         return sum(state.cells() for state in self._running.values()) + self.prefix_cache.tokens - shared
 
     def _evict(self, keep: int = -1) -> int:
         """Drops the prefix cache's least recently used entry (not `keep`); returns the cells that frees."""
         before = self._held_cells()
-        self._free_seq_ids.append(self.prefix_cache.evict_one(keep))
+        self._free_sequences([self.prefix_cache.evict_one(keep)])
         return before - self._held_cells()
+
+    def _free_sequences(self, seq_ids: list[int]) -> None:
+        """The sequences' cells are gone (but for those another shares): a request sharing them holds them alone
+        now, and the ids are free for new outputs."""
+        for state in self._running.values():
+            if state.shared_from in seq_ids:
+                state.shared_from, state.shared_cells = -1, 0
+        self._free_seq_ids.extend(seq_ids)
 
     def _take_compiled(self, events: list[bytes]) -> None:
         """Requests whose guide compiled join the queue (each output gets its own matcher); a failed one ends."""
@@ -577,7 +605,7 @@ class LlamaEngine(Engine):
             output.cached = 0
             output.shares_prompt = False
         state.prompt_cells = 0
-        state.cache_entry = -1
+        state.shared_from = -1
         state.shared_cells = 0
         state.forked = True  # each output reads its own tokens again
         if state.guided:
@@ -591,14 +619,12 @@ class LlamaEngine(Engine):
         if not self.prefix_cache.enabled:
             return
         seq_id, output.seq_id = output.seq_id, -1
-        self._free_seq_ids.extend(
-            self.prefix_cache.keep(seq_id, state.salt, output.tokens[: output.cached], state.lora)
-        )
+        self._free_sequences(self.prefix_cache.keep(seq_id, state.salt, output.tokens[: output.cached], state.lora))
 
     def _release_sequence(self, output: _Output) -> None:
         if output.seq_id >= 0:
             self.model.forget(output.seq_id)
-            self._free_seq_ids.append(output.seq_id)
+            self._free_sequences([output.seq_id])
             output.seq_id = -1
 
     # ------------------------------------------------------------ a step

@@ -55,7 +55,7 @@ class PrefixCache:
         for entry in self._entries.values():
             if entry.salt != salt:
                 continue
-            length = _common_prefix(entry.tokens, prompt_array, reusable)
+            length = common_prefix(entry.tokens, prompt_array, reusable)
             if length > best_length and self._model.can_share_prefix(entry.seq_id, length):
                 best, best_length = entry, length
         if best is None or best_length < MIN_REUSE_TOKENS:
@@ -75,7 +75,7 @@ class PrefixCache:
         freed = [
             other.seq_id
             for other in self._entries.values()
-            if other.salt == salt and _common_prefix(other.tokens, entry.tokens, len(entry.tokens)) == len(other.tokens)
+            if other.salt == salt and common_prefix(other.tokens, entry.tokens, len(entry.tokens)) == len(other.tokens)
         ]
         for other_id in freed:  # everything it holds is a prefix of the new entry
             self._drop(other_id)
@@ -109,7 +109,7 @@ class PrefixCache:
         self._model.forget(seq_id)
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
     """How many leading tokens the two share, at most `limit`."""
     n = min(len(a), len(b), limit)
     different = np.flatnonzero(a[:n] != b[:n])

@@ -352,9 +352,10 @@ def test_a_shared_prefix_is_read_once_and_gives_the_same_greedy_output(reference
 
 
 def test_a_running_requests_prompt_cells_are_shared_as_far_as_it_has_read_them(reference):
-    """Requests sent together with one prefix: a later one shares the cells a running one has read (the whole
-    prefix once it is in, the chunks read so far before), not under another salt, and its greedy output is
-    unchanged. The cells they share are counted once, before and after the first one ends."""
+    """Requests sent one after another with one prefix: a later one shares the cells a running one has read,
+    and while that one still reads their common prefix it waits for it rather than read it too; not under
+    another salt; its greedy output is unchanged. The cells they share are counted once, before and after the
+    first one ends."""
     llama = cached_engine(context_size=448)  # below 512 cells (see the module docstring)
     prefix = SYSTEM[:120]
     llama.enqueue(add("first", prefix + [11, 12, 13], max_tokens=40))
@@ -375,7 +376,7 @@ def test_a_running_requests_prompt_cells_are_shared_as_far_as_it_has_read_them(r
     steps(1)
     running = llama._running
     assert {"first", "late"} <= set(running)
-    shares = {"late": 120, "early": 64}  # the cells each shares with first, held by first too
+    shares = {"late": 120, "early": 120}  # the cells each shares with first, held by first too
     physical = sum(state.cells() - shares.get(request_id, 0) for request_id, state in running.items())
     assert llama._held_cells() == physical + llama.prefix_cache.tokens, "shared cells counted once"
     while "first" in llama._running:
@@ -389,9 +390,29 @@ def test_a_running_requests_prompt_cells_are_shared_as_far_as_it_has_read_them(r
         finish = outputs[(request_id, 0)]["finish"]
         assert finish is not None and finish.finish == C.ENGINE_FINISH_LENGTH, request_id
     cached = {request_id: event.cached_prompt_tokens for request_id, event in first_events.items()}
-    assert cached == {"first": 0, "early": 64, "other-salt": 0, "late": 120}, cached
+    assert cached == {"first": 0, "early": 120, "other-salt": 0, "late": 120}, cached
     assert llama._held_cells() == llama.prefix_cache.tokens, "nothing counted for the ended requests"
     for request_id, prompt in (("late", prefix + [31, 32, 33]), ("early", prefix + [21, 22])):
+        beyond = first_beyond_near_tie(reference, prompt, outputs[(request_id, 0)]["ids"], ignore_eos=True)
+        assert beyond is None, f"{request_id}: not a greedy continuation at {beyond}"
+
+
+def test_requests_sent_together_with_one_prefix_read_it_once(reference):
+    llama = cached_engine(context_size=448)
+    prefix = SYSTEM[:120]
+    prompts = {"a": prefix + [11, 12, 13], "b": prefix + [21, 22], "c": prefix + [31], "own": SYSTEM[120:180]}
+    for request_id, prompt in prompts.items():
+        llama.enqueue(add(request_id, prompt, max_tokens=12))
+    outputs: dict = {}
+    cached, read = {}, 0
+    while not llama.idle:
+        for event in record(outputs, step(llama)):
+            if event.first:
+                cached[event.request_id] = event.cached_prompt_tokens
+        read += llama.prefilled_tokens
+    assert cached == {"a": 0, "b": 120, "c": 120, "own": 0}, cached
+    assert read == 123 + 2 + 1 + 60, "the prefix read once"
+    for request_id, prompt in prompts.items():
         beyond = first_beyond_near_tie(reference, prompt, outputs[(request_id, 0)]["ids"], ignore_eos=True)
         assert beyond is None, f"{request_id}: not a greedy continuation at {beyond}"
 

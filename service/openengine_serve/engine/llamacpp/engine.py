@@ -421,7 +421,7 @@ class LlamaEngine(Engine):
                 tokens = state.leader.tokens if state.forked else state.prompt
                 entry, reused = self.prefix_cache.lookup(state.salt, tokens, state.reusable_tokens())
                 source = entry.seq_id if entry else -1
-                running_source, running_reused = self._running_prefix(state.salt, tokens, state.reusable_tokens())
+                running_source, running_reused = self._running_prefix(state, tokens)
                 if running_reused > reused:
                     source, reused = running_source, running_reused
             # Room for what it reads first, next to one more cell per running output; the prefix cache gives up
@@ -463,24 +463,63 @@ class LlamaEngine(Engine):
             self._fail(state, f"the LoRA adapter {state.lora!r} could not be loaded: {exc}", events, retryable=False)
             return False
 
-    def _running_prefix(self, salt: str, tokens: list[int], reusable: int) -> tuple[int, int]:
-        """The running output (its sequence id) whose cells read so far share the longest prefix with `tokens`
-        under `salt`, and how many can be reused (at most `reusable`); (-1, 0) when none shares
+    def _running_prefix(self, state: _Request, tokens: list[int]) -> tuple[int, int]:
+        """The other running output (its sequence id) whose cells read so far share the longest prefix with
+        `tokens` (under the request's salt), and how many `state` can reuse; (-1, 0) when none shares
         MIN_REUSE_TOKENS."""
         best, best_length = -1, 0
-        prompt = None
-        for state in self._running.values():
-            leader = state.leader
-            if state.salt != salt or state.request.bypass_prefix_cache or leader.cached <= best_length:
+        for other in self._running.values():
+            leader = other.leader
+            if other is state or not self._may_share(state, other, tokens) or leader.cached <= best_length:
                 continue
-            if not leader.tokens or not tokens or leader.tokens[0] != tokens[0]:
-                continue
-            prompt = np.asarray(tokens, np.int32) if prompt is None else prompt
-            cells = np.asarray(leader.tokens[: leader.cached], np.int32)
-            length = common_prefix(cells, prompt, reusable)
+            length = common_prefix(
+                np.asarray(leader.tokens[: leader.cached], np.int32),
+                np.asarray(tokens, np.int32),
+                state.reusable_tokens(),
+            )
             if length > best_length and self.model.can_share_prefix(leader.seq_id, length):
                 best, best_length = leader.seq_id, length
         return (best, best_length) if best_length >= MIN_REUSE_TOKENS else (-1, 0)
+
+    @staticmethod
+    def _may_share(state: _Request, other: _Request, tokens: list[int]) -> bool:
+        """Whether `state` (reading `tokens`) may take cells of `other`'s leader: same salt and adapter, neither
+        bypassing the cache, the same first token."""
+        return (
+            other.salt == state.salt
+            and not other.request.bypass_prefix_cache
+            and not state.request.bypass_prefix_cache
+            and bool(tokens)
+            and bool(other.leader.tokens)
+            and other.leader.tokens[0] == tokens[0]
+        )
+
+    def _catch_up(self, state: _Request, output: _Output, ahead: list[tuple[_Request, _Output]]) -> bool:
+        """Before a reading leader gets prompt tokens: it takes the cells another running request has read of
+        their common prefix beyond its own (when all it holds came from that one), and it waits (True) while a
+        request reading ahead of it in the batch has yet to read more of their common prefix, rather than read
+        the same tokens twice."""
+        if state.forked or (output.cached and state.shared_from < 0):
+            return False  # its own cells: another's cannot be added to them
+        source, length = self._running_prefix(state, output.tokens)
+        if length > output.cached and (not output.cached or source == state.shared_from):
+            self.model.share_prefix_range(source, output.seq_id, output.cached, length)
+            self.cached_prompt_tokens += length - output.cached
+            state.cached_prompt_tokens += length - output.cached
+            output.cached = state.shared_cells = length
+            state.shared_from = source
+        reusable = state.reusable_tokens()
+        prompt = np.asarray(output.tokens, np.int32)
+        for other, other_output in ahead:
+            if other.forked or not self._may_share(state, other, output.tokens):
+                continue
+            common = common_prefix(np.asarray(other_output.tokens, np.int32), prompt, reusable)
+            if common >= output.cached + MIN_REUSE_TOKENS and other_output.cached < common:
+                if (not output.cached or other_output.seq_id == state.shared_from) and self.model.can_share_prefix(
+                    other_output.seq_id, common
+                ):
+                    return True
+        return False
 
     def _share_prefix(self, state: _Request, source_seq_id: int, length: int) -> None:
         """The new request's leader shares the first `length` cells of a prefix cache entry or a running output."""
@@ -655,9 +694,11 @@ class LlamaEngine(Engine):
                 else:
                     reading.append((state, output))
         rows = PROMPT_LOGPROB_ROWS_PER_STEP
-        for state, output in reading:
+        for position, (state, output) in enumerate(reading):
             if budget <= 0:
                 break
+            if self._catch_up(state, output, reading[:position]):
+                continue
             pending = len(output.tokens) - output.cached
             count = min(pending, budget)
             logits_from = self._prompt_logits_from(state, output.cached, count)

@@ -395,6 +395,27 @@ def fake_doc():
             "speedup": 10.0,
             "counters_before": {"prefill": 0.0, "hits": 0.0},
             "counters_after": {"prefill": 6000.0, "hits": 5000.0},
+            "burst": {
+                "requests": 8,
+                "together": {
+                    "prefilled": 1150.0,
+                    "hits": 6930.0,
+                    "prompt_tokens": 8080,
+                    "ttft_p50_ms": 900.0,
+                    "ttft_max_ms": 950.0,
+                    "wall_s": 1.5,
+                    "errors": 0,
+                },
+                "bypass": {
+                    "prefilled": 8080.0,
+                    "hits": 0.0,
+                    "prompt_tokens": 8080,
+                    "ttft_p50_ms": 3000.0,
+                    "ttft_max_ms": 5600.0,
+                    "wall_s": 6.0,
+                    "errors": 0,
+                },
+            },
         },
         "isolation": {
             "huge_guide": {"bytes": 62000, "objects": 38},
@@ -490,6 +511,9 @@ def test_report_has_every_section_and_the_verdicts():
     assert "| with the cache | 40.0 | 50.0 | 995.0 | 75 | 4975 |" in report
     assert "| bypass_prefix_cache | 400.0 | 420.0 | 0.0 | 5050 | 0 |" in report
     assert "With the cache 10.0x faster" in report
+    assert "8 requests sent at once" in report
+    assert "| with the cache | 8080 | 1150 | 6930 | 900.0 | 950.0 | 1.50 | 0 |" in report
+    assert "| bypass_prefix_cache | 8080 | 8080 | 0 | 3000.0 | 5600.0 | 6.00 | 0 |" in report
     assert "| alone | – | 60.0 | 60.0 | 100 |" in report
     assert "| with a plain ninth stream | – | 72.0 |" in report
     assert "ITL p99 with the huge-guide stream / alone: 1.50x; with a plain ninth stream / alone: 1.20x" in report

@@ -81,6 +81,12 @@ def test_features_short_run_measures_the_prefix_cache_and_isolation(tmp_path):
         assert r["prefilled"] == r["prompt_tokens"] - r["cached_prompt_tokens"], r
     for r in requests["bypass"]:
         assert r["cached_prompt_tokens"] == 0 and r["hits"] == 0 and r["prefilled"] == r["prompt_tokens"], r
+    burst = result["prefix_cache"]["burst"]  # sent at once: the others share the first's system prompt cells
+    together, bypass = burst["together"], burst["bypass"]
+    assert together["errors"] == bypass["errors"] == 0
+    assert together["hits"] >= (burst["requests"] - 1) * 200, together
+    assert together["prefilled"] == together["prompt_tokens"] - together["hits"], together
+    assert bypass["hits"] == 0 and bypass["prefilled"] == bypass["prompt_tokens"], bypass
     summary = result["isolation"]["summary"]
     for run in ("without", "plain", "with"):
         assert summary[run]["gaps"] > 0 and summary[run]["itl_p99_ms"] > 0, run

@@ -14,7 +14,8 @@ load comes from this process (AsyncClient, greedy requests). Four measurements:
    unpack and apply it as sampling.py does), related to the engine's step time.
 2. Prefix cache TTFT: one request at a time, a ~1,000-token system prompt and a short distinct question, with
    the prefix cache (after one warm-up request) and with kv.bypass_prefix_cache, alternated; the node's
-   prefill and prefix-cache-hit counters around each.
+   prefill and prefix-cache-hit counters around each. Then a burst: BURST such requests sent at once under a
+   fresh salt, with the cache (the node reads the system prompt once) and bypassing it.
 3. Isolation: inter-token latency p99 of 8 ordinary streams alone and next to one stream sending requests
    whose JSON schema is close to the frontend's 64 KiB limit (an anyOf of many closed objects of enums).
 4. Prefix routing with 2 nodes: K system prompts of ~500 tokens each shared by many requests, sent with some
@@ -266,6 +267,9 @@ QUESTION_ITEMS = (
     "a board game",
     "a laptop",
 )
+
+
+BURST = 8  # requests sent at once in the prefix cache's burst
 
 
 def questions() -> list[str]:
@@ -1172,6 +1176,41 @@ async def prefix_cache_ttft(stack: Stack, system: str, pairs: int) -> dict[str, 
     }
 
 
+async def prefix_burst(stack: Stack, system: str, size: int) -> dict[str, Any]:
+    """`size` requests sent at once, each the system prompt and a question of its own, under a salt no request
+    used before: bypassing the cache (each reads its whole prompt), then with it (the node reads the system
+    prompt once: the others share the cells the first reads while it runs)."""
+    asks = questions()
+    result: dict[str, Any] = {"requests": size}
+    for kind, bypass in (("bypass", True), ("together", False)):
+        salt = f"features-burst-{uuid.uuid4().hex[:8]}"
+        before = await stack.nodes_samples()
+        started = time.perf_counter()
+        records = await asyncio.gather(
+            *(
+                run_request(
+                    stack.client,
+                    make_request(stack.model, chat(asks[i], system), max_tokens=8, salt=salt, bypass=bypass),
+                    Record(time.perf_counter()),
+                )
+                for i in range(size)
+            )
+        )
+        wall = time.perf_counter() - started
+        node = node_deltas(before, await stack.nodes_samples())[0]
+        ttfts = [r.ttft * 1000 for r in records if r.ttft is not None]
+        result[kind] = {
+            "prefilled": node["prefilled"],
+            "hits": node["hits"],
+            "prompt_tokens": sum(r.prompt_tokens or 0 for r in records),
+            "ttft_p50_ms": percentile(ttfts, 50),
+            "ttft_max_ms": max(ttfts, default=None),
+            "wall_s": wall,
+            "errors": sum(1 for r in records if r.error),
+        }
+    return result
+
+
 def mean_of(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
@@ -1356,8 +1395,8 @@ ROUTING_NOTES = [
     "blind placement made deterministic.",
     "Both nodes' prefix caches (OPENENGINE_PREFIX_CACHE_TOKENS 8192 cells each, at most 64 entries) hold every system "
     "prompt of a K=4 workload: there blind placement costs only the cold misses (each prompt read once per node "
-    "instead of once) and the requests sent while the first of their prompt was still running (the cache keeps "
-    "ended requests only).",
+    "instead of once). A request sent while another of its prompt runs on the same node shares the cells that one "
+    "has read, and waits while it reads their common prefix (engine.py _catch_up).",
     "The cache's budget counts every entry's tokens in full, the system prompt cells it shares with other entries "
     "too (prefix_cache.py keep: tokens += len(entry.tokens)), and each ended request adds an entry (its prompt and "
     "output; one with another question does not cover it): 8192 cells hold about 15 entries of a ~520-token "
@@ -1580,6 +1619,23 @@ def render_report(doc: dict[str, Any]) -> str:
             f"hits {b['hits']:.0f} → {a['hits']:.0f}.",
             "",
         ]
+        burst = cache.get("burst")
+        if burst:
+            lines += [
+                f"{burst['requests']} requests sent at once, the same system prompt and a question each, under a "
+                f"salt no request used before (nothing cached): the node's prompt tokens read and reused for the "
+                f"burst, its TTFT, and the time until the last request ended.",
+                "",
+                "| burst | prompt tokens | prefilled | hit | TTFT p50 (ms) | TTFT max (ms) | all ended (s) | errors |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for kind, label in (("together", "with the cache"), ("bypass", "bypass_prefix_cache")):
+                c = burst[kind]
+                lines.append(
+                    f"| {label} | {c['prompt_tokens']} | {c['prefilled']:.0f} | {c['hits']:.0f} | "
+                    f"{fmt(c['ttft_p50_ms'])} | {fmt(c['ttft_max_ms'])} | {fmt(c['wall_s'], 2)} | {c['errors']} |"
+                )
+            lines.append("")
 
     isolation = doc.get("isolation")
     if isolation and "summary" in isolation:
@@ -1912,6 +1968,7 @@ def main(argv: list[str] | None = None) -> int:
                 await wait_quiet_note(doc.setdefault("quiet", {}), "cache")
                 say("prefix cache TTFT...")
                 doc["prefix_cache"] = await prefix_cache_ttft(stack, cache_system, mode.cache_pairs)
+                doc["prefix_cache"]["burst"] = await prefix_burst(stack, cache_system, BURST)
                 s = doc["prefix_cache"]["summary"]
                 say(
                     f"  prefix cache: TTFT p50 {fmt(s['cached']['ttft_p50_ms'])} ms with, "

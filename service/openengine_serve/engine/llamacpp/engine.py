@@ -463,23 +463,24 @@ class LlamaEngine(Engine):
             self._fail(state, f"the LoRA adapter {state.lora!r} could not be loaded: {exc}", events, retryable=False)
             return False
 
-    def _running_prefix(self, state: _Request, tokens: list[int]) -> tuple[int, int]:
+    def _running_prefix(self, state: _Request, tokens: list[int], beyond: int = 0) -> tuple[int, int]:
         """The other running output (its sequence id) whose cells read so far share the longest prefix with
-        `tokens` (under the request's salt), and how many `state` can reuse; (-1, 0) when none shares
-        MIN_REUSE_TOKENS."""
-        best, best_length = -1, 0
+        `tokens` (under the request's salt), longer than `beyond`, and how many `state` can reuse; (-1, 0) when
+        none shares MIN_REUSE_TOKENS."""
+        best, best_length = -1, beyond
+        reusable = state.reusable_tokens()
+        prompt = None  # `tokens` as an array, made for the first candidate
         for other in self._running.values():
             leader = other.leader
             if other is state or not self._may_share(state, other, tokens) or leader.cached <= best_length:
                 continue
-            length = common_prefix(
-                np.asarray(leader.tokens[: leader.cached], np.int32),
-                np.asarray(tokens, np.int32),
-                state.reusable_tokens(),
-            )
+            if len(tokens) <= best_length or leader.tokens[best_length] != tokens[best_length]:
+                continue  # their common prefix is not longer than the best one's
+            prompt = np.asarray(tokens, np.int32) if prompt is None else prompt
+            length = common_prefix(np.asarray(leader.tokens[: leader.cached], np.int32), prompt, reusable)
             if length > best_length and self.model.can_share_prefix(leader.seq_id, length):
                 best, best_length = leader.seq_id, length
-        return (best, best_length) if best_length >= MIN_REUSE_TOKENS else (-1, 0)
+        return (best, best_length) if best >= 0 and best_length >= MIN_REUSE_TOKENS else (-1, 0)
 
     @staticmethod
     def _may_share(state: _Request, other: _Request, tokens: list[int]) -> bool:
@@ -501,13 +502,11 @@ class LlamaEngine(Engine):
         the same tokens twice."""
         if state.forked or (output.cached and state.shared_from < 0):
             return False  # its own cells: another's cannot be added to them
-        source, length = self._running_prefix(state, output.tokens)
-        if length > output.cached and (not output.cached or source == state.shared_from):
-            self.model.share_prefix_range(source, output.seq_id, output.cached, length)
-            self.cached_prompt_tokens += length - output.cached
-            state.cached_prompt_tokens += length - output.cached
-            output.cached = state.shared_cells = length
-            state.shared_from = source
+        source, length = self._running_prefix(state, output.tokens, beyond=output.cached)
+        if source >= 0 and (not output.cached or source == state.shared_from):
+            self._share_prefix(state, source, length)
+        if not ahead:
+            return False
         reusable = state.reusable_tokens()
         prompt = np.asarray(output.tokens, np.int32)
         for other, other_output in ahead:
@@ -522,15 +521,17 @@ class LlamaEngine(Engine):
         return False
 
     def _share_prefix(self, state: _Request, source_seq_id: int, length: int) -> None:
-        """The new request's leader shares the first `length` cells of a prefix cache entry or a running output."""
+        """The request's leader shares the cells of a prefix cache entry or a running output from its own count
+        (0 when admitted) up to `length`: all it holds then came from that sequence."""
         leader = state.leader
-        self.model.share_prefix(source_seq_id, leader.seq_id, length)
+        start = leader.cached
+        self.model.share_prefix(source_seq_id, leader.seq_id, start, length)
         leader.cached = length
         state.shared_cells = length
         state.shared_from = source_seq_id
         if not state.forked:  # not its own cells, kept when it was preempted or parked
-            state.cached_prompt_tokens = length
-            self.cached_prompt_tokens += length
+            state.cached_prompt_tokens += length - start
+            self.cached_prompt_tokens += length - start
 
     def _held_cells(self) -> int:
         """KV cells in use: the admitted requests' and the prefix cache's, the cells they share counted once."""

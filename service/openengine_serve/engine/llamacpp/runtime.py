@@ -178,11 +178,7 @@ class LlamaModel:
             return True
         return self._lib.llama_memory_seq_pos_min(self._memory, seq_id) <= max(0, length - self.sliding_window)
 
-    def share_prefix(self, source_seq_id: int, target_seq_id: int, length: int) -> None:
-        """The target sequence gets the source's KV cells of positions [0, length)."""
-        self.share_prefix_range(source_seq_id, target_seq_id, 0, length)
-
-    def share_prefix_range(self, source_seq_id: int, target_seq_id: int, start: int, end: int) -> None:
+    def share_prefix(self, source_seq_id: int, target_seq_id: int, start: int, end: int) -> None:
         """The target sequence gets the source's KV cells of positions [start, end)."""
         self._lib.llama_memory_seq_cp(self._memory, source_seq_id, target_seq_id, start, end)
 

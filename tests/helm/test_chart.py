@@ -7,6 +7,7 @@ supported Kubernetes versions; the rendered output passes yamllint --strict.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -249,6 +250,33 @@ def test_schema_rejects(helm, chart, values: dict[str, Any], complaint: str) -> 
     with helm.Config(namespace=NAMESPACE) as cfg, pytest.raises(helm.HelmError) as info:
         cfg.install(chart, RELEASE, values, namespace=NAMESPACE, dry_run="client")
     assert complaint in str(info.value)
+
+
+def test_a_node_groups_settings_have_the_nodes_schema_but_none_required() -> None:
+    """values.schema.json spells a group's settings out again (a group overrides some keys of an object, so
+    node's `required` lists cannot apply): the copy must stay node's, the ports left out."""
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    node = schema["properties"]["node"]["properties"]
+
+    def resolved(part: Any) -> Any:
+        if isinstance(part, dict) and "$ref" in part:  # draft-07: a $ref's sibling keys are ignored
+            target = schema
+            for key in part["$ref"].removeprefix("#/").split("/"):
+                target = target[key]
+            return resolved(target)
+        if isinstance(part, dict):
+            return {k: resolved(v) for k, v in part.items()}
+        return part
+
+    def optional(part: Any) -> Any:
+        if isinstance(part, dict):
+            return {k: optional(v) for k, v in part.items() if k != "required"}
+        return part
+
+    group = schema["properties"]["node"]["properties"]["groups"]["items"]["properties"]
+    assert set(group) == set(node) - {"port", "metricsPort", "groups"} | {"name"}
+    for key in set(group) - {"name"}:
+        assert optional(resolved(group[key])) == optional(resolved(node[key])), key
 
 
 def test_schema_accepts_both_servers(chart) -> None:

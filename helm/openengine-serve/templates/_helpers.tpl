@@ -124,13 +124,16 @@ A label selector (matchLabels, matchExpressions) of a component's pods in every 
 Usage: include "oes.podsOf" (dict "root" $ "component" "node")
 */}}
 {{- define "oes.podsOf" -}}
+{{- if eq .component "node" -}}
 matchLabels:
-  {{- include (ternary "oes.releaseSelectorLabels" "oes.selectorLabels" (eq .component "node")) (ternary .root . (eq .component "node")) | nindent 2 }}
-{{- if eq .component "node" }}
+  {{- include "oes.releaseSelectorLabels" .root | nindent 2 }}
 matchExpressions:
   - key: app.kubernetes.io/component
     operator: In
     values: [{{ include "oes.nodeComponentIds" .root }}]
+{{- else -}}
+matchLabels:
+  {{- include "oes.selectorLabels" . | nindent 2 }}
 {{- end }}
 {{- end }}
 

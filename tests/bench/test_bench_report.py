@@ -6,13 +6,15 @@ import hashlib
 import math
 import os
 import struct
+import threading
+import time
 
 import pytest
 
 from openengine_bench import report
 from openengine_bench.cgroups import QuotaCgroup
 from openengine_bench.load import digest, make_jobs, merge_results, poisson_arrivals, prompt_ids, scan_response
-from openengine_bench.stack import parse_cpus, parse_placements
+from openengine_bench.stack import parse_cpus, parse_placements, wake_ups
 
 G, N = report.GRPCIO, report.NATIVE
 
@@ -504,6 +506,34 @@ def test_quota_cgroup_throttling_reads_v1_and_v2_cpu_stat(tmp_path):
     (tmp_path / "cpu.stat").unlink()
     assert cgroup.throttling() == {}
     cgroup.path = ""
+
+
+def test_wake_ups_count_every_thread_that_blocked_and_woke():
+    """20 handoffs, each side sleeping before it answers, so every wait blocks: 20 wake-ups of the helper and
+    40 of this thread (its waits and its sleeps)."""
+    ping, pong, done = threading.Event(), threading.Event(), threading.Event()
+
+    def helper():
+        for _ in range(20):
+            ping.wait()
+            ping.clear()
+            time.sleep(0.002)
+            pong.set()
+        done.wait()  # alive until counted: an ended thread's count is gone with it
+
+    before = wake_ups(os.getpid())
+    thread = threading.Thread(target=helper)
+    thread.start()
+    for _ in range(20):
+        time.sleep(0.002)
+        ping.set()
+        pong.wait()
+        pong.clear()
+    after = wake_ups(os.getpid())
+    done.set()
+    thread.join()
+    assert after - before >= 60
+    assert wake_ups(2**22 + 1) == 0  # no such process (above the largest pid_max)
 
 
 def test_parse_cpus():

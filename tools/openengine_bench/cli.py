@@ -469,7 +469,7 @@ class Bench:
         self, mode: str, workload: str, connections: int, server: str, r: int, target, placement, cgroup=None
     ) -> dict[str, Any]:
         from .load import CONNECT_MARGIN_S, SETTLE_S, make_jobs, merge_results, poisson_arrivals, sleep_until
-        from .stack import CpuSampler, established_connections, thread_seconds
+        from .stack import CpuSampler, established_connections, thread_seconds, wake_ups
 
         scenario = report.scenario_name(workload, connections)
         warmup = self.s[f"{'baseline' if mode == 'baseline' else workload}_warmup_s"]
@@ -522,10 +522,10 @@ class Bench:
         sleep_until(t0)
         throttling: Callable[[], dict[str, float]] = cgroup.throttling if cgroup is not None else dict
         before, cores_before, threads_before = sampler.snapshot(), _core_times(), thread_seconds(target.pid)
-        throttled_before = throttling()
+        throttled_before, wake_ups_before = throttling(), wake_ups(target.pid)
         sleep_until(t1)
         after, cores_after, threads_after = sampler.snapshot(), _core_times(), thread_seconds(target.pid)
-        throttled_after = throttling()
+        throttled_after, wake_ups_after = throttling(), wake_ups(target.pid)
         observed = established_connections(target.port)
         results = self.pool.collect(len(jobs), timeout=self.s["fixed_drain_s"] + 60.0)
         if not target.alive():
@@ -551,6 +551,8 @@ class Bench:
         record["frontend_threads_util"] = {
             name: (threads_after[name] - threads_before.get(name, 0.0)) / window for name in threads_after
         }
+        messages = record["messages"]
+        record["wake_ups_per_message"] = (wake_ups_after - wake_ups_before) / messages if messages else None
         self.rounds.append(record)
         if mode == "stack":
             self.hashes.setdefault(f"{placement.name}/{scenario}", {}).setdefault(server, {}).update(merged["hashes"])

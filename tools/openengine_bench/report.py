@@ -34,6 +34,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "other_core_busy": ("other cores busy", "fraction"),
     "foreign_frontend_core": ("foreign load on frontend core", "fraction"),
     "tokens_per_message": ("tokens/message", "ratio"),
+    "wake_ups_per_message": ("frontend wake-ups/message", "ratio"),
     "client_us_per_token": ("load generator CPU/token", "µs"),
     "errors": ("errors", "count"),
 }
@@ -49,6 +50,7 @@ STACK_COLUMNS = (
     "foreign_frontend_core",
     "other_core_busy",
     "tokens_per_message",
+    "wake_ups_per_message",
     "client_us_per_token",
     "errors",
 )
@@ -63,6 +65,7 @@ UNPINNED_COLUMNS = (
     "frontend_util",
     "other_core_busy",
     "tokens_per_message",
+    "wake_ups_per_message",
     "client_us_per_token",
     "errors",
 )

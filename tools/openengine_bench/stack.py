@@ -163,6 +163,29 @@ def thread_seconds(pid: int) -> dict[str, float]:
     return out
 
 
+def wake_ups(pid: int) -> int:
+    """Times the process's threads blocked and were woken (voluntary context switches, every thread summed).
+
+    On a small VM each wake-up costs tens of µs of CPU (docs/benchmarks.md), and unlike CPU time the count does
+    not move with the machine's load: wake-ups per message is the steady measure of a server's per-token cost.
+    Threads that ended are not counted."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return total
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 def descendants(root: int) -> list[int]:
     """root and every process below it (from the ppid of every process in /proc)."""
     children: dict[int, list[int]] = {}

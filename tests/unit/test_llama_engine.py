@@ -379,11 +379,13 @@ def test_a_running_requests_prompt_cells_are_shared_as_far_as_it_has_read_them(r
     shares = {"late": 120, "early": 120}  # the cells each shares with first, held by first too
     physical = sum(state.cells() - shares.get(request_id, 0) for request_id, state in running.items())
     assert llama._held_cells() == physical + llama.prefix_cache.tokens, "shared cells counted once"
+    assert llama.load().running_tokens == physical, "the load reports the running requests' cells once"
     while "first" in llama._running:
         steps(1)
     late = llama._running["late"]
     assert llama.prefix_cache.holds(late.shared_from), "first's cells went to the cache, late still shares them"
     assert llama._held_cells() == late.cells() - 120 + llama.prefix_cache.tokens
+    assert llama.load().running_tokens == late.cells(), "cells shared with the cache: the request holds them"
     while not llama.idle:
         steps(1)
     for request_id in ("first", "early", "other-salt", "late"):

@@ -307,7 +307,7 @@ class LlamaEngine(Engine):
             stepped = False
             for lora in sorted({state.lora for state in self._running.values()}):
                 stepped = self._decode(lora, events) or stepped
-        self.cells = sum(state.cells() for state in self._running.values())
+        self.cells = self._running_cells()
         return stepped
 
     def _decode(self, lora: str | None, events: list[bytes]) -> bool:
@@ -537,6 +537,14 @@ class LlamaEngine(Engine):
         """KV cells in use: the admitted requests' and the prefix cache's, the cells they share counted once."""
         shared = sum(state.shared_cells for state in self._running.values() if state.shared_from >= 0)
         return sum(state.cells() for state in self._running.values()) + self.prefix_cache.tokens - shared
+
+    def _running_cells(self) -> int:
+        """KV cells the admitted requests hold, those two of them share counted once (cells shared with the
+        prefix cache count: a request holds them too)."""
+        running = self._running.values()
+        seq_ids = {output.seq_id for state in running for output in state.outputs.values()}
+        shared = sum(state.shared_cells for state in running if state.shared_from in seq_ids)
+        return sum(state.cells() for state in running) - shared
 
     def _evict(self, keep: int = -1) -> int:
         """Drops the prefix cache's least recently used entry (not `keep`); returns the cells that frees."""

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,26 +139,30 @@ def cpu_seconds(pid: int) -> float | None:
     return None if stat is None else stat[1]
 
 
-def thread_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name (/proc/<pid>/task/*/comm; threads of one name summed)."""
-    out: dict[str, float] = {}
+def _thread_files(pid: int, *names: str) -> Iterator[tuple[int, list[str]]]:
+    """(thread id, [the text of /proc/<pid>/task/<tid>/<name> for each name]) for each live thread."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except (FileNotFoundError, ProcessLookupError):
-        return out
+        return
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                data = f.read()
+            texts = [Path(f"/proc/{pid}/task/{tid}/{name}").read_text() for name in names]
         except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(tid) == pid:
+            continue  # ended meanwhile
+        yield int(tid), texts
+
+
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (/proc/<pid>/task/*/comm; threads of one name summed)."""
+    out: dict[str, float] = {}
+    for tid, (comm, stat) in _thread_files(pid, "comm", "stat"):
+        name = comm.strip()
+        if tid == pid:
             name = "main (asyncio loop)"
         elif name.startswith("python"):
             name = "other Python threads"  # grpc.aio poller, pygrpc-native dispatch, executor workers
-        fields = data[data.rindex(b")") + 2 :].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
     return out
 
@@ -170,19 +174,10 @@ def wake_ups(pid: int) -> int:
     not move with the machine's load: wake-ups per message is the steady measure of a server's per-token cost.
     Threads that ended are not counted."""
     total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except (FileNotFoundError, ProcessLookupError):
-        return total
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                for line in f:
-                    if line.startswith("voluntary_ctxt_switches:"):
-                        total += int(line.split()[1])
-                        break
-        except (FileNotFoundError, ProcessLookupError):
-            continue
+    for _, (status,) in _thread_files(pid, "status"):
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
     return total
 
 

@@ -1557,6 +1557,26 @@ def parse_list(spec: str) -> list[str]:
     return [part.strip() for part in spec.split(",") if part.strip()]
 
 
+def parse_targets(spec: str) -> list[str]:
+    targets = parse_list(spec)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise SystemExit(f"unknown target(s) {', '.join(unknown) or '(none)'}; known: {', '.join(TARGETS)}")
+    return targets
+
+
+def model_and_server(model: str, llama_server: str, targets: Sequence[str]) -> tuple[str, str]:
+    """The GGUF (default: the served model's) and, when a llama-server target runs, its binary (default: built
+    or reused by tools/build_llama_server.sh)."""
+    if not model:
+        from openengine_serve.engine.model_card import default_model_path
+
+        model = str(default_model_path())
+    if set(LLAMA_SERVERS) & set(targets) and not llama_server:
+        llama_server = build_llama_server()
+    return model, llama_server
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m openengine_bench.engines",
@@ -1623,10 +1643,7 @@ def main(argv: list[str] | None = None) -> int:
         min_requests=mode.min_requests,
         max_window_s=max(mode.max_window_s, 3 * (args.window or 0)),
     )
-    targets = parse_list(args.targets)
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown or not targets:
-        raise SystemExit(f"unknown target(s) {', '.join(unknown) or '(none)'}; known: {', '.join(TARGETS)}")
+    targets = parse_targets(args.targets)
     concurrency = [int(n) for n in parse_list(args.concurrency)]
     if not concurrency or min(concurrency) < 1:
         raise SystemExit("--concurrency needs stream counts >= 1")
@@ -1635,14 +1652,7 @@ def main(argv: list[str] | None = None) -> int:
     if max(concurrency) > args.max_batch:
         print(f"note: {max(concurrency)} streams exceed --max-batch {args.max_batch}: the rest queue", file=sys.stderr)
 
-    model = args.model
-    if not model:
-        from openengine_serve.engine.model_card import default_model_path
-
-        model = str(default_model_path())
-    llama_server = args.llama_server
-    if set(LLAMA_SERVERS) & set(targets) and not llama_server:
-        llama_server = build_llama_server()
+    model, llama_server = model_and_server(args.model, args.llama_server, targets)
     batched_bench = Path(llama_server).with_name("llama-batched-bench") if llama_server else None
     if not (set(LLAMA_SERVERS) & set(targets) and batched_bench and batched_bench.is_file()):
         batched_bench = None

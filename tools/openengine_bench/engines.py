@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from openengine_bench.children import stop_with_parent, unwind_on_sigterm
 from openengine_serve.common.net import free_port
 
 if TYPE_CHECKING:
@@ -536,6 +537,7 @@ class Target:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=stop_with_parent,
         )
 
     def alive(self) -> bool:
@@ -1650,6 +1652,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    unwind_on_sigterm()
     mode = QUICK if args.quick else FULL
     mode = Mode(
         rounds=args.rounds or mode.rounds,

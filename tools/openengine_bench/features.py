@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import datetime
 import functools
 import json
@@ -53,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from openengine_bench.children import stop_with_parent, unwind_on_sigterm
 from openengine_bench.engines import (
     HOST,
     PROMPTS,
@@ -80,7 +80,6 @@ DEFAULT_OUTPUT = REPO / "docs" / "bench" / "features"
 DEFAULT_LOGS = REPO / "bench-results" / "features-logs"
 
 PARTS = ("guided", "cache", "isolation", "routing", "lora")
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 # The targets (judged on the medians over the rounds).
 GUIDED_SHARE = 0.8  # guided tok/s >= 0.8x unguided (this bench's bar: no figure was set for it)
@@ -582,13 +581,6 @@ def step_share(per_token_us: float | None, guided_per_step: float | None, step_m
 # ---------------------------------------------------------------- the stack
 
 
-def _stop_with_parent() -> None:
-    """In the stack's `up`, before exec: SIGTERM when this benchmark dies, however it dies (Linux
-    PR_SET_PDEATHSIG, as `up` does for its components), so a killed benchmark leaves no stack running."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Stack:
     """What `openengine-serve up --engine llama.cpp --grpc-server grpcio --nodes N` runs (local.py's plan), each
     component started here with a metrics port of its own; stopped in up's order (frontend, nodes, coordinator)."""
@@ -627,7 +619,7 @@ class Stack:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-            preexec_fn=_stop_with_parent,
+            preexec_fn=stop_with_parent,
         )
         self.procs.append((name, proc))
 
@@ -1861,7 +1853,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"--routing-workloads: {exc}") from None
     QUIET_LIMIT_S[0] = args.quiet_wait * 60
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM too runs the finally blocks: stacks stop
+    unwind_on_sigterm()
 
     import numpy as np  # noqa: F401 - fail early when missing
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import grpc
 from openengine_serve.api.openengine.v1 import generation_pb2, openengine_pb2_grpc
 
 from . import report
+from .children import unwind_on_sigterm
 from .overload import Deployment, running_requests, scrape_values, short_request
 
 STALLS = "openengine_frontend_client_stalls_total"
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs % 2 == 0:
         raise SystemExit(f"--pairs must be odd (ABBA order then ends on a window beside), got {args.pairs}")
     args.out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_sigterm()
     deployment = Deployment(args.out, args.nodes, args.step_ms, 512)
     pause_values = [v.strip() for v in args.client_pause_after_s.split(",") if v.strip()] or [""]
     results = []

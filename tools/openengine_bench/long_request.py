@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import engines
+from .children import unwind_on_sigterm
 from .engines import PROMPTS, Settings, Target, fmt, make_target, percentile, write_json
 
 DEFAULT_OUTPUT = engines.REPO / "docs" / "bench" / "long-request"
@@ -249,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    unwind_on_sigterm()
     targets = engines.parse_targets(args.targets)
     settings = engines.settings_from(args, targets)
     prompt = long_prompt(settings.model, args.prompt_tokens)

@@ -36,7 +36,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import signal
 import sys
 import threading
 import time
@@ -54,6 +53,7 @@ from openengine_serve.common.lifecycle import new_event_loop
 from openengine_serve.common.net import free_port
 
 from . import report
+from .children import unwind_on_sigterm
 from .load import MODEL, channel_options
 from .stack import HOST, Process
 
@@ -756,8 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": len(os.sched_getaffinity(0)),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the deployment below is stopped, not orphaned.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_sigterm()
     deployment = Deployment(
         args.out, args.nodes, args.step_ms, args.max_batch, log_level="debug" if args.hops else "warning"
     )

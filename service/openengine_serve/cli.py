@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 
@@ -372,13 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["health"]:  # without the other commands' imports (config, grpc)
         parser = _add_health_arguments(argparse.ArgumentParser(prog="openengine-serve health", description=HEALTH_HELP))
         return _health(parser.parse_args(argv[1:]))
-    if argv[:1] == ["node"]:
-        # The node starts its engine launcher with fork + exec (uvloop's subprocesses) while gRPC's threads run.
-        # gRPC's fork handlers serve children that go on using gRPC, which an exec'd child never does: off
-        # (read when gRPC loads, so before any import of it), gRPC's core does not log "skipping fork() handlers"
-        # at every engine start.
-        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     from .common import config as cfg
+
+    if argv[:1] and argv[0] in cfg.COMPONENT_CONFIGS:
+        from .common.grpc_core import configure_grpc_core
+
+        configure_grpc_core(argv[0])
 
     args = build_parser().parse_args(argv)
     try:

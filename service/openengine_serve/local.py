@@ -119,7 +119,7 @@ def run_stack(args: argparse.Namespace) -> int:
     try:
         for name, command in plan:
             # Own process group: a Ctrl-C in the terminal reaches `up` only, which then stops children in order.
-            procs[name] = subprocess.Popen(command, start_new_session=True, preexec_fn=_stop_with_parent)
+            procs[name] = subprocess.Popen(command, start_new_session=True, preexec_fn=stop_with_parent)
         public = f"{host}:{args.port}"
         if not wait_serving(public, time.monotonic() + READY_TIMEOUT_S, list(procs.values()), security.check):
             dead = [f"{n} (exit {p.returncode})" for n, p in procs.items() if p.poll() is not None]
@@ -147,9 +147,10 @@ def run_stack(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _stop_with_parent() -> None:
-    """In each child, before exec: SIGTERM when `up` dies, however it dies (Linux PR_SET_PDEATHSIG), so a killed
-    `up` leaves no component running."""
+def stop_with_parent() -> None:
+    """A `preexec_fn`: SIGTERM to the child when the thread that started it dies, however it dies (Linux
+    PR_SET_PDEATHSIG), so a killed `up` (or benchmark) leaves nothing it started running. Start children from the
+    main thread."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 

@@ -1,4 +1,5 @@
-"""A benchmark stopped or killed leaves nothing it started running (openengine_bench.children), with real
+"""A benchmark stopped or killed leaves nothing it started running (openengine_bench.children,
+openengine_serve.local.stop_with_parent), with real
 processes: a benchmark stand-in that starts a long-lived child the way the benchmarks start their stacks."""
 
 from __future__ import annotations
@@ -8,15 +9,17 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from ..integration.processes import alive, wait_for
+
 BENCH = textwrap.dedent(
     """
     import subprocess, sys, time
-    from openengine_bench.children import stop_with_parent, unwind_on_sigterm
+    from openengine_bench.children import unwind_on_sigterm
+    from openengine_serve.local import stop_with_parent
 
     unwind_on_sigterm()
     child = subprocess.Popen(
@@ -32,30 +35,13 @@ BENCH = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _start_bench(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     bench = subprocess.Popen(
         [sys.executable, "-c", BENCH, str(tmp_path / "finally")], stdout=subprocess.PIPE, text=True
     )
     assert bench.stdout is not None
     child = int(bench.stdout.readline())
-    assert _alive(child)
+    assert alive(child)
     return bench, child
 
 
@@ -65,9 +51,9 @@ def test_a_killed_benchmark_takes_its_children_down(tmp_path):
     try:
         bench.kill()  # SIGKILL: no finally block runs
         bench.wait()
-        assert _wait_gone(child), "the child outlived the killed benchmark"
+        wait_for(lambda: not alive(child), 10, "the killed benchmark's child to go", interval=0.05)
     finally:
-        if _alive(child):
+        if alive(child):
             os.kill(child, signal.SIGKILL)
 
 
@@ -78,5 +64,5 @@ def test_sigterm_unwinds_the_benchmark(tmp_path):
         assert bench.wait(10) == 128 + signal.SIGTERM
         assert (tmp_path / "finally").read_text() == "unwound"  # its finally blocks ran: stacks are stopped there
     finally:
-        if _alive(child):
+        if alive(child):
             os.kill(child, signal.SIGKILL)

@@ -10,25 +10,16 @@ import textwrap
 
 from openengine_serve.common.grpc_core import COMPONENT_EXPERIMENTS
 
-# Real calls on a real port, then the CPU time (clock ticks) of each thread by name.
+# Real calls on a real port, then the CPU time (clock ticks) of the event_engine threads and of the others.
 CALLS = textwrap.dedent(
     """
-    import asyncio, collections, os, sys
+    import asyncio, os, sys
     from openengine_serve.common.grpc_core import configure_grpc_core
     if sys.argv[1] == "configured":
         configure_grpc_core("frontend")
     import grpc
+    from openengine_bench.stack import CLK_TCK, thread_seconds  # imports grpc: after the configuration
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    def ticks():  # read while the threads live: an ended thread's time leaves /proc
-        counts = collections.Counter()
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/self/task/{task}/stat") as f:
-                fields = f.read().rsplit(") ", 1)[1].split()
-            counts["event_engine" if name == "event_engine" else "other"] += int(fields[11]) + int(fields[12])
-        return counts
 
     async def main():
         server = grpc.aio.server()
@@ -39,9 +30,10 @@ CALLS = textwrap.dedent(
             stub = health_pb2_grpc.HealthStub(channel)
             for _ in range(2000):
                 await stub.Check(health_pb2.HealthCheckRequest())
-            counts = ticks()
+            seconds = thread_seconds(os.getpid())  # while the threads live: an ended thread's time leaves /proc
         await server.stop(None)
-        print(counts["event_engine"], counts["other"])
+        event_engine = seconds.pop("event_engine", 0.0)
+        print(round(event_engine * CLK_TCK), round(sum(seconds.values()) * CLK_TCK))
 
     asyncio.run(main())
     """

@@ -45,8 +45,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from openengine_bench.children import stop_with_parent, unwind_on_sigterm
+from openengine_bench.children import unwind_on_sigterm
 from openengine_serve.common.net import free_port
+from openengine_serve.local import stop_with_parent
 
 if TYPE_CHECKING:
     from openengine_serve.client import AsyncClient

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from openengine_bench.children import stop_with_parent, unwind_on_sigterm
+from openengine_bench.children import unwind_on_sigterm
 from openengine_bench.engines import (
     HOST,
     PROMPTS,
@@ -71,6 +71,7 @@ from openengine_bench.engines import (
     write_json,
 )
 from openengine_serve.common.net import free_port
+from openengine_serve.local import stop_with_parent
 
 if TYPE_CHECKING:
     from openengine_serve.client import AsyncClient

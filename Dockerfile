@@ -20,9 +20,9 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm@sha256:fe556eaffd0d96abd8685b83bb8a69ad
 # only that wheel in), so llama.cpp is compiled once per machine; otherwise it is compiled here, in a stage of
 # its own: no compiler reaches a runtime image, from the sdist requirements/llama-cpp-python.lock pins by hash.
 FROM ${BASE_IMAGE} AS llama-wheel
-# llama.cpp's CMake options when compiled here, e.g. "-DGGML_NATIVE=OFF -DGGML_AVX2=ON" for images that run on
-# other CPUs than the build machine's (the default compiles for its CPU).
-ARG LLAMA_CMAKE_ARGS=""
+# llama.cpp's CMake options when compiled here; the default (scripts/bootstrap.sh's) builds the CPU backend for every
+# x86-64 feature level, and the node loads the best for the CPU it runs on (OPENENGINE_CPU_VARIANT forces one).
+ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_BACKEND_DIR:STRING=llama_cpp/lib"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore

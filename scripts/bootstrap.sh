@@ -3,8 +3,10 @@
 # Used by scripts/up.sh and scripts/test.sh; safe to run again.
 #
 # llama-cpp-python has no binary wheel: its first install compiles llama.cpp (minutes). The wheel is built once
-# into .venv/wheels and reused from there (by later installs and by the container images, Dockerfile). CMAKE_ARGS
-# passes through to llama.cpp's build; the default compiles for this machine's CPU (GGML_NATIVE).
+# into .venv/wheels and reused from there (by later installs and by the container images, Dockerfile). By default
+# it holds llama.cpp's CPU backend for every x86-64 feature level (GGML_CPU_ALL_VARIANTS, as llama.cpp's own
+# images), one of which is loaded at run time (common/llama_library.py), so the wheel and the images run on any
+# x86-64 CPU at that CPU's speed. CMAKE_ARGS replaces those options (e.g. "-DGGML_NATIVE=ON": this CPU only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=${1:-all}
@@ -19,48 +21,32 @@ mkdir -p "$wheels"
 # The exact llama-cpp-python version pyproject.toml pins (the engine's ctypes calls follow its llama.h).
 llama_version=$(grep -oE '"llama-cpp-python==[^"]+"' pyproject.toml | head -n 1 | sed -E 's/.*==([^"]+)"/\1/')
 needs_llama() { [[ ",$extras," =~ ,(all|dev|bench|node|frontend), ]]; }
-if needs_llama && ! compgen -G "$wheels/llama_cpp_python-$llama_version-*.whl" >/dev/null; then
+# GGML_BACKEND_DIR is typed STRING: as a PATH, CMake would make it absolute in the unpacked sdist, and the variants
+# would be installed there instead of into the wheel.
+llama_cmake_args=${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_BACKEND_DIR:STRING=llama_cpp/lib}
+built_with=$wheels/llama-cpp-python-cmake-args.txt  # the options the wheel in $wheels was built with
+if needs_llama && { ! compgen -G "$wheels/llama_cpp_python-$llama_version-*.whl" >/dev/null ||
+                    [ "$(cat "$built_with" 2>/dev/null)" != "$llama_cmake_args" ]; }; then
   started=$(date +%s)
-  echo "bootstrap: building llama.cpp (llama-cpp-python $llama_version) once into $wheels;" \
-       "this usually takes 5-6 minutes on 2 cores. Progress:" >&2
+  echo "bootstrap: building llama.cpp (llama-cpp-python $llama_version, $llama_cmake_args) once into $wheels;" \
+       "this usually takes about 10 minutes on 2 cores. Progress:" >&2
   log=$wheels/llama-cpp-python-build.log
+  rm -f "$wheels"/llama_cpp_python-*.whl "$built_with"
   # pip -v shows CMake's [n/total] lines: one progress line per compiled file, the rest goes to the log.
-  (.venv/bin/pip wheel -v --no-deps --no-binary llama-cpp-python "llama-cpp-python==$llama_version" -w "$wheels" \
+  # --no-cache-dir: pip's wheel cache does not key on CMAKE_ARGS, it could hand back a build with other options.
+  (CMAKE_ARGS="$llama_cmake_args" .venv/bin/pip wheel -v --no-cache-dir --no-deps --no-binary llama-cpp-python \
+     "llama-cpp-python==$llama_version" -w "$wheels" \
      2>&1 | tee "$log" | grep --line-buffered -oE '^ *\[[0-9]+/[0-9]+\]' | sed -u 's/^ */  compiled /' >&2) || true
   if ! compgen -G "$wheels/llama_cpp_python-$llama_version-*.whl" >/dev/null; then
     echo "bootstrap: building llama-cpp-python failed (it needs gcc, g++ and cmake); see $log" >&2
     exit 1
   fi
-  echo "bootstrap: llama.cpp built in $(( $(date +%s) - started )) s" >&2
-fi
-
-# The tests also run the real-model checks on llama.cpp compiled for plain AVX2 (no AVX-512, not this CPU's own
-# instruction set), loaded through LLAMA_CPP_LIB_PATH (tests/integration/test_other_cpu.py): they must hold on
-# any x86-64 CPU. Built once (~6 minutes on 2 cores); only its shared libraries are kept.
-avx2_lib=$wheels/llama-cpp-avx2
-if [[ ",$extras," == *,dev,* ]] && [ ! -f "$avx2_lib/libllama.so" ]; then
-  started=$(date +%s)
-  echo "bootstrap: building llama.cpp a second time, for plain AVX2, into $avx2_lib (tests only)" >&2
-  log=$wheels/llama-cpp-avx2-build.log
-  avx2_wheel=$(mktemp -d)
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
-    .venv/bin/pip wheel -v --no-cache-dir --no-deps --no-binary llama-cpp-python \
-    "llama-cpp-python==$llama_version" -w "$avx2_wheel" >"$log" 2>&1 || true
-  if ! compgen -G "$avx2_wheel/llama_cpp_python-*.whl" >/dev/null; then
-    echo "bootstrap: building the AVX2 llama.cpp failed; see $log" >&2
-    exit 1
+  printf '%s' "$llama_cmake_args" >"$built_with"
+  # a venv that has another build of the same version installed takes this one
+  if .venv/bin/pip show -q llama-cpp-python >/dev/null 2>&1; then
+    .venv/bin/pip install -q --force-reinstall --no-deps "$wheels"/llama_cpp_python-"$llama_version"-*.whl
   fi
-  rm -rf "$avx2_lib.tmp" && mkdir -p "$avx2_lib.tmp"
-  .venv/bin/python - "$avx2_wheel" "$avx2_lib.tmp" <<'EOF'
-import pathlib, sys, zipfile
-wheel = next(pathlib.Path(sys.argv[1]).glob("llama_cpp_python-*.whl"))
-with zipfile.ZipFile(wheel) as archive:
-    for name in archive.namelist():
-        if name.startswith("llama_cpp/lib/") and not name.endswith("/"):
-            (pathlib.Path(sys.argv[2]) / pathlib.Path(name).name).write_bytes(archive.read(name))
-EOF
-  rm -rf "$avx2_wheel" "$avx2_lib" && mv "$avx2_lib.tmp" "$avx2_lib"
-  echo "bootstrap: AVX2 llama.cpp built in $(( $(date +%s) - started )) s" >&2
+  echo "bootstrap: llama.cpp built in $(( $(date +%s) - started )) s" >&2
 fi
 
 # The venv runs the versions the images ship. Every pin of requirements/*.lock is downloaded once into

@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import llama_cpp
 
+    from openengine_serve.common.llama_library import cpu_backend
+
+    cpu_backend()  # the engine's CPU backend variant, before llama-cpp-python loads the weights
     path = os.environ.get("OPENENGINE_MODEL_PATH") or default_model_path()
     llm = llama_cpp.Llama(
         model_path=path, n_ctx=4096, n_threads=args.threads, flash_attn=True, logits_all=True, verbose=False

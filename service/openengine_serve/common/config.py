@@ -221,6 +221,12 @@ class NodeConfig(CommonConfig):
         minimum=0,
         maximum=256,
     )
+    cpu_variant: str = knob(
+        "",
+        "llama.cpp: the CPU backend variant to load, e.g. haswell (plain AVX2) or x64; one the "
+        "build lacks or this CPU cannot run stops the node naming the variants there are",
+        unset="(the best for this CPU)",
+    )
     prefix_cache_tokens: int = knob(
         8192,
         "llama.cpp: KV cache cells the prefix cache may keep of ended requests, "

@@ -2,14 +2,15 @@
 
 Everything here runs at start, before the node binds its port: a missing model
 file, a file that is not GGUF, a GGUF that llama.cpp refuses (an architecture it
-does not know, a broken vocabulary: its own message) or a missing llama.cpp stop
-the node with one line saying what to do (exit 2), not with a worker that
-fails to spawn.
+does not know, a broken vocabulary: its own message), a missing llama.cpp or a CPU
+backend variant it lacks (OPENENGINE_CPU_VARIANT) stop the node with one line
+saying what to do (exit 2), not with a worker that fails to spawn.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from ..api.openengine_internal.v1 import cluster_pb2
 from ..common import gguf
@@ -45,18 +46,25 @@ def load_card(config: NodeConfig) -> cluster_pb2.ModelCard:
         card = gguf_card(path, config.context_size)
     except gguf.GgufError as exc:
         raise ConfigError(f"OPENENGINE_MODEL_PATH: {exc}") from None
-    _check_llama_loads(path)
+    _check_llama_loads(path, config.cpu_variant)
     card.guided_decoding = config.max_guided_sequences > 0
     card.prefix_cache = config.prefix_cache_tokens > 0
     card.max_loras = config.max_loras if config.lora_dir else 0
     return card
 
 
-def _check_llama_loads(path: str) -> None:
+def _check_llama_loads(path: str, cpu_variant: str) -> None:
     """llama.cpp's own verdict on the file, given before the worker loads the weights: a vocabulary-only load
-    reads the architecture, its hyperparameters and the tokenizer."""
-    from ..common.llama_library import llama_cpp, take_errors
+    reads the architecture, its hyperparameters and the tokenizer. Loads the CPU backend variant the worker
+    will load too (the same files, CPU and environment), so the node logs it and refuses one that cannot run."""
+    from ..common.llama_library import CPU_VARIANT_ENV, cpu_backend, llama_cpp, take_errors
 
+    if cpu_variant:
+        os.environ[CPU_VARIANT_ENV] = cpu_variant  # the engine worker inherits the node's environment
+    try:
+        cpu_backend()
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from None
     lib = llama_cpp()
     params = lib.llama_model_default_params()
     params.vocab_only = True

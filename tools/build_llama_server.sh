@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own `llama-server` (and `llama-batched-bench`, the machine's decode limit with no server) from
 # the llama.cpp sources vendored in the source distribution of
-# the llama-cpp-python version installed in the repo's venv: the same llama.cpp our engine calls, compiled
-# with the same defaults the wheel was (GGML_NATIVE, i.e. -march=native, and OpenMP), but linked statically.
+# the llama-cpp-python version installed in the repo's venv: the same llama.cpp our engine calls, compiled as
+# its users compile it from source (llama.cpp's defaults: GGML_NATIVE, i.e. -march=native, and OpenMP), linked
+# statically.
 # The binary is cached under .venv/llama-server/<version>/ and reused by later runs; the last line printed
 # is its path.
 #

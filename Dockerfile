@@ -106,12 +106,14 @@ RUN --mount=type=secret,id=pip_cert \
     && /opt/openengine/bin/pip install --no-cache-dir --no-deps --require-hashes -r /src/requirements/node-model.lock \
     && /opt/openengine/bin/pip uninstall --yes pip setuptools
 
+# The frontend reads vocabularies only (no weights): it needs no CPU backend of llama.cpp.
 FROM deps AS venv-frontend
 RUN --mount=type=secret,id=pip_cert --mount=type=bind,from=llama-wheel,source=/wheels,target=/llama-wheels \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
     && /opt/openengine/bin/pip install --no-cache-dir --require-hashes -r /src/requirements/frontend.lock \
     && /opt/openengine/bin/pip install --no-cache-dir --no-deps --no-index /llama-wheels/llama_cpp_python-*.whl \
-    && prune-llama-cpp
+    && prune-llama-cpp \
+    && rm -f /opt/openengine/lib/python3*/site-packages/llama_cpp/lib/libggml-cpu-*.so
 COPY --from=wheel /wheels /wheels
 RUN /opt/openengine/bin/pip install --no-cache-dir --no-deps /wheels/openengine_serve-*.whl \
     && /opt/openengine/bin/pip check \

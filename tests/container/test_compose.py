@@ -167,9 +167,11 @@ IMAGE_CONTENTS = {
     },
 }
 IMAGE_PROBE = """
-import importlib.metadata, importlib.util, json, os, sys
+import glob, importlib.metadata, importlib.util, json, os, sys
 distributions = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+cpu_backends = glob.glob(sys.prefix + "/lib/python3*/site-packages/llama_cpp/lib/libggml-cpu-*.so")
 print(json.dumps({"uid": os.getuid(), "grpc": importlib.util.find_spec("grpc") is not None,
+                  "cpu_backends": len(cpu_backends),
                   **{name: importlib.util.find_spec(name) is not None or name in distributions
                      for name in sys.argv[1:]}}))
 """
@@ -183,6 +185,8 @@ def test_images_contain_only_what_they_need(stack: Stack, service: str):
     found = json.loads(out)
     assert found.pop("uid") != 0, f"{image} runs as root"
     assert found.pop("grpc")
+    # llama.cpp's CPU backend variants: only the node runs weights
+    assert (found.pop("cpu_backends") > 1) == (service == "node"), f"{image}: CPU backends"
     assert found == expected, f"{image}: installed {found}, expected {expected}"
     # The benchmark is not in the image: its command (installed with every install) says so in one line.
     bench = stack.docker_cmd("run", "--rm", "--entrypoint", "openengine-bench", image, "--quick", check=False)

@@ -242,29 +242,6 @@ def test_the_default_stack_serves_smollm2_with_llama_cpp(stack: Stack):
     assert haiku.returncode == 0 and "sea" in haiku.stdout.lower(), haiku.stdout + haiku.stderr
 
 
-def test_the_node_logs_its_cpu_variant_and_answers_when_forced_to_plain_avx2(stack: Stack):
-    """The node image holds llama.cpp's CPU backend for every x86-64 feature level: the node logs the one it loaded
-    for this CPU, and forced down to plain AVX2 (OPENENGINE_CPU_VARIANT=haswell) it still starts and answers."""
-
-    def node_log() -> str:
-        return stack.compose("logs", "--no-color", "node").stdout
-
-    chosen = re.search(r"llama\.cpp CPU variant: ([\w-]+)", node_log())
-    assert chosen and chosen[1] != "built", node_log()[-3000:]
-
-    def answers_paris() -> bool:
-        capital = cli("generate", "--target", stack.target, "--prompt", "The capital of France is",
-                      "--max-tokens", "3", "--temperature", "0", timeout=60)  # fmt: skip
-        return capital.returncode == 0 and capital.stdout.startswith(" Paris")
-
-    try:
-        stack.up("--no-deps", "node", env={"OPENENGINE_CPU_VARIANT": "haswell"})
-        assert "llama.cpp CPU variant: haswell (forced)" in node_log(), node_log()[-3000:]
-        wait_for(answers_paris, 60, "the node on the AVX2 variant to answer")
-    finally:
-        stack.up("--no-deps", "node")
-
-
 def test_the_openai_sdk_lists_chats_and_streams_on_the_published_http_port(stack: Stack):
     import openai
 
@@ -362,6 +339,30 @@ def test_coordinator_and_nodes_publish_nothing_and_reach_nothing_outside_their_n
         assert connects(stack, container, frontend_networks[internal]["IPAddress"], 50051), name
         assert not connects(stack, container, frontend_networks[public]["IPAddress"], 50051), f"{name} got out"
     generate_ok(stack, 16)  # and the stack still serves through the frontend
+
+
+def test_the_node_logs_its_cpu_variant_and_answers_when_forced_to_plain_avx2(stack: Stack):
+    """The node image holds llama.cpp's CPU backend for every x86-64 feature level: the node logs the one it loaded
+    for this CPU, and forced down to plain AVX2 (OPENENGINE_CPU_VARIANT=haswell) it still starts and answers.
+    It recreates the node (its counters restart): it runs after the tests that read the first node's metrics."""
+
+    def node_log() -> str:
+        return stack.compose("logs", "--no-color", "node").stdout
+
+    chosen = re.search(r"llama\.cpp CPU variant: ([\w-]+)", node_log())
+    assert chosen and chosen[1] != "built", node_log()[-3000:]
+
+    def answers_paris() -> bool:
+        capital = cli("generate", "--target", stack.target, "--prompt", "The capital of France is",
+                      "--max-tokens", "3", "--temperature", "0", timeout=60)  # fmt: skip
+        return capital.returncode == 0 and capital.stdout.startswith(" Paris")
+
+    try:
+        stack.up("--no-deps", "node", env={"OPENENGINE_CPU_VARIANT": "haswell"})
+        assert "llama.cpp CPU variant: haswell (forced)" in node_log(), node_log()[-3000:]
+        wait_for(answers_paris, 60, "the node on the AVX2 variant to answer")
+    finally:
+        stack.up("--no-deps", "node")
 
 
 def test_the_node_switches_to_the_simulated_engine(stack: Stack):

@@ -19,6 +19,7 @@ from openengine_serve.common.llama_library import CPU_VARIANT_ENV
 from openengine_serve.common.net import free_port
 
 from ..conftest import REPO
+from ..unit.test_llama_library import probe
 
 AVX2 = "haswell"
 REAL_MODEL_TESTS = [
@@ -33,14 +34,8 @@ def avx2_env() -> dict[str, str]:
     return os.environ | {CPU_VARIANT_ENV: AVX2}
 
 
-PROBE = (
-    "from openengine_serve.common.llama_library import cpu_backend, llama_cpp; "
-    "print(cpu_backend()); print(llama_cpp().llama_print_system_info().decode())"
-)
-
-
-def test_the_forced_variant_is_plain_avx2(avx2_env):
-    out = subprocess.run([sys.executable, "-c", PROBE], env=avx2_env, capture_output=True, text=True)
+def test_the_forced_variant_is_plain_avx2():
+    out = probe(AVX2)
     assert out.returncode == 0, f"{out.stderr[-2000:]}\n(the wheel must be scripts/bootstrap.sh's default build)"
     variant, features = out.stdout.split("\n", 1)
     assert variant == AVX2

@@ -770,7 +770,7 @@ def test_node_groups(render, chart) -> None:
     assert r.deployment("node-gemma")["spec"]["replicas"] == 2
     assert "replicas" not in r.deployment("node-sim")["spec"]  # its HPA owns it
     assert r.container("node-gemma")["resources"] == {  # the limit is the group's, the requests node's
-        "requests": {"cpu": "1", "memory": "1Gi"},
+        "requests": {"cpu": "1", "memory": "1536Mi"},
         "limits": {"memory": "3Gi"},
     }
     assert _volumes("node-gemma", r)["model"] == {

@@ -24,19 +24,23 @@ from ..greedy_reference import end_of_generation_ids, first_beyond_near_tie, lla
 PROMPT = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 
 
-def engine(max_batch: int = 4, context_size: int = 4096, prefill_chunk: int = 32) -> LlamaEngine:
-    return LlamaEngine(
-        WorkerConfig(
-            command_address="-",
-            step_address="-",
-            max_batch=max_batch,
-            engine="llama.cpp",
-            model_path=default_model_path(),
-            context_size=context_size,
-            prefill_chunk=prefill_chunk,
-            threads=2,
-        )
+def worker_config(max_batch: int = 4, context_size: int = 4096, prefill_chunk: int = 32, **values) -> WorkerConfig:
+    """The real model's engine config, on 2 threads."""
+    return WorkerConfig(
+        command_address="-",
+        step_address="-",
+        max_batch=max_batch,
+        engine="llama.cpp",
+        model_path=default_model_path(),
+        context_size=context_size,
+        prefill_chunk=prefill_chunk,
+        threads=2,
+        **values,
     )
+
+
+def engine(max_batch: int = 4, context_size: int = 4096, prefill_chunk: int = 32) -> LlamaEngine:
+    return LlamaEngine(worker_config(max_batch, context_size, prefill_chunk))
 
 
 def add(request_id: str, prompt=PROMPT, max_tokens: int = 8, **fields) -> C.EngineRequest:
@@ -300,18 +304,7 @@ SYSTEM = list(range(3000, 3200))  # a 200-token shared prefix
 
 
 def cached_engine(**settings) -> LlamaEngine:
-    values = dict(max_batch=4, context_size=4096, prefill_chunk=32, prefix_cache_tokens=2048)
-    values.update(settings)
-    return LlamaEngine(
-        WorkerConfig(
-            command_address="-",
-            step_address="-",
-            engine="llama.cpp",
-            model_path=default_model_path(),
-            threads=2,
-            **values,
-        )
-    )
+    return LlamaEngine(worker_config(**{"prefix_cache_tokens": 2048, **settings}))
 
 
 def served(llama: LlamaEngine, request: C.EngineRequest) -> tuple[list[int], int, int, int]:

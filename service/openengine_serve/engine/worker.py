@@ -42,9 +42,9 @@ _PLAN_STEP, _PLAN_BATCH, _PLAN_SHUTDOWN = range(3)
 def create_engine(config: WorkerConfig) -> Engine:
     """The engine the config names, with its model loaded (the engines' modules are imported only here)."""
     if config.engine == "llama.cpp":
-        from openengine_serve.engine.llamacpp.engine import LlamaEngine
+        from openengine_serve.engine.llamacpp.kv_layout import KvLayoutEngine
 
-        return LlamaEngine(config)
+        return KvLayoutEngine(config)
     from openengine_serve.engine.simulated.batch import SimulatedEngine
 
     return SimulatedEngine(config)

@@ -52,6 +52,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import numpy as np
@@ -67,7 +68,7 @@ from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
     ENGINE_FINISH_STOP_TOKEN,
 )
 from openengine_serve.common import guides
-from openengine_serve.common.kv_blocks import cache_namespace
+from openengine_serve.common.kv_blocks import BlockLedger, cache_namespace
 from openengine_serve.engine.config import WorkerConfig
 from openengine_serve.engine.fair_share import PAUSED_SLOT_GRACE_S, FairQueue
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
@@ -187,21 +188,35 @@ class _Request:
 class _Run:
     """A run of one output's tokens in the step's batch."""
 
-    __slots__ = ("request", "output", "first_index", "start", "count", "samples")
+    __slots__ = ("request", "output", "first_index", "start", "count", "samples", "logits_from")
 
     def __init__(
-        self, request: _Request, output: _Output, first_index: int, start: int, count: int, samples: bool
+        self, request: _Request, output: _Output, start: int, count: int, samples: bool, logits_from: int | None
     ) -> None:
         self.request = request
         self.output = output
-        self.first_index = first_index  # batch index of the run's first token
+        self.first_index = -1  # batch index of the run's first token, once in the batch
         self.start = start  # position of the run's first token
         self.count = count
         self.samples = samples  # the run ends with the output's last token: a token is sampled after it
+        self.logits_from = logits_from  # logits for the run's tokens from this index on (None: none)
 
 
 class LlamaEngine(Engine):
-    def __init__(self, config: WorkerConfig) -> None:
+    """One llama.cpp context and the requests it runs: in a shared KV cache (the default), or, given
+    `stream_cells`, in a stream of that many cells per sequence (kv_layout.py places requests in one or the other).
+    `matchers`, `ledger` and `arrivals` may be another engine's, so that two engines over one model compile each
+    guide once, report one set of KV blocks and keep one arrival order."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        stream_cells: int = 0,
+        matchers: guides.GuideMatchers | None = None,
+        ledger: BlockLedger | None = None,
+        arrivals: Iterator[int] | None = None,
+    ) -> None:
         if config.max_batch > MAX_SEQUENCES:
             raise ValueError(
                 f"the llama.cpp engine runs at most {MAX_SEQUENCES} sequences (OPENENGINE_MAX_BATCH), "
@@ -209,28 +224,39 @@ class LlamaEngine(Engine):
             )
         self.max_batch = config.max_batch
         self.prefill_chunk = config.prefill_chunk
-        cached_prefixes = (
-            min(MAX_CACHED_PREFIXES, MAX_SEQUENCES - config.max_batch) if config.prefix_cache_tokens else 0
-        )
+        if not config.prefix_cache_tokens:
+            cached_prefixes = 0
+        elif stream_cells:  # each entry holds a stream: as many as prefix_cache_tokens cells make
+            limit = min(MAX_CACHED_PREFIXES, MAX_SEQUENCES - config.max_batch)
+            cached_prefixes = min(limit, max(1, config.prefix_cache_tokens // stream_cells))
+        else:
+            cached_prefixes = min(MAX_CACHED_PREFIXES, MAX_SEQUENCES - config.max_batch)
         sequences = config.max_batch + cached_prefixes
         self.model = LlamaModel(
             config.model_path,
-            context_size=config.context_size,
+            context_size=stream_cells * sequences if stream_cells else config.context_size,
             batch_tokens=config.max_batch + config.prefill_chunk,
             sequences=sequences,
             threads=config.threads,
+            kv_streams=bool(stream_cells),
         )
         self.context_size = self.model.context_size
         self._eog = frozenset(self.model.end_of_generation.tolist())
         self._batch = TokenBatch(config.max_batch + config.prefill_chunk)
-        self._free_seq_ids = list(range(sequences - 1, -1, -1))
-        self.prefix_cache = PrefixCache(self.model, config.prefix_cache_tokens, cached_prefixes)
+        # Free sequence ids, lowest first. In streams, running outputs take ids below max_batch (kept contiguous:
+        # _compact) and the prefix cache's entries the ids above; in a shared cache, any id serves either.
+        self._streams = bool(stream_cells)
+        self._free_seq_ids = list(range(config.max_batch if self._streams else sequences))
+        self._entry_ids_from = config.max_batch if self._streams else sequences
+        self._free_entry_ids = list(range(self._entry_ids_from, sequences))
+        self.prefix_cache = PrefixCache(self.model, config.prefix_cache_tokens, cached_prefixes, ledger)
         self.adapters = Adapters(self.model, config.max_loras)
         self.max_guided_sequences = config.max_guided_sequences
         self.guided_sequences = 0
-        self._matchers = (
-            guides.GuideMatchers(self.model.guide_tokenizer(), guides.Limits()) if config.max_guided_sequences else None
-        )
+        self._owns_matchers = matchers is None
+        if matchers is None and config.max_guided_sequences:
+            matchers = guides.GuideMatchers(self.model.guide_tokenizer(), guides.Limits())
+        self._matchers = matchers
         self._compiling: list[_Request] = []  # their guide compiles; they join the queue once it has
         self._guide_mask = np.zeros((self.model.vocab_size + 31) // 32, np.int32)
         self.prefilled_tokens = 0  # in the last step
@@ -240,7 +266,7 @@ class LlamaEngine(Engine):
         self._running: dict[str, _Request] = {}  # admitted, in admission order
         self._parked: dict[str, _Request] = {}  # paused and out of the batch until resumed
         self.paused_slot_grace_s = PAUSED_SLOT_GRACE_S
-        self._arrivals = itertools.count()
+        self._arrivals = arrivals if arrivals is not None else itertools.count()
         self._fair = FairQueue(
             self.max_batch,
             state_of=lambda entry: entry[1],
@@ -301,6 +327,8 @@ class LlamaEngine(Engine):
         if self._compiling:
             self._take_compiled(events)
         self._admit(events)
+        if self._streams:
+            self._compact()
         if not self.adapters.users:
             stepped = self._decode(None, events)
         else:  # one decode per adapter: llama.cpp applies an adapter to the whole batch
@@ -365,11 +393,30 @@ class LlamaEngine(Engine):
             outcome.error, outcome.refusal_code = str(exc), exc.code
         return outcome
 
+    def set_max_batch(self, max_batch: int) -> None:
+        """The most sequences it admits from now on (two engines sharing one batch: kv_layout.py)."""
+        self.max_batch = self._fair.max_batch = max_batch
+
+    def release_outgrown(self, cells: int) -> list[_Request]:
+        """The running requests with an output whose next token needs more than `cells` KV cells leave this engine,
+        their KV freed; the caller hands them to another (`adopt`), where they read their tokens again."""
+        outgrown = [s for s in self._running.values() if any(len(o.tokens) > cells for o in s.outputs.values())]
+        for state in outgrown:
+            self._leave_batch(state, keep=False)
+        return outgrown
+
+    def adopt(self, state: _Request) -> None:
+        """A request another engine released joins the queue in its place (parked while paused)."""
+        if state.paused:
+            self._parked[state.request_id] = state
+        else:
+            self._push(state)
+
     def take_kv_events(self) -> list[kv_pb2.KvEvent]:
         return self.prefix_cache.blocks.take_events()
 
     def close(self) -> None:
-        if self._matchers is not None:
+        if self._matchers is not None and self._owns_matchers:
             self._matchers.close()
         for state in [*self._running.values(), *self._queued.values(), *self._parked.values()]:
             state.close()
@@ -443,7 +490,7 @@ class LlamaEngine(Engine):
             self.queued_sequences -= sequences
             self.waiting_tokens -= len(state.prompt) * sequences
             for output in state.outputs.values():
-                output.seq_id = self._free_seq_ids.pop()
+                output.seq_id = heapq.heappop(self._free_seq_ids)
             self._running[state.request_id] = state
             self.running_sequences += sequences
             if state.lora:
@@ -558,7 +605,8 @@ class LlamaEngine(Engine):
         for state in self._running.values():
             if state.shared_from in seq_ids:
                 state.shared_from, state.shared_cells = -1, 0
-        self._free_seq_ids.extend(seq_ids)
+        for seq_id in seq_ids:
+            heapq.heappush(self._free_entry_ids if seq_id >= self._entry_ids_from else self._free_seq_ids, seq_id)
 
     def _take_compiled(self, events: list[bytes]) -> None:
         """Requests whose guide compiled join the queue (each output gets its own matcher); a failed one ends."""
@@ -614,6 +662,23 @@ class LlamaEngine(Engine):
         logger.info("preempted request_id=%s (KV cache full: %d cells)", request_id, self.context_size)
         return True
 
+    def _compact(self) -> None:
+        """In streams: running outputs move down into the free ids below theirs, highest first, so that their ids
+        stay contiguous (runtime.py: a decode evaluates one graph per run of consecutive ids)."""
+        free = self._free_seq_ids
+        if not free:
+            return
+        outputs = [output for state in self._running.values() for output in state.outputs.values()]
+        for output in sorted(outputs, key=lambda output: output.seq_id, reverse=True):
+            if not free or free[0] > output.seq_id:
+                return
+            source, output.seq_id = output.seq_id, heapq.heappop(free)
+            self.model.move(source, output.seq_id)
+            heapq.heappush(free, source)
+            for state in self._running.values():
+                if state.shared_from == source:
+                    state.shared_from = output.seq_id
+
     def _is_queued(self, state: _Request) -> bool:
         return self._queued.get(state.request_id) is state  # else cancelled while queued
 
@@ -634,18 +699,15 @@ class LlamaEngine(Engine):
         so far again, but for what the prefix cache kept of a one-output request; nothing it already streamed is
         sent again."""
         self._leave_batch(state)
-        if state.paused:
-            self._parked[state.request_id] = state  # queued once its client reads again
-        else:
-            self._push(state)
+        self.adopt(state)
 
-    def _leave_batch(self, state: _Request) -> None:
-        """A running request leaves the batch: a one-output request's cells go to the prefix cache, others' are
-        freed."""
+    def _leave_batch(self, state: _Request, keep: bool = True) -> None:
+        """A running request leaves the batch: a one-output request's cells go to the prefix cache (unless not
+        `keep`), others' are freed."""
         del self._running[state.request_id]
         if state.lora:
             self.adapters.release(state.lora)
-        keep = len(state.outputs) == 1 and not state.request.bypass_prefix_cache
+        keep = keep and len(state.outputs) == 1 and not state.request.bypass_prefix_cache
         for output in state.outputs.values():
             if keep and output.cached:
                 self._keep_prefix(state, output)
@@ -663,10 +725,19 @@ class LlamaEngine(Engine):
         self.running_sequences -= len(state.outputs)
 
     def _keep_prefix(self, state: _Request, output: _Output) -> None:
-        """The ended output's KV cells go to the prefix cache (the sequence is the cache's now)."""
+        """The ended output's KV cells go to the prefix cache (the sequence is the cache's now; in streams, they
+        move to a stream of the cache's, its least recently used entry evicted when none is free)."""
         if not self.prefix_cache.enabled:
             return
-        seq_id, output.seq_id = output.seq_id, -1
+        seq_id = output.seq_id
+        if self._streams:
+            if not self._free_entry_ids:
+                self._free_sequences([self.prefix_cache.evict_one()])
+            entry_id = heapq.heappop(self._free_entry_ids)
+            self.model.move(seq_id, entry_id)
+            self._free_sequences([seq_id])
+            seq_id = entry_id
+        output.seq_id = -1
         self._free_sequences(self.prefix_cache.keep(seq_id, state.salt, output.tokens[: output.cached], state.lora))
 
     def _release_sequence(self, output: _Output) -> None:
@@ -679,9 +750,8 @@ class LlamaEngine(Engine):
 
     def _plan(self, lora: str | None, budget: int) -> list[_Run]:
         """The batch of one adapter's outputs (None: every output): one token for every decoding output, then
-        prompt chunks within the budget of prompt tokens."""
-        batch = self._batch
-        batch.clear()
+        prompt chunks within the budget of prompt tokens. The batch holds the runs in sequence id order (one graph
+        per run of consecutive ids in streams: runtime.py)."""
         runs: list[_Run] = []
         reading: list[tuple[_Request, _Output]] = []
         for state in self._running.values():
@@ -690,16 +760,7 @@ class LlamaEngine(Engine):
             for output in state.outputs.values() if state.forked else (state.leader,):
                 pending = len(output.tokens) - output.cached
                 if pending == 1:
-                    runs.append(
-                        _Run(
-                            state,
-                            output,
-                            batch.add(output.tokens[-1:], output.cached, output.seq_id, 0),
-                            output.cached,
-                            1,
-                            True,
-                        )
-                    )
+                    runs.append(_Run(state, output, output.cached, 1, True, 0))
                 else:
                     reading.append((state, output))
         rows = PROMPT_LOGPROB_ROWS_PER_STEP
@@ -719,11 +780,13 @@ class LlamaEngine(Engine):
             samples = count == pending
             if logits_from is None and samples:
                 logits_from = count - 1
-            first = batch.add(
-                output.tokens[output.cached : output.cached + count], output.cached, output.seq_id, logits_from
-            )
-            runs.append(_Run(state, output, first, output.cached, count, samples))
+            runs.append(_Run(state, output, output.cached, count, samples, logits_from))
             budget -= count
+        batch = self._batch
+        batch.clear()
+        for run in sorted(runs, key=lambda run: run.output.seq_id):
+            tokens = run.output.tokens[run.start : run.start + run.count]
+            run.first_index = batch.add(tokens, run.start, run.output.seq_id, run.logits_from)
         return runs
 
     @staticmethod

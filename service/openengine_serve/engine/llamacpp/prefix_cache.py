@@ -35,13 +35,13 @@ class Entry:
 
 
 class PrefixCache:
-    def __init__(self, model, max_tokens: int, max_entries: int) -> None:
+    def __init__(self, model, max_tokens: int, max_entries: int, ledger: BlockLedger | None = None) -> None:
         self._model = model
         self.max_tokens = max_tokens
         self.max_entries = max_entries
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # seq id -> entry, least recently used first
         self.tokens = 0  # cells the entries hold
-        self.blocks = BlockLedger()
+        self.blocks = ledger if ledger is not None else BlockLedger()  # another cache's: blocks held by either
 
     @property
     def enabled(self) -> bool:

@@ -1,11 +1,22 @@
 """One llama.cpp model and context, and the token batch the engine decodes each step.
 
-The context is made as llama.cpp's own server makes one for parallel slots: a
-KV cache shared by every sequence (`kv_unified`: any sequence may use any
-cell, so a request may use the model's whole context while others are short),
+The context is made as llama.cpp's own server makes one for parallel slots, in
+one of its two KV layouts:
+
+- a shared cache (`kv_unified`): any sequence may use any cell, so a request
+  may use the model's whole context while others are short. Flash attention is
+  on: its CPU kernel skips the cells of other sequences, which a shared cache
+  otherwise pays for, though each token still walks every used cell's mask;
+- per-sequence streams (`kv_streams`, llama-server's default): sequence i owns
+  stream i, n_ctx / n_seq_max cells, and attends to its own cells only. Sharing
+  cells between streams copies them (through llama.cpp's per-sequence state:
+  the cells a sequence holds, where its own stream copy would move the whole
+  stream), and a decode evaluates one graph per run of consecutive sequence
+  ids, so the engine keeps its running sequences' ids contiguous and its batch
+  in id order.
+
 `n_seq_max` sequence ids, and one micro-batch as large as the step's batch, so
-every step is one graph evaluation. Flash attention is on: its CPU kernel skips
-the cells of other sequences, which a shared cache otherwise pays for.
+every step is one graph evaluation (a shared cache) or as few as the ids allow.
 
 The batch's arrays are NumPy arrays handed to llama.cpp by pointer, so a step
 fills them with slice assignments rather than one ctypes call per token.
@@ -75,7 +86,16 @@ class TokenBatch:
 class LlamaModel:
     """The loaded GGUF model and its context; every call is made from the worker's one thread."""
 
-    def __init__(self, path: str, *, context_size: int, batch_tokens: int, sequences: int, threads: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        context_size: int,
+        batch_tokens: int,
+        sequences: int,
+        threads: int,
+        kv_streams: bool = False,
+    ) -> None:
         lib = self._lib = llama_cpp()
         take_errors()
         self._model = lib.llama_model_load_from_file(path.encode(), model_params())
@@ -97,7 +117,7 @@ class LlamaModel:
         params.n_seq_max = sequences
         params.n_outputs_max = max(batch_tokens, sequences)  # llama.cpp reserves one output per sequence at least
         params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = True
+        params.kv_unified = not kv_streams
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.no_perf = True
         self._context = lib.llama_init_from_model(self._model, params)
@@ -108,6 +128,8 @@ class LlamaModel:
                 f"sequences (see its log above)"
             )
         self.context_size = lib.llama_n_ctx(self._context)
+        self.streams = kv_streams
+        self._state = (ctypes.c_uint8 * 0)()  # a sequence's state in transit between streams
         self._adapters: dict[str, object] = {}  # name -> llama_adapter_lora pointer
         self._applied: tuple[tuple[str, float], ...] = ()  # the adapters the next decode applies, with scales
         self._memory = lib.llama_get_memory(self._context)
@@ -179,8 +201,18 @@ class LlamaModel:
         return self._lib.llama_memory_seq_pos_min(self._memory, seq_id) <= max(0, length - self.sliding_window)
 
     def share_prefix(self, source_seq_id: int, target_seq_id: int, start: int, end: int) -> None:
-        """The target sequence gets the source's KV cells of positions [start, end)."""
+        """The target sequence gets the source's KV cells of positions [start, end) (all it holds below `start`
+        came from the source)."""
+        if self.streams:  # every cell of the source is copied: those from `end` on are dropped
+            self.share(source_seq_id, target_seq_id)
+            self._lib.llama_memory_seq_rm(self._memory, target_seq_id, end, -1)
+            return
         self._lib.llama_memory_seq_cp(self._memory, source_seq_id, target_seq_id, start, end)
+
+    def move(self, source_seq_id: int, target_seq_id: int) -> None:
+        """The target sequence takes over the source's cells (in streams: a copy at the next decode)."""
+        self.share(source_seq_id, target_seq_id)
+        self.forget(source_seq_id)
 
     def guide_tokenizer(self):
         """llguidance's view of the model's vocabulary (for the guides' token masks)."""
@@ -189,8 +221,17 @@ class LlamaModel:
         return vocabulary(self._vocab)
 
     def share(self, source_seq_id: int, target_seq_id: int) -> None:
-        """The target sequence gets the source's KV cells (shared, not copied, in a unified cache)."""
-        self._lib.llama_memory_seq_cp(self._memory, source_seq_id, target_seq_id, -1, -1)
+        """The target sequence gets the source's KV cells (shared in a unified cache, copied between streams)."""
+        if not self.streams:
+            self._lib.llama_memory_seq_cp(self._memory, source_seq_id, target_seq_id, -1, -1)
+            return
+        lib = self._lib
+        size = lib.llama_state_seq_get_size(self._context, source_seq_id)
+        if len(self._state) < size:
+            self._state = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_seq_get_data(self._context, self._state, size, source_seq_id)
+        if not written or not lib.llama_state_seq_set_data(self._context, self._state, written, target_seq_id):
+            raise LlamaError(f"llama.cpp could not copy the KV cells of sequence {source_seq_id} to {target_seq_id}")
 
     def close(self) -> None:
         if self._context:

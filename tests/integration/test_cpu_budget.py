@@ -63,6 +63,8 @@ def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, workers, io_threads
     env = {"OPENENGINE_NATIVE_IO_THREADS": io_threads_override} if io_threads_override else {}
     frontend = processes.frontend(f"127.0.0.1:{free_port()}", server, "--workers", str(workers), **env)
     frontend.preexec_fn = one_cpu_cgroup.enter
+    log_path = processes.LOG_DIR / f"{frontend.name}-{frontend.port}.log"
+    logged_before = log_path.stat().st_size if log_path.exists() else 0  # logs append: an earlier run's port
     try:
         frontend.start()
         serving = [frontend.proc.pid] if workers == 1 else []
@@ -98,7 +100,7 @@ def test_frontend_in_a_one_cpu_quota(one_cpu_cgroup, server, workers, io_threads
             assert "io_threads" not in extra, extra
     finally:
         frontend.stop()
-    log = (processes.LOG_DIR / f"{frontend.name}-{frontend.port}.log").read_text()
+    log = log_path.read_bytes()[logged_before:].decode()
     listening = [
         line for line in log.splitlines() if 'event="frontend listening"' in line and f"port={frontend.port}" in line
     ]

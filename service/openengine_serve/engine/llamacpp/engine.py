@@ -256,7 +256,7 @@ class LlamaEngine(Engine):
         self._owns_matchers = matchers is None
         if matchers is None and config.max_guided_sequences:
             matchers = guides.GuideMatchers(self.model.guide_tokenizer(), guides.Limits())
-        self._matchers = matchers
+        self.matchers = matchers
         self._compiling: list[_Request] = []  # their guide compiles; they join the queue once it has
         self._guide_mask = np.zeros((self.model.vocab_size + 31) // 32, np.int32)
         self.prefilled_tokens = 0  # in the last step
@@ -266,7 +266,7 @@ class LlamaEngine(Engine):
         self._running: dict[str, _Request] = {}  # admitted, in admission order
         self._parked: dict[str, _Request] = {}  # paused and out of the batch until resumed
         self.paused_slot_grace_s = PAUSED_SLOT_GRACE_S
-        self._arrivals = arrivals if arrivals is not None else itertools.count()
+        self.arrivals = arrivals if arrivals is not None else itertools.count()
         self._fair = FairQueue(
             self.max_batch,
             state_of=lambda entry: entry[1],
@@ -288,11 +288,11 @@ class LlamaEngine(Engine):
 
     def enqueue(self, request: cluster_pb2.EngineRequest) -> None:
         state = _Request(
-            request, (-request.priority, next(self._arrivals)), self.model.vocab_size, self.model.end_of_generation
+            request, (-request.priority, next(self.arrivals)), self.model.vocab_size, self.model.end_of_generation
         )
         if state.guided:  # compiled off the step loop: a slow grammar delays only its own request
-            assert self._matchers is not None  # the node refuses guides when max_guided_sequences is 0
-            state.guide = self._matchers.join(request.guide)
+            assert self.matchers is not None  # the node refuses guides when max_guided_sequences is 0
+            state.guide = self.matchers.join(request.guide)
             self._compiling.append(state)
             self._queued[state.request_id] = state
             self.queued_sequences += len(state.outputs)
@@ -416,8 +416,8 @@ class LlamaEngine(Engine):
         return self.prefix_cache.blocks.take_events()
 
     def close(self) -> None:
-        if self._matchers is not None and self._owns_matchers:
-            self._matchers.close()
+        if self.matchers is not None and self._owns_matchers:
+            self.matchers.close()
         for state in [*self._running.values(), *self._queued.values(), *self._parked.values()]:
             state.close()
         self.model.close()
@@ -611,16 +611,16 @@ class LlamaEngine(Engine):
     def _take_compiled(self, events: list[bytes]) -> None:
         """Requests whose guide compiled join the queue (each output gets its own matcher); a failed one ends."""
         still = []
-        assert self._matchers is not None  # guided requests come only with matchers
+        assert self.matchers is not None  # guided requests come only with matchers
         for state in self._compiling:
             assert state.guide is not None  # set while the guide compiles
             if state.request_id not in self._queued:  # cancelled meanwhile: its compile ends unless another waits
-                self._matchers.leave(state.request.guide, state.guide)
+                self.matchers.leave(state.request.guide, state.guide)
                 continue
             if not state.guide.done():
                 still.append(state)
                 continue
-            self._matchers.leave(state.request.guide, state.guide)
+            self.matchers.leave(state.request.guide, state.guide)
             try:
                 compiled = state.guide.result()
             except guides.GuideError as exc:

@@ -52,9 +52,9 @@ class KvLayoutEngine(Engine):
             self.streams = LlamaEngine(
                 config,
                 stream_cells=self.stream_cells,
-                matchers=self.shared._matchers,
+                matchers=self.shared.matchers,
                 ledger=self.shared.prefix_cache.blocks,
-                arrivals=self.shared._arrivals,
+                arrivals=self.shared.arrivals,
             )
         self.context_size = self.shared.context_size
         logger.info(

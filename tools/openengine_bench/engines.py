@@ -11,7 +11,8 @@ Targets, each started here, warmed up, driven and stopped in turn:
   of our max batch, the same context size and threads, everything else its defaults (continuous batching, a
   KV stream of its own per slot, flash attention auto); native streaming /completion. The goals are judged
   against it;
-- llama-server-unified: the same server with our engine's KV layout (--kv-unified --flash-attn on), beside it;
+- llama-server-unified: the same server with one KV cache shared by its slots (--kv-unified --flash-attn on, as
+  our engine's shared cache), beside it;
 - llama-cpp-python: llama-cpp-python's OpenAI server (`python -m llama_cpp.server`), which runs one request
   at a time; streaming /v1/completions.
 With a llama-server target, each round also measures the machine's limit: `llama-batched-bench` from the same
@@ -69,7 +70,7 @@ LABELS = {
     NATIVE: "OpenEngine (pygrpc-native)",
     HTTP: "OpenEngine (OpenAI HTTP)",
     LLAMA_SERVER: "llama-server",
-    LLAMA_SERVER_UNIFIED: "llama-server (our KV layout)",
+    LLAMA_SERVER_UNIFIED: "llama-server (--kv-unified)",
     LLAMA_CPP_PYTHON: "llama_cpp.server",
 }
 
@@ -737,7 +738,7 @@ def cpu_workarounds() -> list[str]:
     return ["--no-repack"] if amx_cpu() else []
 
 
-# llama-server with our engine's KV layout: one KV cache shared by the slots, flash attention on; --cache-ram 0:
+# llama-server with one KV cache shared by the slots (our engine's shared cache), flash attention on; --cache-ram 0:
 # its host-memory prompt cache saves and restores slots between requests, work cache_prompt=false makes useless.
 UNIFIED_LAYOUT = ("--kv-unified", "--flash-attn", "on", "--cache-ram", "0", "--threads-batch")
 
@@ -1712,7 +1713,7 @@ def main(argv: list[str] | None = None) -> int:
             "llama-server: as its users start it: continuous batching (--cont-batching, its default), one slot "
             f"per stream (--parallel {settings.max_batch}), the same --ctx-size and --threads, everything else its "
             "defaults (a KV stream per slot, flash attention auto, -b 2048, -ub 512; ours prefills "
-            f"{settings.prefill_chunk} prompt tokens per step). llama-server (our KV layout) adds "
+            f"{settings.prefill_chunk} prompt tokens per step). llama-server (--kv-unified) adds "
             f"{' '.join(UNIFIED_LAYOUT)} {settings.threads}. Requests to /completion with cache_prompt=false, "
             "as ours set kv.bypass_prefix_cache (prefix reuse is measured by openengine_bench.features), "
             "ignore_eos=true, stream=true.",

@@ -205,7 +205,9 @@ class NodeConfig(CommonConfig):
         16384,
         "llama.cpp: KV cache cells shared by the running sequences; one request's "
         "prompt and output fit in it and in the model's trained context (with a "
-        "request that would outgrow it, the request admitted last is preempted)",
+        "request that would outgrow it, the request admitted last is preempted). "
+        "Beside it, a request that fits runs in a KV stream of its own, of "
+        "CONTEXT_SIZE / MAX_BATCH cells",
         minimum=64,
     )
     prefill_chunk: int = knob(
@@ -231,8 +233,8 @@ class NodeConfig(CommonConfig):
         8192,
         "llama.cpp: KV cache cells the prefix cache may keep of ended requests, "
         "so that a prompt starting with the same tokens (and cache_salt) reads "
-        "only the rest; given back first when running requests need cells "
-        "(0: no prefix cache)",
+        "only the rest; given back first when running requests need cells; the "
+        "shared cache and the streams keep this many each (0: no prefix cache)",
         minimum=0,
     )
     max_guided_sequences: int = knob(

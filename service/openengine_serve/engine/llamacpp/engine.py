@@ -1,10 +1,13 @@
-"""The llama.cpp engine: continuous batching of a real GGUF model in one llama.cpp context.
+"""The llama.cpp engine: continuous batching of a real GGUF model in one llama.cpp context (kv_layout.py runs two:
+per-sequence KV streams and a shared KV cache).
 
 It works as llama.cpp's own server does with parallel slots, from Python, with
 Python's work per step and per sequence rather than per token of a prompt:
 
-- Every admitted output is a llama.cpp sequence (a `seq_id`) in one KV cache
-  shared by all of them (runtime.py).
+- Every admitted output is a llama.cpp sequence (a `seq_id`), in a KV cache
+  shared by all of them or in a stream of its own (runtime.py). In streams,
+  running outputs keep contiguous ids (`_compact`) and prefix cache entries
+  take the ids above them.
 - Each step is one decode batch: one token for every running output, then
   chunks of the admitted prompts up to `prefill_chunk` tokens (chunked
   prefill: running streams keep getting a token every step while a long

@@ -1,7 +1,7 @@
 """The llama.cpp engine's KV layout: per-sequence streams for the requests that fit one, a shared cache for the rest.
 
 Attention over a KV cache shared by every sequence walks the cells of all of them: at 32 short streams on a
-2-core CPU that costs about a quarter of the decode (docs/engines.md). llama-server's default gives each slot a
+2-core CPU that costs about a fifth of the decode (docs/engines.md). llama-server's default gives each slot a
 stream of its own (context / slots cells) instead, which caps a request at that stream. The engine keeps both:
 
 - the **stream engine** (a LlamaEngine with `stream_cells`): each running output owns a stream of

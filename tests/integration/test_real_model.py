@@ -72,6 +72,17 @@ def test_model_info_reports_the_loaded_model(target):
     assert "<|im_start|>" in info.extra["chat_template"]
 
 
+def test_the_engine_worker_logs_its_kv_layout_on_the_nodes_stderr(real_cluster):
+    """The worker is an MPI-spawned process of its own: its log lines reach the node's stderr in the same
+    key=value form, at the node's log level."""
+    node = real_cluster.node
+    log = (processes.LOG_DIR / f"{node.name}-{node.port}.log").read_text()
+    layout = [line for line in log.splitlines() if 'component=engine-worker event="KV layout"' in line]
+    assert layout, log[-3000:]
+    # the node's defaults: 32 outputs over 16,384 cells, a stream of 512 each beside the shared cache
+    assert layout[-1].endswith("streams=32 stream_cells=512 shared_cells=16384"), layout[-1]
+
+
 # ------------------------------------------------------------------ correctness against the reference
 
 

@@ -30,6 +30,7 @@ class WorkerConfig:
     prefix_cache_tokens: int = 0  # llama.cpp: KV cells the prefix cache may keep (0: no prefix cache)
     max_guided_sequences: int = 32  # llama.cpp: guided outputs running at once
     max_loras: int = 0  # llama.cpp: LoRA adapters held at once (0: LoRA off)
+    log_level: str = "info"  # the worker's log lines (on the node's stderr, component=engine-worker)
 
     def __post_init__(self) -> None:
         if (

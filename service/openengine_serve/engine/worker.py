@@ -25,6 +25,7 @@ import zmq
 from mpi4py import MPI
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.logging_setup import setup_logging
 from openengine_serve.engine.config import WorkerConfig
 from openengine_serve.engine.interface import Engine, step_message
 from openengine_serve.engine.launcher import WORKER_PIDS_TAG, WORKERS_DONE_TAG
@@ -166,6 +167,7 @@ def main() -> None:
         raise SystemExit("the engine worker is started by openengine_serve.engine.launcher (MPI Spawn)")
     world = MPI.COMM_WORLD
     config: WorkerConfig = parent.bcast(None, root=0)
+    setup_logging("engine-worker", config.log_level)
     worker_pids = world.gather(os.getpid(), root=0)
     if world.rank == 0:
         assert worker_pids is not None  # the root of the gather gets the list

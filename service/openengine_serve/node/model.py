@@ -78,7 +78,7 @@ def _check_llama_loads(path: str, cpu_variant: str) -> None:
 def engine_options(config: NodeConfig, card: cluster_pb2.ModelCard) -> dict:
     """The WorkerConfig fields of the node's engine."""
     if card.engine != LLAMA_CPP:
-        return {"engine": card.engine}
+        return {"engine": card.engine, "log_level": config.log_level}
     threads = config.threads or max(1, int(cpu_budget().cpus))
     return {
         "engine": LLAMA_CPP,
@@ -89,4 +89,5 @@ def engine_options(config: NodeConfig, card: cluster_pb2.ModelCard) -> dict:
         "prefix_cache_tokens": config.prefix_cache_tokens,
         "max_guided_sequences": config.max_guided_sequences,
         "max_loras": card.max_loras,
+        "log_level": config.log_level,
     }

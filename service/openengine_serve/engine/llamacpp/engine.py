@@ -72,6 +72,7 @@ from openengine_serve.api.openengine_internal.v1.cluster_pb2 import (
 )
 from openengine_serve.common import guides
 from openengine_serve.common.kv_blocks import BlockLedger, cache_namespace
+from openengine_serve.common.logging_setup import log_event
 from openengine_serve.engine.config import WorkerConfig
 from openengine_serve.engine.fair_share import PAUSED_SLOT_GRACE_S, FairQueue
 from openengine_serve.engine.interface import Engine, EngineLoad, event_field
@@ -356,7 +357,7 @@ class LlamaEngine(Engine):
             self.adapters.apply(lora or "")  # None: no adapter runs (an earlier step's may still be applied)
             self.model.decode(self._batch)
         except LlamaError as exc:
-            logger.error("decode failed: %s", exc)
+            log_event(logger, "decode failed", logging.ERROR, error=exc)
             for state in list(self._running.values()):
                 self._fail(state, f"the engine failed a step ({exc}); retry the request", events)
             return True
@@ -662,7 +663,7 @@ class LlamaEngine(Engine):
             return False
         request_id = next(reversed(self._running))
         self._requeue(self._running[request_id])
-        logger.info("preempted request_id=%s (KV cache full: %d cells)", request_id, self.context_size)
+        log_event(logger, "preempted: KV cache full", request_id=request_id, cells=self.context_size)
         return True
 
     def _compact(self) -> None:
@@ -695,7 +696,7 @@ class LlamaEngine(Engine):
         """A paused request leaves the batch until resumed (then it is queued in its place)."""
         self._leave_batch(state)
         self._parked[state.request_id] = state
-        logger.info("parked request_id=%s (paused, its batch slot needed)", state.request_id)
+        log_event(logger, "parked: paused, its batch slot needed", request_id=state.request_id)
 
     def _requeue(self, state: _Request) -> None:
         """A running request goes back to the queue in its place: admitted again, it reads its prompt and its output

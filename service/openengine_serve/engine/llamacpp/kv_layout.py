@@ -27,6 +27,7 @@ import logging
 
 from openengine_serve.api.openengine.v1 import kv_pb2
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2
+from openengine_serve.common.logging_setup import log_event
 from openengine_serve.engine.config import WorkerConfig
 from openengine_serve.engine.interface import Engine, EngineLoad
 from openengine_serve.engine.llamacpp.engine import LlamaEngine
@@ -57,12 +58,12 @@ class KvLayoutEngine(Engine):
                 arrivals=self.shared.arrivals,
             )
         self.context_size = self.shared.context_size
-        logger.info(
-            "KV layout: %s a shared cache of %d cells",
-            f"{config.max_batch} streams of {self.stream_cells} cells for requests that fit one, and"
-            if self.stream_cells
-            else "",
-            self.context_size,
+        log_event(
+            logger,
+            "KV layout",
+            streams=config.max_batch if self.stream_cells else 0,
+            stream_cells=self.stream_cells,
+            shared_cells=self.context_size,
         )
 
     @property
@@ -95,7 +96,7 @@ class KvLayoutEngine(Engine):
         if self.streams is None:
             return self.shared.step(events)
         for state in self.streams.release_outgrown(self.stream_cells):
-            logger.info("request_id=%s outgrew its KV stream: it goes on in the shared cache", state.request_id)
+            log_event(logger, "outgrew its KV stream: goes on in the shared cache", request_id=state.request_id)
             self.shared.adopt(state)
         # The stream engine leaves room for the shared engine's queue too: else short requests arriving all the
         # time would keep a long one waiting.

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 
 from openengine_serve.api.openengine_internal.v1 import cluster_pb2 as C
+from openengine_serve.common import guides
 from openengine_serve.engine.llamacpp.kv_layout import KvLayoutEngine, stream_cells
+from openengine_serve.engine.llamacpp.runtime import one_stream_state
 
 from ..greedy_reference import first_beyond_near_tie, reference_model
 from .test_llama_engine import PROMPT, SYSTEM, add, record, step, worker_config
@@ -132,15 +134,54 @@ def test_an_output_outgrowing_its_stream_goes_on_in_the_shared_cache_without_los
     assert set(engine.streams._queued) == {"grows", "short"}
     outputs: dict = {}
     where = []
+    read_in_shared = []  # tokens the shared engine read beyond each output's one token a step
     while not engine.idle:
         record(outputs, step(engine))
         if outputs.get(("grows", 0), {}).get("finish") is None:
             where.append("shared" if "grows" in engine.shared._running else "streams")
+            read_in_shared.append(engine.shared.prefilled_tokens)
     moved = where.index("shared")
     assert "streams" not in where[moved:], "it stays in the shared cache"
+    assert sum(read_in_shared) == 0, "its KV cells moved with it: nothing read again"
     assert len(outputs[("grows", 0)]["ids"]) == lengths["grows"], "no token lost or sent twice"
     assert_greedy(reference, prompts, outputs, lengths)
     engine.close()
+
+
+def test_guided_outputs_of_both_engines_share_one_limit():
+    engine = KvLayoutEngine(worker_config(4, 1024, max_guided_sequences=1))  # streams of 256 cells
+    guide = guides.grammar_of("regex", "[a-z ]{1,40}")
+    engine.enqueue(add("in-a-stream", PROMPT, max_tokens=8, guide=guide))
+    engine.enqueue(add("in-the-shared-cache", SYSTEM[:200], max_tokens=100, guide=guide))
+    assert "in-the-shared-cache" in engine.shared._queued and "in-a-stream" in engine.streams._queued
+    outputs: dict = {}
+    guided_at_once = []
+    for _ in range(2000):
+        if engine.idle:
+            break
+        record(outputs, step(engine))
+        guided_at_once.append(engine.streams.guided_sequences + engine.shared.guided_sequences)
+    assert engine.idle
+    assert max(guided_at_once) == 1, "one guided output at a time over both engines"
+    assert all(outputs[(request_id, 0)]["finish"] is not None for request_id in ("in-a-stream", "in-the-shared-cache"))
+    engine.close()
+
+
+def u32(*values: int) -> bytes:
+    return b"".join(v.to_bytes(4, "little") for v in values)
+
+
+def test_a_sequences_state_in_a_stream_is_rewritten_as_a_one_stream_caches():
+    header = b"MAGC" + u32(5)  # llama.cpp's magic number and the sequence id
+    cells = u32(2) + b"two cells' positions, seq ids and K/V rows"
+    one_stream = header + u32(1) + cells
+    assert one_stream_state(header + u32(3, 0) + cells + u32(0)) == one_stream
+    assert one_stream_state(header + u32(3) + cells + u32(0, 0)) == one_stream, "the first stream"
+    assert one_stream_state(header + u32(3, 0, 0) + cells) == one_stream, "the last stream"
+    assert one_stream_state(one_stream) == one_stream, "already one stream"
+    assert one_stream_state(header + u32(3, 0, 0, 0)) is None, "no cell"
+    assert one_stream_state(header + u32(3, 0) + cells + u32(7)) is None, "not a zero count after its stream"
+    assert one_stream_state(header + u32(3, 0)) is None, "truncated"
 
 
 def test_the_stream_engine_and_the_shared_engine_share_the_batch():

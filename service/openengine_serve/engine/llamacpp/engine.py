@@ -126,6 +126,7 @@ class _Request:
         "shared_cells",
         "cache_reported",
         "shared_from",
+        "carried",
     )
 
     def __init__(
@@ -151,6 +152,8 @@ class _Request:
         self.shared_cells = 0  # cells its leader shares with the sequence `shared_from`
         self.cache_reported = False  # the first event told the frontend how many
         self.shared_from = -1  # the sequence (a prefix cache entry or a running output) whose cells it shares
+        # output index -> its KV cells exported by the engine it outgrew, and the tokens they hold (release_outgrown)
+        self.carried: dict[int, tuple[bytes, int]] = {}
 
     @property
     def guided(self) -> bool:
@@ -257,6 +260,7 @@ class LlamaEngine(Engine):
         self.adapters = Adapters(self.model, config.max_loras)
         self.max_guided_sequences = config.max_guided_sequences
         self.guided_sequences = 0
+        self.guided_elsewhere = 0  # guided outputs another engine runs under the same limit (kv_layout.py)
         self._owns_matchers = matchers is None
         if matchers is None and config.max_guided_sequences:
             matchers = guides.GuideMatchers(self.model.guide_tokenizer(), guides.Limits())
@@ -403,9 +407,11 @@ class LlamaEngine(Engine):
 
     def release_outgrown(self, cells: int) -> list[_Request]:
         """The running requests with an output whose next token needs more than `cells` KV cells leave this engine,
-        their KV freed; the caller hands them to another (`adopt`), where they read their tokens again."""
+        their KV cells exported with them and freed here; the caller hands them to another (`adopt`), which
+        imports the cells when admitting them (else they read their tokens again)."""
         outgrown = [s for s in self._running.values() if any(len(o.tokens) > cells for o in s.outputs.values())]
         for state in outgrown:
+            state.carried = self._export(state)
             self._leave_batch(state, keep=False)
         return outgrown
 
@@ -463,11 +469,14 @@ class LlamaEngine(Engine):
                 self._requeue(victim)
                 running[victim.request.owner] -= len(victim.outputs)
                 held = self._held_cells()
-            if state.guided and self.guided_sequences and self.guided_sequences + sequences > self.max_guided_sequences:
+            guided = self.guided_sequences + self.guided_elsewhere
+            if state.guided and guided and guided + sequences > self.max_guided_sequences:
                 heapq.heappush(queue, item)
                 return
             source, reused = -1, 0  # the sequence whose first `reused` cells it shares
-            if not state.request.bypass_prefix_cache and (not state.forked or len(state.outputs) == 1):
+            if not (state.request.bypass_prefix_cache or state.carried) and (
+                not state.forked or len(state.outputs) == 1
+            ):
                 # a preempted or parked one-output request may find its own cells, output included
                 tokens = state.leader.tokens if state.forked else state.prompt
                 entry, reused = self.prefix_cache.lookup(state.salt, tokens, state.reusable_tokens())
@@ -503,6 +512,30 @@ class LlamaEngine(Engine):
                 self.guided_sequences += sequences
             if source >= 0:
                 self._share_prefix(state, source, reused)
+            if state.carried:
+                self._import_carried(state)
+
+    def _export(self, state: _Request) -> dict[int, tuple[bytes, int]]:
+        """Each output's KV cells and how many tokens they hold, for another engine to import; none while prompt
+        logprob rows are owed (read from the prompt again) or when the model's cells cannot be exported."""
+        if state.prompt_records is not None and not state.prompt_records_sent:
+            return {}
+        carried = {}
+        for output in state.outputs.values():
+            cells = self.model.export_sequence(output.seq_id)
+            if cells is None:
+                return {}
+            carried[output.index] = (cells, output.cached)
+        return carried
+
+    def _import_carried(self, state: _Request) -> None:
+        """A request adopted from another engine takes the KV cells it carried: each output goes on from them, or
+        reads its tokens again where llama.cpp refuses them (no room in one piece)."""
+        for output in state.outputs.values():
+            carried = state.carried.get(output.index)
+            if carried is not None and self.model.import_sequence(output.seq_id, carried[0]):
+                output.cached = carried[1]
+        state.carried = {}
 
     def _load_adapter(self, state: _Request, events: list[bytes]) -> bool:
         """Loads the adapter a queued request names (a node started after its LoadLora); False, the request
@@ -674,7 +707,7 @@ class LlamaEngine(Engine):
             return
         outputs = [output for state in self._running.values() for output in state.outputs.values()]
         for output in sorted(outputs, key=lambda output: output.seq_id, reverse=True):
-            if not free or free[0] > output.seq_id:
+            if free[0] > output.seq_id:  # (a move takes one free id and frees another)
                 return
             source, output.seq_id = output.seq_id, heapq.heappop(free)
             self.model.move(source, output.seq_id)

@@ -11,8 +11,9 @@ stream of its own (context / slots cells) instead, which caps a request at that 
 
 A request goes to the stream engine when its prompt and max_tokens fit a stream, or when its prompt fills at most
 half of one (most answers end well before max_tokens); else to the shared engine. An output that outgrows its
-stream moves to the shared engine before its next token: it reads its prompt and output again there (recompute,
-as a preemption does), and nothing it streamed is sent twice.
+stream moves to the shared engine before its next token, its KV cells copied with it (llama.cpp's per-sequence
+state); where the shared cache has no room for them in one piece, it reads its prompt and output again there
+(recompute, as a preemption does). Nothing it streamed is sent twice.
 
 Both engines map the same GGUF file (the OS shares its pages), compile each guide once, report one set of KV
 blocks, and share OPENENGINE_MAX_BATCH: the stream engine admits at most what the shared engine's running and
@@ -39,7 +40,7 @@ LLAMA_CELL_PADDING = 256  # llama.cpp rounds a stream's cells up to a multiple o
 
 def stream_cells(context_size: int, max_batch: int) -> int:
     """Cells of each sequence's stream: the context split over the batch, as llama-server's -c / -np."""
-    return -(-context_size // max_batch // LLAMA_CELL_PADDING) * LLAMA_CELL_PADDING if max_batch else 0
+    return -(-context_size // max_batch // LLAMA_CELL_PADDING) * LLAMA_CELL_PADDING
 
 
 class KvLayoutEngine(Engine):
@@ -100,10 +101,13 @@ class KvLayoutEngine(Engine):
             self.shared.adopt(state)
         # The stream engine leaves room for the shared engine's queue too: else short requests arriving all the
         # time would keep a long one waiting.
-        shared = self.shared
-        self.streams.set_max_batch(max(0, self.max_batch - shared.running_sequences - shared.queued_sequences))
-        stepped = self.streams.step(events)
-        shared.set_max_batch(max(0, self.max_batch - self.streams.running_sequences))
+        # Guided outputs share OPENENGINE_MAX_GUIDED_SEQUENCES the same way.
+        shared, streams = self.shared, self.streams
+        streams.set_max_batch(max(0, self.max_batch - shared.running_sequences - shared.queued_sequences))
+        streams.guided_elsewhere = shared.guided_sequences
+        stepped = streams.step(events)
+        shared.set_max_batch(max(0, self.max_batch - streams.running_sequences))
+        shared.guided_elsewhere = streams.guided_sequences
         return shared.step(events) or stepped
 
     def load(self) -> EngineLoad:

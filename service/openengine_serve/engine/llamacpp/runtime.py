@@ -233,6 +233,28 @@ class LlamaModel:
         if not written or not lib.llama_state_seq_set_data(self._context, self._state, written, target_seq_id):
             raise LlamaError(f"llama.cpp could not copy the KV cells of sequence {source_seq_id} to {target_seq_id}")
 
+    def export_sequence(self, seq_id: int) -> bytes | None:
+        """The sequence's KV cells as llama.cpp's per-sequence state of a one-stream cache, which `import_sequence`
+        of another context over the same model takes; None when llama.cpp wrote none or in an unknown form, and
+        for models with a sliding window (their state holds two caches)."""
+        if self.sliding_window or self.recurrent:
+            return None
+        lib = self._lib
+        size = lib.llama_state_seq_get_size(self._context, seq_id)
+        data = (ctypes.c_uint8 * size)()
+        written = lib.llama_state_seq_get_data(self._context, data, size, seq_id)
+        return one_stream_state(ctypes.string_at(data, written)) if written else None
+
+    def import_sequence(self, seq_id: int, state: bytes) -> bool:
+        """The sequence takes the cells `export_sequence` gave (False, nothing taken, when llama.cpp refuses them,
+        e.g. for want of room). Unified caches only: a stream context's state names every stream."""
+        assert not self.streams, "import_sequence restores into a unified KV cache"
+        data = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if self._lib.llama_state_seq_set_data(self._context, data, len(state), seq_id):
+            return True
+        self.forget(seq_id)
+        return False
+
     def close(self) -> None:
         if self._context:
             self._lib.llama_free(self._context)
@@ -240,3 +262,30 @@ class LlamaModel:
         if self._model:
             self._lib.llama_model_free(self._model)
             self._model = None
+
+
+_U32 = 4
+_HEADER = 2 * _U32  # llama.cpp's per-sequence state: a magic number and the sequence's id, then its memory's state
+
+
+def one_stream_state(state: bytes) -> bytes | None:
+    """llama.cpp's state of one sequence as a one-stream cache holds it. After the header, the KV cache writes its
+    stream count, then per stream a u32 cell count and, when not 0, the cells; a sequence's cells are all in its
+    own stream, so the other streams are zero counts around it: dropped here, the count set to 1. None for any
+    other layout."""
+    if len(state) < _HEADER + 2 * _U32:
+        return None
+    streams = int.from_bytes(state[_HEADER : _HEADER + _U32], "little")
+    if streams == 1:
+        return state
+    offset = _HEADER + _U32
+    for stream in range(streams):
+        if offset + _U32 > len(state):
+            return None
+        if int.from_bytes(state[offset : offset + _U32], "little"):
+            end = len(state) - _U32 * (streams - stream - 1)  # the streams after it: a zero count each
+            if end <= offset or any(state[end:]):
+                return None
+            return state[:_HEADER] + (1).to_bytes(_U32, "little") + state[offset:end]
+        offset += _U32
+    return None  # the sequence holds no cell

@@ -257,6 +257,24 @@ async def test_a_frontend_that_keeps_up_acknowledges_at_once_however_busy_its_lo
     acknowledgements.close()
 
 
+async def test_credits_go_out_once_per_window_and_at_once_with_a_pause():
+    """With a window of 2 the node may send a second message before the first is acknowledged: one credit per
+    two messages keeps it sending, at half the writes (a pause goes out at once, with what was handled)."""
+    call = RecordedCredits()
+    acknowledgements = LaneAcknowledgements(call, every=2)
+    acknowledgements.handled(1)
+    await settle()
+    assert call.written == []
+    acknowledgements.handled(2)
+    await settle()
+    assert [handled for _, handled in call.written] == [2]
+    acknowledgements.handled(3)
+    acknowledgements.pause("r1", resume=False)
+    await settle()
+    assert [handled for _, handled in call.written] == [2, 1]
+    acknowledgements.close()
+
+
 async def test_a_lost_lane_fails_the_requests_on_that_node_only(nodes: NodeConnections):
     lost, kept = node_entry("lost"), node_entry("kept")
     lost_conn, lost_stub = add_fake_node(nodes, lost)

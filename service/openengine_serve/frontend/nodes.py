@@ -187,7 +187,9 @@ BUSY_TURN_S = 0.002  # a turn of the event loop longer than this: the loop is bu
 
 class LaneAcknowledgements:
     """Tells the node, on its `Lane` call, how many lane messages this frontend handled and which requests to
-    pause or resume: one write at a time, what happened meanwhile sent together by the next.
+    pause or resume: one write at a time, what happened meanwhile sent together by the next. Credits go out
+    once `every` messages were handled (the window: the node may send that many before it needs one), a pause
+    or resume at once: at one message per engine step, a credit per message would be a write per token.
 
     With `min_interval_s` the credits are paced by the frontend's capacity: when this frontend is behind (the
     node folded several steps into the message) and the turn of the event loop in which the message's streams
@@ -197,9 +199,10 @@ class LaneAcknowledgements:
     keeps up gets one step per message and acknowledges at once, however long its turns: its streams' tokens
     do not come in chunks. 0: acknowledged on receipt."""
 
-    def __init__(self, call, min_interval_s: float = 0.0) -> None:
+    def __init__(self, call, min_interval_s: float = 0.0, every: int = 1) -> None:
         self._call = call
         self._min_interval_s = min_interval_s
+        self._every = every
         self._handled = 0
         self._last_step = 0
         self._behind = False  # the last message handled covered more than one engine step
@@ -212,7 +215,8 @@ class LaneAcknowledgements:
         self._behind = step > self._last_step + 1
         self._last_step = step
         self._handled += 1
-        self._wake.set()
+        if self._handled >= self._every:
+            self._wake.set()
 
     def pause(self, request_id: str, resume: bool) -> None:
         self._pauses[request_id] = resume
@@ -385,7 +389,9 @@ class NodeConnections:
         if opened is grpc.aio.EOF:
             return
         yield opened
-        acknowledgements = conn.acknowledgements = LaneAcknowledgements(call, self.lane_busy_ack_interval_s)
+        acknowledgements = conn.acknowledgements = LaneAcknowledgements(
+            call, self.lane_busy_ack_interval_s, every=max(1, self.lane_window)
+        )
         try:
             while (results := await call.read()) is not grpc.aio.EOF:
                 # Scheduled before its events wake their streams, so the node's next message is under way

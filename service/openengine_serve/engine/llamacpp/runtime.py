@@ -225,13 +225,16 @@ class LlamaModel:
         if not self.streams:
             self._lib.llama_memory_seq_cp(self._memory, source_seq_id, target_seq_id, -1, -1)
             return
-        lib = self._lib
-        size = lib.llama_state_seq_get_size(self._context, source_seq_id)
+        written = self._save_state(source_seq_id)
+        if not written or not self._lib.llama_state_seq_set_data(self._context, self._state, written, target_seq_id):
+            raise LlamaError(f"llama.cpp could not copy the KV cells of sequence {source_seq_id} to {target_seq_id}")
+
+    def _save_state(self, seq_id: int) -> int:
+        """Writes the sequence's llama.cpp state into `self._state` (grown as needed); the bytes written (0: none)."""
+        size = self._lib.llama_state_seq_get_size(self._context, seq_id)
         if len(self._state) < size:
             self._state = (ctypes.c_uint8 * size)()
-        written = lib.llama_state_seq_get_data(self._context, self._state, size, source_seq_id)
-        if not written or not lib.llama_state_seq_set_data(self._context, self._state, written, target_seq_id):
-            raise LlamaError(f"llama.cpp could not copy the KV cells of sequence {source_seq_id} to {target_seq_id}")
+        return self._lib.llama_state_seq_get_data(self._context, self._state, size, seq_id)
 
     def export_sequence(self, seq_id: int) -> bytes | None:
         """The sequence's KV cells as llama.cpp's per-sequence state of a one-stream cache, which `import_sequence`
@@ -239,11 +242,8 @@ class LlamaModel:
         for models with a sliding window (their state holds two caches)."""
         if self.sliding_window or self.recurrent:
             return None
-        lib = self._lib
-        size = lib.llama_state_seq_get_size(self._context, seq_id)
-        data = (ctypes.c_uint8 * size)()
-        written = lib.llama_state_seq_get_data(self._context, data, size, seq_id)
-        return one_stream_state(ctypes.string_at(data, written)) if written else None
+        written = self._save_state(seq_id)
+        return one_stream_state(ctypes.string_at(self._state, written)) if written else None
 
     def import_sequence(self, seq_id: int, state: bytes) -> bool:
         """The sequence takes the cells `export_sequence` gave (False, nothing taken, when llama.cpp refuses them,

@@ -417,7 +417,7 @@ class FrontendConfig(CommonConfig):
     )
     node_call_timeout_s: float = knob(5.0, "deadline of the frontend's Submit and Cancel calls to a node", minimum=0.05)
     lane_window: int = knob(
-        2,
+        4,
         "result lane messages a node may have handed to the transport that this frontend "
         "has not handled yet; the node folds what waits beyond it into one message, so a "
         "new request's first token never queues behind a transport full of old steps "

@@ -1,4 +1,4 @@
-"""EngineLink against the real launcher, MPI-spawned worker ranks and ZMQ on loopback."""
+"""EngineLink against the real launcher, MPI-spawned worker ranks and ZMQ on abstract Unix sockets."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ event loop to everything else while steps queue, and is not left asleep by a che
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from types import SimpleNamespace
 
@@ -16,11 +17,12 @@ QUEUED_STEPS = 50
 
 
 def socket_pair(context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
-    """The worker's PUSH end and the node's PULL end, on loopback TCP as in the node."""
+    """The worker's PUSH end and the node's PULL end, on an abstract Unix socket as in the node."""
+    address = f"ipc://@openengine-test-{secrets.token_hex(8)}"
     pull = context.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    pull.bind(address)
     push = context.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
+    push.connect(address)
     return push, pull
 
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -555,12 +556,15 @@ class EngineLink:
         steps = self._zmq.socket(zmq.PULL)
         for sock in (commands, steps):
             sock.setsockopt(zmq.LINGER, 0)
-        # Fresh ports per worker: nothing a lost worker sent can reach its successor.
-        command_port = commands.bind_to_random_port("tcp://127.0.0.1")
-        step_port = steps.bind_to_random_port("tcp://127.0.0.1")
+        # Abstract Unix sockets (Linux): a message costs both ends less CPU than on loopback TCP, no file is
+        # left behind, and each worker gets fresh names: nothing a lost worker sent can reach its successor.
+        name = f"openengine-engine-{os.getpid()}-{secrets.token_hex(8)}"
+        command_address, step_address = f"ipc://@{name}-commands", f"ipc://@{name}-steps"
+        commands.bind(command_address)
+        steps.bind(step_address)
         config = WorkerConfig(
-            command_address=f"tcp://127.0.0.1:{command_port}",
-            step_address=f"tcp://127.0.0.1:{step_port}",
+            command_address=command_address,
+            step_address=step_address,
             max_batch=self._max_batch,
             step_ms=self._step_ms,
             ranks=self._ranks,

@@ -67,6 +67,7 @@ class Lane:
         self.open: dict[str, int] = {}  # request id -> tokens sent
         self.ids = token_ids(encoding, 4096, seed=7)
         self.closed = False
+        self.messages = 0  # lane messages with events handed to the frontend
 
     def Lane(self):  # noqa: N802 - the stub's method name
         return LaneCall(self._steps())
@@ -92,6 +93,7 @@ class Lane:
                     del self.open[request_id]
                 else:
                     self.open[request_id] = sent + 1
+            self.messages += bool(results.events)
             yield results
             for _ in range(YIELDS_PER_STEP):
                 await asyncio.sleep(0)
@@ -246,6 +248,7 @@ async def run(args) -> dict:
         "tokens": tokens,
         "messages": sent.messages,
         "credit_writes": LaneCall.written,
+        "lane_messages": lane.messages,
         "cpu_s": round(cpu, 3),
         "wall_s": round(wall, 3),
         "cpu_us_per_token": round(cpu / tokens * 1e6, 2),

@@ -12,6 +12,7 @@ import pytest
 
 from openengine_serve.api.openengine.v1 import server_pb2
 from openengine_serve.client import Client
+from openengine_serve.common.config import FrontendConfig
 
 from ..conftest import IN_CI
 from . import processes
@@ -168,7 +169,7 @@ def test_identical_tokens_on_both_servers(cluster):
             f.stop()
     assert streams["grpcio"] == streams["pygrpc-native"] == streams["no-window"]
     node_logs = "".join((processes.LOG_DIR / f"{n.name}-{n.port}.log").read_text() for n in nodes)
-    assert "frontend_id=fe-identical-grpcio window=2" in node_logs
+    assert f"frontend_id=fe-identical-grpcio window={FrontendConfig().lane_window}" in node_logs
     assert "frontend_id=fe-identical-no-window window=0" in node_logs
 
 
